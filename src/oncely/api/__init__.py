@@ -1,0 +1,1 @@
+"""Intake: the idempotent HTTP API."""

@@ -1,0 +1,64 @@
+"""API keys: a random bearer token maps to a tenant; only its hash is stored."""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+from typing import Annotated
+
+from fastapi import Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from psycopg_pool import AsyncConnectionPool
+
+from oncely.api.problems import Unauthorized
+from oncely.sql import query
+
+KEY_PREFIX = "onc_"
+
+_bearer = HTTPBearer(auto_error=False, description="An API key from `oncely keys create`.")
+
+
+def new_api_key() -> str:
+    return KEY_PREFIX + secrets.token_urlsafe(32)
+
+
+def hash_api_key(key: str) -> str:
+    # Keys are 256 random bits, so a fast hash is enough: nothing to brute-force.
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+async def create_api_key(pool: AsyncConnectionPool, tenant: str) -> str:
+    key = new_api_key()
+    async with pool.connection() as conn:
+        await conn.execute(query("insert_api_key"), (hash_api_key(key), tenant))
+    return key
+
+
+async def revoke_api_key(pool: AsyncConnectionPool, key: str) -> str | None:
+    """Revoke; return the key's tenant, or None if it was unknown or already revoked."""
+    async with pool.connection() as conn:
+        cur = await conn.execute(query("revoke_api_key"), (hash_api_key(key),))
+        row = await cur.fetchone()
+    return None if row is None else str(row[0])
+
+
+async def tenant_for_key(pool: AsyncConnectionPool, key: str) -> str | None:
+    async with pool.connection() as conn:
+        cur = await conn.execute(query("tenant_for_key"), (hash_api_key(key),))
+        row = await cur.fetchone()
+    return None if row is None else str(row[0])
+
+
+async def current_tenant(
+    request: Request,
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+) -> str:
+    if credentials is None or credentials.scheme.lower() != "bearer":
+        raise Unauthorized("send Authorization: Bearer <api key>")
+    tenant = await tenant_for_key(request.app.state.pool, credentials.credentials)
+    if tenant is None:
+        raise Unauthorized("unknown or revoked API key")
+    return tenant
+
+
+Tenant = Annotated[str, Depends(current_tenant)]

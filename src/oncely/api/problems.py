@@ -1,0 +1,130 @@
+"""RFC 9457 problem details: the one place errors become HTTP."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import psycopg
+import psycopg_pool
+import redis.exceptions
+import structlog
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from oncely.errors import (
+    KeyMalformed,
+    KeyMissing,
+    KeyReused,
+    RequestInProgress,
+    StoreUnavailable,
+)
+
+PROBLEM_BASE = "https://oncely.dev/problems/"
+PROBLEM_MEDIA_TYPE = "application/problem+json"
+
+log = structlog.get_logger("oncely.api")
+
+
+class Unauthorized(Exception):
+    """No, unknown or revoked API key."""
+
+
+def problem(
+    status: int,
+    slug: str,
+    title: str,
+    detail: str | None = None,
+    *,
+    headers: dict[str, str] | None = None,
+    **extra: Any,
+) -> JSONResponse:
+    body: dict[str, Any] = {"type": PROBLEM_BASE + slug, "title": title, "status": status}
+    if detail:
+        body["detail"] = detail
+    body.update(extra)
+    return JSONResponse(body, status_code=status, headers=headers, media_type=PROBLEM_MEDIA_TYPE)
+
+
+def problem_schema(description: str) -> dict[str, Any]:
+    """An OpenAPI ``responses`` entry for a problem+json answer."""
+    return {
+        "description": description,
+        "content": {PROBLEM_MEDIA_TYPE: {"schema": {"$ref": "#/components/schemas/Problem"}}},
+    }
+
+
+_UNAVAILABLE = (
+    redis.exceptions.ConnectionError,
+    redis.exceptions.TimeoutError,
+    psycopg.OperationalError,
+    psycopg_pool.PoolTimeout,
+    StoreUnavailable,
+)
+
+
+def install_problem_handlers(app: FastAPI) -> None:
+    @app.exception_handler(Unauthorized)
+    async def _unauthorized(_: Request, exc: Unauthorized) -> JSONResponse:
+        return problem(
+            401, "unauthorized", "Unauthorized", str(exc), headers={"WWW-Authenticate": "Bearer"}
+        )
+
+    @app.exception_handler(KeyMissing)
+    async def _key_missing(_: Request, exc: KeyMissing) -> JSONResponse:
+        return problem(400, "idempotency-key-missing", "Idempotency-Key required", str(exc))
+
+    @app.exception_handler(KeyMalformed)
+    async def _key_malformed(_: Request, exc: KeyMalformed) -> JSONResponse:
+        return problem(400, "idempotency-key-invalid", "Idempotency-Key malformed", str(exc))
+
+    @app.exception_handler(KeyReused)
+    async def _key_reused(_: Request, exc: KeyReused) -> JSONResponse:
+        return problem(422, "idempotency-key-reused", "Idempotency-Key reused", str(exc))
+
+    @app.exception_handler(RequestInProgress)
+    async def _in_progress(_: Request, exc: RequestInProgress) -> JSONResponse:
+        return problem(
+            409,
+            "idempotency-key-in-progress",
+            "Request in progress",
+            str(exc),
+            headers={"Retry-After": "1"},
+        )
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = [
+            {"loc": list(e.get("loc", ())), "msg": e.get("msg", ""), "type": e.get("type", "")}
+            for e in exc.errors()
+        ]
+        return problem(422, "validation", "Invalid request", errors=errors)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        slug = {404: "not-found", 405: "method-not-allowed", 413: "payload-too-large"}
+        return problem(
+            exc.status_code, slug.get(exc.status_code, "http-error"), str(exc.detail), None
+        )
+
+    for exc_type in _UNAVAILABLE:
+        app.add_exception_handler(exc_type, _unavailable)
+
+    app.add_exception_handler(Exception, _internal)
+
+
+async def _unavailable(_: Request, exc: Exception) -> JSONResponse:
+    log.warning("api.store_unavailable", error=type(exc).__name__)
+    return problem(
+        503,
+        "unavailable",
+        "Service unavailable",
+        "a backing store did not answer; nothing was stored, retrying is safe",
+        headers={"Retry-After": "1"},
+    )
+
+
+async def _internal(_: Request, exc: Exception) -> JSONResponse:
+    log.error("api.unhandled", error=type(exc).__name__, exc_info=exc)
+    return problem(500, "internal", "Internal error", "retrying with the same key is safe")

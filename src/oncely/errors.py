@@ -1,0 +1,51 @@
+"""The small exception hierarchy: transient vs permanent, and idempotency conflicts.
+
+Mapped to HTTP only at the API edge (``oncely.api.problems``).
+"""
+
+from __future__ import annotations
+
+
+class OncelyError(Exception):
+    """Base of every error oncely raises on purpose."""
+
+
+class TransientError(OncelyError):
+    """Can succeed later: retried in process, then by redelivery."""
+
+    def __init__(self, message: str, *, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class PermanentError(OncelyError):
+    """Never succeeds as is: dead-lettered at once."""
+
+
+class DeadlineExceeded(OncelyError):
+    """A delivery's budget ran out. Deliberately not a TimeoutError: the
+    in-process retry loop must not retry it; the delivery is redelivered."""
+
+
+class IdempotencyError(OncelyError):
+    """Base of the idempotency conflicts the API maps to 4xx."""
+
+
+class KeyMalformed(IdempotencyError):
+    pass
+
+
+class KeyMissing(IdempotencyError):
+    pass
+
+
+class KeyReused(IdempotencyError):
+    """Same key, different request body."""
+
+
+class RequestInProgress(IdempotencyError):
+    """Same key, same body, the first request has not finished."""
+
+
+class StoreUnavailable(OncelyError):
+    """Redis or Postgres did not answer; nothing was stored."""

@@ -1,0 +1,23 @@
+"""Every Redis key, stream and group name oncely uses, in one place.
+
+The braces are Redis Cluster hash tags: everything about the summaries
+stream lives in one slot, so MULTI/EXEC and Lua across these keys work on a
+cluster too.
+"""
+
+from __future__ import annotations
+
+IDEMPOTENCY_PREFIX = "oncely:idem:"
+
+SUMMARIES_STREAM = "oncely:{summaries}:stream"
+SUMMARIES_DEAD = "oncely:{summaries}:dead"
+# job_id -> stream entry id of every message not yet acknowledged; the
+# reconciler uses it to tell "still in the stream" from "lost".
+SUMMARIES_INDEX = "oncely:{summaries}:index"
+SUMMARIES_GROUP = "summarisers"
+
+LLM_LIMITER_PREFIX = "oncely:limiter:llm:"
+
+
+def idempotency_key(scope_digest: str) -> str:
+    return IDEMPOTENCY_PREFIX + scope_digest

@@ -1,0 +1,1 @@
+"""Dispatch: the Redis stream, its worker and its dead letters."""

@@ -1,0 +1,68 @@
+"""Every knob oncely has, read once at the edge (env prefix ``ONCELY_``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    """Flat settings; the CLI builds one instance and passes it down."""
+
+    model_config = SettingsConfigDict(env_prefix="ONCELY_", extra="ignore")
+
+    # Servers. Unset means "start embedded ones" in `oncely dev` and the tests.
+    redis_url: str | None = None
+    database_url: str | None = None
+    data_dir: Path = Path(".oncely")
+
+    # Model provider (OpenAI-compatible).
+    llm_base_url: str = "http://127.0.0.1:8101/v1"
+    llm_api_key: SecretStr = SecretStr("oncely-dev")
+    llm_model: str = "oncely-fake"
+    llm_timeout_s: float = Field(20.0, gt=0)
+    llm_max_attempts: int = Field(4, ge=1)
+    llm_backoff_base_s: float = Field(0.5, gt=0)
+    llm_backoff_max_s: float = Field(10.0, gt=0)
+    llm_retry_after_max_s: float = Field(30.0, ge=0)
+    llm_rpm: int = Field(0, ge=0)
+    llm_tpm: int = Field(0, ge=0)
+
+    # Notifications.
+    sender: Literal["http", "webhook", "smtp"] = "http"
+    sender_url: str = "http://127.0.0.1:8102/v1/messages"
+    sender_timeout_s: float = Field(10.0, gt=0)
+    webhook_secret: SecretStr = SecretStr("")
+    smtp_from: str = "oncely@localhost"
+
+    # Idempotent intake.
+    idempotency_lock_ttl_s: float = Field(30.0, gt=0)
+    idempotency_result_ttl_s: int = Field(86400, gt=0)
+    max_body_bytes: int = Field(1_048_576, gt=0)
+    reconcile_after_s: float = Field(300.0, gt=0)
+
+    # Stream worker.
+    worker_concurrency: int = Field(64, ge=1)
+    claim_idle_ms: int = Field(30_000, ge=0)
+    max_deliveries: int = Field(5, ge=1)
+    job_budget_s: float = Field(60.0, gt=0)
+    block_ms: int = Field(1000, ge=1)
+    shutdown_grace_s: float = Field(25.0, ge=0)
+    stream_trim_every_s: float = Field(30.0, gt=0)
+
+    # Outbox relay.
+    relay_max_attempts: int = Field(10, ge=1)
+    relay_lease_s: float = Field(30.0, gt=0)
+    relay_batch: int = Field(100, ge=1)
+    relay_concurrency: int = Field(64, ge=1)
+    relay_poll_s: float = Field(1.0, gt=0)
+    outbox_retention_s: float = Field(7 * 86400.0, gt=0)
+
+    # Processes.
+    log_format: Literal["console", "json"] = "json"
+    log_level: str = "INFO"
+    pg_pool_min: int = Field(2, ge=1)
+    pg_pool_max: int = Field(20, ge=1)

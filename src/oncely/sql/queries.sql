@@ -1,0 +1,34 @@
+-- Every statement oncely runs, by name. Read with oncely.sql.query("name").
+
+-- name: create_migrations_table
+CREATE TABLE IF NOT EXISTS oncely_migrations (
+    version    integer     CONSTRAINT oncely_migrations_pkey PRIMARY KEY,
+    name       text        NOT NULL,
+    applied_at timestamptz NOT NULL DEFAULT now()
+)
+
+-- name: applied_migrations
+SELECT version FROM oncely_migrations ORDER BY version
+
+-- name: record_migration
+INSERT INTO oncely_migrations (version, name) VALUES (%s, %s)
+
+-- name: insert_api_key
+INSERT INTO api_keys (key_hash, tenant) VALUES (%s, %s)
+
+-- name: revoke_api_key
+UPDATE api_keys SET revoked_at = now()
+ WHERE key_hash = %s AND revoked_at IS NULL
+RETURNING tenant
+
+-- name: tenant_for_key
+SELECT tenant FROM api_keys WHERE key_hash = %s AND revoked_at IS NULL
+
+-- name: insert_job
+INSERT INTO jobs (job_id, tenant, payload) VALUES (%s, %s, %s)
+ON CONFLICT (job_id) DO NOTHING
+
+-- name: get_job
+SELECT j.job_id, j.status, s.summary, j.error, j.created_at, j.updated_at
+  FROM jobs j LEFT JOIN summaries s USING (job_id)
+ WHERE j.job_id = %s AND j.tenant = %s
