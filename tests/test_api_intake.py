@@ -131,7 +131,9 @@ async def test_twenty_concurrent_duplicates_run_the_handler_once(client, auth, p
     responses = await asyncio.gather(
         *(client.post(URL, json=BODY, headers=headers(auth)) for _ in range(20))
     )
-    fresh = [r for r in responses if r.status_code == 202 and "idempotent-replayed" not in r.headers]
+    fresh = [
+        r for r in responses if r.status_code == 202 and "idempotent-replayed" not in r.headers
+    ]
     replayed = [r for r in responses if r.headers.get("idempotent-replayed") == "true"]
     busy = [r for r in responses if r.status_code == 409]
     assert len(fresh) == 1
@@ -304,4 +306,3 @@ async def test_openapi_documents_the_idempotency_contract(client):
     assert "Idempotent-Replayed" in post["responses"]["202"]["headers"]
     assert "Retry-After" in post["responses"]["409"]["headers"]
     assert "x-idempotency-retention" in spec["info"]
-

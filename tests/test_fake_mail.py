@@ -181,6 +181,26 @@ async def test_restart_on_the_same_mailbox_keeps_deduping(
     assert len(mailbox_lines(mailbox)) == 1
 
 
+async def test_a_line_torn_by_a_kill_does_not_swallow_the_next_effect(
+    http: aiohttp.ClientSession, mailbox: Path
+) -> None:
+    write_torn_line(mailbox)
+
+    async with FakeMailServer(mailbox) as mail:
+        await post_message(http, mail.url, "k-next")
+
+    _torn, last = raw_lines(mailbox)
+    assert json.loads(last)["idempotency_key"] == "k-next"
+
+
+def write_torn_line(mailbox: Path) -> None:
+    mailbox.write_text('{"idempotency_key": "k-torn", "to": "a')
+
+
+def raw_lines(mailbox: Path) -> list[str]:
+    return mailbox.read_text().splitlines()
+
+
 async def test_serve_fake_mail_answers_until_cancelled(
     http: aiohttp.ClientSession, mailbox: Path
 ) -> None:

@@ -186,9 +186,7 @@ async def test_prefer_wait_gives_up_with_409_after_n_seconds(echo, behaviour):
     assert behaviour.calls == 1
 
 
-async def test_request_that_lost_its_lock_cannot_overwrite_the_new_owner(
-    echo, behaviour, redis
-):
+async def test_request_that_lost_its_lock_cannot_overwrite_the_new_owner(echo, behaviour, redis):
     """A pauses past its lock; B takes the key over and finishes; A's late
     result is dropped (token guard) and the lost lock is logged."""
     paused = behaviour.gate = asyncio.Event()

@@ -8,6 +8,7 @@ import email.policy
 import email.utils
 import json
 import socket
+import time
 from collections.abc import AsyncIterator
 from email.message import EmailMessage
 from pathlib import Path
@@ -331,13 +332,16 @@ def test_webhook_sender_refuses_an_empty_secret() -> None:
 class SmtpResponder:
     """Just enough SMTP for aiosmtplib, with scriptable RCPT and DATA replies."""
 
-    def __init__(self, rcpt_reply: str = "250 OK", data_reply: str = "250 OK queued") -> None:
+    def __init__(
+        self, rcpt_reply: str = "250 OK", data_reply: str = "250 OK queued", stall: bool = False
+    ) -> None:
         self.replies = {
             b"EHLO": "250-fake\r\n250 8BITMIME",
             b"RCPT": rcpt_reply,
             b"QUIT": "221 Bye",
         }
         self.data_reply = data_reply
+        self.stall = stall  # never answer the end of DATA, like a hung server
         self.messages: list[EmailMessage] = []
         self.port = 0
 
@@ -357,6 +361,8 @@ class SmtpResponder:
             if verb == b"DATA":
                 writer.write(b"354 go ahead\r\n")
                 self.messages.append(await _read_data(reader))
+                if self.stall:
+                    await reader.read()
             reply = self.data_reply if verb == b"DATA" else self.replies.get(verb, "250 OK")
             writer.write(reply.encode() + b"\r\n")
             await writer.drain()
@@ -416,6 +422,18 @@ async def test_smtp_4xx_reply_is_transient() -> None:
     async with SmtpResponder(data_reply="451 4.3.0 try again later") as server:
         with pytest.raises(TransientError):
             await smtp_sender(server.port).send(SUMMARY_READY, PAYLOAD, "summary_ready:job-1")
+
+
+async def test_smtp_server_that_never_answers_is_transient_within_the_timeout() -> None:
+    async with SmtpResponder(stall=True) as server:
+        sender = SmtpSender(
+            "127.0.0.1", server.port, "oncely@example.com", 0.1, local_hostname="test.local"
+        )
+        started = time.monotonic()
+        with pytest.raises(TransientError):
+            await sender.send(SUMMARY_READY, PAYLOAD, "summary_ready:job-1")
+
+    assert time.monotonic() - started < 1.0
 
 
 async def test_smtp_connection_refused_is_transient() -> None:

@@ -40,15 +40,22 @@ async def run_dev(settings: Settings, *, port: int) -> None:
 
 async def _dev_key(res: Resources, path: Path) -> str:
     """Reuse the key from an earlier run while it is still valid."""
-    if path.exists():
-        key = path.read_text().strip()
-        if await tenant_for_key(res.pool, key) is not None:
-            return key
+    key = await asyncio.to_thread(_read_key, path)
+    if key and await tenant_for_key(res.pool, key) is not None:
+        return key
     key = await create_api_key(res.pool, DEV_TENANT)
+    await asyncio.to_thread(_write_key, path, key)
+    return key
+
+
+def _read_key(path: Path) -> str | None:
+    return path.read_text().strip() if path.exists() else None
+
+
+def _write_key(path: Path, key: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(key + "\n")
     path.chmod(0o600)
-    return key
 
 
 def _banner(settings: Settings, port: int, key: str) -> None:

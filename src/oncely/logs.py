@@ -10,9 +10,7 @@ import structlog
 
 def configure_logging(fmt: str = "json", level: str = "INFO") -> None:
     renderer: structlog.types.Processor = (
-        structlog.dev.ConsoleRenderer()
-        if fmt == "console"
-        else structlog.processors.JSONRenderer()
+        structlog.dev.ConsoleRenderer() if fmt == "console" else structlog.processors.JSONRenderer()
     )
     structlog.configure(
         processors=[

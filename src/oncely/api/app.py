@@ -46,7 +46,7 @@ def create_app(settings: Settings, *, redis: Redis, pool: AsyncConnectionPool) -
     app.include_router(summaries.router)
     _add_operations(app)
     _add_problem_schema(app)
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)  # type: ignore[arg-type]
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     return app
 
 

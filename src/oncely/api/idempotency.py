@@ -100,7 +100,9 @@ class IdempotentRequest:
         outcome = await self._claim(fp)
         if isinstance(outcome, Finished):
             metrics.IDEMPOTENCY_REPLAYS.labels(route=self.scope.route).inc()
-            log.info("idempotency.replayed", scope=self._digest[:16], status=outcome.response.status)
+            log.info(
+                "idempotency.replayed", scope=self._digest[:16], status=outcome.response.status
+            )
             return _replay(outcome.response)
         return await self._execute(fp, outcome.token, handler)
 
@@ -162,7 +164,9 @@ def _capture(response: Response) -> StoredResponse:
 
 def _replay(stored: StoredResponse) -> Response:
     response = Response(content=stored.body, status_code=stored.status)
-    response.raw_headers.extend((k.encode("latin-1"), v.encode("latin-1")) for k, v in stored.headers)
+    response.raw_headers.extend(
+        (k.encode("latin-1"), v.encode("latin-1")) for k, v in stored.headers
+    )
     response.raw_headers.append((REPLAY_HEADER.lower().encode(), b"true"))
     return response
 

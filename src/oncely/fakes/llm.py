@@ -60,12 +60,14 @@ class Fault:
 
 @dataclass
 class _Prompt:
-    """One distinct prompt: its script, parsed once, and how often it was called."""
+    """One distinct prompt: its script and summary, worked out once, and how often
+    it was called."""
 
     sha256: str
     text: str
     script: tuple[Fault, ...]
     sleep_s: float
+    summary: str
     count: int = 0
 
     @classmethod
@@ -78,7 +80,7 @@ class _Prompt:
             else:
                 times = int(match["times"]) if match["times"] is not None else None
                 script.append(Fault(cast(FaultKind, match["fault"]), times))
-        return cls(sha256, text, tuple(script), sleep_s)
+        return cls(sha256, text, tuple(script), sleep_s, summarise(text))
 
     def fault_for(self, call: int) -> FaultKind | None:
         """The fault scripted for this prompt's ``call``-th call (1-based)."""
@@ -191,7 +193,7 @@ class FakeModel:
         fault = self._random_fault() or prompt.fault_for(call)
         if fault is not None:
             return await _FAULTS[fault](request)
-        return web.json_response(_completion(model, text, self.total))
+        return web.json_response(_completion(model, prompt, self.total))
 
     def _refuse_over_limit(self, text: str) -> web.Response | None:
         if self._limit is None:
@@ -263,9 +265,9 @@ def _excerpt(text: str) -> str:
     return " ".join(_subject(text).split())[:_EXCERPT_CHARS]
 
 
-def _completion(model: str, text: str, number: int) -> dict[str, object]:
-    summary = summarise(text)
-    prompt_tokens, completion_tokens = len(text) // 4 + 1, len(summary) // 4 + 1
+def _completion(model: str, prompt: _Prompt, number: int) -> dict[str, object]:
+    summary = prompt.summary
+    prompt_tokens, completion_tokens = len(prompt.text) // 4 + 1, len(summary) // 4 + 1
     return {
         "id": f"chatcmpl-fake-{number}",
         "object": "chat.completion",

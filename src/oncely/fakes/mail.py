@@ -67,7 +67,7 @@ class MailState:
     def __post_init__(self) -> None:
         if self.mailbox is not None:
             self.mailbox.parent.mkdir(parents=True, exist_ok=True)
-            self.message_ids = _read_mailbox(self.mailbox)
+            self.message_ids = _recover_mailbox(self.mailbox)
 
     def deliveries(self) -> Deliveries:
         return {
@@ -113,20 +113,28 @@ def _mailbox_line(key: str, message_id: str, message: _Message) -> dict[str, Any
 
 
 def _append(mailbox: Path, line: dict[str, Any]) -> None:
+    _append_raw(mailbox, json.dumps(line, ensure_ascii=False) + "\n")
+
+
+def _append_raw(mailbox: Path, text: str) -> None:
     with mailbox.open("a", encoding="utf-8") as f:
-        f.write(json.dumps(line) + "\n")
+        f.write(text)
 
 
-def _read_mailbox(mailbox: Path) -> dict[str, str]:
+def _recover_mailbox(mailbox: Path) -> dict[str, str]:
+    """Keys already delivered (a real provider remembers them across restarts)."""
     if not mailbox.exists():
         return {}
+    text = mailbox.read_text(encoding="utf-8")
+    if text and not text.endswith("\n"):
+        _append_raw(mailbox, "\n")  # end a line torn by a kill, or the next one fuses with it
     known: dict[str, str] = {}
-    for raw in mailbox.read_text(encoding="utf-8").splitlines():
+    for raw in text.splitlines():
         try:
             line = json.loads(raw)
             known.setdefault(line["idempotency_key"], line.get("id") or f"msg_{uuid.uuid4().hex}")
         except (ValueError, KeyError, TypeError):
-            continue  # a line torn by a kill mid-write is no effect
+            continue  # a torn line is no effect
     return known
 
 
@@ -144,6 +152,9 @@ async def _post_message(request: web.Request) -> web.Response:
     if key:
         state.by_key[key] = state.by_key.get(key, 0) + 1
     failing, faults = state.take_failure(), state.faults
+    # Read before the delay so a request the client gives up on still takes
+    # effect, as at a real provider: the window a resend's same key covers.
+    body = await request.read()
     if faults.delay_s:
         await asyncio.sleep(faults.delay_s)
     if failing:
@@ -151,7 +162,7 @@ async def _post_message(request: web.Request) -> web.Response:
     if not key:
         return _error(400, "Idempotency-Key header is required")
     try:
-        message = _Message.model_validate_json(await request.read())
+        message = _Message.model_validate_json(body)
     except ValidationError as exc:
         return _error(422, f"invalid message: {exc.errors(include_url=False)}")
     message_id, created = state.deliver(key, message)

@@ -14,8 +14,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from redis.asyncio import Redis
+from redis.exceptions import ResponseError
 
 from oncely import names
+from oncely.queue import scripts
+
+DEAD_STREAM_MAXLEN = 100_000
+
+Entry = tuple[str, dict[str, str]]
 
 # KEYS[1] stream, KEYS[2] index; ARGV: job_id, tenant, payload, enqueued_at
 _ENQUEUE = """
@@ -65,6 +71,9 @@ class Stream:
         self.index = index
         self.group = group
         self._enqueue = redis.register_script(_ENQUEUE)
+        self._ack = redis.register_script(scripts.ACK)
+        self._dead_letter = redis.register_script(scripts.DEAD_LETTER)
+        self._renew = redis.register_script(scripts.RENEW)
 
     async def enqueue(self, message: JobMessage) -> str:
         """XADD the message and index it; return the entry id."""
@@ -76,3 +85,108 @@ class Stream:
         ]
         entry_id = await self._enqueue(keys=[self.stream, self.index], args=args)
         return str(entry_id)
+
+    async def ensure_group(self) -> None:
+        """Create the consumer group (and the stream) unless it exists."""
+        try:
+            await self.redis.xgroup_create(self.stream, self.group, id="0", mkstream=True)
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    async def read_new(self, consumer: str, count: int, block_ms: int) -> list[Entry]:
+        # RESP2 reply: [[stream, [(id, fields), ...]]]
+        reply: Any = await self.redis.xreadgroup(
+            self.group, consumer, {self.stream: ">"}, count=count, block=block_ms
+        )
+        if not reply:
+            return []
+        return [(str(entry_id), dict(fields)) for entry_id, fields in reply[0][1]]
+
+    async def claim_idle(
+        self, consumer: str, min_idle_ms: int, cursor: str, count: int
+    ) -> tuple[str, list[Entry], list[str]]:
+        """XAUTOCLAIM: (next cursor, claimed entries, ids of entries that were
+        deleted while pending). Redis 6.2 answers two elements and reports a
+        deleted entry as one with no fields; 7.0+ adds a third element."""
+        reply: Any = await self.redis.xautoclaim(
+            self.stream, self.group, consumer, min_idle_ms, start_id=cursor, count=count
+        )
+        next_cursor, claimed = str(reply[0]), reply[1]
+        deleted = [str(i) for i in reply[2]] if len(reply) > 2 else []
+        entries: list[Entry] = []
+        for entry_id, fields in claimed:
+            if fields:
+                entries.append((entry_id, fields))
+            else:
+                deleted.append(entry_id)
+        return next_cursor, entries, deleted
+
+    async def delivery_counts(self, consumer: str, ids: list[str]) -> dict[str, int]:
+        """Delivery count of each id, from one XPENDING range call."""
+        if not ids:
+            return {}
+        ordered = sorted(ids, key=_id_key)
+        rows: Any = await self.redis.xpending_range(
+            self.stream,
+            self.group,
+            min=ordered[0],
+            max=ordered[-1],
+            count=len(ids) * 4 + 100,
+            consumername=consumer,
+        )
+        wanted = set(ids)
+        return {
+            str(r["message_id"]): int(r["times_delivered"])
+            for r in rows
+            if str(r["message_id"]) in wanted
+        }
+
+    async def ack(self, consumer: str, items: list[tuple[str, str]]) -> set[str]:
+        """Acknowledge (entry id, job id) pairs this consumer still owns."""
+        if not items:
+            return set()
+        args: list[str] = [self.group, consumer]
+        for entry_id, job_id in items:
+            args += [entry_id, job_id]
+        acked = await self._ack(keys=[self.stream, self.index], args=args)
+        return {str(i) for i in acked}
+
+    async def ack_lost(self, ids: list[str]) -> None:
+        """Entries trimmed while pending: nothing left to deliver."""
+        if ids:
+            await self.redis.xack(self.stream, self.group, *ids)
+
+    async def dead_letter(
+        self, consumer: str, entry_id: str, job_id: str, fields: dict[str, str]
+    ) -> bool:
+        args: list[str | int] = [self.group, consumer, entry_id, job_id, DEAD_STREAM_MAXLEN]
+        for k, v in fields.items():
+            args += [k, v]
+        keys = [self.stream, self.dead, self.index]
+        return bool(await self._dead_letter(keys=keys, args=args))
+
+    async def renew(self, consumer: str, ids: list[str]) -> set[str]:
+        if not ids:
+            return set()
+        renewed = await self._renew(keys=[self.stream], args=[self.group, consumer, *ids])
+        return {str(i) for i in renewed}
+
+    async def trim(self) -> str | None:
+        """Trim below both the oldest pending entry and the group's last-delivered
+        id: never a pending or undelivered entry. Returns the MINID used."""
+        groups: Any = await self.redis.xinfo_groups(self.stream)
+        group = next((g for g in groups if g["name"] == self.group), None)
+        if group is None:
+            return None
+        floor = str(group["last-delivered-id"])
+        pending: Any = await self.redis.xpending(self.stream, self.group)
+        if pending["pending"]:
+            floor = min(floor, str(pending["min"]), key=_id_key)
+        await self.redis.xtrim(self.stream, minid=floor, approximate=False)
+        return floor
+
+
+def _id_key(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)

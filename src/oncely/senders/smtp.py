@@ -36,7 +36,7 @@ def classify_smtp_error(exc: aiosmtplib.SMTPException | OSError) -> OncelyError:
     elif isinstance(exc, aiosmtplib.SMTPNotSupported):
         return PermanentError(f"SMTP server lacks a needed extension: {exc}")
     else:
-        return TransientError(f"SMTP connection failed: {type(exc).__name__}: {exc}")
+        return TransientError(f"SMTP send failed: {type(exc).__name__}: {exc}")
     message = f"SMTP server answered {codes}: {exc}"
     if codes and all(500 <= code < 600 for code in codes):
         return PermanentError(message)
@@ -93,9 +93,12 @@ class SmtpSender:
             local_hostname=await self._ehlo_name(),
         )
         try:
-            await client.connect()
-            await client.send_message(message, sender=self._from, recipients=[to])
-        except (aiosmtplib.SMTPException, OSError) as exc:
+            # aiosmtplib times each command; this bounds the whole exchange, as
+            # the HTTP senders' total timeout does. The QUIT stays outside it.
+            async with asyncio.timeout(self._timeout_s):
+                await client.connect()
+                await client.send_message(message, sender=self._from, recipients=[to])
+        except (aiosmtplib.SMTPException, OSError) as exc:  # TimeoutError is an OSError
             raise classify_smtp_error(exc) from exc
         else:
             await _quit_quietly(client, min(_QUIT_TIMEOUT_S, self._timeout_s))

@@ -32,3 +32,34 @@ ON CONFLICT (job_id) DO NOTHING
 SELECT j.job_id, j.status, s.summary, j.error, j.created_at, j.updated_at
   FROM jobs j LEFT JOIN summaries s USING (job_id)
  WHERE j.job_id = %s AND j.tenant = %s
+
+-- name: summary_exists
+SELECT 1 FROM summaries WHERE job_id = %s
+
+-- name: insert_summary
+INSERT INTO summaries (job_id, summary) VALUES (%s, %s)
+ON CONFLICT (job_id) DO NOTHING
+RETURNING job_id
+
+-- name: insert_outbox
+INSERT INTO outbox (topic, dedupe_key, payload) VALUES (%s, %s, %s)
+ON CONFLICT (dedupe_key) DO NOTHING
+
+-- name: mark_job_done
+UPDATE jobs SET status = 'done', error = NULL, updated_at = now() WHERE job_id = %s
+
+-- name: mark_job_dead
+UPDATE jobs SET status = 'dead', error = %s, updated_at = now()
+ WHERE job_id = %s AND status = 'queued'
+
+-- name: notify_outbox
+SELECT pg_notify('oncely_outbox', '')
+
+-- name: queued_jobs_older_than
+SELECT job_id, tenant, payload FROM jobs
+ WHERE status = 'queued' AND created_at < now() - make_interval(secs => %s)
+ ORDER BY created_at
+ LIMIT %s
+
+-- name: mark_job_requeued
+UPDATE jobs SET status = 'queued', error = NULL, updated_at = now() WHERE job_id = %s

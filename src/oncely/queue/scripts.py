@@ -1,0 +1,54 @@
+"""Lua scripts of the stream worker, each one atomic on the server.
+
+``XACK`` takes no consumer name, so acknowledging, dead-lettering and lease
+renewal first confirm through ``XPENDING … <consumer>`` that this consumer
+still owns the entry: a worker whose lease was taken over must not finish
+the new owner's delivery. All keys share the ``{summaries}`` hash tag.
+"""
+
+from __future__ import annotations
+
+# KEYS: stream, index. ARGV: group, consumer, then (entry id, job id) pairs.
+# Returns the entry ids acknowledged (those this consumer still owned).
+ACK = """
+local acked = {}
+for i = 3, #ARGV, 2 do
+  local id, job = ARGV[i], ARGV[i + 1]
+  if #redis.call('XPENDING', KEYS[1], ARGV[1], id, id, 1, ARGV[2]) > 0 then
+    redis.call('XACK', KEYS[1], ARGV[1], id)
+    if job ~= '' and redis.call('HGET', KEYS[2], job) == id then
+      redis.call('HDEL', KEYS[2], job)
+    end
+    acked[#acked + 1] = id
+  end
+end
+return acked
+"""
+
+# KEYS: stream, dead, index. ARGV: group, consumer, entry id, job id,
+# dead-stream maxlen, then field/value pairs of the dead entry.
+DEAD_LETTER = """
+local id, job = ARGV[3], ARGV[4]
+if #redis.call('XPENDING', KEYS[1], ARGV[1], id, id, 1, ARGV[2]) == 0 then return 0 end
+local fields = {}
+for i = 6, #ARGV do fields[#fields + 1] = ARGV[i] end
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[5], '*', unpack(fields))
+redis.call('XACK', KEYS[1], ARGV[1], id)
+if job ~= '' and redis.call('HGET', KEYS[3], job) == id then redis.call('HDEL', KEYS[3], job) end
+return 1
+"""
+
+# KEYS: stream. ARGV: group, consumer, entry ids. XCLAIM … JUSTID with
+# min-idle 0 resets the idle time without counting a delivery; only for
+# entries this consumer still owns. Returns the ids renewed.
+RENEW = """
+local renewed = {}
+for i = 3, #ARGV do
+  local id = ARGV[i]
+  if #redis.call('XPENDING', KEYS[1], ARGV[1], id, id, 1, ARGV[2]) > 0 then
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, id, 'JUSTID')
+    renewed[#renewed + 1] = id
+  end
+end
+return renewed
+"""

@@ -1,0 +1,360 @@
+"""The stream worker: claim, run, acknowledge, renew, dead-letter.
+
+Delivery is at-least-once: an entry stays pending until its handler's
+effects are committed, and any worker reclaims entries whose owner went
+quiet for ``claim_idle_ms``. Owners renew their leases, so a slow but live
+handler is never stolen; ``claim_idle_ms`` is only the crash-recovery time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import secrets
+import socket
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import psycopg
+import redis.exceptions
+import structlog
+
+from oncely import metrics
+from oncely.errors import DeadlineExceeded, PermanentError, TransientError
+from oncely.queue.stream import Entry, JobMessage, Stream
+from oncely.retry import classify
+
+log = structlog.get_logger("oncely.worker")
+
+# What a handler returns is only reported; any normal return acknowledges.
+Handler = Callable[[JobMessage, "Delivery"], Awaitable[str]]
+
+_TRANSIENT = (
+    TransientError,
+    DeadlineExceeded,
+    TimeoutError,
+    ConnectionError,
+    psycopg.OperationalError,
+    redis.exceptions.ConnectionError,
+    redis.exceptions.TimeoutError,
+)
+
+
+def consumer_name() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+
+
+@dataclass
+class Delivery:
+    entry_id: str
+    fields: dict[str, str]
+    count: int
+    lease_lost: bool = False
+    started: float = field(default_factory=time.monotonic)
+
+    @property
+    def job_id(self) -> str:
+        return self.fields.get("job_id", "")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    concurrency: int = 64
+    claim_idle_ms: int = 30_000
+    max_deliveries: int = 5
+    block_ms: int = 1000
+    shutdown_grace_s: float = 25.0
+    trim_every_s: float = 30.0
+
+
+class Worker:
+    def __init__(
+        self,
+        stream: Stream,
+        handler: Handler,
+        config: WorkerConfig,
+        *,
+        consumer: str | None = None,
+        on_dead: Callable[[str, str], Awaitable[None]] | None = None,
+    ) -> None:
+        self.stream = stream
+        # Called with (job id, reason) after a message was dead-lettered.
+        self.on_dead = on_dead
+        self.handler = handler
+        self.config = config
+        self.consumer = consumer or consumer_name()
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._deliveries: dict[str, Delivery] = {}
+        self._cursor = "0-0"
+        self._next_claim = 0.0
+        self._stopping = asyncio.Event()
+        self._slot_free = asyncio.Event()
+        self._acks: list[tuple[Delivery, asyncio.Future[bool]]] = []
+        self._flushing = False
+        self._running_jobs: dict[str, asyncio.Event] = {}
+        self.stats: dict[str, int] = {"acked": 0, "dead": 0, "transient": 0, "lost": 0}
+
+    # -- the loop -------------------------------------------------------
+
+    async def run(self) -> None:
+        """Run until ``stop()``; then drain in-flight handlers within the grace period."""
+        await self.stream.ensure_group()
+        log.info("worker.started", consumer=self.consumer, concurrency=self.config.concurrency)
+        background = [
+            asyncio.create_task(self._renew_forever(), name="renew-leases"),
+            asyncio.create_task(self._trim_forever(), name="trim"),
+        ]
+        try:
+            while not self._stopping.is_set():
+                await self._wait_for_slot()
+                if self._stopping.is_set():
+                    break
+                await self.run_once()
+            await self._drain()
+        finally:
+            for task in background:
+                task.cancel()
+            await asyncio.wait(background, timeout=1)
+            await self._flush_acks()
+            log.info("worker.stopped", consumer=self.consumer, **self.stats)
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._slot_free.set()
+
+    async def run_once(self) -> int:
+        """Claim idle entries, or else read new ones; start their handlers.
+        Returns how many deliveries were started."""
+        free = self.config.concurrency - len(self._tasks)
+        if free <= 0:
+            return 0
+        batch = await self._claim_idle(free)
+        if not batch:
+            block = 0 if self._stopping.is_set() else self.config.block_ms
+            entries = await self.stream.read_new(self.consumer, free, block)
+            batch = [Delivery(entry_id, fields, 1) for entry_id, fields in entries]
+            metrics.DELIVERIES.labels(kind="new").inc(len(batch))
+        for delivery in batch:
+            self._start(delivery)
+        return len(batch)
+
+    async def wait_idle(self) -> None:
+        """Wait until every started handler has finished and been acknowledged."""
+        while self._tasks:
+            await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+        await self._flush_acks()
+
+    # -- claiming -------------------------------------------------------
+
+    async def _claim_idle(self, free: int) -> list[Delivery]:
+        """XAUTOCLAIM, keeping the cursor between calls; a full pass ends at
+        0-0 and the next one waits for the claim interval."""
+        now = time.monotonic()
+        if self._cursor == "0-0" and now < self._next_claim:
+            return []
+        cursor, entries, deleted = await self.stream.claim_idle(
+            self.consumer, self.config.claim_idle_ms, self._cursor, free
+        )
+        self._cursor = cursor
+        if cursor == "0-0":
+            self._next_claim = now + min(self.config.claim_idle_ms, 1000) / 2000
+        if deleted:
+            await self._record_lost(deleted)
+        if not entries:
+            return []
+        counts = await self.stream.delivery_counts(self.consumer, [e for e, _ in entries])
+        metrics.DELIVERIES.labels(kind="reclaimed").inc(len(entries))
+        return await self._admit(entries, counts)
+
+    async def _admit(self, entries: list[Entry], counts: dict[str, int]) -> list[Delivery]:
+        batch = []
+        for entry_id, fields in entries:
+            delivery = Delivery(entry_id, fields, counts.get(entry_id, 2))
+            if delivery.count > self.config.max_deliveries:
+                await self._dead_letter(delivery, "max_deliveries", "delivered too often")
+            else:
+                batch.append(delivery)
+        return batch
+
+    async def _record_lost(self, ids: list[str]) -> None:
+        await self.stream.ack_lost(ids)
+        self.stats["lost"] += len(ids)
+        metrics.DEAD_LETTERS.labels(reason="trimmed").inc(len(ids))
+        for entry_id in ids:
+            log.error("stream.entry_lost", entry_id=entry_id, reason="trimmed while pending")
+
+    # -- running handlers ------------------------------------------------
+
+    def _start(self, delivery: Delivery) -> None:
+        self._deliveries[delivery.entry_id] = delivery
+        task = asyncio.create_task(self._handle(delivery))
+        self._tasks[delivery.entry_id] = task
+        metrics.HANDLERS_IN_FLIGHT.inc()
+        task.add_done_callback(lambda _: self._finished(delivery.entry_id))
+
+    def _finished(self, entry_id: str) -> None:
+        self._tasks.pop(entry_id, None)
+        self._deliveries.pop(entry_id, None)
+        metrics.HANDLERS_IN_FLIGHT.dec()
+        self._slot_free.set()
+
+    async def _handle(self, delivery: Delivery) -> None:
+        bound = log.bind(job_id=delivery.job_id, entry_id=delivery.entry_id, count=delivery.count)
+        try:
+            message = JobMessage.from_fields(delivery.fields)
+        except (KeyError, ValueError) as exc:
+            await self._dead_letter(delivery, "malformed", repr(exc))
+            return
+        try:
+            outcome = await self._run_handler(message, delivery)
+        except Exception as exc:
+            await self._failed(delivery, exc)
+        else:
+            if await self._ack(delivery):
+                metrics.JOBS.labels(outcome=outcome).inc()
+                bound.info("job.acked", outcome=outcome)
+
+    async def _run_handler(self, message: JobMessage, delivery: Delivery) -> str:
+        """Two deliveries of one job in this process run one after the other,
+        so the second finds the first's result instead of paying a model call."""
+        while (running := self._running_jobs.get(message.job_id)) is not None:
+            await running.wait()
+        done = self._running_jobs[message.job_id] = asyncio.Event()
+        try:
+            return await self.handler(message, delivery)
+        finally:
+            del self._running_jobs[message.job_id]
+            done.set()
+
+    async def _failed(self, delivery: Delivery, exc: Exception) -> None:
+        """Transient (including a spent deadline): leave it pending for a later
+        delivery with a fresh budget. Anything else, unknown errors included,
+        is permanent (DESIGN §4): dead-letter it now."""
+        if not isinstance(exc, PermanentError) and (isinstance(exc, _TRANSIENT) or classify(exc)):
+            self._left_pending(delivery, exc)
+            return
+        if not isinstance(exc, PermanentError | TransientError):
+            log.warning("job.unclassified_error", job_id=delivery.job_id, error=_describe(exc))
+        await self._dead_letter(delivery, "permanent", _describe(exc))
+
+    def _left_pending(self, delivery: Delivery, exc: BaseException) -> None:
+        self.stats["transient"] += 1
+        metrics.JOBS.labels(outcome="transient").inc()
+        log.warning(
+            "job.left_pending",
+            job_id=delivery.job_id,
+            entry_id=delivery.entry_id,
+            count=delivery.count,
+            error=_describe(exc),
+        )
+
+    async def _dead_letter(self, delivery: Delivery, reason: str, error: str) -> None:
+        if delivery.lease_lost:
+            return
+        fields = {
+            **delivery.fields,
+            "original_id": delivery.entry_id,
+            "reason": reason,
+            "deliveries": str(delivery.count),
+            "last_error": error[:2000],
+            "dead_at": f"{time.time():.3f}",
+        }
+        if await self.stream.dead_letter(self.consumer, delivery.entry_id, delivery.job_id, fields):
+            self.stats["dead"] += 1
+            metrics.DEAD_LETTERS.labels(reason=reason).inc()
+            log.error("job.dead_lettered", job_id=delivery.job_id, reason=reason, error=error)
+            if self.on_dead is not None and delivery.job_id:
+                await self.on_dead(delivery.job_id, f"{reason}: {error}")
+
+    # -- acknowledging, batched -------------------------------------------
+
+    async def _ack(self, delivery: Delivery) -> bool:
+        if delivery.lease_lost:
+            log.warning("job.not_acked_lease_lost", job_id=delivery.job_id)
+            return False
+        done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._acks.append((delivery, done))
+        # Group commit: the first handler to finish flushes; the ones finishing
+        # meanwhile queue up and ride along in the flusher's next call.
+        if not self._flushing:
+            self._flushing = True
+            try:
+                await self._flush_acks()
+            finally:
+                self._flushing = False
+        return await done
+
+    async def _flush_acks(self) -> None:
+        """One Lua call for every acknowledgement queued since the last one."""
+        while self._acks:
+            batch, self._acks = self._acks, []
+            items = [(d.entry_id, d.job_id) for d, _ in batch]
+            try:
+                acked = await self.stream.ack(self.consumer, items)
+            except Exception as exc:
+                for _, fut in batch:
+                    if not fut.done():
+                        fut.set_exception(exc)
+                continue
+            for delivery, fut in batch:
+                ok = delivery.entry_id in acked
+                self.stats["acked" if ok else "lost"] += 1
+                if not fut.done():
+                    fut.set_result(ok)
+
+    # -- leases ---------------------------------------------------------------
+
+    async def _renew_forever(self) -> None:
+        interval = max(self.config.claim_idle_ms / 3000, 0.05)
+        while True:
+            await asyncio.sleep(interval)
+            with contextlib.suppress(redis.exceptions.RedisError):
+                await self.renew_leases()
+
+    async def renew_leases(self) -> None:
+        """Reset the idle time of our in-flight entries; mark the ones another
+        worker took over, whose results this worker must not acknowledge."""
+        ids = [d.entry_id for d in self._deliveries.values() if not d.lease_lost]
+        if not ids:
+            return
+        renewed = await self.stream.renew(self.consumer, ids)
+        for entry_id in ids:
+            delivery = self._deliveries.get(entry_id)
+            if entry_id not in renewed and delivery is not None:
+                delivery.lease_lost = True
+                metrics.LEASES_LOST.inc()
+                log.warning("worker.lease_lost", job_id=delivery.job_id, entry_id=entry_id)
+
+    # -- trimming and shutdown --------------------------------------------------
+
+    async def _trim_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.trim_every_s)
+            with contextlib.suppress(redis.exceptions.RedisError):
+                await self.stream.trim()
+
+    async def _wait_for_slot(self) -> None:
+        while len(self._tasks) >= self.config.concurrency and not self._stopping.is_set():
+            self._slot_free.clear()
+            await self._slot_free.wait()
+
+    async def _drain(self) -> None:
+        """Let in-flight handlers finish within the grace period; the rest stay
+        pending for other workers."""
+        if not self._tasks:
+            return
+        log.info("worker.draining", in_flight=len(self._tasks))
+        _, late = await asyncio.wait(
+            list(self._tasks.values()), timeout=self.config.shutdown_grace_s
+        )
+        for task in late:
+            task.cancel()
+        if late:
+            await asyncio.wait(late)
+            log.warning("worker.left_pending_on_shutdown", count=len(late))
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"[:500]

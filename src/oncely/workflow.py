@@ -1,0 +1,88 @@
+"""The reference workflow: summarise a text, store it once, queue one email.
+
+The job handler (DESIGN §5 steps 1–3; the worker acknowledges, step 4):
+1. a summary already stored for this job → nothing to do, no model call;
+2. the model call, with classified retries under the delivery's deadline;
+3. one transaction: the summary (``ON CONFLICT DO NOTHING RETURNING``) and,
+   only for the delivery that inserted it, the outbox row and ``done``.
+A duplicate delivery racing this one loses at step 3 and writes nothing.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from psycopg.types.json import Jsonb
+from psycopg_pool import AsyncConnectionPool
+
+from oncely.errors import PermanentError
+from oncely.llm.base import LLM, build_summary_prompt
+from oncely.queue.stream import JobMessage
+from oncely.retry import Deadline, call_with_retries
+from oncely.sql import query
+
+if TYPE_CHECKING:
+    from oncely.queue.worker import Delivery
+    from oncely.settings import Settings
+
+SUMMARY_READY = "email.summary_ready"
+NOTIFY_CHANNEL = "oncely_outbox"
+
+
+def dedupe_key(job_id: str) -> str:
+    return f"summary_ready:{job_id}"
+
+
+class SummaryJob:
+    """The worker's handler for summary jobs."""
+
+    def __init__(self, pool: AsyncConnectionPool, llm: LLM, settings: Settings) -> None:
+        self.pool = pool
+        self.llm = llm
+        self.settings = settings
+
+    async def __call__(self, message: JobMessage, delivery: Delivery) -> str:
+        if await self._already_done(message.job_id):
+            return "duplicate"
+        text = message.payload.get("text")
+        notify = message.payload.get("notify")
+        if not isinstance(text, str) or not isinstance(notify, str):
+            raise PermanentError("payload needs text and notify")
+        summary = await self._summarise(text)
+        return await self._store(message.job_id, notify, summary)
+
+    async def _already_done(self, job_id: str) -> bool:
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(query("summary_exists"), (job_id,))
+            return await cur.fetchone() is not None
+
+    async def _summarise(self, text: str) -> str:
+        s = self.settings
+        prompt = build_summary_prompt(text)
+        return await call_with_retries(
+            lambda timeout: self.llm.complete(prompt, timeout),
+            deadline=Deadline.after(s.job_budget_s),
+            per_call_timeout_s=s.llm_timeout_s,
+            max_attempts=s.llm_max_attempts,
+            backoff_base_s=s.llm_backoff_base_s,
+            backoff_max_s=s.llm_backoff_max_s,
+            retry_after_max_s=s.llm_retry_after_max_s,
+        )
+
+    async def _store(self, job_id: str, notify: str, summary: str) -> str:
+        payload = {"job_id": job_id, "to": notify, "summary": summary}
+        async with self.pool.connection() as conn, conn.transaction():
+            cur = await conn.execute(query("insert_summary"), (job_id, summary))
+            if await cur.fetchone() is None:
+                return "duplicate"
+            await conn.execute(
+                query("insert_outbox"), (SUMMARY_READY, dedupe_key(job_id), Jsonb(payload))
+            )
+            await conn.execute(query("mark_job_done"), (job_id,))
+            await conn.execute(query("notify_outbox"))
+        return "done"
+
+
+async def mark_dead(pool: AsyncConnectionPool, job_id: str, reason: str) -> None:
+    async with pool.connection() as conn:
+        await conn.execute(query("mark_job_dead"), (reason[:2000], job_id))

@@ -1,0 +1,347 @@
+"""The stream worker on real Redis and Postgres, with the fake model behind
+the real OpenAI adapter. Every test counts effects: model calls, summaries,
+outbox rows, pending and dead entries."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import pytest
+from psycopg.types.json import Jsonb
+from psycopg_pool import AsyncConnectionPool
+from redis.asyncio import Redis
+
+from oncely.errors import TransientError
+from oncely.fakes.llm import FakeLLMServer
+from oncely.llm.openai_compat import OpenAICompatible
+from oncely.queue.stream import JobMessage, Stream
+from oncely.queue.worker import Delivery, Worker, WorkerConfig
+from oncely.settings import Settings
+from oncely.sql import query
+from oncely.workflow import SummaryJob, mark_dead
+
+
+class Crash(BaseException):
+    """Stands for kill -9: nothing after it runs, nothing is cleaned up."""
+
+
+@pytest.fixture
+async def stream(redis: Redis) -> Stream:
+    s = Stream(redis)
+    await s.ensure_group()
+    return s
+
+
+@pytest.fixture
+async def fake_llm() -> AsyncIterator[FakeLLMServer]:
+    async with FakeLLMServer() as server:
+        yield server
+
+
+@pytest.fixture
+def worker_settings(settings: Settings, fake_llm: FakeLLMServer) -> Settings:
+    return settings.model_copy(
+        update={
+            "llm_base_url": fake_llm.url,
+            "llm_timeout_s": 2.0,
+            "job_budget_s": 5.0,
+            "llm_backoff_base_s": 0.01,
+            "llm_backoff_max_s": 0.05,
+            "llm_retry_after_max_s": 0.05,
+        }
+    )
+
+
+@pytest.fixture
+async def summary_job(
+    pool: AsyncConnectionPool, worker_settings: Settings
+) -> AsyncIterator[SummaryJob]:
+    llm = OpenAICompatible.from_settings(worker_settings)
+    yield SummaryJob(pool, llm, worker_settings)
+    await llm.aclose()
+
+
+def make_worker(
+    stream: Stream, handler: Callable[..., Awaitable[str]], pool: AsyncConnectionPool, **cfg: Any
+) -> Worker:
+    config = WorkerConfig(**{"block_ms": 10, "claim_idle_ms": 60_000, **cfg})
+
+    async def on_dead(job_id: str, reason: str) -> None:
+        await mark_dead(pool, job_id, reason)
+
+    return Worker(stream, handler, config, on_dead=on_dead)
+
+
+async def submit(pool: AsyncConnectionPool, stream: Stream, text: str, job_id: str = "") -> str:
+    job_id = job_id or str(uuid.uuid4())
+    payload = {"text": text, "notify": "ada@example.com"}
+    async with pool.connection() as conn:
+        await conn.execute(query("insert_job"), (job_id, "acme", Jsonb(payload)))
+    await stream.enqueue(JobMessage.new(job_id, "acme", payload))
+    return job_id
+
+
+async def count(pool: AsyncConnectionPool, sql: str, *args: Any) -> int:
+    async with pool.connection() as conn:
+        cur = await conn.execute(sql, args)
+        row = await cur.fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+async def pending(stream: Stream) -> int:
+    info: Any = await stream.redis.xpending(stream.stream, stream.group)
+    return int(info["pending"])
+
+
+async def job_status(pool: AsyncConnectionPool, job_id: str) -> str:
+    async with pool.connection() as conn:
+        cur = await conn.execute("SELECT status FROM jobs WHERE job_id = %s", (job_id,))
+        row = await cur.fetchone()
+    assert row is not None
+    return str(row[0])
+
+
+async def drain(worker: Worker, rounds: int = 1) -> None:
+    for _ in range(rounds):
+        await worker.run_once()
+        await worker.wait_idle()
+
+
+async def test_summary_job_stores_one_summary_and_one_outbox_row(
+    pool, stream, summary_job, fake_llm
+):
+    job_id = await submit(pool, stream, "Redis streams keep entries. Workers ack them.")
+    await drain(make_worker(stream, summary_job, pool))
+    assert await job_status(pool, job_id) == "done"
+    assert await count(pool, "SELECT count(*) FROM summaries") == 1
+    assert (
+        await count(
+            pool, "SELECT count(*) FROM outbox WHERE dedupe_key = %s", f"summary_ready:{job_id}"
+        )
+        == 1
+    )
+    assert fake_llm.stats().total == 1
+    assert await pending(stream) == 0
+    assert await stream.redis.hlen(stream.index) == 0
+
+
+async def test_crash_between_commit_and_ack_is_finished_by_another_worker(
+    pool, stream, summary_job, fake_llm
+):
+    async def commit_then_die(message: JobMessage, delivery: Delivery) -> str:
+        await summary_job(message, delivery)
+        raise Crash
+
+    await submit(pool, stream, "The commit happened. The ack did not.")
+    a = make_worker(stream, commit_then_die, pool)
+    await a.run_once()
+    with pytest.raises(Crash):
+        await asyncio.gather(*a._tasks.values())
+    assert await pending(stream) == 1
+
+    b = make_worker(stream, summary_job, pool, claim_idle_ms=0)
+    await drain(b)
+    assert fake_llm.stats().total == 1, "the reclaimer found the summary: no second model call"
+    assert await count(pool, "SELECT count(*) FROM summaries") == 1
+    assert await count(pool, "SELECT count(*) FROM outbox") == 1
+    assert await pending(stream) == 0
+
+
+async def test_same_job_enqueued_twice_stores_once(pool, stream, summary_job, fake_llm):
+    job_id = await submit(pool, stream, "Enqueued twice by a retrying API.")
+    await stream.enqueue(
+        JobMessage.new(
+            job_id,
+            "acme",
+            {"text": "Enqueued twice by a retrying API.", "notify": "ada@example.com"},
+        )
+    )
+    await drain(make_worker(stream, summary_job, pool), rounds=2)
+    assert await count(pool, "SELECT count(*) FROM summaries") == 1
+    assert await count(pool, "SELECT count(*) FROM outbox") == 1
+    assert fake_llm.stats().total == 1, "the second delivery hits the pre-check"
+    assert await pending(stream) == 0
+
+
+async def test_slow_worker_and_reclaimer_race_to_one_outbox_row(
+    pool, stream, summary_job, fake_llm
+):
+    """Both make a model call (the documented race); one stores, one writes nothing."""
+    outcomes: list[str] = []
+
+    async def recording(message: JobMessage, delivery: Delivery) -> str:
+        outcome = await summary_job(message, delivery)
+        outcomes.append(outcome)
+        return outcome
+
+    await submit(pool, stream, "A slow model call. [[fake:sleep=0.3]]")
+    slow = make_worker(stream, recording, pool)
+    await slow.run_once()
+    await asyncio.sleep(0.1)  # the slow worker is inside its model call
+    thief = make_worker(stream, recording, pool, claim_idle_ms=0)
+    await thief.run_once()
+    await asyncio.gather(slow.wait_idle(), thief.wait_idle())
+    assert sorted(outcomes) == ["done", "duplicate"]
+    assert fake_llm.stats().total == 2
+    assert await count(pool, "SELECT count(*) FROM summaries") == 1
+    assert await count(pool, "SELECT count(*) FROM outbox") == 1
+    assert await pending(stream) == 0
+
+
+async def test_killed_consumer_entry_is_claimable_only_after_claim_idle(pool, stream):
+    seen: list[int] = []
+
+    async def record(message: JobMessage, delivery: Delivery) -> str:
+        seen.append(delivery.count)
+        return "done"
+
+    await submit(pool, stream, "read, then the reader died")
+    assert len(await stream.read_new("doomed-consumer", 10, 10)) == 1
+    rescuer = make_worker(stream, record, pool, claim_idle_ms=300)
+    await drain(rescuer)
+    assert seen == [], "not claimable before claim_idle_ms"
+    await asyncio.sleep(0.35)
+    await drain(rescuer)
+    assert seen == [2]
+    assert await pending(stream) == 0
+
+
+async def test_always_failing_job_is_dead_lettered_after_max_deliveries(pool, stream):
+    runs = 0
+
+    async def flaky(message: JobMessage, delivery: Delivery) -> str:
+        nonlocal runs
+        runs += 1
+        raise TransientError("provider unavailable")
+
+    job_id = await submit(pool, stream, "never succeeds")
+    worker = make_worker(stream, flaky, pool, claim_idle_ms=0, max_deliveries=3)
+    await drain(worker, rounds=5)
+    assert runs == 3
+    dead: Any = await stream.redis.xrange(stream.dead)
+    assert len(dead) == 1
+    fields = dead[0][1]
+    assert fields["reason"] == "max_deliveries"
+    assert fields["job_id"] == job_id
+    assert fields["deliveries"] == "4"
+    assert fields["original_id"]
+    assert await job_status(pool, job_id) == "dead"
+    assert await pending(stream) == 0
+
+
+async def test_model_that_keeps_answering_429_stays_pending_after_max_attempts(
+    pool, stream, summary_job, fake_llm, worker_settings
+):
+    job_id = await submit(pool, stream, "Always rate limited. [[fake:429]]")
+    await drain(make_worker(stream, summary_job, pool))
+    assert fake_llm.stats().total == worker_settings.llm_max_attempts
+    assert await pending(stream) == 1
+    assert await stream.redis.xlen(stream.dead) == 0
+    assert await job_status(pool, job_id) == "queued"
+
+
+async def test_model_400_dead_letters_after_exactly_one_call(pool, stream, summary_job, fake_llm):
+    job_id = await submit(pool, stream, "A request the model refuses. [[fake:400]]")
+    await drain(make_worker(stream, summary_job, pool))
+    assert fake_llm.stats().total == 1
+    dead: Any = await stream.redis.xrange(stream.dead)
+    assert [f["reason"] for _, f in dead] == ["permanent"]
+    assert await job_status(pool, job_id) == "dead"
+    assert await pending(stream) == 0
+
+
+async def test_429_with_retry_after_then_success_in_one_delivery(
+    pool, stream, summary_job, fake_llm
+):
+    job_id = await submit(pool, stream, "Rate limited once. [[fake:429*1]]")
+    await drain(make_worker(stream, summary_job, pool))
+    assert fake_llm.stats().total == 2
+    assert await job_status(pool, job_id) == "done"
+
+
+async def test_lease_renewal_keeps_a_slow_live_handler(pool, stream):
+    gate = asyncio.Event()
+    runs: list[str] = []
+
+    async def slow(message: JobMessage, delivery: Delivery) -> str:
+        runs.append(delivery.entry_id)
+        await gate.wait()
+        return "done"
+
+    await submit(pool, stream, "slower than claim_idle_ms")
+    owner = make_worker(stream, slow, pool, claim_idle_ms=300, shutdown_grace_s=0)
+    owner_run = asyncio.create_task(owner.run())
+    while not runs:
+        await asyncio.sleep(0.01)
+    other = make_worker(stream, slow, pool, claim_idle_ms=300)
+    for _ in range(10):  # 1 s: more than three times claim_idle_ms
+        await other.run_once()
+        await asyncio.sleep(0.1)
+    assert len(runs) == 1, "a live owner's lease is renewed"
+
+    # The owner stops with no grace: its handler is abandoned, never acked.
+    owner.stop()
+    await owner_run
+    assert await pending(stream) == 1
+    for _ in range(10):
+        if await other.run_once():
+            break
+        await asyncio.sleep(0.1)
+    await asyncio.sleep(0.01)  # let the reclaimed handler start
+    assert len(runs) == 2, "taken over promptly once the owner is gone"
+    gate.set()
+    await other.wait_idle()
+    assert await pending(stream) == 0
+
+
+async def test_worker_holds_many_model_calls_in_flight(pool, stream, summary_job, fake_llm):
+    for i in range(200):
+        await submit(pool, stream, f"Job {i} takes a while. [[fake:sleep=0.2]]")
+    worker = make_worker(stream, summary_job, pool, concurrency=50)
+    run = asyncio.create_task(worker.run())
+    while await count(pool, "SELECT count(*) FROM jobs WHERE status = 'done'") < 200:
+        await asyncio.sleep(0.05)
+    worker.stop()
+    await run
+    assert fake_llm.stats().max_in_flight >= 40
+    assert fake_llm.stats().total == 200
+    assert await count(pool, "SELECT count(*) FROM outbox") == 200
+    assert await pending(stream) == 0
+
+
+async def test_trim_never_deletes_pending_entries(pool, stream):
+    async def ok(message: JobMessage, delivery: Delivery) -> str:
+        return "done"
+
+    for i in range(5):
+        await submit(pool, stream, f"entry {i}")
+    # One entry is read and stays pending (its consumer died).
+    [(stuck_id, _)] = await stream.read_new("dead-consumer", 1, 10)
+    await drain(make_worker(stream, ok, pool))  # the other four are acked
+    floor = await stream.trim()
+    assert floor == stuck_id
+    remaining: Any = await stream.redis.xrange(stream.stream)
+    assert remaining[0][0] == stuck_id
+    assert await pending(stream) == 1
+
+
+async def test_trimmed_pending_entry_is_acknowledged_and_recorded(pool, stream):
+    runs = 0
+
+    async def ok(message: JobMessage, delivery: Delivery) -> str:
+        nonlocal runs
+        runs += 1
+        return "done"
+
+    await submit(pool, stream, "will be deleted while pending")
+    [(entry_id, _)] = await stream.read_new("dead-consumer", 1, 10)
+    await stream.redis.xdel(stream.stream, entry_id)  # e.g. a bare MAXLEN trim
+    worker = make_worker(stream, ok, pool, claim_idle_ms=0)
+    await drain(worker, rounds=2)
+    assert runs == 0
+    assert worker.stats["lost"] == 1
+    assert await pending(stream) == 0
