@@ -2,14 +2,24 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+import asyncio
+import signal
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 
+import structlog
+import uvicorn
 from psycopg_pool import AsyncConnectionPool
 from redis.asyncio import Redis
 
+from oncely.llm.base import LLM
+from oncely.queue.stream import Stream
+from oncely.queue.worker import Worker, WorkerConfig
 from oncely.settings import Settings
+from oncely.workflow import SummaryJob, mark_dead
+
+log = structlog.get_logger("oncely.process")
 
 
 @dataclass(frozen=True)
@@ -51,21 +61,83 @@ async def open_resources(settings: Settings) -> AsyncIterator[Resources]:
         await redis.aclose()
 
 
+@contextmanager
+def stop_on_signals(*stops: Callable[[], object]) -> Iterator[None]:
+    """SIGTERM and SIGINT call every ``stop``: services finish what they hold."""
+    loop = asyncio.get_running_loop()
+
+    def stop_all() -> None:
+        log.info("process.stopping")
+        for stop in stops:
+            stop()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop_all)
+    try:
+        yield
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+
+
+class _QuietServer(uvicorn.Server):
+    """uvicorn without its own signal handlers: ``stop_on_signals`` owns them,
+    so one Ctrl-C stops the API and every other service in the process."""
+
+    @contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+class ApiServer:
+    def __init__(self, res: Resources, *, host: str, port: int) -> None:
+        from oncely.api.app import create_app
+
+        app = create_app(res.settings, redis=res.redis, pool=res.pool)
+        config = uvicorn.Config(
+            app, host=host, port=port, log_config=None, access_log=False, lifespan="off"
+        )
+        self._server = _QuietServer(config)
+
+    async def run(self) -> None:
+        await self._server.serve()
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+
+
 async def serve_api(settings: Settings, *, host: str, port: int) -> None:
     async with open_resources(settings) as res:
-        await _serve(res, host=host, port=port)
+        server = ApiServer(res, host=host, port=port)
+        with stop_on_signals(server.stop):
+            await server.run()
 
 
-async def _serve(res: Resources, *, host: str, port: int) -> None:
-    import uvicorn
-
-    from oncely.api.app import create_app
-
-    app = create_app(res.settings, redis=res.redis, pool=res.pool)
-    config = uvicorn.Config(
-        app, host=host, port=port, log_config=None, access_log=False, lifespan="off"
+def build_worker(res: Resources, llm: LLM) -> Worker:
+    s = res.settings
+    config = WorkerConfig(
+        concurrency=s.worker_concurrency,
+        claim_idle_ms=s.claim_idle_ms,
+        max_deliveries=s.max_deliveries,
+        block_ms=s.block_ms,
+        shutdown_grace_s=s.shutdown_grace_s,
+        trim_every_s=s.stream_trim_every_s,
     )
-    await uvicorn.Server(config).serve()
+
+    async def on_dead(job_id: str, reason: str) -> None:
+        await mark_dead(res.pool, job_id, reason)
+
+    handler = SummaryJob(res.pool, llm, s)
+    return Worker(Stream(res.redis), handler, config, on_dead=on_dead)
+
+
+async def run_worker(settings: Settings) -> None:
+    from oncely.llm.openai_compat import OpenAICompatible
+
+    async with open_resources(settings) as res, OpenAICompatible.from_settings(settings) as llm:
+        worker = build_worker(res, llm)
+        with stop_on_signals(worker.stop):
+            await worker.run()
 
 
 async def create_key(settings: Settings, tenant: str) -> str:

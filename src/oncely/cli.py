@@ -7,6 +7,7 @@ opens pools and clients (``bootstrap``), and hands them to the services.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
 from collections.abc import Coroutine
 from pathlib import Path
@@ -72,6 +73,58 @@ def api(host: HostOpt = "127.0.0.1", port: PortOpt = 8000) -> None:
     from oncely.bootstrap import serve_api
 
     _run(serve_api(_settings(), host=host, port=port))
+
+
+@app.command()
+def worker() -> None:
+    """Run a stream worker: summarise queued texts (SIGTERM drains in-flight jobs)."""
+    from oncely.bootstrap import run_worker
+
+    _run(run_worker(_settings()))
+
+
+@app.command("fake-llm")
+def fake_llm(
+    host: HostOpt = "127.0.0.1",
+    port: PortOpt = 8101,
+    rpm: Annotated[int, typer.Option(help="Requests per minute before 429.")] = 0,
+    tpm: Annotated[int, typer.Option(help="Tokens per minute before 429.")] = 0,
+    fault_rate: Annotated[float, typer.Option(help="Share of calls that fail at random.")] = 0.0,
+    seed: Annotated[int, typer.Option(help="Seed for the random faults.")] = 0,
+) -> None:
+    """Serve the fake OpenAI-compatible model (faults scripted by [[fake:…]] directives)."""
+    from oncely.fakes.llm import serve_fake_llm
+
+    _settings()
+    _serve_forever(serve_fake_llm(host, port, rpm=rpm, tpm=tpm, fault_rate=fault_rate, seed=seed))
+
+
+@app.command("fake-mail")
+def fake_mail(
+    host: HostOpt = "127.0.0.1",
+    port: PortOpt = 8102,
+    mailbox: Annotated[
+        Path | None, typer.Option(help="Append every delivered message to this JSONL file.")
+    ] = None,
+) -> None:
+    """Serve the fake mail provider (dedupes on Idempotency-Key)."""
+    from oncely.fakes.mail import serve_fake_mail
+
+    _settings()
+    _serve_forever(serve_fake_mail(host, port, mailbox))
+
+
+def _serve_forever(coro: Coroutine[Any, Any, None]) -> None:
+    """Run a server coroutine until SIGTERM or Ctrl-C."""
+
+    async def main() -> None:
+        from oncely.bootstrap import stop_on_signals
+
+        task = asyncio.create_task(coro)
+        with stop_on_signals(task.cancel), contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    _run(main())
 
 
 @keys_app.command("create")

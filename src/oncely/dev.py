@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Callable, Coroutine
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 
 from oncely.api.auth import create_api_key, tenant_for_key
-from oncely.bootstrap import Resources, _serve, open_resources
+from oncely.bootstrap import ApiServer, Resources, build_worker, open_resources, stop_on_signals
 from oncely.embedded import EmbeddedServers
+from oncely.fakes.llm import serve_fake_llm
+from oncely.fakes.mail import serve_fake_mail
+from oncely.llm.openai_compat import OpenAICompatible
 from oncely.settings import Settings
 from oncely.sql.migrate import migrate
 
@@ -28,14 +34,51 @@ async def run_dev(settings: Settings, *, port: int) -> None:
             }
         )
     try:
-        assert settings.database_url is not None
-        await migrate(settings.database_url)
-        async with open_resources(settings) as res:
-            key = await _dev_key(res, settings.data_dir / "dev-api-key")
-            _banner(settings, port, key)
-            await _serve(res, host="127.0.0.1", port=port)
+        await _run_services(_with_fakes(settings, port), port)
     finally:
         await asyncio.to_thread(servers.stop)
+
+
+def _with_fakes(settings: Settings, port: int) -> Settings:
+    """Point the model and the mail provider at local fakes unless configured."""
+    update: dict[str, Any] = {}
+    if "llm_base_url" not in settings.model_fields_set:
+        update["llm_base_url"] = f"http://127.0.0.1:{port + 101}/v1"
+    if "sender_url" not in settings.model_fields_set:
+        update["sender"] = "http"
+        update["sender_url"] = f"http://127.0.0.1:{port + 102}/v1/messages"
+    return settings.model_copy(update=update)
+
+
+async def _run_services(settings: Settings, port: int) -> None:
+    assert settings.database_url is not None
+    await migrate(settings.database_url)
+    async with open_resources(settings) as res, OpenAICompatible.from_settings(settings) as llm:
+        key = await _dev_key(res, settings.data_dir / "dev-api-key")
+        api = ApiServer(res, host="127.0.0.1", port=port)
+        worker = build_worker(res, llm)
+        background = _fakes(settings, port)
+        _banner(settings, port, key)
+        with stop_on_signals(api.stop, worker.stop, *(t.cancel for t in background)):
+            await asyncio.gather(api.run(), worker.run())
+        for task in background:
+            task.cancel()
+        await asyncio.gather(*background, return_exceptions=True)
+
+
+def _fakes(settings: Settings, port: int) -> list[asyncio.Task[None]]:
+    starters: list[Callable[[], Coroutine[Any, Any, None]]] = []
+    if settings.llm_base_url.startswith(f"http://127.0.0.1:{port + 101}/"):
+        starters.append(lambda: serve_fake_llm("127.0.0.1", port + 101))
+    if settings.sender_url.startswith(f"http://127.0.0.1:{port + 102}/"):
+        mailbox = settings.data_dir / "mailbox.jsonl"
+        starters.append(lambda: serve_fake_mail("127.0.0.1", port + 102, mailbox))
+    return [asyncio.create_task(_quietly(start())) for start in starters]
+
+
+async def _quietly(coro: Coroutine[Any, Any, None]) -> None:
+    with contextlib.suppress(asyncio.CancelledError):
+        await coro
 
 
 async def _dev_key(res: Resources, path: Path) -> str:
@@ -60,17 +103,21 @@ def _write_key(path: Path, key: str) -> None:
 
 def _banner(settings: Settings, port: int, key: str) -> None:
     base = f"http://127.0.0.1:{port}"
+    key_file = settings.data_dir / "dev-api-key"
     console.print(f"""
 [bold green]oncely dev[/bold green] is up (Ctrl-C stops everything)
   API          {base}   (docs: {base}/docs)
+  Model        {settings.llm_base_url}
+  Mail         {settings.sender_url}   (mailbox: {settings.data_dir / "mailbox.jsonl"})
   Redis        {settings.redis_url}
   PostgreSQL   {settings.database_url}
-  API key      {key}   (also in {settings.data_dir / "dev-api-key"})
+  API key      {key}   (also in {key_file})
 
 Try it:
   curl -i -X POST {base}/v1/summaries \\
-    -H "Authorization: Bearer {key}" \\
-    -H "Idempotency-Key: $(uuidgen || echo my-first-request-0001)" \\
+    -H "Authorization: Bearer $(cat {key_file})" \\
+    -H "Idempotency-Key: $(python3 -c 'import uuid; print(uuid.uuid4())')" \\
     -H "Content-Type: application/json" \\
-    -d '{{"text": "oncely makes LLM steps safe to retry.", "notify": "you@example.com"}}'
+    -d '{{"text": "Retries are safe. Effects happen once.", "notify": "you@example.com"}}'
+  curl -H "Authorization: Bearer $(cat {key_file})" {base}/v1/summaries/<job_id>
 """)

@@ -42,6 +42,10 @@ _TRANSIENT = (
 )
 
 
+_MIN_PAUSE_S = 0.1
+_MAX_PAUSE_S = 5.0
+
+
 def consumer_name() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
 
@@ -107,11 +111,7 @@ class Worker:
             asyncio.create_task(self._trim_forever(), name="trim"),
         ]
         try:
-            while not self._stopping.is_set():
-                await self._wait_for_slot()
-                if self._stopping.is_set():
-                    break
-                await self.run_once()
+            await self._loop()
             await self._drain()
         finally:
             for task in background:
@@ -119,6 +119,23 @@ class Worker:
             await asyncio.wait(background, timeout=1)
             await self._flush_acks()
             log.info("worker.stopped", consumer=self.consumer, **self.stats)
+
+    async def _loop(self) -> None:
+        pause = _MIN_PAUSE_S
+        while not self._stopping.is_set():
+            await self._wait_for_slot()
+            if self._stopping.is_set():
+                return
+            try:
+                await self.run_once()
+                pause = _MIN_PAUSE_S
+            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
+                # Redis restarting or failing over: in-flight handlers go on,
+                # and the loop comes back when it answers again.
+                log.warning("worker.redis_unavailable", error=_describe(exc), retry_in_s=pause)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stopping.wait(), pause)
+                pause = min(pause * 2, _MAX_PAUSE_S)
 
     def stop(self) -> None:
         self._stopping.set()
@@ -201,7 +218,14 @@ class Worker:
         self._slot_free.set()
 
     async def _handle(self, delivery: Delivery) -> None:
-        bound = log.bind(job_id=delivery.job_id, entry_id=delivery.entry_id, count=delivery.count)
+        try:
+            await self._process(delivery)
+        except redis.exceptions.RedisError as exc:
+            # Committed effects stay committed; the entry stays pending and a
+            # later delivery finds them (pre-check) and settles it.
+            log.warning("job.settle_failed", job_id=delivery.job_id, error=_describe(exc))
+
+    async def _process(self, delivery: Delivery) -> None:
         try:
             message = JobMessage.from_fields(delivery.fields)
         except (KeyError, ValueError) as exc:
@@ -211,10 +235,10 @@ class Worker:
             outcome = await self._run_handler(message, delivery)
         except Exception as exc:
             await self._failed(delivery, exc)
-        else:
-            if await self._ack(delivery):
-                metrics.JOBS.labels(outcome=outcome).inc()
-                bound.info("job.acked", outcome=outcome)
+            return
+        if await self._ack(delivery):
+            metrics.JOBS.labels(outcome=outcome).inc()
+            log.info("job.acked", job_id=delivery.job_id, count=delivery.count, outcome=outcome)
 
     async def _run_handler(self, message: JobMessage, delivery: Delivery) -> str:
         """Two deliveries of one job in this process run one after the other,

@@ -63,3 +63,105 @@ SELECT job_id, tenant, payload FROM jobs
 
 -- name: mark_job_requeued
 UPDATE jobs SET status = 'queued', error = NULL, updated_at = now() WHERE job_id = %s
+
+-- ---- outbox relay ----
+
+-- name: outbox_claim
+-- One statement, one short transaction: the subquery locks due rows and skips
+-- the ones another relay is claiming this instant; the UPDATE leases them to
+-- the owner and counts the attempt now, so a relay killed mid-send has still
+-- used one up. The row locks end at commit; the lease is what keeps other
+-- relays away while the send runs.
+UPDATE outbox o
+   SET locked_until = now() + make_interval(secs => %(lease_s)s),
+       locked_by = %(owner)s,
+       attempts = o.attempts + 1
+  FROM (SELECT id FROM outbox
+         WHERE sent_at IS NULL AND failed_at IS NULL
+           AND next_attempt_at <= now()
+           AND (locked_until IS NULL OR locked_until < now())
+         ORDER BY next_attempt_at
+         LIMIT %(limit)s
+         FOR UPDATE SKIP LOCKED) due
+ WHERE o.id = due.id
+RETURNING o.id, o.topic, o.dedupe_key, o.payload, o.attempts, o.last_error,
+          o.next_attempt_at, o.locked_until, o.locked_by, o.sent_at, o.failed_at,
+          o.provider_message_id, o.created_at,
+          extract(epoch FROM now() - o.created_at)::float8 AS age_s
+
+-- name: outbox_mark_sent
+-- Owner-checked: a relay whose lease expired must not touch a row another
+-- relay has claimed since (or already sent).
+UPDATE outbox
+   SET sent_at = now(), provider_message_id = %(provider_message_id)s,
+       locked_until = NULL, locked_by = NULL
+ WHERE id = %(id)s AND locked_by = %(owner)s AND sent_at IS NULL
+RETURNING id
+
+-- name: outbox_mark_failed_attempt
+UPDATE outbox
+   SET last_error = %(error)s,
+       next_attempt_at = now() + make_interval(secs => %(delay_s)s),
+       failed_at = CASE WHEN %(give_up)s THEN now() END,
+       locked_until = NULL, locked_by = NULL
+ WHERE id = %(id)s AND locked_by = %(owner)s AND sent_at IS NULL
+RETURNING id
+
+-- name: outbox_get
+SELECT id, topic, dedupe_key, payload, attempts, last_error, next_attempt_at,
+       locked_until, locked_by, sent_at, failed_at, provider_message_id, created_at,
+       extract(epoch FROM now() - created_at)::float8 AS age_s
+  FROM outbox
+ WHERE id = %s
+
+-- name: outbox_list
+-- Rows not sent yet (due, leased, backing off or failed), oldest first;
+-- with failed_only, just the ones a person has to look at.
+SELECT id, topic, dedupe_key, payload, attempts, last_error, next_attempt_at,
+       locked_until, locked_by, sent_at, failed_at, provider_message_id, created_at,
+       extract(epoch FROM now() - created_at)::float8 AS age_s
+  FROM outbox
+ WHERE sent_at IS NULL AND (failed_at IS NOT NULL OR NOT %(failed_only)s)
+ ORDER BY id
+ LIMIT %(limit)s
+
+-- name: outbox_retry
+-- last_error stays for the record; the next failure overwrites it.
+UPDATE outbox
+   SET failed_at = NULL, attempts = 0, next_attempt_at = now(),
+       locked_until = NULL, locked_by = NULL
+ WHERE id = %s AND failed_at IS NOT NULL
+RETURNING id
+
+-- name: outbox_retry_all_failed
+UPDATE outbox
+   SET failed_at = NULL, attempts = 0, next_attempt_at = now(),
+       locked_until = NULL, locked_by = NULL
+ WHERE failed_at IS NOT NULL
+
+-- name: outbox_delete_sent_before
+-- A bounded batch per transaction, so retention never holds many row locks
+-- or bloats one transaction while relays are claiming.
+DELETE FROM outbox
+ WHERE id IN (SELECT id FROM outbox
+               WHERE sent_at < now() - make_interval(secs => %(age_s)s)
+               ORDER BY sent_at
+               LIMIT %(batch)s
+               FOR UPDATE SKIP LOCKED)
+
+-- name: outbox_counts
+-- Separate subqueries so the unsent ones use the partial due index instead
+-- of scanning the sent rows kept for retention.
+SELECT (SELECT count(*) FROM outbox
+         WHERE sent_at IS NULL AND failed_at IS NULL) AS unsent,
+       (SELECT count(*) FROM outbox
+         WHERE sent_at IS NULL AND failed_at IS NULL AND locked_until >= now()) AS in_flight,
+       (SELECT count(*) FROM outbox WHERE failed_at IS NOT NULL) AS failed,
+       (SELECT extract(epoch FROM now() - min(created_at))::float8 FROM outbox
+         WHERE sent_at IS NULL AND failed_at IS NULL) AS oldest_unsent_age_s
+
+-- name: outbox_listen
+LISTEN oncely_outbox
+
+-- name: outbox_listener_ping
+SELECT 1

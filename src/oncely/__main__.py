@@ -1,0 +1,3 @@
+from oncely.cli import main
+
+main()

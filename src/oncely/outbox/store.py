@@ -1,0 +1,154 @@
+"""The outbox table, as the relay and operators use it (DESIGN §5, §8).
+
+Leases, not row locks, keep relays apart while a send runs: ``claim`` locks
+due rows only for the one statement that leases them, so a slow or hung
+provider never pins a transaction open. Every later write is fenced by the
+owner token, because a lease can expire under a live relay and pass to
+another one.
+"""
+
+from __future__ import annotations
+
+import builtins
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+from uuid import UUID
+
+from psycopg.rows import class_row
+from psycopg_pool import AsyncConnectionPool
+
+from oncely.sql import query
+
+# Long enough for an operator to tell what went wrong, short enough that a
+# provider answering with a whole HTML page does not bloat the row.
+_ERROR_CHARS = 2000
+
+
+@dataclass(frozen=True)
+class OutboxRow:
+    id: int
+    topic: str
+    dedupe_key: str
+    payload: dict[str, Any]
+    attempts: int
+    last_error: str | None
+    next_attempt_at: datetime
+    locked_until: datetime | None
+    locked_by: UUID | None
+    sent_at: datetime | None
+    failed_at: datetime | None
+    provider_message_id: str | None
+    created_at: datetime
+    # Seconds since created_at when the row was read, by the database's clock,
+    # so lag metrics do not depend on the relay host's clock agreeing with it.
+    age_s: float
+
+
+@dataclass(frozen=True)
+class OutboxCounts:
+    """What ``oncely status`` reports about the outbox."""
+
+    unsent: int
+    in_flight: int
+    failed: int
+    oldest_unsent_age_s: float | None
+
+
+class OutboxStore:
+    def __init__(self, pool: AsyncConnectionPool) -> None:
+        self.pool = pool
+
+    # -- the relay's side -------------------------------------------------
+
+    async def claim(self, owner: UUID, limit: int, lease_s: float) -> builtins.list[OutboxRow]:
+        """Lease up to ``limit`` due rows to ``owner`` for ``lease_s``, counting an attempt each."""
+        params = {"owner": owner, "limit": limit, "lease_s": lease_s}
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=class_row(OutboxRow))
+            await cur.execute(query("outbox_claim"), params)
+            return await cur.fetchall()
+
+    async def mark_sent(self, row_id: int, owner: UUID, provider_message_id: str | None) -> bool:
+        """Record the send; False if ``owner`` no longer holds the row."""
+        params = {"id": row_id, "owner": owner, "provider_message_id": provider_message_id}
+        return await self._fenced("outbox_mark_sent", params)
+
+    async def mark_failed_attempt(
+        self,
+        row_id: int,
+        owner: UUID,
+        error: str,
+        *,
+        next_attempt_at_delay_s: float,
+        give_up: bool,
+    ) -> bool:
+        """Record a failed send and release the lease: retry after the delay, or
+        (``give_up``) stop for an operator. False if ``owner`` lost the row."""
+        params = {
+            "id": row_id,
+            "owner": owner,
+            "error": error[:_ERROR_CHARS],
+            "delay_s": next_attempt_at_delay_s,
+            "give_up": give_up,
+        }
+        return await self._fenced("outbox_mark_failed_attempt", params)
+
+    async def _fenced(self, name: str, params: dict[str, Any]) -> bool:
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(query(name), params)
+            return await cur.fetchone() is not None
+
+    # -- operators ----------------------------------------------------------
+
+    async def get(self, row_id: int) -> OutboxRow | None:
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=class_row(OutboxRow))
+            await cur.execute(query("outbox_get"), (row_id,))
+            return await cur.fetchone()
+
+    async def list(
+        self, *, failed_only: bool = False, limit: int = 100
+    ) -> builtins.list[OutboxRow]:
+        """Unsent rows (pending, in flight, failed) oldest first; or only the failed ones."""
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=class_row(OutboxRow))
+            await cur.execute(query("outbox_list"), {"failed_only": failed_only, "limit": limit})
+            return await cur.fetchall()
+
+    async def retry(self, row_id: int) -> bool:
+        """Give a failed row a fresh set of attempts now; False if it is not failed."""
+        async with self.pool.connection() as conn, conn.transaction():
+            cur = await conn.execute(query("outbox_retry"), (row_id,))
+            retried = await cur.fetchone() is not None
+            if retried:
+                await conn.execute(query("notify_outbox"))
+        return retried
+
+    async def retry_all_failed(self) -> int:
+        async with self.pool.connection() as conn, conn.transaction():
+            cur = await conn.execute(query("outbox_retry_all_failed"))
+            if cur.rowcount > 0:
+                await conn.execute(query("notify_outbox"))
+        return max(cur.rowcount, 0)
+
+    async def delete_sent_before(self, age_s: float, batch: int = 1000) -> int:
+        """Delete rows sent more than ``age_s`` ago, ``batch`` per transaction; how many went."""
+        total = 0
+        while True:
+            async with self.pool.connection() as conn:
+                cur = await conn.execute(
+                    query("outbox_delete_sent_before"), {"age_s": age_s, "batch": batch}
+                )
+            total += cur.rowcount
+            if cur.rowcount < batch:
+                return total
+
+    async def counts(self) -> OutboxCounts:
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=class_row(OutboxCounts))
+            await cur.execute(query("outbox_counts"))
+            row = await cur.fetchone()
+        if row is None:  # an aggregate always answers one row
+            raise RuntimeError("outbox_counts returned no row")
+        return row
