@@ -72,16 +72,16 @@ async def scalar(pool, sql: str) -> Any:
     return row[0] if row else None
 
 
-async def wait_for(predicate, timeout: float = 15.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
+async def wait_for(predicate, within_s: float = 15.0) -> None:
+    deadline = asyncio.get_running_loop().time() + within_s
     while not await predicate():
         if asyncio.get_running_loop().time() > deadline:
             raise AssertionError("condition not reached in time")
         await asyncio.sleep(0.05)
 
 
-async def exit_code(proc: subprocess.Popen[bytes], timeout: float = 20.0) -> int:
-    return await asyncio.to_thread(proc.wait, timeout)
+async def exit_code(proc: subprocess.Popen[bytes], within_s: float = 20.0) -> int:
+    return await asyncio.to_thread(proc.wait, within_s)
 
 
 async def test_sigterm_lets_in_flight_jobs_finish_and_exits_zero(
@@ -125,7 +125,7 @@ async def test_sigkill_mid_job_loses_nothing_and_duplicates_nothing(
         return bool(done == len(ids))
 
     try:
-        await wait_for(all_done, timeout=20)
+        await wait_for(all_done, within_s=20)
     finally:
         second.send_signal(signal.SIGTERM)
         assert await exit_code(second) == 0
