@@ -14,6 +14,7 @@ from psycopg_pool import AsyncConnectionPool
 from redis.asyncio import Redis
 
 from oncely.llm.base import LLM
+from oncely.queue.reconcile import Reconciler
 from oncely.queue.stream import Stream
 from oncely.queue.worker import Worker, WorkerConfig
 from oncely.settings import Settings
@@ -136,8 +137,13 @@ async def run_worker(settings: Settings) -> None:
 
     async with open_resources(settings) as res, OpenAICompatible.from_settings(settings) as llm:
         worker = build_worker(res, llm)
-        with stop_on_signals(worker.stop):
-            await worker.run()
+        reconciler = build_reconciler(res)
+        with stop_on_signals(worker.stop, reconciler.stop):
+            await asyncio.gather(worker.run(), reconciler.run())
+
+
+def build_reconciler(res: Resources) -> Reconciler:
+    return Reconciler(res.pool, Stream(res.redis), after_s=res.settings.reconcile_after_s)
 
 
 async def create_key(settings: Settings, tenant: str) -> str:

@@ -11,7 +11,14 @@ from typing import Any
 from rich.console import Console
 
 from oncely.api.auth import create_api_key, tenant_for_key
-from oncely.bootstrap import ApiServer, Resources, build_worker, open_resources, stop_on_signals
+from oncely.bootstrap import (
+    ApiServer,
+    Resources,
+    build_reconciler,
+    build_worker,
+    open_resources,
+    stop_on_signals,
+)
 from oncely.embedded import EmbeddedServers
 from oncely.fakes.llm import serve_fake_llm
 from oncely.fakes.mail import serve_fake_mail
@@ -57,10 +64,13 @@ async def _run_services(settings: Settings, port: int) -> None:
         key = await _dev_key(res, settings.data_dir / "dev-api-key")
         api = ApiServer(res, host="127.0.0.1", port=port)
         worker = build_worker(res, llm)
+        reconciler = build_reconciler(res)
         background = _fakes(settings, port)
         _banner(settings, port, key)
-        with stop_on_signals(api.stop, worker.stop, *(t.cancel for t in background)):
-            await asyncio.gather(api.run(), worker.run())
+        stops: list[Callable[[], object]] = [api.stop, worker.stop, reconciler.stop]
+        stops += [task.cancel for task in background]
+        with stop_on_signals(*stops):
+            await asyncio.gather(api.run(), worker.run(), reconciler.run())
         for task in background:
             task.cancel()
         await asyncio.gather(*background, return_exceptions=True)

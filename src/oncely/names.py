@@ -15,6 +15,8 @@ SUMMARIES_DEAD = "oncely:{summaries}:dead"
 # reconciler uses it to tell "still in the stream" from "lost".
 SUMMARIES_INDEX = "oncely:{summaries}:index"
 SUMMARIES_GROUP = "summarisers"
+# Held (with a TTL) by the one process running a reconcile pass.
+RECONCILE_LOCK = "oncely:{summaries}:reconcile-lock"
 
 LLM_LIMITER_PREFIX = "oncely:limiter:llm:"
 

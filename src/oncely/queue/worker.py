@@ -277,6 +277,10 @@ class Worker:
     async def _dead_letter(self, delivery: Delivery, reason: str, error: str) -> None:
         if delivery.lease_lost:
             return
+        # The job row first: a crash between the two leaves a pending entry
+        # that is dead-lettered again, never a queued job with no message.
+        if self.on_dead is not None and delivery.job_id:
+            await self.on_dead(delivery.job_id, f"{reason}: {error}")
         fields = {
             **delivery.fields,
             "original_id": delivery.entry_id,
@@ -289,8 +293,6 @@ class Worker:
             self.stats["dead"] += 1
             metrics.DEAD_LETTERS.labels(reason=reason).inc()
             log.error("job.dead_lettered", job_id=delivery.job_id, reason=reason, error=error)
-            if self.on_dead is not None and delivery.job_id:
-                await self.on_dead(delivery.job_id, f"{reason}: {error}")
 
     # -- acknowledging, batched -------------------------------------------
 

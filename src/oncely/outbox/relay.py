@@ -1,0 +1,356 @@
+"""The outbox relay: lease due rows, send each, record what happened (DESIGN §5).
+
+Delivery is at-least-once and the effect exactly-once: the row is marked sent
+only after the provider accepted it, and every resend (after a crash, a lost
+lease or a timeout) carries the same dedupe key, which the provider dedupes
+on. The residual window is a relay dying between the provider's answer and
+the ``sent_at`` commit: the row is sent again once its lease expires, and only
+the provider's idempotency makes that one effect.
+
+Sends run outside any transaction. A relay wakes on ``NOTIFY oncely_outbox``
+(sent by the transaction that wrote the row) and polls as a fallback, so a
+missed notification costs at most one poll interval.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+from uuid import UUID, uuid4
+
+import psycopg
+import structlog
+
+from oncely import metrics
+from oncely.errors import PermanentError, TransientError
+from oncely.outbox.store import OutboxRow, OutboxStore
+from oncely.retry import classify, retry_after_s
+from oncely.senders.base import Sender, SendResult
+from oncely.sql import query
+
+if TYPE_CHECKING:
+    from oncely.settings import Settings
+
+log = structlog.get_logger("oncely.relay")
+
+# Shown in pg_stat_activity, so an operator (or a test) can find the listener.
+LISTENER_APPLICATION_NAME = "oncely-relay-listener"
+
+# A connection that died without a FIN (a NAT or a failover dropping it) never
+# raises while we only wait for notifications; a ping this often finds it.
+_LISTENER_PING_S = 30.0
+_CONNECT_TIMEOUT_S = 10
+
+
+@dataclass(frozen=True)
+class RelayConfig:
+    """How one relay process claims, sends and backs off.
+
+    ``lease_s`` must exceed the time a claimed row can wait for a send slot
+    plus the send itself (about ``batch / concurrency`` send timeouts): a row
+    whose lease ends before its send finishes may be sent by another relay too.
+    """
+
+    max_attempts: int = 10
+    lease_s: float = 30.0
+    batch: int = 100
+    concurrency: int = 64
+    poll_s: float = 1.0
+    retention_s: float = 7 * 86400.0
+    backoff_base_s: float = 1.0
+    backoff_max_s: float = 300.0
+    # A provider's Retry-After wins over our backoff; this only bounds a bogus one.
+    retry_after_max_s: float = 3600.0
+    cleanup_every_s: float = 60.0
+    cleanup_batch: int = 1000
+    listen_retry_s: float = 1.0
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> RelayConfig:
+        return cls(
+            max_attempts=settings.relay_max_attempts,
+            lease_s=settings.relay_lease_s,
+            batch=settings.relay_batch,
+            concurrency=settings.relay_concurrency,
+            poll_s=settings.relay_poll_s,
+            retention_s=settings.outbox_retention_s,
+        )
+
+
+def backoff_s(
+    attempts: int, base_s: float, max_s: float, rand: Callable[[], float] = random.random
+) -> float:
+    """Full jitter: uniform in [0, min(max_s, base_s * 2**(attempts - 1))].
+
+    Full rather than equal jitter so rows that failed together (a provider
+    outage) come back spread out instead of in one burst.
+    """
+    exponent = min(max(attempts - 1, 0), 32)  # past the cap anyway; avoids float overflow
+    return min(max_s, base_s * 2.0**exponent) * rand()
+
+
+@dataclass(frozen=True)
+class _Lease:
+    """The relay's own, conservative view of a claim's lease (monotonic clock).
+
+    Started before the claim statement, so it ends no later than the
+    database's ``locked_until``.
+    """
+
+    started: float
+    lease_s: float
+
+    @classmethod
+    def starting_now(cls, lease_s: float) -> _Lease:
+        return cls(time.monotonic(), lease_s)
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
+    def remaining(self) -> float:
+        return self.lease_s - self.elapsed()
+
+
+class Relay:
+    """One relay process's loop. Any number run side by side on one database."""
+
+    def __init__(
+        self,
+        store: OutboxStore,
+        sender: Sender,
+        config: RelayConfig,
+        *,
+        database_url: str | None = None,
+        owner: UUID | None = None,
+        rand: Callable[[], float] = random.random,
+    ) -> None:
+        self.store = store
+        self.sender = sender
+        self.config = config
+        # Without a database URL there is no LISTEN: the relay only polls.
+        self.database_url = database_url
+        # Fences every write after the claim; fresh per relay, never reused.
+        self.owner = owner or uuid4()
+        self.rand = rand
+        # Set while the listener's LISTEN is in place (tests wait for it).
+        self.listening = asyncio.Event()
+        self.stats: dict[str, int] = {
+            "sent": 0,
+            "failed": 0,
+            "retried": 0,
+            "lease_lost": 0,
+            "woken_by_notify": 0,
+            "polls": 0,
+            "listens": 0,
+        }
+        self._slots = asyncio.Semaphore(config.concurrency)
+        self._stopping = asyncio.Event()
+        self._wake = asyncio.Event()
+        self._woken_by = ""
+
+    # -- the loop ---------------------------------------------------------
+
+    async def run(self) -> None:
+        """Relay until ``stop()``; the batch in flight then finishes before this returns."""
+        log.info("relay.started", owner=str(self.owner), batch=self.config.batch)
+        background = [asyncio.create_task(self._clean_up_forever(), name="outbox-retention")]
+        if self.database_url is not None:
+            listener = self._listen_forever(self.database_url)
+            background.append(asyncio.create_task(listener, name="outbox-listen"))
+        try:
+            while not self._stopping.is_set():
+                if await self._pass() == 0:
+                    await self._wait_for_work()
+        finally:
+            for task in background:
+                task.cancel()
+            await asyncio.gather(*background, return_exceptions=True)
+            self.listening.clear()
+            log.info("relay.stopped", owner=str(self.owner), **self.stats)
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._wake_up("stop")
+
+    async def run_once(self) -> int:
+        """Claim one batch and send it, ``concurrency`` at a time; how many rows were claimed."""
+        lease = _Lease.starting_now(self.config.lease_s)
+        rows = await self.store.claim(self.owner, self.config.batch, self.config.lease_s)
+        if rows:
+            async with asyncio.TaskGroup() as sends:
+                for row in rows:
+                    sends.create_task(self._relay(row, lease))
+        return len(rows)
+
+    async def _pass(self) -> int:
+        try:
+            return await self.run_once()
+        except psycopg.Error as exc:  # PoolTimeout included
+            # The database is away; the rows wait, and the next pass retries.
+            log.error("outbox.relay_error", error=_describe(exc))
+            return 0
+
+    async def _wait_for_work(self) -> None:
+        """Until a NOTIFY, a listener (re)connect or ``stop()``; at most one poll interval."""
+        try:
+            async with asyncio.timeout(self.config.poll_s):
+                await self._wake.wait()
+        except TimeoutError:
+            self.stats["polls"] += 1
+        else:
+            if self._woken_by == "notify":
+                self.stats["woken_by_notify"] += 1
+        self._wake.clear()
+
+    def _wake_up(self, reason: str) -> None:
+        self._woken_by = reason
+        self._wake.set()
+
+    # -- one row -------------------------------------------------------------
+
+    async def _relay(self, row: OutboxRow, lease: _Lease) -> None:
+        async with self._slots:
+            try:
+                await self._deliver(row, lease)
+            except psycopg.Error as exc:
+                # The outcome was not recorded: the lease runs out and the row
+                # is sent again under the same dedupe key, one effect.
+                log.error("outbox.record_failed", outbox_id=row.id, error=_describe(exc))
+
+    async def _deliver(self, row: OutboxRow, lease: _Lease) -> None:
+        if row.attempts > self.config.max_attempts:
+            # Only expired leases get a row here (a failed send gives up at
+            # max_attempts): relays kept dying or stalling on it. Stop rather
+            # than let one row take relays down forever.
+            lost = PermanentError(f"lease ran out mid-send {row.attempts - 1} times")
+            await self._failed(row, lost)
+            return
+        if lease.remaining() <= 0:
+            # It waited too long for a slot; another relay may hold it by now.
+            self._lease_lost(row, "lease ended before the send")
+            return
+        # A send outliving the lease races another relay's resend of the row.
+        window = asyncio.timeout(lease.remaining())
+        try:
+            async with window:
+                result = await self.sender.send(row.topic, row.payload, row.dedupe_key)
+        except Exception as exc:
+            cut = TransientError(f"send cut off when its {lease.lease_s} s lease ended")
+            await self._failed(row, cut if window.expired() else exc)
+        else:
+            await self._sent(row, result, lease)
+
+    async def _sent(self, row: OutboxRow, result: SendResult, lease: _Lease) -> None:
+        if not await self.store.mark_sent(row.id, self.owner, result.provider_message_id):
+            self._lease_lost(row, "sent, but another relay holds the row")
+            return
+        lag_s = row.age_s + lease.elapsed()
+        self.stats["sent"] += 1
+        metrics.OUTBOX_SENDS.labels(outcome="sent").inc()
+        metrics.OUTBOX_LAG.observe(lag_s)
+        log.info(
+            "outbox.sent", outbox_id=row.id, topic=row.topic, attempts=row.attempts, lag_s=lag_s
+        )
+
+    async def _failed(self, row: OutboxRow, exc: Exception) -> None:
+        """Unclassified errors are permanent (DESIGN §4), as in the worker."""
+        error = _describe(exc)
+        give_up = not classify(exc) or row.attempts >= self.config.max_attempts
+        delay_s = 0.0 if give_up else self._retry_delay_s(row.attempts, exc)
+        recorded = await self.store.mark_failed_attempt(
+            row.id, self.owner, error, next_attempt_at_delay_s=delay_s, give_up=give_up
+        )
+        if not recorded:
+            self._lease_lost(row, "send failed, and another relay holds the row")
+        elif give_up:
+            self._gave_up(row, error)
+        else:
+            self.stats["retried"] += 1
+            metrics.OUTBOX_SENDS.labels(outcome="retry").inc()
+            log.warning(
+                "outbox.send_failed",
+                outbox_id=row.id,
+                topic=row.topic,
+                attempts=row.attempts,
+                retry_in_s=round(delay_s, 3),
+                error=error,
+            )
+
+    def _retry_delay_s(self, attempts: int, exc: Exception) -> float:
+        hinted = retry_after_s(exc)
+        if hinted is not None:
+            return min(hinted, self.config.retry_after_max_s)
+        return backoff_s(attempts, self.config.backoff_base_s, self.config.backoff_max_s, self.rand)
+
+    def _gave_up(self, row: OutboxRow, error: str) -> None:
+        self.stats["failed"] += 1
+        metrics.OUTBOX_SENDS.labels(outcome="failed").inc()
+        log.error(
+            "outbox.gave_up", outbox_id=row.id, topic=row.topic, attempts=row.attempts, error=error
+        )
+
+    def _lease_lost(self, row: OutboxRow, reason: str) -> None:
+        self.stats["lease_lost"] += 1
+        metrics.OUTBOX_SENDS.labels(outcome="lease_lost").inc()
+        log.warning("outbox.lease_lost", outbox_id=row.id, topic=row.topic, reason=reason)
+
+    # -- wake-ups ---------------------------------------------------------------
+
+    async def _listen_forever(self, database_url: str) -> None:
+        while True:
+            try:
+                await self._listen(database_url)
+            except (psycopg.Error, OSError) as exc:  # TimeoutError is an OSError
+                self.listening.clear()
+                log.warning(
+                    "outbox.listener_lost",
+                    error=_describe(exc),
+                    retry_in_s=self.config.listen_retry_s,
+                )
+            await asyncio.sleep(self.config.listen_retry_s)
+
+    async def _listen(self, database_url: str) -> None:
+        """LISTEN on a dedicated autocommit connection and wake the loop per NOTIFY."""
+        async with await psycopg.AsyncConnection.connect(
+            database_url,
+            autocommit=True,
+            application_name=LISTENER_APPLICATION_NAME,
+            connect_timeout=_CONNECT_TIMEOUT_S,
+        ) as conn:
+            await conn.execute(query("outbox_listen"))
+            self.listening.set()
+            self.stats["listens"] += 1
+            # A NOTIFY sent while nobody listened is gone: one pass covers it.
+            self._wake_up("listen")
+            while True:
+                async for _ in conn.notifies(timeout=_LISTENER_PING_S):
+                    self._wake_up("notify")
+                async with asyncio.timeout(_LISTENER_PING_S):
+                    await conn.execute(query("outbox_listener_ping"))
+
+    # -- retention ---------------------------------------------------------------
+
+    async def _clean_up_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.cleanup_every_s)
+            try:
+                await self.clean_up()
+            except psycopg.Error as exc:
+                log.warning("outbox.cleanup_failed", error=_describe(exc))
+
+    async def clean_up(self) -> int:
+        """Delete rows sent longer than ``retention_s`` ago; how many went."""
+        deleted = await self.store.delete_sent_before(
+            self.config.retention_s, self.config.cleanup_batch
+        )
+        if deleted:
+            log.info("outbox.cleaned_up", deleted=deleted)
+        return deleted
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"[:500]

@@ -1,0 +1,87 @@
+"""The reconciler re-enqueues exactly the queued jobs whose message is gone."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import pytest
+from psycopg.types.json import Jsonb
+
+from oncely import names
+from oncely.queue.reconcile import Reconciler
+from oncely.queue.stream import JobMessage, Stream
+from oncely.sql import query
+
+
+@pytest.fixture
+async def stream(redis) -> Stream:
+    s = Stream(redis)
+    await s.ensure_group()
+    return s
+
+
+async def accept(pool, stream: Stream | None, *, age_s: float) -> str:
+    """A job row aged ``age_s``; with a stream entry unless ``stream`` is None."""
+    job_id = str(uuid.uuid4())
+    payload = {"text": "t", "notify": "ada@example.com"}
+    async with pool.connection() as conn:
+        await conn.execute(query("insert_job"), (job_id, "acme", Jsonb(payload)))
+        await conn.execute(
+            "UPDATE jobs SET created_at = now() - make_interval(secs => %s) WHERE job_id = %s",
+            (age_s, job_id),
+        )
+    if stream is not None:
+        await stream.enqueue(JobMessage.new(job_id, "acme", payload))
+    return job_id
+
+
+async def stream_job_ids(stream: Stream) -> list[str]:
+    entries: Any = await stream.redis.xrange(stream.stream)
+    return [fields["job_id"] for _, fields in entries]
+
+
+async def test_only_old_queued_jobs_without_a_message_are_requeued(pool, stream):
+    waiting = await accept(pool, stream, age_s=600)  # old, but its message exists
+    lost = await accept(pool, None, age_s=600)  # API died before XADD
+    fresh = await accept(pool, None, age_s=1)  # too young to tell
+    reconciler = Reconciler(pool, stream, after_s=300)
+    assert await reconciler.run_once() == 1
+    assert sorted(await stream_job_ids(stream)) == sorted([waiting, lost])
+    assert fresh not in await stream_job_ids(stream)
+
+
+async def test_jobs_are_requeued_after_redis_lost_its_data(pool, stream, redis):
+    ids = [await accept(pool, stream, age_s=600) for _ in range(3)]
+    await redis.flushdb()  # Redis restarted without persistence
+    await stream.ensure_group()
+    assert await Reconciler(pool, stream, after_s=300).run_once() == 3
+    assert sorted(await stream_job_ids(stream)) == sorted(ids)
+
+
+async def test_trimmed_entry_still_in_the_index_counts_as_lost(pool, stream, redis):
+    job_id = await accept(pool, stream, age_s=600)
+    [entry_id] = [e for e, _ in await redis.xrange(stream.stream)]
+    await redis.xdel(stream.stream, entry_id)
+    assert await redis.hget(stream.index, job_id) == entry_id
+    assert await Reconciler(pool, stream, after_s=300).run_once() == 1
+    assert await stream_job_ids(stream) == [job_id]
+
+
+async def test_done_and_dead_jobs_are_never_requeued(pool, stream):
+    done = await accept(pool, None, age_s=600)
+    dead = await accept(pool, None, age_s=600)
+    async with pool.connection() as conn:
+        await conn.execute(query("mark_job_done"), (done,))
+        await conn.execute(query("mark_job_dead"), ("permanent: 400", dead))
+    assert await Reconciler(pool, stream, after_s=300).run_once() == 0
+
+
+async def test_one_pass_at_a_time_across_processes(pool, stream, redis):
+    await accept(pool, None, age_s=600)
+    first = Reconciler(pool, stream, after_s=300)
+    second = Reconciler(pool, stream, after_s=300)
+    assert await first.run_once() == 1
+    assert await second.run_once() == 0, "the lock is held for the pass interval"
+    assert await redis.pttl(names.RECONCILE_LOCK) > 0
+    assert len(await stream_job_ids(stream)) == 1
