@@ -24,8 +24,11 @@ from oncely.api.app import create_app
 from oncely.api.auth import create_api_key
 from oncely.bootstrap import make_redis
 from oncely.embedded import EmbeddedServers
+from oncely.fakes.llm import FakeLLMServer
+from oncely.llm.openai_compat import OpenAICompatible
 from oncely.settings import Settings
 from oncely.sql.migrate import migrate
+from oncely.workflow import SummaryJob
 
 _counter = itertools.count()
 
@@ -124,3 +127,32 @@ async def api_key(pool: AsyncConnectionPool) -> str:
 @pytest.fixture
 def auth(api_key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"}
+
+
+@pytest.fixture
+async def fake_llm() -> AsyncIterator[FakeLLMServer]:
+    async with FakeLLMServer() as server:
+        yield server
+
+
+@pytest.fixture
+def worker_settings(settings: Settings, fake_llm: FakeLLMServer) -> Settings:
+    return settings.model_copy(
+        update={
+            "llm_base_url": fake_llm.url,
+            "llm_timeout_s": 2.0,
+            "job_budget_s": 5.0,
+            "llm_backoff_base_s": 0.01,
+            "llm_backoff_max_s": 0.05,
+            "llm_retry_after_max_s": 0.05,
+        }
+    )
+
+
+@pytest.fixture
+async def summary_job(
+    pool: AsyncConnectionPool, worker_settings: Settings
+) -> AsyncIterator[SummaryJob]:
+    llm = OpenAICompatible.from_settings(worker_settings)
+    yield SummaryJob(pool, llm, worker_settings)
+    await llm.aclose()

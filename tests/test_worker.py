@@ -5,23 +5,15 @@ outbox rows, pending and dead entries."""
 from __future__ import annotations
 
 import asyncio
-import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
-from psycopg.types.json import Jsonb
-from psycopg_pool import AsyncConnectionPool
 from redis.asyncio import Redis
 
 from oncely.errors import TransientError
-from oncely.fakes.llm import FakeLLMServer
-from oncely.llm.openai_compat import OpenAICompatible
 from oncely.queue.stream import JobMessage, Stream
-from oncely.queue.worker import Delivery, Worker, WorkerConfig
-from oncely.settings import Settings
-from oncely.sql import query
-from oncely.workflow import SummaryJob, mark_dead
+from oncely.queue.worker import Delivery
+from tests.helpers import count, drain, job_status, make_worker, pending, submit
 
 
 class Crash(BaseException):
@@ -33,82 +25,6 @@ async def stream(redis: Redis) -> Stream:
     s = Stream(redis)
     await s.ensure_group()
     return s
-
-
-@pytest.fixture
-async def fake_llm() -> AsyncIterator[FakeLLMServer]:
-    async with FakeLLMServer() as server:
-        yield server
-
-
-@pytest.fixture
-def worker_settings(settings: Settings, fake_llm: FakeLLMServer) -> Settings:
-    return settings.model_copy(
-        update={
-            "llm_base_url": fake_llm.url,
-            "llm_timeout_s": 2.0,
-            "job_budget_s": 5.0,
-            "llm_backoff_base_s": 0.01,
-            "llm_backoff_max_s": 0.05,
-            "llm_retry_after_max_s": 0.05,
-        }
-    )
-
-
-@pytest.fixture
-async def summary_job(
-    pool: AsyncConnectionPool, worker_settings: Settings
-) -> AsyncIterator[SummaryJob]:
-    llm = OpenAICompatible.from_settings(worker_settings)
-    yield SummaryJob(pool, llm, worker_settings)
-    await llm.aclose()
-
-
-def make_worker(
-    stream: Stream, handler: Callable[..., Awaitable[str]], pool: AsyncConnectionPool, **cfg: Any
-) -> Worker:
-    config = WorkerConfig(**{"block_ms": 10, "claim_idle_ms": 60_000, **cfg})
-
-    async def on_dead(job_id: str, reason: str) -> None:
-        await mark_dead(pool, job_id, reason)
-
-    return Worker(stream, handler, config, on_dead=on_dead)
-
-
-async def submit(pool: AsyncConnectionPool, stream: Stream, text: str, job_id: str = "") -> str:
-    job_id = job_id or str(uuid.uuid4())
-    payload = {"text": text, "notify": "ada@example.com"}
-    async with pool.connection() as conn:
-        await conn.execute(query("insert_job"), (job_id, "acme", Jsonb(payload)))
-    await stream.enqueue(JobMessage.new(job_id, "acme", payload))
-    return job_id
-
-
-async def count(pool: AsyncConnectionPool, sql: str, *args: Any) -> int:
-    async with pool.connection() as conn:
-        cur = await conn.execute(sql, args)
-        row = await cur.fetchone()
-    assert row is not None
-    return int(row[0])
-
-
-async def pending(stream: Stream) -> int:
-    info: Any = await stream.redis.xpending(stream.stream, stream.group)
-    return int(info["pending"])
-
-
-async def job_status(pool: AsyncConnectionPool, job_id: str) -> str:
-    async with pool.connection() as conn:
-        cur = await conn.execute("SELECT status FROM jobs WHERE job_id = %s", (job_id,))
-        row = await cur.fetchone()
-    assert row is not None
-    return str(row[0])
-
-
-async def drain(worker: Worker, rounds: int = 1) -> None:
-    for _ in range(rounds):
-        await worker.run_once()
-        await worker.wait_idle()
 
 
 async def test_summary_job_stores_one_summary_and_one_outbox_row(
