@@ -14,6 +14,7 @@ from psycopg_pool import AsyncConnectionPool
 from redis.asyncio import Redis
 
 from oncely.llm.base import LLM
+from oncely.llm.limiter import FleetLimiter, LimitedLLM, Limits
 from oncely.queue.reconcile import Reconciler
 from oncely.queue.stream import Stream
 from oncely.queue.worker import Worker, WorkerConfig
@@ -128,7 +129,9 @@ def build_worker(res: Resources, llm: LLM) -> Worker:
     async def on_dead(job_id: str, reason: str) -> None:
         await mark_dead(res.pool, job_id, reason)
 
-    handler = SummaryJob(res.pool, llm, s)
+    limits = Limits(rpm=s.llm_rpm, tpm=s.llm_tpm, pause_max_s=s.llm_retry_after_max_s)
+    limited = LimitedLLM(llm, FleetLimiter(res.redis, limits))
+    handler = SummaryJob(res.pool, limited, s)
     return Worker(Stream(res.redis), handler, config, on_dead=on_dead)
 
 

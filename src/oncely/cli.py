@@ -28,6 +28,10 @@ app = typer.Typer(
 )
 keys_app = typer.Typer(help="API keys: a bearer token per tenant.", no_args_is_help=True)
 app.add_typer(keys_app, name="keys")
+dlq_app = typer.Typer(help="Dead letters: inspect and replay.", no_args_is_help=True)
+app.add_typer(dlq_app, name="dlq")
+outbox_app = typer.Typer(help="The outbox: notifications waiting or failed.", no_args_is_help=True)
+app.add_typer(outbox_app, name="outbox")
 
 err = Console(stderr=True)
 
@@ -164,6 +168,73 @@ def dev(
 
     settings = _settings(data_dir=data_dir, log_format="console")
     _run(run_dev(settings, port=port))
+
+
+@app.command()
+def status(
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+) -> None:
+    """Stream length, pending, consumers, dead letters, outbox and jobs by status."""
+    from oncely.ops import show_status
+
+    _run(show_status(_settings(), as_json=as_json))
+
+
+@dlq_app.command("list")
+def dlq_list(
+    limit: Annotated[int, typer.Option(help="How many, newest first.")] = 50,
+) -> None:
+    """List dead letters with their reason, delivery count and last error."""
+    from oncely.ops import show_dead_letters
+
+    _run(show_dead_letters(_settings(), limit=limit))
+
+
+@dlq_app.command("replay")
+def dlq_replay(
+    dead_id: Annotated[str | None, typer.Argument(help="The dead letter's id.")] = None,
+    replay_all: Annotated[bool, typer.Option("--all", help="Replay every dead letter.")] = False,
+) -> None:
+    """Put dead letters back in the stream (the job becomes queued again)."""
+    from oncely.ops import replay_dead_letters
+
+    if (dead_id is None) == (not replay_all):
+        err.print("[red]give one dead letter id, or --all[/red]")
+        raise typer.Exit(2)
+    count = _run(replay_dead_letters(_settings(), dead_id))
+    if dead_id is not None and count == 0:
+        err.print(f"[red]no dead letter {dead_id}[/red]")
+        raise typer.Exit(1)
+    err.print(f"replayed {count} dead letter(s)")
+
+
+@outbox_app.command("list")
+def outbox_list(
+    failed: Annotated[bool, typer.Option("--failed", help="Only rows that gave up.")] = False,
+    limit: Annotated[int, typer.Option(help="How many rows.")] = 50,
+) -> None:
+    """List outbox rows not yet sent (or, with --failed, the ones that gave up)."""
+    from oncely.ops import show_outbox
+
+    _run(show_outbox(_settings(), failed_only=failed, limit=limit))
+
+
+@outbox_app.command("retry")
+def outbox_retry(
+    row_id: Annotated[int | None, typer.Argument(help="The outbox row id.")] = None,
+    all_failed: Annotated[bool, typer.Option("--all-failed", help="Every failed row.")] = False,
+) -> None:
+    """Send failed rows again (attempts reset)."""
+    from oncely.ops import retry_outbox
+
+    if (row_id is None) == (not all_failed):
+        err.print("[red]give one row id, or --all-failed[/red]")
+        raise typer.Exit(2)
+    count = _run(retry_outbox(_settings(), row_id))
+    if row_id is not None and count == 0:
+        err.print(f"[red]no failed or unsent row {row_id}[/red]")
+        raise typer.Exit(1)
+    err.print(f"scheduled {count} row(s) for sending")
 
 
 def main() -> None:

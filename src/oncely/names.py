@@ -18,7 +18,10 @@ SUMMARIES_GROUP = "summarisers"
 # Held (with a TTL) by the one process running a reconcile pass.
 RECONCILE_LOCK = "oncely:{summaries}:reconcile-lock"
 
-LLM_LIMITER_PREFIX = "oncely:limiter:llm:"
+# The fleet-wide model limiter: a pause after a 429, and GCRA state per limit.
+LLM_PAUSE = "oncely:limiter:llm:pause"
+LLM_RPM = "oncely:limiter:llm:rpm"
+LLM_TPM = "oncely:limiter:llm:tpm"
 
 
 def idempotency_key(scope_digest: str) -> str:

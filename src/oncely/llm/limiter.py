@@ -1,0 +1,127 @@
+"""Fleet-wide back-pressure on the model provider, shared through Redis.
+
+Two mechanisms, checked in one Lua call before every model call:
+
+- **Pause.** When any worker gets a 429, it pauses the whole fleet for the
+  provider's ``Retry-After`` (capped): every other worker waits too, instead
+  of each finding the limit on its own and making it worse.
+- **Pacing.** With ``ONCELY_LLM_RPM`` / ``ONCELY_LLM_TPM`` set, a GCRA
+  (generic cell rate algorithm) per limit spaces calls evenly across all
+  workers, with a small burst allowance. A call that would break either limit
+  is not made; the caller is told how long to wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+from redis.asyncio import Redis
+
+from oncely import names
+from oncely.errors import TransientError
+from oncely.llm.base import LLM
+from oncely.retry import retry_after_s, status_of
+
+# KEYS: pause, rpm, tpm. ARGV: rpm interval ms, rpm burst ms, tpm interval ms
+# per token, tpm burst ms, tokens. An interval of 0 means no limit.
+# Returns 0 when the call may go now (and records it), else ms to wait.
+_ACQUIRE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local paused = redis.call('PTTL', KEYS[1])
+if paused > 0 then return paused end
+local function check(key, interval, burst, cost)
+  if interval <= 0 then return 0, 0 end
+  local tat = tonumber(redis.call('GET', key) or '0')
+  if tat < now then tat = now end
+  local new_tat = tat + interval * cost
+  local wait = new_tat - burst - now
+  if wait > 0 then return wait, 0 end
+  return 0, new_tat
+end
+local wait_r, tat_r = check(KEYS[2], tonumber(ARGV[1]), tonumber(ARGV[2]), 1)
+local wait_t, tat_t = check(KEYS[3], tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5]))
+local wait = math.max(wait_r, wait_t)
+if wait > 0 then return math.ceil(wait) end
+if tat_r > 0 then redis.call('SET', KEYS[2], tat_r, 'PX', math.ceil(tat_r - now) + 1) end
+if tat_t > 0 then redis.call('SET', KEYS[3], tat_t, 'PX', math.ceil(tat_t - now) + 1) end
+return 0
+"""
+
+# A tenth of a minute's allowance may go at once; the rest is paced.
+_BURST_SHARE = 0.1
+_MINUTE_MS = 60_000.0
+
+
+@dataclass(frozen=True)
+class Limits:
+    rpm: int = 0
+    tpm: int = 0
+    pause_max_s: float = 30.0
+
+
+def estimate_tokens(prompt: str, max_output: int = 256) -> int:
+    """About four characters a token, plus the answer's allowance."""
+    return len(prompt) // 4 + max_output
+
+
+class FleetLimiter:
+    def __init__(self, redis: Redis, limits: Limits) -> None:
+        self.redis = redis
+        self.limits = limits
+        self._acquire = redis.register_script(_ACQUIRE)
+        self.waits = 0
+        self.pauses = 0
+
+    async def acquire(self, tokens: int) -> float:
+        """0 if a call may go now (and it is counted), else seconds to wait."""
+        rpm_ms = _MINUTE_MS / self.limits.rpm if self.limits.rpm else 0.0
+        tpm_ms = _MINUTE_MS / self.limits.tpm if self.limits.tpm else 0.0
+        args = [
+            rpm_ms,
+            _MINUTE_MS * _BURST_SHARE if rpm_ms else 0,
+            tpm_ms,
+            _MINUTE_MS * _BURST_SHARE if tpm_ms else 0,
+            tokens,
+        ]
+        keys = [names.LLM_PAUSE, names.LLM_RPM, names.LLM_TPM]
+        wait_ms = int(await self._acquire(keys=keys, args=args))
+        if wait_ms > 0:
+            self.waits += 1
+        return wait_ms / 1000
+
+    async def pause(self, seconds: float) -> None:
+        """Hold every worker's calls for ``seconds`` (never shortens a longer pause)."""
+        ms = int(min(seconds, self.limits.pause_max_s) * 1000)
+        if ms <= 0:
+            return
+        self.pauses += 1
+        current = await self.redis.pttl(names.LLM_PAUSE)
+        if current < ms:
+            await self.redis.set(names.LLM_PAUSE, "1", px=ms)
+
+
+class LimitedLLM:
+    """Any ``LLM``, behind the fleet limiter. Waits that fit in the attempt's
+    timeout are waited here; longer ones become a TransientError carrying the
+    wait as Retry-After, so the retry policy (and the deadline) decide."""
+
+    def __init__(self, llm: LLM, limiter: FleetLimiter) -> None:
+        self.llm = llm
+        self.limiter = limiter
+
+    async def complete(self, prompt: str, timeout: float) -> str:  # noqa: ASYNC109 (LLM protocol)
+        started = time.monotonic()
+        tokens = estimate_tokens(prompt)
+        while (wait := await self.limiter.acquire(tokens)) > 0:
+            if time.monotonic() - started + wait >= timeout:
+                raise TransientError("fleet rate limit", retry_after_s=wait)
+            await asyncio.sleep(wait)
+        try:
+            return await self.llm.complete(prompt, timeout - (time.monotonic() - started))
+        except Exception as exc:
+            if status_of(exc) == 429:
+                await self.limiter.pause(retry_after_s(exc) or 1.0)
+            raise
