@@ -261,3 +261,29 @@ async def test_trimmed_pending_entry_is_acknowledged_and_recorded(pool, stream):
     assert runs == 0
     assert worker.stats["lost"] == 1
     assert await pending(stream) == 0
+
+
+async def test_stopped_worker_leaves_no_consumer_behind(pool, stream):
+    async def ok(message: JobMessage, delivery: Delivery) -> str:
+        return "done"
+
+    await submit(pool, stream, "one job")
+    worker = make_worker(stream, ok, pool)
+    run = asyncio.create_task(worker.run())
+    while await pending(stream) or await stream.redis.xlen(stream.stream) == 0:
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.05)
+    worker.stop()
+    await run
+    consumers: Any = await stream.redis.xinfo_consumers(stream.stream, stream.group)
+    assert [c["name"] for c in consumers] == []
+
+
+async def test_idle_consumers_with_nothing_pending_are_forgotten(pool, stream):
+    await submit(pool, stream, "one job")
+    await stream.read_new("holds-an-entry", 1, 10)
+    await stream.read_new("holds-nothing", 1, 10)
+    gone = await stream.forget_consumers(idle_ms=0)
+    assert gone == ["holds-nothing"]
+    consumers: Any = await stream.redis.xinfo_consumers(stream.stream, stream.group)
+    assert [c["name"] for c in consumers] == ["holds-an-entry"]

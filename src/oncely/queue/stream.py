@@ -172,6 +172,21 @@ class Stream:
         renewed = await self._renew(keys=[self.stream], args=[self.group, consumer, *ids])
         return {str(i) for i in renewed}
 
+    async def forget_consumers(self, idle_ms: int, only: str | None = None) -> list[str]:
+        """Delete consumers with nothing pending that have been idle for ``idle_ms``
+        (or just ``only``): every process adds one, and a consumer's name
+        otherwise stays in the group forever."""
+        consumers: Any = await self.redis.xinfo_consumers(self.stream, self.group)
+        gone = []
+        for c in consumers:
+            name = str(c["name"])
+            if int(c["pending"]) or (only is not None and name != only):
+                continue
+            if only is not None or int(c["idle"]) >= idle_ms:
+                await self.redis.xgroup_delconsumer(self.stream, self.group, name)
+                gone.append(name)
+        return gone
+
     async def trim(self) -> str | None:
         """Trim below both the oldest pending entry and the group's last-delivered
         id: never a pending or undelivered entry. Returns the MINID used."""

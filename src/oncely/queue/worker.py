@@ -43,6 +43,7 @@ _TRANSIENT = (
 
 
 _MIN_PAUSE_S = 0.1
+_FORGET_CONSUMER_AFTER_MS = 3_600_000
 _MAX_PAUSE_S = 5.0
 
 
@@ -118,6 +119,8 @@ class Worker:
                 task.cancel()
             await asyncio.wait(background, timeout=1)
             await self._flush_acks()
+            with contextlib.suppress(redis.exceptions.RedisError):
+                await self.stream.forget_consumers(idle_ms=0, only=self.consumer)
             log.info("worker.stopped", consumer=self.consumer, **self.stats)
 
     async def _loop(self) -> None:
@@ -360,6 +363,7 @@ class Worker:
             await asyncio.sleep(self.config.trim_every_s)
             with contextlib.suppress(redis.exceptions.RedisError):
                 await self.stream.trim()
+                await self.stream.forget_consumers(idle_ms=_FORGET_CONSUMER_AFTER_MS)
 
     async def _wait_for_slot(self) -> None:
         while len(self._tasks) >= self.config.concurrency and not self._stopping.is_set():
