@@ -253,7 +253,11 @@ class Relay:
         metrics.OUTBOX_SENDS.labels(outcome="sent").inc()
         metrics.OUTBOX_LAG.observe(lag_s)
         log.info(
-            "outbox.sent", outbox_id=row.id, topic=row.topic, attempts=row.attempts, lag_s=lag_s
+            "outbox.sent",
+            outbox_id=row.id,
+            topic=row.topic,
+            attempts=row.attempts,
+            lag_s=round(lag_s, 3),
         )
 
     async def _failed(self, row: OutboxRow, exc: Exception) -> None:

@@ -62,27 +62,33 @@ SELECT job_id, tenant, payload FROM jobs
  LIMIT %s
 
 -- name: mark_job_requeued
-UPDATE jobs SET status = 'queued', error = NULL, updated_at = now() WHERE job_id = %s
+-- A dead letter replayed by an operator: its job is waiting again.
+UPDATE jobs SET status = 'queued', error = NULL, updated_at = now()
+ WHERE job_id = %s AND status = 'dead'
 
 -- ---- outbox relay ----
 
 -- name: outbox_claim
--- One statement, one short transaction: the subquery locks due rows and skips
--- the ones another relay is claiming this instant; the UPDATE leases them to
--- the owner and counts the attempt now, so a relay killed mid-send has still
--- used one up. The row locks end at commit; the lease is what keeps other
--- relays away while the send runs.
+-- One statement, one short transaction: the CTE locks due rows and skips the
+-- ones another relay is claiming this instant; the UPDATE leases them to the
+-- owner and counts the attempt now, so a relay killed mid-send has still used
+-- one up. The row locks end at commit; the lease is what keeps other relays
+-- away while the send runs. MATERIALIZED: the locking scan runs exactly once,
+-- so a plan that rescans it cannot lease more rows than the limit.
+WITH due AS MATERIALIZED (
+    SELECT id FROM outbox
+     WHERE sent_at IS NULL AND failed_at IS NULL
+       AND next_attempt_at <= now()
+       AND (locked_until IS NULL OR locked_until < now())
+     ORDER BY next_attempt_at
+     LIMIT %(limit)s
+       FOR UPDATE SKIP LOCKED
+)
 UPDATE outbox o
    SET locked_until = now() + make_interval(secs => %(lease_s)s),
        locked_by = %(owner)s,
        attempts = o.attempts + 1
-  FROM (SELECT id FROM outbox
-         WHERE sent_at IS NULL AND failed_at IS NULL
-           AND next_attempt_at <= now()
-           AND (locked_until IS NULL OR locked_until < now())
-         ORDER BY next_attempt_at
-         LIMIT %(limit)s
-         FOR UPDATE SKIP LOCKED) due
+  FROM due
  WHERE o.id = due.id
 RETURNING o.id, o.topic, o.dedupe_key, o.payload, o.attempts, o.last_error,
           o.next_attempt_at, o.locked_until, o.locked_by, o.sent_at, o.failed_at,
@@ -142,12 +148,14 @@ UPDATE outbox
 -- name: outbox_delete_sent_before
 -- A bounded batch per transaction, so retention never holds many row locks
 -- or bloats one transaction while relays are claiming.
-DELETE FROM outbox
- WHERE id IN (SELECT id FROM outbox
-               WHERE sent_at < now() - make_interval(secs => %(age_s)s)
-               ORDER BY sent_at
-               LIMIT %(batch)s
-               FOR UPDATE SKIP LOCKED)
+WITH old AS MATERIALIZED (
+    SELECT id FROM outbox
+     WHERE sent_at < now() - make_interval(secs => %(age_s)s)
+     ORDER BY sent_at
+     LIMIT %(batch)s
+       FOR UPDATE SKIP LOCKED
+)
+DELETE FROM outbox o USING old WHERE o.id = old.id
 
 -- name: outbox_counts
 -- Separate subqueries so the unsent ones use the partial due index instead
@@ -165,3 +173,8 @@ LISTEN oncely_outbox
 
 -- name: outbox_listener_ping
 SELECT 1
+
+-- ---- operations ----
+
+-- name: jobs_by_status
+SELECT status, count(*) FROM jobs GROUP BY status

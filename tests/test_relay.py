@@ -1,0 +1,537 @@
+"""The outbox relay on real Postgres, sending through the real HTTP email
+sender to the fake mail provider. Every test counts effects: provider
+requests and effects, attempts, and which rows ended sent or failed.
+
+Time is rewound in the database (leases, next_attempt_at, sent_at), never
+slept through.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import socket
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import pytest
+from psycopg.types.json import Jsonb
+from psycopg_pool import AsyncConnectionPool
+from structlog.testing import capture_logs
+
+from oncely.fakes.mail import FakeMailServer, Faults
+from oncely.outbox import OutboxStore, Relay, RelayConfig, backoff_s
+from oncely.outbox.relay import LISTENER_APPLICATION_NAME
+from oncely.senders import HttpEmailSender, Sender, SendResult
+from oncely.settings import Settings
+from oncely.sql import query
+from oncely.workflow import SUMMARY_READY, dedupe_key
+
+DAY_S = 86400.0
+
+
+class Crash(BaseException):
+    """Stands for kill -9: nothing after it runs, nothing is cleaned up."""
+
+
+class Crashing:
+    """A relay process that dies right before or right after the real send."""
+
+    def __init__(self, inner: Sender, *, after_send: bool) -> None:
+        self.inner = inner
+        self.after_send = after_send
+
+    async def send(self, topic: str, payload: dict[str, Any], dedupe_key: str) -> SendResult:
+        if self.after_send:
+            await self.inner.send(topic, payload, dedupe_key)
+        raise Crash
+
+    async def aclose(self) -> None:
+        pass
+
+
+class Blocking:
+    """A send that hangs until released, then goes to the real provider."""
+
+    def __init__(self, inner: Sender) -> None:
+        self.inner = inner
+        self.keys: list[str] = []
+        self.release = asyncio.Event()
+
+    async def send(self, topic: str, payload: dict[str, Any], dedupe_key: str) -> SendResult:
+        self.keys.append(dedupe_key)
+        await self.release.wait()
+        return await self.inner.send(topic, payload, dedupe_key)
+
+    async def aclose(self) -> None:
+        pass
+
+
+@pytest.fixture
+async def fake_mail() -> AsyncIterator[FakeMailServer]:
+    async with FakeMailServer() as server:
+        yield server
+
+
+@pytest.fixture
+async def sender(fake_mail: FakeMailServer) -> AsyncIterator[HttpEmailSender]:
+    s = HttpEmailSender(fake_mail.url, timeout_s=2.0)
+    yield s
+    await s.aclose()
+
+
+@pytest.fixture
+def store(pool: AsyncConnectionPool) -> OutboxStore:
+    return OutboxStore(pool)
+
+
+def make_relay(
+    store: OutboxStore, sender: Sender, *, database_url: str | None = None, **cfg: Any
+) -> Relay:
+    # rand=1.0 makes the full-jitter backoff its ceiling: base * 2**(attempts-1).
+    config = RelayConfig(**{"batch": 10, "concurrency": 4, "poll_s": 0.05, **cfg})
+    return Relay(store, sender, config, database_url=database_url, rand=lambda: 1.0)
+
+
+async def add_rows(pool: AsyncConnectionPool, count: int, *, notify: bool = False) -> list[int]:
+    """Outbox rows as the worker's transaction writes them; their ids in order."""
+    job_ids = [str(uuid.uuid4()) for _ in range(count)]
+    rows = [
+        (SUMMARY_READY, dedupe_key(j), Jsonb({"job_id": j, "to": "ada@example.com", "summary": j}))
+        for j in job_ids
+    ]
+    async with pool.connection() as conn, conn.transaction():
+        async with conn.cursor() as cur:
+            await cur.executemany(query("insert_outbox"), rows)
+        if notify:
+            await conn.execute(query("notify_outbox"))
+        cur = await conn.execute(
+            "SELECT id FROM outbox WHERE dedupe_key = ANY(%s) ORDER BY id",
+            ([dedupe_key(j) for j in job_ids],),
+        )
+        return [row[0] for row in await cur.fetchall()]
+
+
+async def sql(pool: AsyncConnectionPool, statement: str, *params: Any) -> list[tuple[Any, ...]]:
+    async with pool.connection() as conn:
+        cur = await conn.execute(statement, params or None)
+        return await cur.fetchall() if cur.description else []
+
+
+async def seconds_until(pool: AsyncConnectionPool, column: str, row_id: int) -> float:
+    rows = await sql(
+        pool,
+        f"SELECT extract(epoch FROM {column} - now())::float8 FROM outbox WHERE id = %s",
+        row_id,
+    )
+    return float(rows[0][0])
+
+
+async def eventually(check: Callable[[], bool | Awaitable[bool]], timeout_s: float = 2.0) -> None:
+    async def holds() -> bool:
+        result = check()
+        return await result if inspect.isawaitable(result) else result
+
+    async with asyncio.timeout(timeout_s):
+        while not await holds():
+            await asyncio.sleep(0.01)
+
+
+def closed_port_url() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"http://127.0.0.1:{port}/v1/messages"
+
+
+# -- crashes and leases --------------------------------------------------------
+
+
+async def test_relay_dying_after_send_resends_once_lease_expires_as_one_effect(
+    pool: AsyncConnectionPool, store: OutboxStore, sender: Sender, fake_mail: FakeMailServer
+) -> None:
+    [row_id] = await add_rows(pool, 1)
+    dying = make_relay(store, Crashing(sender, after_send=True))
+    with pytest.raises(BaseExceptionGroup) as crashed:
+        await dying.run_once()
+    assert crashed.group_contains(Crash)
+
+    survivor = make_relay(store, sender)
+    assert await survivor.run_once() == 0, "the dead relay's lease still holds the row"
+    await sql(pool, "UPDATE outbox SET locked_until = now() - interval '1 s'")
+    assert await survivor.run_once() == 1
+
+    row = await store.get(row_id)
+    assert row is not None and row.sent_at is not None and row.attempts == 2
+    deliveries = await fake_mail.deliveries()
+    assert (deliveries["requests"], deliveries["effects"]) == (2, 1)
+    assert deliveries["by_key"] == {row.dedupe_key: 2}
+
+
+async def test_expired_lease_cannot_mark_a_row_another_relay_now_holds(
+    pool: AsyncConnectionPool, store: OutboxStore
+) -> None:
+    [row_id] = await add_rows(pool, 1)
+    first, second = uuid.uuid4(), uuid.uuid4()
+    assert [r.id for r in await store.claim(first, 10, 30)] == [row_id]
+    await sql(pool, "UPDATE outbox SET locked_until = now() - interval '1 s'")
+    assert [r.id for r in await store.claim(second, 10, 30)] == [row_id]
+
+    assert await store.mark_sent(row_id, first, "msg_first") is False
+    failed = await store.mark_failed_attempt(
+        row_id, first, "late", next_attempt_at_delay_s=0, give_up=True
+    )
+    assert failed is False
+    assert await store.mark_sent(row_id, second, "msg_second") is True
+    assert await store.mark_sent(row_id, second, "msg_again") is False, "sent rows stay sent"
+
+    row = await store.get(row_id)
+    assert row is not None
+    assert (row.provider_message_id, row.attempts, row.failed_at) == ("msg_second", 2, None)
+    assert (row.locked_by, row.locked_until, row.last_error) == (None, None, None)
+
+
+async def test_stuck_send_holds_no_row_lock_and_keeps_its_rows_until_the_lease_ends(
+    pool: AsyncConnectionPool, store: OutboxStore, sender: Sender, fake_mail: FakeMailServer
+) -> None:
+    await add_rows(pool, 6)
+    blocking = Blocking(sender)
+    stuck = make_relay(store, blocking, batch=2)
+    stuck_pass = asyncio.create_task(stuck.run_once())
+    await eventually(lambda: len(blocking.keys) == 2)
+
+    # Mid-send, no session holds a lock on the table or an open transaction.
+    locks = await sql(
+        pool,
+        "SELECT count(*) FROM pg_locks WHERE relation = 'outbox'::regclass"
+        " AND pid <> pg_backend_pid()",
+    )
+    open_tx = await sql(
+        pool,
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+        " AND state LIKE 'idle in transaction%'",
+    )
+    assert locks == [(0,)] and open_tx == [(0,)]
+
+    other = make_relay(store, sender)
+    async with asyncio.timeout(1):
+        assert await other.run_once() == 4
+    assert await other.run_once() == 0, "the stuck relay's leases are still valid"
+    assert not set(blocking.keys) & set((await fake_mail.deliveries())["by_key"])
+
+    await sql(pool, "UPDATE outbox SET locked_until = now() - interval '1 s' WHERE sent_at IS NULL")
+    assert await other.run_once() == 2
+
+    blocking.release.set()
+    await asyncio.wait_for(stuck_pass, 2)
+    assert stuck.stats["lease_lost"] == 2 and stuck.stats["sent"] == 0
+    assert other.stats["sent"] == 6
+    deliveries = await fake_mail.deliveries()
+    assert (deliveries["requests"], deliveries["effects"]) == (8, 6)
+
+
+async def test_row_whose_lease_keeps_running_out_mid_send_gives_up_unsent(
+    pool: AsyncConnectionPool, store: OutboxStore, sender: Sender, fake_mail: FakeMailServer
+) -> None:
+    [row_id] = await add_rows(pool, 1)
+    for _ in range(2):
+        with pytest.raises(BaseExceptionGroup):
+            await make_relay(store, Crashing(sender, after_send=False), max_attempts=2).run_once()
+        await sql(pool, "UPDATE outbox SET locked_until = now() - interval '1 s'")
+
+    relay = make_relay(store, sender, max_attempts=2)
+    assert await relay.run_once() == 1
+    row = await store.get(row_id)
+    assert row is not None and row.failed_at is not None and row.sent_at is None
+    assert row.last_error is not None and "lease ran out mid-send 2 times" in row.last_error
+    assert relay.stats["failed"] == 1
+    assert (await fake_mail.deliveries())["requests"] == 0
+
+
+# -- provider failures -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("outage", ["closed_port", "503"])
+async def test_provider_down_counts_an_attempt_and_schedules_a_retry_that_sends(
+    outage: str,
+    pool: AsyncConnectionPool,
+    store: OutboxStore,
+    sender: Sender,
+    fake_mail: FakeMailServer,
+) -> None:
+    [row_id] = await add_rows(pool, 1)
+    if outage == "503":
+        fake_mail.state.script(Faults(fail_next=1, status=503))
+        down: Sender = sender
+    else:
+        down = HttpEmailSender(closed_port_url(), timeout_s=2.0)
+    relay = make_relay(store, down)
+    assert await relay.run_once() == 1
+    if down is not sender:
+        await down.aclose()
+
+    row = await store.get(row_id)
+    assert row is not None and row.attempts == 1 and row.sent_at is None and row.failed_at is None
+    assert row.last_error and (
+        "503" in row.last_error if outage == "503" else "POST" in row.last_error
+    )
+    # First retry: the backoff ceiling base * 2**0 = 1 s (rand pinned to 1).
+    assert 0.5 < await seconds_until(pool, "next_attempt_at", row_id) <= 1.0
+    assert relay.stats["retried"] == 1
+    assert await make_relay(store, sender).run_once() == 0, "not due yet"
+
+    await sql(pool, "UPDATE outbox SET next_attempt_at = now() - interval '1 s'")
+    assert await make_relay(store, sender).run_once() == 1
+    row = await store.get(row_id)
+    assert row is not None and row.sent_at is not None and row.attempts == 2
+    assert (await fake_mail.deliveries())["effects"] == 1
+
+
+async def test_provider_retry_after_wins_over_backoff(
+    pool: AsyncConnectionPool, store: OutboxStore, sender: Sender, fake_mail: FakeMailServer
+) -> None:
+    [row_id] = await add_rows(pool, 1)
+    fake_mail.state.script(Faults(fail_next=1, status=429, retry_after=120))
+    assert await make_relay(store, sender).run_once() == 1
+    assert 118 < await seconds_until(pool, "next_attempt_at", row_id) <= 120
+
+
+async def test_permanent_4xx_fails_the_row_after_one_attempt(
+    pool: AsyncConnectionPool, store: OutboxStore, sender: Sender, fake_mail: FakeMailServer
+) -> None:
+    [row_id] = await add_rows(pool, 1)
+    fake_mail.state.script(Faults(fail_next=1, status=400))
+    relay = make_relay(store, sender)
+    with capture_logs() as logs:
+        assert await relay.run_once() == 1
+
+    row = await store.get(row_id)
+    assert row is not None and row.attempts == 1 and row.failed_at is not None
+    assert row.last_error is not None and "400" in row.last_error
+    assert [e["outbox_id"] for e in logs if e["event"] == "outbox.gave_up"] == [row_id]
+    assert await relay.run_once() == 0, "a failed row is not retried by itself"
+    assert relay.stats["failed"] == 1
+    deliveries = await fake_mail.deliveries()
+    assert (deliveries["requests"], deliveries["effects"]) == (1, 0)
+
+
+async def test_max_attempts_stops_the_row_until_an_operator_retries_it(
+    pool: AsyncConnectionPool, store: OutboxStore, sender: Sender, fake_mail: FakeMailServer
+) -> None:
+    [row_id] = await add_rows(pool, 1)
+    fake_mail.state.script(Faults(fail_next=100, status=503))
+    relay = make_relay(store, sender, max_attempts=3)
+    for _ in range(3):
+        assert await relay.run_once() == 1
+        await sql(pool, "UPDATE outbox SET next_attempt_at = now() - interval '1 s'")
+    assert await relay.run_once() == 0
+    assert (relay.stats["retried"], relay.stats["failed"]) == (2, 1)
+    assert [r.id for r in await store.list(failed_only=True)] == [row_id]
+    assert (await store.counts()).failed == 1
+
+    fake_mail.state.script(Faults())
+    assert await store.retry(row_id) is True
+    assert await store.retry(row_id) is False, "only failed rows are retried"
+    assert await relay.run_once() == 1
+    row = await store.get(row_id)
+    assert row is not None and row.sent_at is not None and row.attempts == 1
+    assert await store.list(failed_only=True) == []
+    deliveries = await fake_mail.deliveries()
+    assert (deliveries["requests"], deliveries["effects"]) == (4, 1)
+
+
+# -- many relays, wake-ups, shutdown ------------------------------------------------
+
+
+async def test_two_relays_side_by_side_send_500_rows_exactly_once(
+    pool: AsyncConnectionPool, store: OutboxStore, fake_mail: FakeMailServer
+) -> None:
+    await add_rows(pool, 500)
+    senders = [HttpEmailSender(fake_mail.url, timeout_s=2.0) for _ in range(2)]
+    relays = [make_relay(store, s, batch=25, concurrency=8, poll_s=0.02) for s in senders]
+    loops = [asyncio.create_task(r.run()) for r in relays]
+
+    async def all_sent() -> bool:
+        return await sql(pool, "SELECT count(*) FROM outbox WHERE sent_at IS NULL") == [(0,)]
+
+    try:
+        await eventually(all_sent, timeout_s=10)
+    finally:
+        for relay in relays:
+            relay.stop()
+        await asyncio.wait_for(asyncio.gather(*loops), 2)
+        for s in senders:
+            await s.aclose()
+
+    deliveries = await fake_mail.deliveries()
+    assert deliveries["requests"] == deliveries["effects"] == 500
+    assert set(deliveries["by_key"].values()) == {1}
+    assert await sql(pool, "SELECT attempts, count(*) FROM outbox GROUP BY 1") == [(1, 500)]
+    assert [r.stats["sent"] > 0 for r in relays] == [True, True]
+    assert sum(r.stats["sent"] for r in relays) == 500
+
+
+async def test_notify_wakes_the_relay_well_before_its_poll_interval(
+    pool: AsyncConnectionPool,
+    store: OutboxStore,
+    sender: Sender,
+    fake_mail: FakeMailServer,
+    database_url: str,
+) -> None:
+    relay = make_relay(store, sender, database_url=database_url, poll_s=10.0)
+    loop = asyncio.create_task(relay.run())
+    try:
+        await asyncio.wait_for(relay.listening.wait(), 2)
+        started = time.monotonic()
+        await add_rows(pool, 1, notify=True)  # row and NOTIFY in one transaction
+        await eventually(_effects(fake_mail, 1), timeout_s=1.0)
+        assert time.monotonic() - started < 1.0
+        await eventually(lambda: relay.stats["woken_by_notify"] >= 1, timeout_s=0.5)
+        assert relay.stats["polls"] == 0
+    finally:
+        relay.stop()
+        await asyncio.wait_for(loop, 2)
+
+
+async def test_listener_reconnects_after_its_connection_drops(
+    pool: AsyncConnectionPool,
+    store: OutboxStore,
+    sender: Sender,
+    fake_mail: FakeMailServer,
+    database_url: str,
+) -> None:
+    relay = make_relay(store, sender, database_url=database_url, poll_s=10.0, listen_retry_s=0.05)
+    loop = asyncio.create_task(relay.run())
+    try:
+        await asyncio.wait_for(relay.listening.wait(), 2)
+        terminated = await sql(
+            pool,
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+            " WHERE application_name = %s AND datname = current_database()",
+            LISTENER_APPLICATION_NAME,
+        )
+        assert terminated == [(True,)]
+        await eventually(lambda: relay.stats["listens"] == 2)
+
+        await add_rows(pool, 1, notify=True)
+        await eventually(_effects(fake_mail, 1), timeout_s=1.0)
+        await eventually(lambda: relay.stats["woken_by_notify"] >= 1, timeout_s=0.5)
+        assert relay.stats["polls"] == 0
+    finally:
+        relay.stop()
+        await asyncio.wait_for(loop, 2)
+
+
+async def test_stop_lets_the_send_in_flight_finish_and_record_it(
+    pool: AsyncConnectionPool, store: OutboxStore, sender: Sender, fake_mail: FakeMailServer
+) -> None:
+    [row_id] = await add_rows(pool, 1)
+    blocking = Blocking(sender)
+    relay = make_relay(store, blocking)
+    loop = asyncio.create_task(relay.run())
+    await eventually(lambda: len(blocking.keys) == 1)
+
+    relay.stop()
+    await asyncio.sleep(0.05)
+    assert not loop.done(), "run() waits for the send in flight"
+    blocking.release.set()
+    await asyncio.wait_for(loop, 2)
+
+    row = await store.get(row_id)
+    assert row is not None and row.sent_at is not None
+    assert (await fake_mail.deliveries())["effects"] == 1
+
+
+# -- retention and operator views ------------------------------------------------------
+
+
+async def test_retention_deletes_only_rows_sent_before_the_window(
+    pool: AsyncConnectionPool, store: OutboxStore, sender: Sender
+) -> None:
+    ids = await add_rows(pool, 8)
+    old_sent, fresh_sent, old_unsent, old_failed = ids[:5], ids[5], ids[6], ids[7]
+    await sql(
+        pool,
+        "UPDATE outbox SET sent_at = now() - interval '8 days',"
+        " created_at = now() - interval '9 days' WHERE id = ANY(%s)",
+        old_sent,
+    )
+    await sql(
+        pool, "UPDATE outbox SET sent_at = now() - interval '1 hour' WHERE id = %s", fresh_sent
+    )
+    await sql(
+        pool, "UPDATE outbox SET created_at = now() - interval '30 days' WHERE id = %s", old_unsent
+    )
+    await sql(
+        pool,
+        "UPDATE outbox SET failed_at = now() - interval '30 days',"
+        " created_at = now() - interval '30 days' WHERE id = %s",
+        old_failed,
+    )
+
+    relay = make_relay(store, sender, retention_s=7 * DAY_S, cleanup_batch=2)
+    assert await relay.clean_up() == 5
+    assert await relay.clean_up() == 0
+    remaining = await sql(pool, "SELECT id FROM outbox ORDER BY id")
+    assert [r[0] for r in remaining] == [fresh_sent, old_unsent, old_failed]
+
+
+async def test_counts_and_retry_all_failed_for_operators(
+    pool: AsyncConnectionPool, store: OutboxStore
+) -> None:
+    sent, failed, waiting = await add_rows(pool, 3)
+    await sql(pool, "UPDATE outbox SET sent_at = now() WHERE id = %s", sent)
+    await sql(pool, "UPDATE outbox SET failed_at = now(), attempts = 10 WHERE id = %s", failed)
+    await sql(pool, "UPDATE outbox SET created_at = now() - interval '60 s' WHERE id = %s", waiting)
+
+    counts = await store.counts()
+    assert (counts.unsent, counts.in_flight, counts.failed) == (1, 0, 1)
+    assert counts.oldest_unsent_age_s is not None and 59 < counts.oldest_unsent_age_s < 70
+    assert [r.id for r in await store.list()] == [failed, waiting]
+
+    await store.claim(uuid.uuid4(), 10, 30)
+    assert (await store.counts()).in_flight == 1
+    assert await store.retry_all_failed() == 1
+    counts = await store.counts()
+    assert (counts.unsent, counts.failed) == (2, 0)
+    row = await store.get(failed)
+    assert row is not None and row.attempts == 0 and row.failed_at is None
+
+
+def test_backoff_is_full_jitter_exponential_and_capped() -> None:
+    assert [backoff_s(n, 1.0, 300.0, lambda: 1.0) for n in (1, 2, 4, 9, 10, 10_000)] == [
+        1.0,
+        2.0,
+        8.0,
+        256.0,
+        300.0,
+        300.0,
+    ]
+    assert backoff_s(5, 1.0, 300.0, lambda: 0.0) == 0.0
+    assert all(0.0 <= backoff_s(6, 1.0, 300.0) <= 32.0 for _ in range(100))
+
+
+def test_relay_config_from_settings_takes_the_relay_knobs() -> None:
+    settings = Settings(
+        relay_max_attempts=3,
+        relay_lease_s=12,
+        relay_batch=7,
+        relay_concurrency=5,
+        relay_poll_s=0.5,
+        outbox_retention_s=60,
+    )
+    config = RelayConfig.from_settings(settings)
+    assert (config.max_attempts, config.lease_s, config.batch) == (3, 12, 7)
+    assert (config.concurrency, config.poll_s, config.retention_s) == (5, 0.5, 60)
+
+
+# -- helpers for eventually() -------------------------------------------------------------
+
+
+def _effects(fake_mail: FakeMailServer, count: int) -> Callable[[], Awaitable[bool]]:
+    async def check() -> bool:
+        return (await fake_mail.deliveries())["effects"] >= count
+
+    return check
