@@ -15,9 +15,13 @@ from redis.asyncio import Redis
 
 from oncely.llm.base import LLM
 from oncely.llm.limiter import FleetLimiter, LimitedLLM, Limits
+from oncely.outbox.relay import Relay, RelayConfig
+from oncely.outbox.store import OutboxStore
 from oncely.queue.reconcile import Reconciler
 from oncely.queue.stream import Stream
 from oncely.queue.worker import Worker, WorkerConfig
+from oncely.senders import build_sender
+from oncely.senders.base import Sender
 from oncely.settings import Settings
 from oncely.workflow import SummaryJob, mark_dead
 
@@ -161,3 +165,25 @@ async def revoke_key(settings: Settings, key: str) -> str | None:
 
     async with open_resources(settings) as res:
         return await revoke_api_key(res.pool, key)
+
+
+async def run_relay(settings: Settings) -> None:
+    async with open_resources(settings) as res:
+        relay, sender = build_relay(res)
+        try:
+            with stop_on_signals(relay.stop):
+                await relay.run()
+        finally:
+            await sender.aclose()
+
+
+def build_relay(res: Resources) -> tuple[Relay, Sender]:
+    """The relay and its sender; the caller closes the sender after the relay stops."""
+    sender = build_sender(res.settings)
+    relay = Relay(
+        OutboxStore(res.pool),
+        sender,
+        RelayConfig.from_settings(res.settings),
+        database_url=res.settings.database_url,
+    )
+    return relay, sender

@@ -87,6 +87,14 @@ def worker() -> None:
     _run(run_worker(_settings()))
 
 
+@app.command()
+def relay() -> None:
+    """Run an outbox relay: send notifications, each once (SIGTERM finishes sends in flight)."""
+    from oncely.bootstrap import run_relay
+
+    _run(run_relay(_settings()))
+
+
 @app.command("fake-llm")
 def fake_llm(
     host: HostOpt = "127.0.0.1",

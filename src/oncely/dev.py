@@ -15,6 +15,7 @@ from oncely.bootstrap import (
     ApiServer,
     Resources,
     build_reconciler,
+    build_relay,
     build_worker,
     open_resources,
     stop_on_signals,
@@ -65,12 +66,16 @@ async def _run_services(settings: Settings, port: int) -> None:
         api = ApiServer(res, host="127.0.0.1", port=port)
         worker = build_worker(res, llm)
         reconciler = build_reconciler(res)
+        relay, sender = build_relay(res)
         background = _fakes(settings, port)
         _banner(settings, port, key)
-        stops: list[Callable[[], object]] = [api.stop, worker.stop, reconciler.stop]
+        stops: list[Callable[[], object]] = [api.stop, worker.stop, reconciler.stop, relay.stop]
         stops += [task.cancel for task in background]
-        with stop_on_signals(*stops):
-            await asyncio.gather(api.run(), worker.run(), reconciler.run())
+        try:
+            with stop_on_signals(*stops):
+                await asyncio.gather(api.run(), worker.run(), reconciler.run(), relay.run())
+        finally:
+            await sender.aclose()
         for task in background:
             task.cancel()
         await asyncio.gather(*background, return_exceptions=True)

@@ -1,0 +1,91 @@
+"""POST → summary → exactly one email, through the same composition the
+`oncely api`, `oncely worker` and `oncely relay` processes use, against real
+Redis, real Postgres, the fake model and the fake mail provider over HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+
+from oncely.api.app import create_app
+from oncely.bootstrap import Resources, build_relay, build_worker
+from oncely.fakes.mail import FakeMailServer
+from oncely.llm.openai_compat import OpenAICompatible
+from oncely.settings import Settings
+
+BODY = {"text": "One request. One summary. One email.", "notify": "ada@example.com"}
+
+
+@pytest.fixture
+async def mail(tmp_path) -> AsyncIterator[FakeMailServer]:
+    async with FakeMailServer(tmp_path / "mailbox.jsonl") as server:
+        yield server
+
+
+@pytest.fixture
+def e2e_settings(worker_settings: Settings, mail: FakeMailServer) -> Settings:
+    return worker_settings.model_copy(
+        update={"sender": "http", "sender_url": mail.url, "relay_poll_s": 5.0, "block_ms": 50}
+    )
+
+
+async def scalar(pool, sql: str) -> Any:
+    async with pool.connection() as conn:
+        cur = await conn.execute(sql)
+        row = await cur.fetchone()
+    return row[0] if row else None
+
+
+async def test_retried_and_concurrent_posts_end_in_exactly_one_email(
+    e2e_settings, redis, pool, auth, fake_llm, mail, tmp_path
+):
+    res = Resources(e2e_settings, redis, pool)
+    app = create_app(e2e_settings, redis=redis, pool=pool)
+    llm = OpenAICompatible.from_settings(e2e_settings)
+    worker = build_worker(res, llm)
+    relay, sender = build_relay(res)
+    services = [asyncio.create_task(worker.run()), asyncio.create_task(relay.run())]
+    headers = {**auth, "Idempotency-Key": "signup-42-welcome-summary"}
+    try:
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://oncely.test"
+        ) as client:
+            # A client that retries, plus duplicates racing each other.
+            first = await client.post("/v1/summaries", json=BODY, headers=headers)
+            racing = await asyncio.gather(
+                *(client.post("/v1/summaries", json=BODY, headers=headers) for _ in range(10))
+            )
+            assert first.status_code == 202
+            assert all(r.status_code in (202, 409) for r in racing)
+            job_url = first.headers["location"]
+            for _ in range(200):
+                if (await mail.deliveries())["effects"] == 1:
+                    break
+                await asyncio.sleep(0.05)
+            job = (await client.get(job_url, headers=auth)).json()
+    finally:
+        worker.stop()
+        relay.stop()
+        await asyncio.gather(*services)
+        await sender.aclose()
+        await llm.aclose()
+
+    assert job["status"] == "done"
+    assert job["summary"]
+    deliveries = await mail.deliveries()
+    assert deliveries["effects"] == 1
+    assert deliveries["requests"] == 1
+    assert fake_llm.stats().total == 1
+    assert await scalar(pool, "SELECT count(*) FROM jobs") == 1
+    assert await scalar(pool, "SELECT count(*) FROM summaries") == 1
+    assert await scalar(pool, "SELECT count(*) FROM outbox WHERE sent_at IS NOT NULL") == 1
+    [line] = (tmp_path / "mailbox.jsonl").read_text().splitlines()
+    email = json.loads(line)
+    assert email["to"] == "ada@example.com"
+    assert email["idempotency_key"] == f"summary_ready:{job['job_id']}"
+    assert job["summary"] in email["text"]
