@@ -59,7 +59,7 @@ async def open_resources(settings: Settings) -> AsyncIterator[Resources]:
         open=False,
         timeout=10,
     )
-    await pool.open(wait=True, timeout=30)
+    await pool.open(wait=True, timeout=10)
     try:
         yield Resources(settings, redis, pool)
     finally:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 import typer
+from pydantic import ValidationError
 from rich.console import Console
 
 from oncely.logs import configure_logging
@@ -44,16 +45,29 @@ DataDirOpt = Annotated[
 
 
 def _run(coro: Coroutine[Any, Any, T]) -> T:
-    try:
-        import uvloop
+    """Run a command's coroutine; a server that does not answer is a message, not a traceback."""
+    import psycopg
+    import psycopg_pool
+    import redis.exceptions
+    import uvloop
 
+    try:
         return uvloop.run(coro)
-    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
-        return asyncio.run(coro)
+    except (psycopg.OperationalError, psycopg_pool.PoolTimeout) as exc:
+        err.print(f"[red]PostgreSQL did not answer:[/red] {exc}")
+    except redis.exceptions.ConnectionError as exc:
+        err.print(f"[red]Redis did not answer:[/red] {exc}")
+    raise typer.Exit(1)
 
 
 def _settings(**overrides: Any) -> Settings:
-    settings = Settings()
+    try:
+        settings = Settings()
+    except ValidationError as exc:
+        for error in exc.errors():
+            name = "ONCELY_" + "_".join(str(part) for part in error["loc"]).upper()
+            err.print(f"[red]{name}[/red]: {error['msg']} (got {error.get('input')!r})")
+        raise typer.Exit(2) from None
     if overrides:
         settings = settings.model_copy(update=overrides)
     configure_logging(settings.log_format, settings.log_level)
@@ -99,12 +113,27 @@ def relay() -> None:
 def fake_llm(
     host: HostOpt = "127.0.0.1",
     port: PortOpt = 8101,
-    rpm: Annotated[int, typer.Option(help="Requests per minute before 429.")] = 0,
-    tpm: Annotated[int, typer.Option(help="Tokens per minute before 429.")] = 0,
-    fault_rate: Annotated[float, typer.Option(help="Share of calls that fail at random.")] = 0.0,
-    seed: Annotated[int, typer.Option(help="Seed for the random faults.")] = 0,
+    rpm: Annotated[
+        int,
+        typer.Option(envvar="ONCELY_FAKE_RPM", show_envvar=True, help="Requests/min, then 429."),
+    ] = 0,
+    tpm: Annotated[
+        int, typer.Option(envvar="ONCELY_FAKE_TPM", show_envvar=True, help="Tokens/min, then 429.")
+    ] = 0,
+    fault_rate: Annotated[
+        float,
+        typer.Option(
+            envvar="ONCELY_FAKE_FAULT_RATE",
+            show_envvar=True,
+            help="Share of calls failing at random.",
+        ),
+    ] = 0.0,
+    seed: Annotated[
+        int,
+        typer.Option(envvar="ONCELY_FAKE_SEED", show_envvar=True, help="Seed for random faults."),
+    ] = 0,
 ) -> None:
-    """Serve the fake OpenAI-compatible model (faults scripted by [[fake:…]] directives)."""
+    """Serve the fake OpenAI-compatible model; directives in the prompt script its faults."""
     from oncely.fakes.llm import serve_fake_llm
 
     _settings()
@@ -116,7 +145,10 @@ def fake_mail(
     host: HostOpt = "127.0.0.1",
     port: PortOpt = 8102,
     mailbox: Annotated[
-        Path | None, typer.Option(help="Append every delivered message to this JSONL file.")
+        Path | None,
+        typer.Option(
+            envvar="ONCELY_FAKE_MAILBOX", show_envvar=True, help="Append every email to this JSONL."
+        ),
     ] = None,
 ) -> None:
     """Serve the fake mail provider (dedupes on Idempotency-Key)."""

@@ -26,3 +26,6 @@ def configure_logging(fmt: str = "json", level: str = "INFO") -> None:
         logger_factory=structlog.PrintLoggerFactory(sys.stderr),
         cache_logger_on_first_use=True,
     )
+    # psycopg-pool logs every failed connection attempt; the caller reports
+    # the outcome once, readably.
+    logging.getLogger("psycopg.pool").setLevel(logging.CRITICAL)
