@@ -136,3 +136,80 @@ async def test_sigkill_mid_job_loses_nothing_and_duplicates_nothing(
     assert info["pending"] == 0
     # Killed mid-call: those jobs were paid for twice at most (documented).
     assert fake_llm.stats().total <= 2 * len(ids)
+
+
+async def add_outbox_rows(pool, n: int) -> None:
+    async with pool.connection() as conn:
+        for i in range(n):
+            job_id = str(uuid.uuid4())
+            await conn.execute(
+                query("insert_job"), (job_id, "acme", Jsonb({"text": "t", "notify": "a@x.io"}))
+            )
+            await conn.execute(
+                query("insert_outbox"),
+                (
+                    "email.summary_ready",
+                    f"summary_ready:{job_id}",
+                    Jsonb({"job_id": job_id, "to": f"user{i}@example.com", "summary": "s"}),
+                ),
+            )
+        await conn.execute(query("notify_outbox"))
+
+
+def start_relay(env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "oncely", "relay"],
+        env={**os.environ, **env},
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+    )
+
+
+async def test_relay_killed_mid_send_resends_with_the_same_key_and_one_effect(
+    pool, redis_url, database_url, tmp_path
+):
+    from oncely.fakes.mail import FakeMailServer, Faults
+
+    async with FakeMailServer(tmp_path / "mailbox.jsonl") as mail:
+        env = {
+            "ONCELY_REDIS_URL": redis_url,
+            "ONCELY_DATABASE_URL": database_url,
+            "ONCELY_SENDER_URL": mail.url,
+            "ONCELY_LOG_FORMAT": "json",
+        }
+        mail.state.script(Faults(delay_s=1.0))  # the provider is slow to act and answer
+        await add_outbox_rows(pool, 5)
+        first = start_relay(env, tmp_path / "first.log")
+
+        async def all_requested() -> bool:
+            return (await mail.deliveries())["requests"] == 5
+
+        async def provider_acted() -> bool:
+            return (await mail.deliveries())["effects"] == 5
+
+        await wait_for(all_requested)
+        first.kill()  # mid-send: no answer came back, no row is marked sent
+        assert await exit_code(first) == -signal.SIGKILL
+        await wait_for(provider_acted)  # the provider still acts on what it received
+        assert await scalar(pool, "SELECT count(*) FROM outbox WHERE sent_at IS NULL") == 5
+        async with pool.connection() as conn:  # time passes: the leases expire
+            await conn.execute("UPDATE outbox SET locked_until = now() - interval '1 s'")
+        mail.state.script(Faults())
+        second = start_relay(env, tmp_path / "second.log")
+
+        async def all_sent() -> bool:
+            return bool(
+                await scalar(pool, "SELECT count(*) FROM outbox WHERE sent_at IS NULL") == 0
+            )
+
+        try:
+            await wait_for(all_sent)
+        finally:
+            second.send_signal(signal.SIGTERM)
+            assert await exit_code(second) == 0
+        deliveries = await mail.deliveries()
+    assert deliveries["requests"] == 10
+    assert deliveries["effects"] == 5
+    assert all(n == 2 for n in deliveries["by_key"].values())
+    assert len((tmp_path / "mailbox.jsonl").read_text().splitlines()) == 5
+    assert await scalar(pool, "SELECT max(attempts) FROM outbox") == 2
