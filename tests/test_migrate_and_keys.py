@@ -1,0 +1,108 @@
+"""Migrations apply once even when processes race; API keys through the real CLI."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+
+import psycopg
+import pytest
+
+from oncely.sql.migrate import available, migrate
+
+
+@pytest.fixture
+def empty_database_url(server_urls, database_url) -> str:
+    """A database without oncely's tables (the per-test one, emptied)."""
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute("DROP SCHEMA public CASCADE")
+        conn.execute("CREATE SCHEMA public")
+    return database_url
+
+
+async def test_concurrent_migrators_apply_each_migration_once(empty_database_url):
+    results = await asyncio.gather(*(migrate(empty_database_url) for _ in range(4)))
+    versions = [m.version for m in available()]
+    assert sorted(v for applied in results for v in applied) == versions
+    async with await psycopg.AsyncConnection.connect(empty_database_url) as conn:
+        cur = await conn.execute("SELECT version FROM oncely_migrations ORDER BY version")
+        assert [r[0] for r in await cur.fetchall()] == versions
+    assert await migrate(empty_database_url) == [], "a second run has nothing to do"
+
+
+def oncely(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "oncely", *args],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+async def test_keys_create_prints_only_the_key_and_stores_only_its_hash(
+    redis_url, database_url, pool, client
+):
+    env = {"ONCELY_REDIS_URL": redis_url, "ONCELY_DATABASE_URL": database_url}
+    created = await asyncio.to_thread(oncely, "keys", "create", "--tenant", "acme", env=env)
+    assert created.returncode == 0, created.stderr
+    key = created.stdout.strip()
+    assert created.stdout == key + "\n", "stdout holds the key alone"
+    assert key.startswith("onc_")
+    async with pool.connection() as conn:
+        cur = await conn.execute("SELECT key_hash, tenant FROM api_keys")
+        [(key_hash, tenant)] = await cur.fetchall()
+    assert tenant == "acme"
+    assert key not in key_hash
+
+    auth = {"Authorization": f"Bearer {key}"}
+    assert (
+        await client.get("/v1/summaries/00000000-0000-4000-8000-000000000000", headers=auth)
+    ).status_code == 404
+    revoked = await asyncio.to_thread(oncely, "keys", "revoke", key, env=env)
+    assert revoked.returncode == 0, revoked.stderr
+    assert (
+        await client.get("/v1/summaries/00000000-0000-4000-8000-000000000000", headers=auth)
+    ).status_code == 401
+    again = await asyncio.to_thread(oncely, "keys", "revoke", key, env=env)
+    assert again.returncode == 1
+    assert "no such active key" in again.stderr
+
+
+async def test_cli_reports_bad_settings_readably():
+    bad = await asyncio.to_thread(oncely, "worker", env={"ONCELY_WORKER_CONCURRENCY": "lots"})
+    assert bad.returncode == 2
+    assert "ONCELY_WORKER_CONCURRENCY" in bad.stderr
+    assert "Traceback" not in bad.stderr
+
+
+async def test_operator_commands_show_and_retry_a_failed_outbox_row(redis_url, database_url, pool):
+    async with pool.connection() as conn:
+        cur = await conn.execute(
+            "INSERT INTO outbox (topic, dedupe_key, payload, attempts, last_error, failed_at)"
+            " VALUES ('email.summary_ready', 'summary_ready:failed-one', '{}', 10,"
+            " 'HTTP 503', now()) RETURNING id"
+        )
+        row = await cur.fetchone()
+    assert row is not None
+    row_id = row[0]
+    env = {"ONCELY_REDIS_URL": redis_url, "ONCELY_DATABASE_URL": database_url, "COLUMNS": "200"}
+
+    listed = await asyncio.to_thread(oncely, "outbox", "list", "--failed", env=env)
+    assert listed.returncode == 0, listed.stderr
+    assert "summary_ready:failed-one" in listed.stdout
+    status = await asyncio.to_thread(oncely, "status", "--json", env=env)
+    assert json.loads(status.stdout)["outbox"]["failed"] == 1
+
+    retried = await asyncio.to_thread(oncely, "outbox", "retry", str(row_id), env=env)
+    assert retried.returncode == 0, retried.stderr
+    async with pool.connection() as conn:
+        cur = await conn.execute("SELECT failed_at, attempts FROM outbox WHERE id = %s", (row_id,))
+        assert await cur.fetchone() == (None, 0)
+    status = await asyncio.to_thread(oncely, "status", "--json", env=env)
+    assert json.loads(status.stdout)["outbox"]["failed"] == 0
+    unknown = await asyncio.to_thread(oncely, "outbox", "retry", "999999", env=env)
+    assert unknown.returncode == 1
