@@ -100,3 +100,11 @@ async def test_no_limits_means_no_waiting(limiter):
     for _ in range(100):
         assert await limiter.acquire(10_000) == 0
     assert limiter.waits == 0
+
+
+async def test_a_pause_set_elsewhere_is_seen_within_the_refresh_interval(redis):
+    here = FleetLimiter(redis, Limits())
+    assert await here.acquire(1) == 0  # this process has a fresh "not paused" view
+    await FleetLimiter(redis, Limits()).pause(1.0)  # another worker saw a 429
+    await asyncio.sleep(0.15)
+    assert await here.acquire(1) > 0.5

@@ -50,6 +50,8 @@ if tat_t > 0 then redis.call('SET', KEYS[3], tat_t, 'PX', math.ceil(tat_t - now)
 return 0
 """
 
+# How stale this process's view of a fleet pause may be (no RPM/TPM limits).
+_PAUSE_REFRESH_S = 0.1
 # A tenth of a minute's allowance may go at once; the rest is paced.
 _BURST_SHARE = 0.1
 _MINUTE_MS = 60_000.0
@@ -74,9 +76,19 @@ class FleetLimiter:
         self._acquire = redis.register_script(_ACQUIRE)
         self.waits = 0
         self.pauses = 0
+        # Without RPM/TPM limits only the pause matters; this process reads it
+        # from Redis at most every _PAUSE_REFRESH_S instead of once per call.
+        self._paused_until = 0.0
+        self._refreshed_at = -_PAUSE_REFRESH_S
+        self._refreshing: asyncio.Future[None] | None = None
 
     async def acquire(self, tokens: int) -> float:
         """0 if a call may go now (and it is counted), else seconds to wait."""
+        if not (self.limits.rpm or self.limits.tpm):
+            wait = await self._pause_left()
+            if wait > 0:
+                self.waits += 1
+            return wait
         rpm_ms = _MINUTE_MS / self.limits.rpm if self.limits.rpm else 0.0
         tpm_ms = _MINUTE_MS / self.limits.tpm if self.limits.tpm else 0.0
         args = [
@@ -92,12 +104,32 @@ class FleetLimiter:
             self.waits += 1
         return wait_ms / 1000
 
+    async def _pause_left(self) -> float:
+        now = time.monotonic()
+        if now - self._refreshed_at >= _PAUSE_REFRESH_S:
+            if self._refreshing is None:
+                self._refreshing = asyncio.ensure_future(self._refresh_pause())
+            refreshing = self._refreshing
+            try:
+                await asyncio.shield(refreshing)
+            finally:
+                if self._refreshing is refreshing and refreshing.done():
+                    self._refreshing = None
+        return max(0.0, self._paused_until - time.monotonic())
+
+    async def _refresh_pause(self) -> None:
+        pttl = int(await self.redis.pttl(names.LLM_PAUSE))
+        now = time.monotonic()
+        self._refreshed_at = now
+        self._paused_until = max(self._paused_until, now + pttl / 1000) if pttl > 0 else 0.0
+
     async def pause(self, seconds: float) -> None:
         """Hold every worker's calls for ``seconds`` (never shortens a longer pause)."""
         ms = int(min(seconds, self.limits.pause_max_s) * 1000)
         if ms <= 0:
             return
         self.pauses += 1
+        self._paused_until = max(self._paused_until, time.monotonic() + ms / 1000)
         current = await self.redis.pttl(names.LLM_PAUSE)
         if current < ms:
             await self.redis.set(names.LLM_PAUSE, "1", px=ms)
