@@ -33,8 +33,8 @@ SELECT j.job_id, j.status, s.summary, j.error, j.created_at, j.updated_at
   FROM jobs j LEFT JOIN summaries s USING (job_id)
  WHERE j.job_id = %s AND j.tenant = %s
 
--- name: summary_exists
-SELECT 1 FROM summaries WHERE job_id = %s
+-- name: summaries_stored
+SELECT job_id FROM summaries WHERE job_id = ANY(%s::uuid[])
 
 -- name: insert_summary
 INSERT INTO summaries (job_id, summary) VALUES (%s, %s)
