@@ -94,7 +94,9 @@ async def redis(redis_url: str) -> AsyncIterator[Redis]:
 
 @pytest.fixture
 async def pool(database_url: str) -> AsyncIterator[AsyncConnectionPool]:
-    async with AsyncConnectionPool(database_url, min_size=1, max_size=10, open=False) as p:
+    async with AsyncConnectionPool(
+        database_url, min_size=1, max_size=10, open=False, kwargs={"autocommit": True}
+    ) as p:
         await p.open(wait=True)
         yield p
 

@@ -58,6 +58,10 @@ async def open_resources(settings: Settings) -> AsyncIterator[Resources]:
         max_size=settings.pg_pool_max,
         open=False,
         timeout=10,
+        # Each statement commits on its own unless code opens
+        # ``conn.transaction()``: no BEGIN/COMMIT round trips for single
+        # statements, which is every hot-path write.
+        kwargs={"autocommit": True},
     )
     await pool.open(wait=True, timeout=10)
     try:

@@ -109,17 +109,17 @@ class SummaryJob:
         )
 
     async def _store(self, job_id: str, notify: str, summary: str) -> str:
-        payload = {"job_id": job_id, "to": notify, "summary": summary}
-        async with self.pool.connection() as conn, conn.transaction():
-            cur = await conn.execute(query("insert_summary"), (job_id, summary))
-            if await cur.fetchone() is None:
-                return "duplicate"
-            await conn.execute(
-                query("insert_outbox"), (SUMMARY_READY, dedupe_key(job_id), Jsonb(payload))
-            )
-            await conn.execute(query("mark_job_done"), (job_id,))
-            await conn.execute(query("notify_outbox"))
-        return "done"
+        params = {
+            "job_id": job_id,
+            "summary": summary,
+            "topic": SUMMARY_READY,
+            "dedupe_key": dedupe_key(job_id),
+            "payload": Jsonb({"job_id": job_id, "to": notify, "summary": summary}),
+        }
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(query("store_summary"), params)
+            row = await cur.fetchone()
+        return "done" if row is not None and row[0] else "duplicate"
 
 
 async def mark_dead(pool: AsyncConnectionPool, job_id: str, reason: str) -> None:

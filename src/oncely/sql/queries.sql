@@ -36,6 +36,28 @@ SELECT j.job_id, j.status, s.summary, j.error, j.created_at, j.updated_at
 -- name: summaries_stored
 SELECT job_id FROM summaries WHERE job_id = ANY(%s::uuid[])
 
+-- name: store_summary
+-- One statement: atomic without BEGIN/COMMIT, one round trip. The summary;
+-- then, only if this delivery inserted it, the outbox row, the job's `done`
+-- and the relay's wake-up (delivered at commit). A duplicate delivery that
+-- lost the race changes nothing. (Data-modifying CTEs always run, read or not.)
+WITH summary AS (
+    INSERT INTO summaries (job_id, summary) VALUES (%(job_id)s, %(summary)s)
+    ON CONFLICT (job_id) DO NOTHING
+    RETURNING job_id
+), outbox_row AS (
+    INSERT INTO outbox (topic, dedupe_key, payload)
+    SELECT %(topic)s, %(dedupe_key)s, %(payload)s FROM summary
+    ON CONFLICT (dedupe_key) DO NOTHING
+    RETURNING id
+), job AS (
+    UPDATE jobs SET status = 'done', error = NULL, updated_at = now()
+     WHERE job_id IN (SELECT job_id FROM summary)
+    RETURNING job_id
+)
+SELECT (SELECT count(*) FROM summary) AS stored,
+       (SELECT count(pg_notify('oncely_outbox', '')) FROM outbox_row) AS notified
+
 -- name: insert_summary
 INSERT INTO summaries (job_id, summary) VALUES (%s, %s)
 ON CONFLICT (job_id) DO NOTHING
