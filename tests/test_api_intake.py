@@ -283,16 +283,26 @@ async def test_get_job_requires_a_key(client):
     assert r.status_code == 401
 
 
+def metric(text: str, sample: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(sample + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
 async def test_health_ready_and_metrics(client, auth):
     assert (await client.get("/healthz")).json() == {"status": "ok"}
     ready = await client.get("/readyz")
     assert ready.status_code == 200
     assert ready.json() == {"ready": True, "redis": True, "postgres": True}
+    replays = 'oncely_idempotency_replays_total{route="/v1/summaries"}'
+    ok = 'oncely_requests_total{outcome="2xx",route="/v1/summaries"}'
+    before = (await client.get("/metrics")).text
     await client.post(URL, json=BODY, headers=headers(auth))
     await client.post(URL, json=BODY, headers=headers(auth))
-    text = (await client.get("/metrics")).text
-    assert "oncely_idempotency_replays_total" in text
-    assert "oncely_jobs_accepted_total" in text
+    after = (await client.get("/metrics")).text
+    assert metric(after, replays) - metric(before, replays) == 1
+    assert metric(after, ok) - metric(before, ok) == 2
 
 
 async def test_openapi_documents_the_idempotency_contract(client):

@@ -12,7 +12,7 @@ from redis.asyncio import Redis
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from oncely import __version__
+from oncely import __version__, metrics
 from oncely.api import summaries
 from oncely.api.idempotency import RETENTION_POLICY
 from oncely.api.problems import PROBLEM_BASE, install_problem_handlers, problem
@@ -47,6 +47,7 @@ def create_app(settings: Settings, *, redis: Redis, pool: AsyncConnectionPool) -
     _add_operations(app)
     _add_problem_schema(app)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(CountRequests)
     return app
 
 
@@ -104,6 +105,32 @@ def _add_problem_schema(app: FastAPI) -> None:
         return schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+
+
+class CountRequests:
+    """``oncely_requests_total`` by route template and status class."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500
+
+        async def recording_send(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, recording_send)
+        finally:
+            route = scope.get("route")
+            path = getattr(route, "path", "unmatched")
+            metrics.REQUESTS.labels(route=path, outcome=f"{status // 100}xx").inc()
 
 
 class BodyLimit:
