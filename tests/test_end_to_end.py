@@ -30,7 +30,7 @@ async def mail(tmp_path) -> AsyncIterator[FakeMailServer]:
 @pytest.fixture
 def e2e_settings(worker_settings: Settings, mail: FakeMailServer) -> Settings:
     return worker_settings.model_copy(
-        update={"sender": "http", "sender_url": mail.url, "relay_poll_s": 5.0, "block_ms": 50}
+        update={"sender": "http", "sender_url": mail.url, "relay_poll_s": 30.0, "block_ms": 50}
     )
 
 
@@ -77,6 +77,7 @@ async def test_retried_and_concurrent_posts_end_in_exactly_one_email(
 
     assert job["status"] == "done"
     assert job["summary"]
+    assert relay.stats["woken_by_notify"] >= 1, "the worker's NOTIFY woke the relay, not a poll"
     deliveries = await mail.deliveries()
     assert deliveries["effects"] == 1
     assert deliveries["requests"] == 1

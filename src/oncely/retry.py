@@ -34,6 +34,11 @@ T = TypeVar("T")
 
 log = structlog.get_logger(__name__)
 
+# Bound once: a labels() lookup per model call shows up in profiles.
+_CALLS_OK = MODEL_CALLS.labels(outcome="ok")
+_CALLS_TRANSIENT = MODEL_CALLS.labels(outcome="transient")
+_CALLS_PERMANENT = MODEL_CALLS.labels(outcome="permanent")
+
 _RETRYABLE_STATUSES = frozenset({408, 409, 429})
 _TIMEOUTS: tuple[type[BaseException], ...] = (
     TimeoutError,  # asyncio.timeout around each attempt; aiohttp.ServerTimeoutError too
@@ -194,6 +199,13 @@ async def call_with_retries(
         jitter=wait_random_exponential(multiplier=backoff_base_s, max=backoff_max_s),
         on_retry=on_retry,
     )
+    # The common case (success on the first call) pays for no retry machinery.
+    try:
+        return await loop.attempt()
+    except Exception as exc:
+        if not classify(exc):
+            raise
+        first_failure = exc
     retrying = AsyncRetrying(
         sleep=sleep,
         stop=loop.stop,
@@ -202,8 +214,26 @@ async def call_with_retries(
         before_sleep=loop.before_sleep,
         retry_error_callback=loop.give_up,
     )
-    result: T = await retrying(loop.attempt)
+    result: T = await retrying(_replaying_first(first_failure, loop.attempt))
     return result
+
+
+def _replaying_first(
+    failure: Exception, attempt: Callable[[], Awaitable[T]]
+) -> Callable[[], Awaitable[T]]:
+    """tenacity's attempts, the first of which already happened and failed:
+    it is replayed (not called again), so numbering, waits and stops are
+    exactly as if tenacity had made it."""
+    replayed = False
+
+    async def attempts() -> T:
+        nonlocal replayed
+        if not replayed:
+            replayed = True
+            raise failure
+        return await attempt()
+
+    return attempts
 
 
 @dataclass(frozen=True)
@@ -264,9 +294,9 @@ async def _timed_attempt(fn: Callable[[float], Awaitable[T]], timeout_s: float) 
         async with asyncio.timeout(timeout_s):
             result = await fn(timeout_s)
     except Exception as exc:
-        MODEL_CALLS.labels(outcome="transient" if classify(exc) else "permanent").inc()
+        (_CALLS_TRANSIENT if classify(exc) else _CALLS_PERMANENT).inc()
         raise
-    MODEL_CALLS.labels(outcome="ok").inc()
+    _CALLS_OK.inc()
     return result
 
 

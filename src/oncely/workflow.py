@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING
 
+import structlog
 from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
@@ -25,6 +26,8 @@ from oncely.sql import query
 if TYPE_CHECKING:
     from oncely.queue.worker import Delivery
     from oncely.settings import Settings
+
+log = structlog.get_logger("oncely.workflow")
 
 SUMMARY_READY = "email.summary_ready"
 NOTIFY_CHANNEL = "oncely_outbox"
@@ -76,6 +79,34 @@ class StoredSummaries:
                     waiter.set_result(job_id in found)
 
 
+class OutboxWakeUp:
+    """``NOTIFY oncely_outbox`` after commits, one per burst: while one is on
+    its way, later commits only ask for one more. A lost wake-up costs the
+    relay's poll interval, never a notification."""
+
+    def __init__(self, pool: AsyncConnectionPool) -> None:
+        self.pool = pool
+        self.sent = 0
+        self._wanted = False
+        self._task: asyncio.Task[None] | None = None
+
+    def soon(self) -> None:
+        self._wanted = True
+        if self._task is None or self._task.done():
+            self._task = asyncio.ensure_future(self._send())
+
+    async def _send(self) -> None:
+        while self._wanted:
+            self._wanted = False
+            try:
+                async with self.pool.connection() as conn:
+                    await conn.execute(query("notify_outbox"))
+                self.sent += 1
+            except Exception as exc:
+                log.warning("outbox.notify_failed", error=f"{type(exc).__name__}: {exc}")
+                return
+
+
 class SummaryJob:
     """The worker's handler for summary jobs."""
 
@@ -84,6 +115,7 @@ class SummaryJob:
         self.llm = llm
         self.settings = settings
         self.stored = StoredSummaries(pool)
+        self.wake_relay = OutboxWakeUp(pool)
 
     async def __call__(self, message: JobMessage, delivery: Delivery) -> str:
         if await self.stored.exists(message.job_id):
@@ -93,7 +125,10 @@ class SummaryJob:
         if not isinstance(text, str) or not isinstance(notify, str):
             raise PermanentError("payload needs text and notify")
         summary = await self._summarise(text)
-        return await self._store(message.job_id, notify, summary)
+        outcome = await self._store(message.job_id, notify, summary)
+        if outcome == "done":
+            self.wake_relay.soon()
+        return outcome
 
     async def _summarise(self, text: str) -> str:
         s = self.settings

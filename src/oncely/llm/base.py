@@ -11,7 +11,9 @@ SUMMARY_INSTRUCTION = (
 
 
 class LLM(Protocol):
-    """A model provider. ``complete`` returns or raises within ``timeout`` seconds."""
+    """A model provider. ``timeout`` is the attempt's budget in seconds; the
+    caller enforces it on the wall clock (``oncely.retry.call_with_retries``
+    runs every attempt under ``asyncio.timeout``)."""
 
     async def complete(self, prompt: str, timeout: float) -> str:  # noqa: ASYNC109 (the contract)
         ...

@@ -9,7 +9,6 @@ would multiply each other's attempts.
 
 from __future__ import annotations
 
-import asyncio
 from types import TracebackType
 
 import openai
@@ -45,13 +44,13 @@ class OpenAICompatible:
 
     async def complete(self, prompt: str, timeout: float) -> str:  # noqa: ASYNC109 (LLM protocol)
         # The SDK's timeout bounds each socket read, not the call: a server that
-        # drips a byte a second would never trip it. The wall clock does.
-        async with asyncio.timeout(timeout):
-            completion = await self._client.chat.completions.create(
-                model=self._model,
-                messages=[{"role": "user", "content": prompt}],
-                timeout=timeout,
-            )
+        # drips a byte a second would never trip it. The wall-clock limit is the
+        # caller's (``call_with_retries`` runs every attempt under one).
+        completion = await self._client.chat.completions.create(
+            model=self._model,
+            messages=[{"role": "user", "content": prompt}],
+            timeout=timeout,
+        )
         return _answer(completion)
 
     async def aclose(self) -> None:

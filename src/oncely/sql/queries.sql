@@ -38,9 +38,11 @@ SELECT job_id FROM summaries WHERE job_id = ANY(%s::uuid[])
 
 -- name: store_summary
 -- One statement: atomic without BEGIN/COMMIT, one round trip. The summary;
--- then, only if this delivery inserted it, the outbox row, the job's `done`
--- and the relay's wake-up (delivered at commit). A duplicate delivery that
--- lost the race changes nothing. (Data-modifying CTEs always run, read or not.)
+-- then, only if this delivery inserted it, the outbox row and the job's
+-- `done`. A duplicate delivery that lost the race changes nothing.
+-- (Data-modifying CTEs always run, read or not.) The relay's wake-up is sent
+-- after the commit, coalesced per worker: a NOTIFY inside every transaction
+-- would serialise commits on the notification queue's lock.
 WITH summary AS (
     INSERT INTO summaries (job_id, summary) VALUES (%(job_id)s, %(summary)s)
     ON CONFLICT (job_id) DO NOTHING
@@ -55,8 +57,7 @@ WITH summary AS (
      WHERE job_id IN (SELECT job_id FROM summary)
     RETURNING job_id
 )
-SELECT (SELECT count(*) FROM summary) AS stored,
-       (SELECT count(pg_notify('oncely_outbox', '')) FROM outbox_row) AS notified
+SELECT count(*) AS stored FROM summary
 
 -- name: insert_summary
 INSERT INTO summaries (job_id, summary) VALUES (%s, %s)
