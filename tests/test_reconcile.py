@@ -72,7 +72,7 @@ async def test_done_and_dead_jobs_are_never_requeued(pool, stream):
     done = await accept(pool, None, age_s=600)
     dead = await accept(pool, None, age_s=600)
     async with pool.connection() as conn:
-        await conn.execute(query("mark_job_done"), (done,))
+        await conn.execute("UPDATE jobs SET status = 'done' WHERE job_id = %s", (done,))
         await conn.execute(query("mark_job_dead"), ("permanent: 400", dead))
     assert await Reconciler(pool, stream, after_s=300).run_once() == 0
 

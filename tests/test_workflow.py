@@ -16,7 +16,9 @@ async def test_pre_checks_asked_together_share_one_query(pool):
     async with pool.connection() as conn:
         for job_id in stored_ids:
             await conn.execute(query("insert_job"), (job_id, "acme", Jsonb({})))
-            await conn.execute(query("insert_summary"), (job_id, "s"))
+            await conn.execute(
+                "INSERT INTO summaries (job_id, summary) VALUES (%s, 's')", (job_id,)
+            )
     missing_ids = [str(uuid.uuid4()) for _ in range(45)]
     lookup = StoredSummaries(pool)
     asked = stored_ids + missing_ids + stored_ids[:1]  # a job asked about twice

@@ -59,17 +59,10 @@ WITH summary AS (
 )
 SELECT count(*) AS stored FROM summary
 
--- name: insert_summary
-INSERT INTO summaries (job_id, summary) VALUES (%s, %s)
-ON CONFLICT (job_id) DO NOTHING
-RETURNING job_id
-
 -- name: insert_outbox
+-- For other workflows: queue a notification in the caller's transaction.
 INSERT INTO outbox (topic, dedupe_key, payload) VALUES (%s, %s, %s)
 ON CONFLICT (dedupe_key) DO NOTHING
-
--- name: mark_job_done
-UPDATE jobs SET status = 'done', error = NULL, updated_at = now() WHERE job_id = %s
 
 -- name: mark_job_dead
 UPDATE jobs SET status = 'dead', error = %s, updated_at = now()
