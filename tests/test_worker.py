@@ -282,7 +282,7 @@ async def test_stopped_worker_leaves_no_consumer_behind(pool, stream):
 async def test_idle_consumers_with_nothing_pending_are_forgotten(pool, stream):
     await submit(pool, stream, "one job")
     await stream.read_new("holds-an-entry", 1, 10)
-    await stream.read_new("holds-nothing", 1, 10)
+    await stream.redis.xgroup_createconsumer(stream.stream, stream.group, "holds-nothing")
     gone = await stream.forget_consumers(idle_ms=0)
     assert gone == ["holds-nothing"]
     consumers: Any = await stream.redis.xinfo_consumers(stream.stream, stream.group)
