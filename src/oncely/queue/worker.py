@@ -366,7 +366,12 @@ class Worker:
                 await self.stream.forget_consumers(idle_ms=_FORGET_CONSUMER_AFTER_MS)
 
     async def _wait_for_slot(self) -> None:
-        while len(self._tasks) >= self.config.concurrency and not self._stopping.is_set():
+        """Wait for a batch of free slots, not just one: at steady state a
+        read per finished job would cost a read, a pre-check and an ack round
+        trip each. A sixteenth of the slots idling briefly costs nothing when
+        handlers wait on a model."""
+        wanted = min(self.config.concurrency, max(1, self.config.concurrency // 16))
+        while self.config.concurrency - len(self._tasks) < wanted and not self._stopping.is_set():
             self._slot_free.clear()
             await self._slot_free.wait()
 
