@@ -41,12 +41,13 @@ class SummaryJob(BaseModel):
     updated_at: datetime
 
 
-def _pool(request: Request) -> AsyncConnectionPool:
+# async: a plain ``def`` dependency would run in the thread pool per request.
+async def _pool(request: Request) -> AsyncConnectionPool:
     pool: AsyncConnectionPool = request.app.state.pool
     return pool
 
 
-def _stream(request: Request) -> Stream:
+async def _stream(request: Request) -> Stream:
     stream: Stream = request.app.state.stream
     return stream
 
