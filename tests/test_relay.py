@@ -193,6 +193,23 @@ async def test_expired_lease_cannot_mark_a_row_another_relay_now_holds(
     assert (row.locked_by, row.locked_until, row.last_error) == (None, None, None)
 
 
+async def test_batched_marking_records_only_the_rows_this_relay_still_holds(
+    pool: AsyncConnectionPool, store: OutboxStore
+) -> None:
+    ids = await add_rows(pool, 3)
+    first, second = uuid.uuid4(), uuid.uuid4()
+    assert sorted(r.id for r in await store.claim(first, 10, 30)) == sorted(ids)
+    # The first row's lease ran out and another relay took it.
+    await sql(pool, "UPDATE outbox SET locked_until = now() - interval '1 s' WHERE id = %s", ids[0])
+    assert [r.id for r in await store.claim(second, 10, 30)] == [ids[0]]
+
+    marked = await store.mark_sent_many(first, [(i, f"msg_{i}") for i in ids])
+    assert marked == set(ids[1:])
+    rows = await sql(pool, "SELECT id, sent_at IS NOT NULL, locked_by FROM outbox ORDER BY id")
+    assert rows == [(ids[0], False, second), (ids[1], True, None), (ids[2], True, None)]
+    assert await store.mark_sent_many(first, [(ids[1], "again")]) == set(), "sent stays sent"
+
+
 async def test_stuck_send_holds_no_row_lock_and_keeps_its_rows_until_the_lease_ends(
     pool: AsyncConnectionPool, store: OutboxStore, sender: Sender, fake_mail: FakeMailServer
 ) -> None:

@@ -74,6 +74,19 @@ class OutboxStore:
         params = {"id": row_id, "owner": owner, "provider_message_id": provider_message_id}
         return await self._fenced("outbox_mark_sent", params)
 
+    async def mark_sent_many(
+        self, owner: UUID, sends: builtins.list[tuple[int, str | None]]
+    ) -> set[int]:
+        """Record many sends at once; returns the ids ``owner`` still held."""
+        params = {
+            "ids": [row_id for row_id, _ in sends],
+            "provider_message_ids": [message_id for _, message_id in sends],
+            "owner": owner,
+        }
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(query("outbox_mark_sent_many"), params)
+            return {int(row[0]) for row in await cur.fetchall()}
+
     async def mark_failed_attempt(
         self,
         row_id: int,

@@ -120,6 +120,17 @@ UPDATE outbox
  WHERE id = %(id)s AND locked_by = %(owner)s AND sent_at IS NULL
 RETURNING id
 
+-- name: outbox_mark_sent_many
+-- The same, for every send that finished while the previous batch was
+-- being recorded: one commit for many rows.
+UPDATE outbox o
+   SET sent_at = now(), provider_message_id = v.provider_message_id,
+       locked_until = NULL, locked_by = NULL
+  FROM unnest(%(ids)s::bigint[], %(provider_message_ids)s::text[])
+       AS v (id, provider_message_id)
+ WHERE o.id = v.id AND o.locked_by = %(owner)s AND o.sent_at IS NULL
+RETURNING o.id
+
 -- name: outbox_mark_failed_attempt
 UPDATE outbox
    SET last_error = %(error)s,
