@@ -179,13 +179,13 @@ async def test_expired_lease_cannot_mark_a_row_another_relay_now_holds(
     await sql(pool, "UPDATE outbox SET locked_until = now() - interval '1 s'")
     assert [r.id for r in await store.claim(second, 10, 30)] == [row_id]
 
-    assert await store.mark_sent(row_id, first, "msg_first") is False
+    assert await store.mark_sent_many(first, [(row_id, "msg_first")]) == set()
     failed = await store.mark_failed_attempt(
         row_id, first, "late", next_attempt_at_delay_s=0, give_up=True
     )
     assert failed is False
-    assert await store.mark_sent(row_id, second, "msg_second") is True
-    assert await store.mark_sent(row_id, second, "msg_again") is False, "sent rows stay sent"
+    assert await store.mark_sent_many(second, [(row_id, "msg_second")]) == {row_id}
+    assert await store.mark_sent_many(second, [(row_id, "again")]) == set(), "sent stays sent"
 
     row = await store.get(row_id)
     assert row is not None

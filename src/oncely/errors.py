@@ -45,7 +45,3 @@ class KeyReused(IdempotencyError):
 
 class RequestInProgress(IdempotencyError):
     """Same key, same body, the first request has not finished."""
-
-
-class StoreUnavailable(OncelyError):
-    """Redis or Postgres did not answer; nothing was stored."""

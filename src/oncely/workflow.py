@@ -17,6 +17,7 @@ import structlog
 from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
+from oncely.batching import GroupCommit
 from oncely.errors import PermanentError
 from oncely.llm.base import LLM, build_summary_prompt
 from oncely.queue.stream import JobMessage
@@ -39,44 +40,24 @@ def dedupe_key(job_id: str) -> str:
 
 class StoredSummaries:
     """Answers "is a summary stored for this job?" for many handlers at once:
-    the questions asked in one event-loop turn share one query, so the
-    pre-check costs a fraction of a round trip per job under load."""
+    questions asked while one query runs share the next, so the pre-check
+    costs a fraction of a round trip per job under load."""
 
     def __init__(self, pool: AsyncConnectionPool) -> None:
         self.pool = pool
-        self._asked: dict[str, list[asyncio.Future[bool]]] = {}
-        self._flushing: set[asyncio.Task[None]] = set()
-        self.queries = 0
+        self._lookup: GroupCommit[str, str] = GroupCommit(self._stored, key=lambda job_id: job_id)
+
+    @property
+    def queries(self) -> int:
+        return self._lookup.flushes
 
     async def exists(self, job_id: str) -> bool:
-        answer: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        if not self._asked:
-            asyncio.get_running_loop().call_soon(self._flush_soon)
-        self._asked.setdefault(job_id, []).append(answer)
-        return await answer
+        return await self._lookup(job_id)
 
-    def _flush_soon(self) -> None:
-        task = asyncio.ensure_future(self._flush(self._asked))
-        self._asked = {}
-        self._flushing.add(task)
-        task.add_done_callback(self._flushing.discard)
-
-    async def _flush(self, asked: dict[str, list[asyncio.Future[bool]]]) -> None:
-        self.queries += 1
-        try:
-            async with self.pool.connection() as conn:
-                cur = await conn.execute(query("summaries_stored"), (list(asked),))
-                found = {str(row[0]) for row in await cur.fetchall()}
-        except Exception as exc:
-            for waiters in asked.values():
-                for waiter in waiters:
-                    if not waiter.done():
-                        waiter.set_exception(exc)
-            return
-        for job_id, waiters in asked.items():
-            for waiter in waiters:
-                if not waiter.done():
-                    waiter.set_result(job_id in found)
+    async def _stored(self, job_ids: list[str]) -> set[str]:
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(query("summaries_stored"), (job_ids,))
+            return {str(row[0]) for row in await cur.fetchall()}
 
 
 class OutboxWakeUp:

@@ -18,7 +18,6 @@ from oncely.errors import (
     KeyMissing,
     KeyReused,
     RequestInProgress,
-    StoreUnavailable,
 )
 
 PROBLEM_BASE = "https://oncely.dev/problems/"
@@ -60,7 +59,6 @@ _UNAVAILABLE = (
     redis.exceptions.TimeoutError,
     psycopg.OperationalError,
     psycopg_pool.PoolTimeout,
-    StoreUnavailable,
 )
 
 

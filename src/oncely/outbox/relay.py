@@ -26,6 +26,7 @@ import psycopg
 import structlog
 
 from oncely import metrics
+from oncely.batching import GroupCommit
 from oncely.errors import PermanentError, TransientError
 from oncely.outbox.store import OutboxRow, OutboxStore
 from oncely.retry import classify, retry_after_s
@@ -158,8 +159,10 @@ class Relay:
         self._wake = asyncio.Event()
         self._woken_by = ""
         self._slot_freed = asyncio.Event()
-        self._to_mark: list[tuple[int, str | None, asyncio.Future[bool]]] = []
-        self._marking = False
+        # Sends finishing together are recorded in one owner-checked UPDATE.
+        self._mark_sent: GroupCommit[tuple[int, str | None], int] = GroupCommit(
+            self._mark_sent_batch, key=lambda send: send[0]
+        )
 
     # -- the loop ---------------------------------------------------------
 
@@ -282,7 +285,7 @@ class Relay:
             await self._sent(row, result, lease)
 
     async def _sent(self, row: OutboxRow, result: SendResult, lease: _Lease) -> None:
-        if not await self._mark_sent(row.id, result.provider_message_id):
+        if not await self._mark_sent((row.id, result.provider_message_id)):
             self._lease_lost(row, "sent, but another relay holds the row")
             return
         lag_s = row.age_s + lease.elapsed()
@@ -297,34 +300,8 @@ class Relay:
             lag_s=round(lag_s, 3),
         )
 
-    async def _mark_sent(self, row_id: int, provider_message_id: str | None) -> bool:
-        """Group commit: the first send to finish records itself; sends that
-        finish meanwhile queue up and are recorded together in its next call."""
-        recorded: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        self._to_mark.append((row_id, provider_message_id, recorded))
-        if not self._marking:
-            self._marking = True
-            try:
-                await self._mark_queued()
-            finally:
-                self._marking = False
-        return await recorded
-
-    async def _mark_queued(self) -> None:
-        while self._to_mark:
-            batch, self._to_mark = self._to_mark, []
-            try:
-                marked = await self.store.mark_sent_many(
-                    self.owner, [(row_id, message_id) for row_id, message_id, _ in batch]
-                )
-            except Exception as exc:
-                for *_, recorded in batch:
-                    if not recorded.done():
-                        recorded.set_exception(exc)
-                continue
-            for row_id, _, recorded in batch:
-                if not recorded.done():
-                    recorded.set_result(row_id in marked)
+    async def _mark_sent_batch(self, sends: list[tuple[int, str | None]]) -> set[int]:
+        return await self.store.mark_sent_many(self.owner, sends)
 
     async def _failed(self, row: OutboxRow, exc: Exception) -> None:
         """Unclassified errors are permanent (DESIGN §4), as in the worker."""

@@ -69,11 +69,6 @@ class OutboxStore:
             await cur.execute(query("outbox_claim"), params)
             return await cur.fetchall()
 
-    async def mark_sent(self, row_id: int, owner: UUID, provider_message_id: str | None) -> bool:
-        """Record the send; False if ``owner`` no longer holds the row."""
-        params = {"id": row_id, "owner": owner, "provider_message_id": provider_message_id}
-        return await self._fenced("outbox_mark_sent", params)
-
     async def mark_sent_many(
         self, owner: UUID, sends: builtins.list[tuple[int, str | None]]
     ) -> set[int]:

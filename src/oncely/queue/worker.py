@@ -15,13 +15,14 @@ import secrets
 import socket
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import psycopg
 import redis.exceptions
 import structlog
 
 from oncely import metrics
+from oncely.batching import GroupCommit
 from oncely.errors import DeadlineExceeded, PermanentError, TransientError
 from oncely.queue.stream import Entry, JobMessage, Stream
 from oncely.retry import classify
@@ -57,7 +58,6 @@ class Delivery:
     fields: dict[str, str]
     count: int
     lease_lost: bool = False
-    started: float = field(default_factory=time.monotonic)
 
     @property
     def job_id(self) -> str:
@@ -96,8 +96,9 @@ class Worker:
         self._next_claim = 0.0
         self._stopping = asyncio.Event()
         self._slot_free = asyncio.Event()
-        self._acks: list[tuple[Delivery, asyncio.Future[bool]]] = []
-        self._flushing = False
+        self._ack: GroupCommit[Delivery, str] = GroupCommit(
+            self._ack_batch, key=lambda d: d.entry_id
+        )
         self._running_jobs: dict[str, asyncio.Event] = {}
         self.stats: dict[str, int] = {"acked": 0, "dead": 0, "transient": 0, "lost": 0}
 
@@ -118,7 +119,7 @@ class Worker:
             for task in background:
                 task.cancel()
             await asyncio.wait(background, timeout=1)
-            await self._flush_acks()
+            await self._ack.drain()
             with contextlib.suppress(redis.exceptions.RedisError):
                 await self.stream.forget_consumers(idle_ms=0, only=self.consumer)
             log.info("worker.stopped", consumer=self.consumer, **self.stats)
@@ -164,7 +165,7 @@ class Worker:
         """Wait until every started handler has finished and been acknowledged."""
         while self._tasks:
             await asyncio.gather(*self._tasks.values(), return_exceptions=True)
-        await self._flush_acks()
+        await self._ack.drain()
 
     # -- claiming -------------------------------------------------------
 
@@ -239,7 +240,7 @@ class Worker:
         except Exception as exc:
             await self._failed(delivery, exc)
             return
-        if await self._ack(delivery):
+        if await self._acknowledge(delivery):
             metrics.JOBS.labels(outcome=outcome).inc()
             log.info("job.acked", job_id=delivery.job_id, count=delivery.count, outcome=outcome)
 
@@ -299,39 +300,17 @@ class Worker:
 
     # -- acknowledging, batched -------------------------------------------
 
-    async def _ack(self, delivery: Delivery) -> bool:
+    async def _acknowledge(self, delivery: Delivery) -> bool:
         if delivery.lease_lost:
             log.warning("job.not_acked_lease_lost", job_id=delivery.job_id)
             return False
-        done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        self._acks.append((delivery, done))
-        # Group commit: the first handler to finish flushes; the ones finishing
-        # meanwhile queue up and ride along in the flusher's next call.
-        if not self._flushing:
-            self._flushing = True
-            try:
-                await self._flush_acks()
-            finally:
-                self._flushing = False
-        return await done
+        acked = await self._ack(delivery)
+        self.stats["acked" if acked else "lost"] += 1
+        return acked
 
-    async def _flush_acks(self) -> None:
+    async def _ack_batch(self, deliveries: list[Delivery]) -> set[str]:
         """One Lua call for every acknowledgement queued since the last one."""
-        while self._acks:
-            batch, self._acks = self._acks, []
-            items = [(d.entry_id, d.job_id) for d, _ in batch]
-            try:
-                acked = await self.stream.ack(self.consumer, items)
-            except Exception as exc:
-                for _, fut in batch:
-                    if not fut.done():
-                        fut.set_exception(exc)
-                continue
-            for delivery, fut in batch:
-                ok = delivery.entry_id in acked
-                self.stats["acked" if ok else "lost"] += 1
-                if not fut.done():
-                    fut.set_result(ok)
+        return await self.stream.ack(self.consumer, [(d.entry_id, d.job_id) for d in deliveries])
 
     # -- leases ---------------------------------------------------------------
 

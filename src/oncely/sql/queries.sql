@@ -111,18 +111,10 @@ RETURNING o.id, o.topic, o.dedupe_key, o.payload, o.attempts, o.last_error,
           o.provider_message_id, o.created_at,
           extract(epoch FROM now() - o.created_at)::float8 AS age_s
 
--- name: outbox_mark_sent
--- Owner-checked: a relay whose lease expired must not touch a row another
--- relay has claimed since (or already sent).
-UPDATE outbox
-   SET sent_at = now(), provider_message_id = %(provider_message_id)s,
-       locked_until = NULL, locked_by = NULL
- WHERE id = %(id)s AND locked_by = %(owner)s AND sent_at IS NULL
-RETURNING id
-
 -- name: outbox_mark_sent_many
--- The same, for every send that finished while the previous batch was
--- being recorded: one commit for many rows.
+-- Every send that finished while the previous batch was being recorded, in
+-- one commit. Owner-checked: a relay whose lease expired must not touch a row
+-- another relay has claimed since (or already sent).
 UPDATE outbox o
    SET sent_at = now(), provider_message_id = v.provider_message_id,
        locked_until = NULL, locked_by = NULL
