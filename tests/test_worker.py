@@ -287,3 +287,17 @@ async def test_idle_consumers_with_nothing_pending_are_forgotten(pool, stream):
     assert gone == ["holds-nothing"]
     consumers: Any = await stream.redis.xinfo_consumers(stream.stream, stream.group)
     assert [c["name"] for c in consumers] == ["holds-an-entry"]
+
+
+async def test_trim_never_deletes_entries_not_yet_delivered(pool, stream):
+    async def ok(message: JobMessage, delivery: Delivery) -> str:
+        return "done"
+
+    done_id = await submit(pool, stream, "delivered and acked")
+    await drain(make_worker(stream, ok, pool))
+    waiting = [await submit(pool, stream, f"waiting {i}") for i in range(3)]
+    [(delivered_entry, _)] = await stream.redis.xrange(stream.stream, count=1)
+    assert await stream.trim() == delivered_entry, "the floor is the last-delivered id"
+    remaining: Any = await stream.redis.xrange(stream.stream)
+    job_ids = [fields["job_id"] for _, fields in remaining]
+    assert job_ids == [done_id, *waiting], "undelivered entries survive the trim"
