@@ -11,15 +11,25 @@ class OncelyError(Exception):
 
 
 class TransientError(OncelyError):
-    """Can succeed later: retried in process, then by redelivery."""
+    """Can succeed later: retried in process, then by redelivery.
 
-    def __init__(self, message: str, *, retry_after_s: float | None = None) -> None:
+    ``status`` is the provider's HTTP status when there was one (a 429 pauses
+    the fleet); ``retry_after_s`` the wait it asked for."""
+
+    def __init__(
+        self, message: str, *, retry_after_s: float | None = None, status: int | None = None
+    ) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+        self.status = status
 
 
 class PermanentError(OncelyError):
     """Never succeeds as is: dead-lettered at once."""
+
+    def __init__(self, message: str, *, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class DeadlineExceeded(OncelyError):

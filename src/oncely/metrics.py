@@ -1,4 +1,8 @@
-"""Every Prometheus metric oncely exports, defined once."""
+"""Every Prometheus metric oncely exports, defined once.
+
+Job, delivery and model metrics carry a ``workflow`` label: one deployment
+runs several workflows, and each has its own backlog and failure modes.
+"""
 
 from __future__ import annotations
 
@@ -13,14 +17,36 @@ IDEMPOTENCY_REPLAYS = Counter(
 IDEMPOTENCY_LOCKS_LOST = Counter(
     "oncely_idempotency_locks_lost_total", "Requests that outlived their idempotency lock"
 )
-JOBS_ACCEPTED = Counter("oncely_jobs_accepted_total", "Jobs accepted by the API")
-JOBS = Counter("oncely_jobs_total", "Job deliveries by outcome", ["outcome"])
-DELIVERIES = Counter("oncely_deliveries_total", "Stream messages handed to handlers", ["kind"])
-DEAD_LETTERS = Counter("oncely_dead_letters_total", "Messages dead-lettered", ["reason"])
-LEASES_LOST = Counter("oncely_leases_lost_total", "In-flight messages taken by another worker")
-MODEL_CALLS = Counter("oncely_model_calls_total", "Model calls by outcome class", ["outcome"])
-MODEL_RETRIES = Counter("oncely_model_retries_total", "In-process model retries", ["reason"])
-HANDLERS_IN_FLIGHT = Gauge("oncely_handlers_in_flight", "Handlers running in this worker")
+JOBS_ACCEPTED = Counter("oncely_jobs_accepted_total", "Jobs accepted by the API", ["workflow"])
+JOBS = Counter("oncely_jobs_total", "Job deliveries by outcome", ["workflow", "outcome"])
+DELIVERIES = Counter(
+    "oncely_deliveries_total", "Stream messages handed to handlers", ["workflow", "kind"]
+)
+DEAD_LETTERS = Counter("oncely_dead_letters_total", "Messages dead-lettered", ["workflow", "reason"])
+LEASES_LOST = Counter(
+    "oncely_leases_lost_total", "In-flight messages taken by another worker", ["workflow"]
+)
+HANDLERS_IN_FLIGHT = Gauge(
+    "oncely_handlers_in_flight", "Handlers running in this worker", ["workflow"]
+)
+MODEL_CALLS = Counter(
+    "oncely_model_calls_total",
+    "Model calls by workflow, model and outcome class",
+    ["workflow", "model", "outcome"],
+)
+MODEL_RETRIES = Counter(
+    "oncely_model_retries_total", "In-process model retries", ["workflow", "reason"]
+)
+MODEL_TOKENS = Counter(
+    "oncely_model_tokens_total",
+    "Tokens the provider reported, by workflow, model and kind (prompt, completion)",
+    ["workflow", "model", "kind"],
+)
+MODEL_INVALID_OUTPUTS = Counter(
+    "oncely_model_invalid_outputs_total",
+    "Answers that did not validate against the workflow's result model",
+    ["workflow", "model"],
+)
 OUTBOX_SENDS = Counter("oncely_outbox_sends_total", "Relay sends by outcome", ["outcome"])
 OUTBOX_LAG = Histogram(
     "oncely_outbox_lag_seconds",
