@@ -20,15 +20,19 @@ from psycopg import conninfo
 from psycopg_pool import AsyncConnectionPool
 from redis.asyncio import Redis
 
-from oncely.api.app import create_app
 from oncely.api.auth import create_api_key
-from oncely.bootstrap import make_redis
+from oncely.bootstrap import connect_llm, make_redis, step_config
+from oncely.builtin import app as builtin_app
+from oncely.builtin.summaries import summaries
 from oncely.embedded import EmbeddedServers
 from oncely.fakes.llm import FakeLLMServer
-from oncely.llm.openai_compat import OpenAICompatible
+from oncely.jobs.handler import WorkflowHandler
+from oncely.jobs.store import Jobs
+from oncely.outbox.wakeup import OutboxWakeUp
+from oncely.queue.stream import Stream
 from oncely.settings import Settings
 from oncely.sql.migrate import migrate
-from oncely.workflow import SummaryJob
+from tests.helpers import asgi_app
 
 _counter = itertools.count()
 
@@ -115,7 +119,7 @@ def settings(redis_url: str, database_url: str, tmp_path: Path) -> Settings:
 async def client(
     settings: Settings, redis: Redis, pool: AsyncConnectionPool
 ) -> AsyncIterator[httpx.AsyncClient]:
-    app = create_app(settings, redis=redis, pool=pool)
+    app = asgi_app(settings, redis, pool)
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://oncely.test") as c:
         yield c
@@ -152,9 +156,22 @@ def worker_settings(settings: Settings, fake_llm: FakeLLMServer) -> Settings:
 
 
 @pytest.fixture
+def jobs(pool: AsyncConnectionPool, redis: Redis) -> Jobs:
+    """Jobs of the built-in app's workflows, each with its stream."""
+    return Jobs(pool, {w.name: Stream(redis, w.keys) for w in builtin_app})
+
+
+@pytest.fixture
+def stream(jobs: Jobs) -> Stream:
+    """The summaries workflow's stream."""
+    return jobs.streams["summaries"]
+
+
+@pytest.fixture
 async def summary_job(
-    pool: AsyncConnectionPool, worker_settings: Settings
-) -> AsyncIterator[SummaryJob]:
-    llm = OpenAICompatible.from_settings(worker_settings)
-    yield SummaryJob(pool, llm, worker_settings)
+    pool: AsyncConnectionPool, jobs: Jobs, worker_settings: Settings
+) -> AsyncIterator[WorkflowHandler]:
+    """The worker's handler for summaries, on the real model adapter and the fake model."""
+    llm = connect_llm(worker_settings)
+    yield WorkflowHandler(summaries, jobs, llm, step_config(worker_settings), OutboxWakeUp(pool))
     await llm.aclose()

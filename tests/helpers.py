@@ -1,4 +1,4 @@
-"""Shared helpers for tests that run jobs through a worker."""
+"""Shared helpers for tests that run jobs through a worker or the API."""
 
 from __future__ import annotations
 
@@ -6,32 +6,41 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from psycopg.types.json import Jsonb
+from fastapi import FastAPI
 from psycopg_pool import AsyncConnectionPool
+from redis.asyncio import Redis
 
-from oncely.queue.stream import JobMessage, Stream
+from oncely.api.app import create_app
+from oncely.app import App
+from oncely.bootstrap import Resources, http_api
+from oncely.builtin import app as builtin_app
+from oncely.jobs.store import Job, Jobs
+from oncely.queue.stream import Stream
 from oncely.queue.worker import Worker, WorkerConfig
-from oncely.sql import query
-from oncely.workflow import mark_dead
+from oncely.settings import Settings
+
+
+def asgi_app(
+    settings: Settings, redis: Redis, pool: AsyncConnectionPool, app: App | None = None
+) -> FastAPI:
+    """The standalone API of ``app`` (default: the built-in one) on open clients."""
+    resources = Resources(settings, redis, pool)
+    return create_app(http_api(app or builtin_app, settings, resources=resources))
 
 
 def make_worker(
     stream: Stream, handler: Callable[..., Awaitable[str]], pool: AsyncConnectionPool, **cfg: Any
 ) -> Worker:
     config = WorkerConfig(**{"block_ms": 10, "claim_idle_ms": 60_000, **cfg})
-
-    async def on_dead(job_id: str, reason: str) -> None:
-        await mark_dead(pool, job_id, reason)
-
-    return Worker(stream, handler, config, on_dead=on_dead)
+    jobs = Jobs(pool, {})
+    return Worker(stream, handler, config, workflow="summaries", on_dead=jobs.mark_dead)
 
 
 async def submit(pool: AsyncConnectionPool, stream: Stream, text: str, job_id: str = "") -> str:
+    """A summaries job accepted the way the API accepts it: row, then message."""
     job_id = job_id or str(uuid.uuid4())
     payload = {"text": text, "notify": "ada@example.com"}
-    async with pool.connection() as conn:
-        await conn.execute(query("insert_job"), (job_id, "acme", Jsonb(payload)))
-    await stream.enqueue(JobMessage.new(job_id, "acme", payload))
+    await Jobs(pool, {"summaries": stream}).accept(Job(job_id, "acme", "summaries", payload))
     return job_id
 
 

@@ -14,10 +14,10 @@ import pytest
 from psycopg_pool import AsyncConnectionPool
 from redis.asyncio import Redis
 
-from oncely import names
-from oncely.api.app import create_app
 from oncely.api.auth import create_api_key, revoke_api_key
 from oncely.api.store import IdempotencyStore
+from oncely.builtin.summaries import summaries
+from tests.helpers import asgi_app
 
 URL = "/v1/summaries"
 BODY = {"text": "Idempotency keys make retries safe.", "notify": "ada@example.com"}
@@ -36,7 +36,7 @@ async def job_count(pool: AsyncConnectionPool) -> int:
 
 
 async def stream_entries(redis: Redis) -> list[dict[str, str]]:
-    return [fields for _, fields in await redis.xrange(names.SUMMARIES_STREAM)]
+    return [fields for _, fields in await redis.xrange(summaries.keys.stream)]
 
 
 async def test_first_request_accepts_one_job_and_one_message(client, auth, pool, redis):
@@ -54,7 +54,7 @@ async def test_first_request_accepts_one_job_and_one_message(client, auth, pool,
     assert json.loads(entries[0]["payload"]) == BODY
     assert float(entries[0]["enqueued_at"]) > 0
     # The reconciler's index knows the entry.
-    assert await redis.hget(names.SUMMARIES_INDEX, job_id) is not None
+    assert await redis.hget(summaries.keys.index, job_id) is not None
 
 
 async def test_identical_retry_replays_byte_identical_without_new_message(
@@ -177,7 +177,7 @@ async def test_schema_invalid_body_claims_no_key_and_the_corrected_retry_runs(
 
 async def test_body_over_the_limit_is_413(settings, redis, pool, auth):
     small = settings.model_copy(update={"max_body_bytes": 200})
-    app = create_app(small, redis=redis, pool=pool)
+    app = asgi_app(small, redis, pool)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
         r = await c.post(URL, json={**BODY, "text": "x" * 500}, headers=headers(auth))
     assert r.status_code == 413
@@ -189,7 +189,7 @@ async def test_body_over_the_limit_is_413(settings, redis, pool, auth):
 async def test_chunked_body_over_the_limit_is_413(settings, redis, pool, auth):
     """No Content-Length: the limit is enforced while the body streams in."""
     small = settings.model_copy(update={"max_body_bytes": 200})
-    app = create_app(small, redis=redis, pool=pool)
+    app = asgi_app(small, redis, pool)
 
     async def chunks():
         yield b'{"text": "'
@@ -227,7 +227,7 @@ async def test_revoked_key_is_401(client, pool, api_key, auth):
 
 async def test_redis_unreachable_is_503_and_nothing_is_stored(settings, pool, auth):
     dead = Redis.from_url("redis://127.0.0.1:1/0", decode_responses=True, socket_timeout=1)
-    app = create_app(settings, redis=dead, pool=pool)
+    app = asgi_app(settings, dead, pool)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
         r = await c.post(URL, json=BODY, headers=headers(auth))
         ready = await c.get("/readyz")
@@ -253,7 +253,7 @@ async def test_crash_between_xadd_and_finalise_reenqueues_the_same_job_id(
         raise Crash
 
     short = settings.model_copy(update={"idempotency_lock_ttl_s": 0.2})
-    app = create_app(short, redis=redis, pool=pool)
+    app = asgi_app(short, redis, pool)
     monkeypatch.setattr(IdempotencyStore, "finalise", die)
     monkeypatch.setattr(IdempotencyStore, "release", die)  # a dead process releases nothing
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:

@@ -12,11 +12,11 @@ from typing import Any
 import httpx
 import pytest
 
-from oncely.api.app import create_app
-from oncely.bootstrap import Resources, build_relay, build_worker
+from oncely.bootstrap import Resources, WorkerGroup, build_relay, connect_llm
+from oncely.builtin import app as builtin_app
 from oncely.fakes.mail import FakeMailServer
-from oncely.llm.openai_compat import OpenAICompatible
 from oncely.settings import Settings
+from tests.helpers import asgi_app
 
 BODY = {"text": "One request. One summary. One email.", "notify": "ada@example.com"}
 
@@ -45,10 +45,10 @@ async def test_retried_and_concurrent_posts_end_in_exactly_one_email(
     e2e_settings, redis, pool, auth, fake_llm, mail, tmp_path
 ):
     res = Resources(e2e_settings, redis, pool)
-    app = create_app(e2e_settings, redis=redis, pool=pool)
-    llm = OpenAICompatible.from_settings(e2e_settings)
-    worker = build_worker(res, llm)
-    relay, sender = build_relay(res)
+    app = asgi_app(e2e_settings, redis, pool)
+    llm = connect_llm(e2e_settings)
+    worker = WorkerGroup(builtin_app, res, llm)
+    relay, sender = build_relay(builtin_app, res)
     services = [asyncio.create_task(worker.run()), asyncio.create_task(relay.run())]
     headers = {**auth, "Idempotency-Key": "signup-42-welcome-summary"}
     try:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import base64
+import hashlib
+import hmac
 import json
 import socket
 import time
@@ -13,9 +16,11 @@ from typing import Any
 import aiohttp
 import pytest
 
-from oncely.fakes.mail import FakeMailServer, serve_fake_mail
+from oncely.fakes.mail import EVENTS_PATH, FakeMailServer, serve_fake_mail
 
 MESSAGE = {"to": "ada@example.com", "subject": "Hello", "text": "Your summary."}
+EVENT = {"type": "summary.ready", "timestamp": "2024-05-01T12:00:00Z", "data": {"job": "j-1"}}
+SECRET = b"test-secret"
 
 
 @pytest.fixture
@@ -64,7 +69,7 @@ async def test_same_key_twice_is_one_effect_with_one_message_id(
     assert first[1]["id"] == second[1]["id"]
     assert await mail.deliveries() == {"requests": 2, "effects": 1, "by_key": {"k-1": 2}}
     [line] = mailbox_lines(mailbox)
-    assert line["idempotency_key"] == "k-1"
+    assert (line["kind"], line["idempotency_key"], line["id"]) == ("email", "k-1", first[1]["id"])
     assert {k: line[k] for k in ("to", "subject", "text")} == MESSAGE
     assert line["received_at"]
 
@@ -230,3 +235,211 @@ async def _post_when_up(http: aiohttp.ClientSession, url: str) -> int:
         else:
             return status
     raise AssertionError("serve_fake_mail never came up")
+
+
+# --- webhooks (POST /v1/events) ------------------------------------------------------
+
+
+def signed(webhook_id: str, timestamp: int, body: bytes) -> str:
+    """A Standard Webhooks signature, as a sender computes it."""
+    digest = hmac.new(SECRET, f"{webhook_id}.{timestamp}.".encode() + body, hashlib.sha256)
+    return "v1," + base64.b64encode(digest.digest()).decode()
+
+
+async def post_event(
+    http: aiohttp.ClientSession, url: str, webhook_id: str | None, body: bytes | None = None
+) -> tuple[int, dict[str, Any]]:
+    raw = json.dumps(EVENT, separators=(",", ":")).encode() if body is None else body
+    headers = {"Content-Type": "application/json", "webhook-timestamp": "1714564800"}
+    if webhook_id is not None:
+        headers["webhook-id"] = webhook_id
+        headers["webhook-signature"] = signed(webhook_id, 1714564800, raw)
+    async with http.post(url, data=raw, headers=headers) as response:
+        return response.status, await response.json()
+
+
+async def get_events(http: aiohttp.ClientSession, mail: FakeMailServer) -> list[dict[str, Any]]:
+    async with http.get(mail.base_url + "/_events") as response:
+        assert response.status == 200
+        events: list[dict[str, Any]] = await response.json()
+        return events
+
+
+async def test_events_url_is_the_base_url_and_events_path(mail: FakeMailServer) -> None:
+    assert mail.events_url == mail.base_url + EVENTS_PATH == mail.base_url + "/v1/events"
+
+
+async def test_same_webhook_id_twice_is_one_event_line_with_headers_and_raw_body(
+    mail: FakeMailServer, http: aiohttp.ClientSession, mailbox: Path
+) -> None:
+    first = await post_event(http, mail.events_url, "evt-1")
+    second = await post_event(http, mail.events_url, "evt-1")
+
+    assert (first[0], second[0]) == (201, 200)
+    assert first[1]["id"] == second[1]["id"]
+    assert await mail.deliveries() == {"requests": 2, "effects": 1, "by_key": {"evt-1": 2}}
+    [line] = mailbox_lines(mailbox)
+    raw = json.dumps(EVENT, separators=(",", ":"))
+    assert line == {
+        "kind": "event",
+        "idempotency_key": "evt-1",
+        "id": first[1]["id"],
+        "type": "summary.ready",
+        "data": {"job": "j-1"},
+        "timestamp": "2024-05-01T12:00:00Z",
+        "headers": {
+            "webhook-id": "evt-1",
+            "webhook-timestamp": "1714564800",
+            "webhook-signature": signed("evt-1", 1714564800, raw.encode()),
+        },
+        "body": raw,
+        "received_at": line["received_at"],
+    }
+    assert line["received_at"]
+
+
+async def test_events_route_answers_what_a_receiver_needs_to_check_signatures(
+    mail: FakeMailServer, http: aiohttp.ClientSession
+) -> None:
+    await post_event(http, mail.events_url, "evt-sig")
+
+    [event] = await get_events(http, mail)
+
+    headers = event["headers"]
+    timestamp = int(headers["webhook-timestamp"])
+    expected = signed(headers["webhook-id"], timestamp, event["body"].encode())
+    assert headers["webhook-signature"] == expected
+    assert await mail.events() == [event]
+
+
+async def test_events_and_emails_are_counted_together(
+    mail: FakeMailServer, http: aiohttp.ClientSession, mailbox: Path
+) -> None:
+    await post_message(http, mail.url, "k-mail")
+    await post_event(http, mail.events_url, "evt-1")
+    await post_event(http, mail.events_url, "evt-1")
+
+    assert await mail.deliveries() == {
+        "requests": 3,
+        "effects": 2,
+        "by_key": {"k-mail": 1, "evt-1": 2},
+    }
+    assert [line["kind"] for line in mailbox_lines(mailbox)] == ["email", "event"]
+    assert [event["idempotency_key"] for event in await get_events(http, mail)] == ["evt-1"]
+
+
+async def test_an_event_and_an_email_with_the_same_key_are_two_effects(
+    mail: FakeMailServer, http: aiohttp.ClientSession, mailbox: Path
+) -> None:
+    email = await post_message(http, mail.url, "same")
+    event = await post_event(http, mail.events_url, "same")
+
+    assert (email[0], event[0]) == (201, 201)
+    assert email[1]["id"] != event[1]["id"]
+    assert await mail.deliveries() == {"requests": 2, "effects": 2, "by_key": {"same": 2}}
+
+
+async def test_missing_webhook_id_is_rejected_with_no_effect(
+    mail: FakeMailServer, http: aiohttp.ClientSession, mailbox: Path
+) -> None:
+    status, body = await post_event(http, mail.events_url, None)
+
+    assert (status, body) == (400, {"error": "webhook-id header is required"})
+    assert await mail.deliveries() == {"requests": 1, "effects": 0, "by_key": {}}
+    assert mailbox_lines(mailbox) == []
+
+
+@pytest.mark.parametrize("body", [b"[1, 2]", b'"text"', b"{not json", b"\xff\xfe"])
+async def test_event_body_that_is_not_a_json_object_is_rejected_with_no_effect(
+    mail: FakeMailServer, http: aiohttp.ClientSession, mailbox: Path, body: bytes
+) -> None:
+    status, _ = await post_event(http, mail.events_url, "evt-bad", body)
+
+    assert status == 400
+    assert (await mail.deliveries())["effects"] == 0
+    assert mailbox_lines(mailbox) == []
+
+
+async def test_any_json_object_is_an_event_with_null_for_missing_fields(
+    mail: FakeMailServer, http: aiohttp.ClientSession
+) -> None:
+    status, _ = await post_event(http, mail.events_url, "evt-any", b'{"hello": "world"}')
+
+    [event] = await get_events(http, mail)
+    assert status == 201
+    assert (event["type"], event["data"], event["timestamp"]) == (None, None, None)
+    assert event["body"] == '{"hello": "world"}'
+
+
+async def test_fail_next_applies_to_events_too(
+    mail: FakeMailServer, http: aiohttp.ClientSession
+) -> None:
+    await script(http, mail, fail_next=2, status=503)
+
+    statuses = [(await post_event(http, mail.events_url, "evt-retry"))[0] for _ in range(3)]
+
+    assert statuses == [503, 503, 201]
+    assert await mail.deliveries() == {"requests": 3, "effects": 1, "by_key": {"evt-retry": 3}}
+    assert len(await get_events(http, mail)) == 1
+
+
+async def test_events_without_a_mailbox_are_kept_in_memory_until_reset(
+    http: aiohttp.ClientSession,
+) -> None:
+    async with FakeMailServer() as mail:
+        await post_event(http, mail.events_url, "evt-1")
+        await post_event(http, mail.events_url, "evt-2")
+        await post_message(http, mail.url, "k-mail")
+
+        assert [e["idempotency_key"] for e in await get_events(http, mail)] == ["evt-1", "evt-2"]
+        async with http.post(mail.base_url + "/_reset") as response:
+            assert response.status == 200
+        assert await get_events(http, mail) == []
+
+
+async def test_reset_forgets_events_in_the_mailbox(
+    mail: FakeMailServer, http: aiohttp.ClientSession, mailbox: Path
+) -> None:
+    await post_event(http, mail.events_url, "evt-1")
+
+    async with http.post(mail.base_url + "/_reset") as response:
+        assert response.status == 200
+
+    assert await get_events(http, mail) == []
+    assert (await post_event(http, mail.events_url, "evt-1"))[0] == 201
+
+
+async def test_restart_on_the_same_mailbox_keeps_deduping_events_and_emails(
+    http: aiohttp.ClientSession, mailbox: Path
+) -> None:
+    async with FakeMailServer(mailbox) as before:
+        _, email, _ = await post_message(http, before.url, "k-1")
+        _, event = await post_event(http, before.events_url, "evt-1")
+    async with FakeMailServer(mailbox) as after:
+        email_again = await post_message(http, after.url, "k-1")
+        event_again = await post_event(http, after.events_url, "evt-1")
+        assert (await after.deliveries())["effects"] == 2
+        assert [e["id"] for e in await get_events(http, after)] == [event["id"]]
+
+    assert (email_again[0], email_again[1]["id"]) == (200, email["id"])
+    assert (event_again[0], event_again[1]["id"]) == (200, event["id"])
+    assert [line["kind"] for line in mailbox_lines(mailbox)] == ["email", "event"]
+
+
+async def test_mailbox_lines_without_a_kind_are_recovered_as_emails(
+    http: aiohttp.ClientSession, mailbox: Path
+) -> None:
+    write_line_without_kind(mailbox, "k-old", "msg_old")
+
+    async with FakeMailServer(mailbox) as mail:
+        email = await post_message(http, mail.url, "k-old")
+        event = await post_event(http, mail.events_url, "k-old")
+
+    assert (email[0], email[1]["id"]) == (200, "msg_old")
+    assert event[0] == 201
+
+
+def write_line_without_kind(mailbox: Path, key: str, message_id: str) -> None:
+    """An email line as written before events existed."""
+    line = {"idempotency_key": key, "id": message_id, **MESSAGE, "received_at": "earlier"}
+    mailbox.write_text(json.dumps(line) + "\n")

@@ -9,17 +9,18 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 import pytest
-from fastapi import APIRouter
+from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 from structlog.testing import capture_logs
 
 from oncely import names
-from oncely.api.app import create_app
-from oncely.api.idempotency import Idempotent
+from oncely.api.idempotency import IdempotentRequest
+from tests.helpers import asgi_app
 
 KEY = "echo-key-0001-abcdef"
 
@@ -43,11 +44,12 @@ def behaviour() -> Behaviour:
     return Behaviour()
 
 
-def echo_router(behaviour: Behaviour) -> APIRouter:
+def echo_router(behaviour: Behaviour, idempotent: Any) -> APIRouter:
+    """Any POST route of one's own, made idempotent by the API's dependency."""
     router = APIRouter()
 
     @router.post("/v1/echo", status_code=201)
-    async def echo(body: Echo, idem: Idempotent) -> Response:
+    async def echo(body: Echo, idem: IdempotentRequest = Depends(idempotent)) -> Response:  # noqa: B008
         async def handler() -> Response:
             behaviour.calls += 1
             call = behaviour.calls
@@ -67,8 +69,8 @@ def echo_router(behaviour: Behaviour) -> APIRouter:
 
 @pytest.fixture
 async def echo(settings, redis, pool, behaviour, auth) -> AsyncIterator[httpx.AsyncClient]:
-    app = create_app(settings, redis=redis, pool=pool)
-    app.include_router(echo_router(behaviour))
+    app = asgi_app(settings, redis, pool)
+    app.include_router(echo_router(behaviour, app.state.oncely.idempotent))
     # The app answers 500 to an unhandled exception, then re-raises it for
     # the server's log; a real server would not hand it to the client.
     transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
@@ -212,8 +214,8 @@ async def test_request_that_lost_its_lock_cannot_overwrite_the_new_owner(echo, b
 async def test_long_handler_renews_its_lock(settings, redis, pool, auth, behaviour):
     """A handler slower than the lock TTL keeps its key: no second run."""
     short = settings.model_copy(update={"idempotency_lock_ttl_s": 0.3})
-    app = create_app(short, redis=redis, pool=pool)
-    app.include_router(echo_router(behaviour))
+    app = asgi_app(short, redis, pool)
+    app.include_router(echo_router(behaviour, app.state.oncely.idempotent))
     behaviour.gate = asyncio.Event()
     async with httpx.AsyncClient(
         transport=httpx.ASGITransport(app=app), base_url="http://t", headers=auth

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 from psycopg.types.json import Jsonb
 
+from oncely.builtin.summaries import summaries
 from oncely.fakes.llm import FakeLLMServer
 from oncely.queue.stream import JobMessage, Stream
 from oncely.sql import query
@@ -52,14 +53,14 @@ def worker_env(redis_url, database_url, fake_llm) -> dict[str, str]:
 
 
 async def submit_jobs(pool, redis, n: int, text: str) -> list[str]:
-    stream = Stream(redis)
+    stream = Stream(redis, summaries.keys)
     await stream.ensure_group()
     ids = []
     for i in range(n):
         job_id = str(uuid.uuid4())
         payload = {"text": f"{text} (job {i})", "notify": "ada@example.com"}
         async with pool.connection() as conn:
-            await conn.execute(query("insert_job"), (job_id, "acme", Jsonb(payload)))
+            await conn.execute(query("insert_job"), (job_id, "acme", "summaries", Jsonb(payload)))
         await stream.enqueue(JobMessage.new(job_id, "acme", payload))
         ids.append(job_id)
     return ids
@@ -143,7 +144,8 @@ async def add_outbox_rows(pool, n: int) -> None:
         for i in range(n):
             job_id = str(uuid.uuid4())
             await conn.execute(
-                query("insert_job"), (job_id, "acme", Jsonb({"text": "t", "notify": "a@x.io"}))
+                query("insert_job"),
+                (job_id, "acme", "summaries", Jsonb({"text": "t", "notify": "a@x.io"})),
             )
             await conn.execute(
                 query("insert_outbox"),

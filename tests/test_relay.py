@@ -1,5 +1,5 @@
-"""The outbox relay on real Postgres, sending through the real HTTP email
-sender to the fake mail provider. Every test counts effects: provider
+"""The outbox relay on real Postgres, sending through the real effect router
+and HTTP email sender to the fake mail provider. Every test counts effects: provider
 requests and effects, attempts, and which rows ended sent or failed.
 
 Time is rewound in the database (leases, next_attempt_at, sent_at), never
@@ -21,15 +21,33 @@ from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 from structlog.testing import capture_logs
 
+from oncely.bootstrap import relay_config
+from oncely.effects import Email, Payload, email
 from oncely.fakes.mail import FakeMailServer, Faults
 from oncely.outbox import OutboxStore, Relay, RelayConfig, backoff_s
 from oncely.outbox.relay import LISTENER_APPLICATION_NAME
-from oncely.senders import HttpEmailSender, Sender, SendResult
+from oncely.senders import EffectRouter, Sender, SendersConfig, SendResult, build_router
 from oncely.settings import Settings
 from oncely.sql import query
-from oncely.workflow import SUMMARY_READY, dedupe_key
 
 DAY_S = 86400.0
+SUMMARY_READY = "email.summary_ready"
+
+
+def render_summary(payload: Payload) -> Email:
+    return Email(
+        payload["to"], f"Your summary is ready (job {payload['job_id']})", payload["summary"]
+    )
+
+
+def dedupe_key(job_id: str) -> str:
+    return f"summary_ready:{job_id}"
+
+
+def email_router(url: str) -> EffectRouter:
+    """The relay's sender as the composition root builds it, for one email topic."""
+    effects = [("summaries", email(SUMMARY_READY, render_summary))]
+    return build_router(effects, SendersConfig(email="http", email_url=url, timeout_s=2.0))
 
 
 class Crash(BaseException):
@@ -76,8 +94,8 @@ async def fake_mail() -> AsyncIterator[FakeMailServer]:
 
 
 @pytest.fixture
-async def sender(fake_mail: FakeMailServer) -> AsyncIterator[HttpEmailSender]:
-    s = HttpEmailSender(fake_mail.url, timeout_s=2.0)
+async def sender(fake_mail: FakeMailServer) -> AsyncIterator[EffectRouter]:
+    s = email_router(fake_mail.url)
     yield s
     await s.aclose()
 
@@ -283,7 +301,7 @@ async def test_provider_down_counts_an_attempt_and_schedules_a_retry_that_sends(
         fake_mail.state.script(Faults(fail_next=1, status=503))
         down: Sender = sender
     else:
-        down = HttpEmailSender(closed_port_url(), timeout_s=2.0)
+        down = email_router(closed_port_url())
     relay = make_relay(store, down)
     assert await relay.run_once() == 1
     if down is not sender:
@@ -366,7 +384,7 @@ async def test_two_relays_side_by_side_send_500_rows_exactly_once(
     pool: AsyncConnectionPool, store: OutboxStore, fake_mail: FakeMailServer
 ) -> None:
     await add_rows(pool, 500)
-    senders = [HttpEmailSender(fake_mail.url, timeout_s=2.0) for _ in range(2)]
+    senders = [email_router(fake_mail.url) for _ in range(2)]
     relays = [make_relay(store, s, batch=25, concurrency=8, poll_s=0.02) for s in senders]
     loops = [asyncio.create_task(r.run()) for r in relays]
 
@@ -539,7 +557,7 @@ def test_relay_config_from_settings_takes_the_relay_knobs() -> None:
         relay_poll_s=0.5,
         outbox_retention_s=60,
     )
-    config = RelayConfig.from_settings(settings)
+    config = relay_config(settings)
     assert (config.max_attempts, config.lease_s, config.batch) == (3, 12, 7)
     assert (config.concurrency, config.poll_s, config.retention_s) == (5, 0.5, 60)
 

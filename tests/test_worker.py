@@ -8,7 +8,6 @@ import asyncio
 from typing import Any
 
 import pytest
-from redis.asyncio import Redis
 
 from oncely.errors import TransientError
 from oncely.queue.stream import JobMessage, Stream
@@ -21,8 +20,8 @@ class Crash(BaseException):
 
 
 @pytest.fixture
-async def stream(redis: Redis) -> Stream:
-    s = Stream(redis)
+async def stream(jobs) -> Stream:
+    s = jobs.streams["summaries"]
     await s.ensure_group()
     return s
 

@@ -1,3 +1,34 @@
-"""oncely: exactly-once effects for LLM steps in business workflows."""
+"""oncely: exactly-once effects for LLM steps in business workflows.
+
+The public API: declare a ``Workflow`` (request model, step, result model,
+effects), register it on an ``App``, and run ``oncely --app module:app …``.
+See the README, "Write your own workflow".
+"""
+
+from oncely.app import App
+from oncely.effects import Email, Event, email, webhook
+from oncely.errors import DeadlineExceeded, PermanentError, TransientError
+from oncely.jobs.store import JobRecord
+from oncely.llm.model import InvalidOutput, Model, Usage
+from oncely.workflow import Context, JobView, Workflow
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "App",
+    "Context",
+    "DeadlineExceeded",
+    "Email",
+    "Event",
+    "InvalidOutput",
+    "JobRecord",
+    "JobView",
+    "Model",
+    "PermanentError",
+    "TransientError",
+    "Usage",
+    "Workflow",
+    "__version__",
+    "email",
+    "webhook",
+]

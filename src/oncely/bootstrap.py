@@ -1,4 +1,8 @@
-"""The composition root: settings in, live clients and pools out."""
+"""The composition root: settings in, configs, clients and services out.
+
+The only module (with the CLI) that reads ``Settings``: every library
+component takes a config dataclass, mapped here in one place.
+"""
 
 from __future__ import annotations
 
@@ -7,25 +11,118 @@ import signal
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 import structlog
 import uvicorn
 from psycopg_pool import AsyncConnectionPool
 from redis.asyncio import Redis
 
+from oncely.app import App, load_app
+from oncely.jobs.handler import StepConfig, WorkflowHandler
+from oncely.jobs.reconcile import Reconciler
+from oncely.jobs.store import Jobs
 from oncely.llm.base import LLM
 from oncely.llm.limiter import FleetLimiter, LimitedLLM, Limits
+from oncely.llm.openai_compat import OpenAICompatible
 from oncely.outbox.relay import Relay, RelayConfig
 from oncely.outbox.store import OutboxStore
-from oncely.queue.reconcile import Reconciler
+from oncely.outbox.wakeup import OutboxWakeUp
 from oncely.queue.stream import Stream
 from oncely.queue.worker import Worker, WorkerConfig
-from oncely.senders import build_sender
-from oncely.senders.base import Sender
+from oncely.retry import RetryPolicy
+from oncely.senders import EffectRouter, SendersConfig, build_router
 from oncely.settings import Settings
-from oncely.workflow import SummaryJob, mark_dead
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from oncely.api.app import ApiConfig, OncelyAPI
+    from oncely.api.auth import TenantDependency
 
 log = structlog.get_logger("oncely.process")
+
+
+# -- settings → component configs -------------------------------------------------
+
+
+def api_config(s: Settings) -> ApiConfig:
+    from oncely.api.app import ApiConfig
+
+    return ApiConfig(
+        lock_ttl_s=s.idempotency_lock_ttl_s,
+        result_ttl_s=s.idempotency_result_ttl_s,
+        max_body_bytes=s.max_body_bytes,
+    )
+
+
+def worker_config(s: Settings) -> WorkerConfig:
+    return WorkerConfig(
+        concurrency=s.worker_concurrency,
+        claim_idle_ms=s.claim_idle_ms,
+        max_deliveries=s.max_deliveries,
+        block_ms=s.block_ms,
+        shutdown_grace_s=s.shutdown_grace_s,
+        trim_every_s=s.stream_trim_every_s,
+    )
+
+
+def retry_policy(s: Settings) -> RetryPolicy:
+    return RetryPolicy(
+        per_call_timeout_s=s.llm_timeout_s,
+        max_attempts=s.llm_max_attempts,
+        backoff_base_s=s.llm_backoff_base_s,
+        backoff_max_s=s.llm_backoff_max_s,
+        retry_after_max_s=s.llm_retry_after_max_s,
+    )
+
+
+def step_config(s: Settings) -> StepConfig:
+    return StepConfig(
+        policy=retry_policy(s),
+        budget_s=s.job_budget_s,
+        invalid_output_retries=s.llm_invalid_output_retries,
+        model_name=s.llm_model,
+    )
+
+
+def limits(s: Settings) -> Limits:
+    return Limits(rpm=s.llm_rpm, tpm=s.llm_tpm, pause_max_s=s.llm_retry_after_max_s)
+
+
+def relay_config(s: Settings) -> RelayConfig:
+    return RelayConfig(
+        max_attempts=s.relay_max_attempts,
+        lease_s=s.relay_lease_s,
+        batch=s.relay_batch,
+        concurrency=s.relay_concurrency,
+        poll_s=s.relay_poll_s,
+        retention_s=s.outbox_retention_s,
+    )
+
+
+def senders_config(s: Settings) -> SendersConfig:
+    return SendersConfig(
+        email=s.sender,
+        email_url=s.sender_url,
+        timeout_s=s.sender_timeout_s,
+        webhook_secret=s.webhook_secret.get_secret_value(),
+        smtp_from=s.smtp_from,
+        webhook_urls=dict(s.workflow_webhook_urls),
+        default_webhook_url=s.webhook_url,
+    )
+
+
+def connect_llm(s: Settings) -> OpenAICompatible:
+    return OpenAICompatible.connect(s.llm_base_url, s.llm_api_key.get_secret_value(), s.llm_model)
+
+
+def app_from(s: Settings, only: list[str] | None = None) -> App:
+    """The settings' app, narrowed to the workflows named in ``only``."""
+    return load_app(s.app).only(only or [])
+
+
+# -- clients ----------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -71,6 +168,10 @@ async def open_resources(settings: Settings) -> AsyncIterator[Resources]:
         await redis.aclose()
 
 
+def jobs_for(app: App, res: Resources) -> Jobs:
+    return Jobs(res.pool, {w.name: Stream(res.redis, w.keys) for w in app})
+
+
 @contextmanager
 def stop_on_signals(*stops: Callable[[], object]) -> Iterator[None]:
     """SIGTERM and SIGINT call every ``stop``: services finish what they hold."""
@@ -90,6 +191,37 @@ def stop_on_signals(*stops: Callable[[], object]) -> Iterator[None]:
             loop.remove_signal_handler(sig)
 
 
+# -- the API ----------------------------------------------------------------------
+
+
+def http_api(
+    app: App,
+    settings: Settings | None = None,
+    *,
+    auth: TenantDependency | None = None,
+    resources: Resources | None = None,
+) -> OncelyAPI:
+    """An app's routes for your own FastAPI service (README: Embedding).
+
+    Without ``resources`` the API opens its own Redis and PostgreSQL clients
+    from ``settings`` (default: the environment) in its ``lifespan``."""
+    from oncely.api.app import OncelyAPI
+
+    s = settings or Settings()
+    clients = resources if resources is not None else (lambda: open_resources(s))
+    return OncelyAPI(app, api_config(s), clients, auth=auth)
+
+
+def asgi_app() -> FastAPI:
+    """ASGI factory: ``uvicorn --factory oncely.bootstrap:asgi_app`` (or
+    gunicorn with uvicorn workers). Settings and ``ONCELY_APP`` from the
+    environment; clients opened by the lifespan."""
+    from oncely.api.app import create_app
+
+    settings = Settings()
+    return create_app(http_api(app_from(settings), settings))
+
+
 class _QuietServer(uvicorn.Server):
     """uvicorn without its own signal handlers: ``stop_on_signals`` owns them,
     so one Ctrl-C stops the API and every other service in the process."""
@@ -100,12 +232,12 @@ class _QuietServer(uvicorn.Server):
 
 
 class ApiServer:
-    def __init__(self, res: Resources, *, host: str, port: int) -> None:
+    def __init__(self, app: App, res: Resources, *, host: str, port: int) -> None:
         from oncely.api.app import create_app
 
-        app = create_app(res.settings, redis=res.redis, pool=res.pool)
+        asgi = create_app(http_api(app, res.settings, resources=res))
         config = uvicorn.Config(
-            app, host=host, port=port, log_config=None, access_log=False, lifespan="off"
+            asgi, host=host, port=port, log_config=None, access_log=False, lifespan="off"
         )
         self._server = _QuietServer(config)
 
@@ -117,44 +249,95 @@ class ApiServer:
 
 
 async def serve_api(settings: Settings, *, host: str, port: int) -> None:
+    app = app_from(settings)
     async with open_resources(settings) as res:
-        server = ApiServer(res, host=host, port=port)
+        server = ApiServer(app, res, host=host, port=port)
         with stop_on_signals(server.stop):
             await server.run()
 
 
-def build_worker(res: Resources, llm: LLM) -> Worker:
-    s = res.settings
-    config = WorkerConfig(
-        concurrency=s.worker_concurrency,
-        claim_idle_ms=s.claim_idle_ms,
-        max_deliveries=s.max_deliveries,
-        block_ms=s.block_ms,
-        shutdown_grace_s=s.shutdown_grace_s,
-        trim_every_s=s.stream_trim_every_s,
+# -- workers ----------------------------------------------------------------------
+
+
+class Service(Protocol):
+    """A long-running part of a process."""
+
+    async def run(self) -> None: ...
+    def stop(self) -> None: ...
+
+
+class WorkerGroup:
+    """One ``Worker`` and one ``Reconciler`` per workflow of the app, in one
+    process, under one task group: if any of them fails, the others stop and
+    the process exits with the error."""
+
+    def __init__(self, app: App, res: Resources, llm: LLM) -> None:
+        s = res.settings
+        self.jobs = jobs_for(app, res)
+        limited = LimitedLLM(llm, FleetLimiter(res.redis, limits(s)))
+        wake_relay = OutboxWakeUp(res.pool)
+        config, steps = worker_config(s), step_config(s)
+        self.workers = [
+            Worker(
+                self.jobs.streams[w.name],
+                WorkflowHandler(w, self.jobs, limited, steps, wake_relay),
+                config,
+                workflow=w.name,
+                on_dead=self.jobs.mark_dead,
+            )
+            for w in app
+        ]
+        self.reconcilers = [Reconciler(self.jobs, w.name, after_s=s.reconcile_after_s) for w in app]
+
+    @property
+    def services(self) -> list[Service]:
+        return [*self.workers, *self.reconcilers]
+
+    async def run(self) -> None:
+        async with asyncio.TaskGroup() as group:
+            for service in self.services:
+                group.create_task(service.run())
+
+    def stop(self) -> None:
+        for service in self.services:
+            service.stop()
+
+
+async def run_worker(settings: Settings, workflows: list[str] | None = None) -> None:
+    app = app_from(settings, workflows)
+    async with open_resources(settings) as res, connect_llm(settings) as llm:
+        group = WorkerGroup(app, res, llm)
+        with stop_on_signals(group.stop):
+            await group.run()
+
+
+# -- the relay --------------------------------------------------------------------
+
+
+def build_relay(app: App, res: Resources) -> tuple[Relay, EffectRouter]:
+    """The relay and its router; the caller closes the router after the relay stops."""
+    router = build_router(app.effects(), senders_config(res.settings))
+    relay = Relay(
+        OutboxStore(res.pool),
+        router,
+        relay_config(res.settings),
+        database_url=res.settings.database_url,
     )
-
-    async def on_dead(job_id: str, reason: str) -> None:
-        await mark_dead(res.pool, job_id, reason)
-
-    limits = Limits(rpm=s.llm_rpm, tpm=s.llm_tpm, pause_max_s=s.llm_retry_after_max_s)
-    limited = LimitedLLM(llm, FleetLimiter(res.redis, limits))
-    handler = SummaryJob(res.pool, limited, s)
-    return Worker(Stream(res.redis), handler, config, on_dead=on_dead)
+    return relay, router
 
 
-async def run_worker(settings: Settings) -> None:
-    from oncely.llm.openai_compat import OpenAICompatible
+async def run_relay(settings: Settings) -> None:
+    app = app_from(settings)
+    async with open_resources(settings) as res:
+        relay, router = build_relay(app, res)
+        try:
+            with stop_on_signals(relay.stop):
+                await relay.run()
+        finally:
+            await router.aclose()
 
-    async with open_resources(settings) as res, OpenAICompatible.from_settings(settings) as llm:
-        worker = build_worker(res, llm)
-        reconciler = build_reconciler(res)
-        with stop_on_signals(worker.stop, reconciler.stop):
-            await asyncio.gather(worker.run(), reconciler.run())
 
-
-def build_reconciler(res: Resources) -> Reconciler:
-    return Reconciler(res.pool, Stream(res.redis), after_s=res.settings.reconcile_after_s)
+# -- keys ---------------------------------------------------------------------------
 
 
 async def create_key(settings: Settings, tenant: str) -> str:
@@ -169,25 +352,3 @@ async def revoke_key(settings: Settings, key: str) -> str | None:
 
     async with open_resources(settings) as res:
         return await revoke_api_key(res.pool, key)
-
-
-async def run_relay(settings: Settings) -> None:
-    async with open_resources(settings) as res:
-        relay, sender = build_relay(res)
-        try:
-            with stop_on_signals(relay.stop):
-                await relay.run()
-        finally:
-            await sender.aclose()
-
-
-def build_relay(res: Resources) -> tuple[Relay, Sender]:
-    """The relay and its sender; the caller closes the sender after the relay stops."""
-    sender = build_sender(res.settings)
-    relay = Relay(
-        OutboxStore(res.pool),
-        sender,
-        RelayConfig.from_settings(res.settings),
-        database_url=res.settings.database_url,
-    )
-    return relay, sender

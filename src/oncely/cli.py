@@ -36,6 +36,34 @@ app.add_typer(outbox_app, name="outbox")
 
 err = Console(stderr=True)
 
+# Set by the --app option before any command runs.
+_chosen_app: str | None = None
+
+
+@app.callback()
+def _main(
+    app_spec: Annotated[
+        str | None,
+        typer.Option(
+            "--app",
+            envvar="ONCELY_APP",
+            show_envvar=True,
+            help="The app to serve, as module:attribute [default: oncely.builtin:app].",
+        ),
+    ] = None,
+) -> None:
+    """oncely: exactly-once effects for LLM steps in business workflows."""
+    global _chosen_app
+    _chosen_app = app_spec
+
+
+WorkflowsOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--workflow", "-w", help="Only this workflow (repeat for several) [default: all]."
+    ),
+]
+
 HostOpt = Annotated[str, typer.Option(envvar="ONCELY_HOST", show_envvar=True, help="Bind address.")]
 PortOpt = Annotated[int, typer.Option(envvar="ONCELY_PORT", show_envvar=True, help="Port.")]
 DataDirOpt = Annotated[
@@ -68,10 +96,35 @@ def _settings(**overrides: Any) -> Settings:
             name = "ONCELY_" + "_".join(str(part) for part in error["loc"]).upper()
             err.print(f"[red]{name}[/red]: {error['msg']} (got {error.get('input')!r})")
         raise typer.Exit(2) from None
+    if _chosen_app:
+        overrides["app"] = _chosen_app
     if overrides:
         settings = settings.model_copy(update=overrides)
     configure_logging(settings.log_format, settings.log_level)
+    _check_app(settings)
     return settings
+
+
+def _check_app(settings: Settings) -> None:
+    """A wrong --app is one readable line and exit code 2, before anything starts."""
+    from oncely.app import load_app
+
+    try:
+        load_app(settings.app)
+    except ValueError as exc:
+        err.print(f"[red]--app / ONCELY_APP[/red]: {exc}")
+        raise typer.Exit(2) from None
+
+
+def _workflows(settings: Settings, names: list[str] | None) -> list[str]:
+    from oncely.app import load_app
+
+    known = load_app(settings.app).names
+    unknown = [n for n in names or [] if n not in known]
+    if unknown:
+        err.print(f"[red]--workflow[/red]: no workflow {unknown} in {settings.app} (has {known})")
+        raise typer.Exit(2)
+    return names or []
 
 
 @app.command()
@@ -94,16 +147,17 @@ def api(host: HostOpt = "127.0.0.1", port: PortOpt = 8000) -> None:
 
 
 @app.command()
-def worker() -> None:
-    """Run a stream worker: summarise queued texts (SIGTERM drains in-flight jobs)."""
+def worker(workflow: WorkflowsOpt = None) -> None:
+    """Run a stream worker for the app's workflows (SIGTERM drains in-flight jobs)."""
     from oncely.bootstrap import run_worker
 
-    _run(run_worker(_settings()))
+    settings = _settings()
+    _run(run_worker(settings, _workflows(settings, workflow)))
 
 
 @app.command()
 def relay() -> None:
-    """Run an outbox relay: send notifications, each once (SIGTERM finishes sends in flight)."""
+    """Run an outbox relay: deliver every effect once (SIGTERM finishes sends in flight)."""
     from oncely.bootstrap import run_relay
 
     _run(run_relay(_settings()))
@@ -222,26 +276,37 @@ def status(
 
 @dlq_app.command("list")
 def dlq_list(
-    limit: Annotated[int, typer.Option(help="How many, newest first.")] = 50,
+    limit: Annotated[int, typer.Option(help="How many per workflow, newest first.")] = 50,
+    workflow: Annotated[str | None, typer.Option("--workflow", "-w", help="Only this one.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
 ) -> None:
-    """List dead letters with their reason, delivery count and last error."""
+    """List dead letters with their workflow, reason, delivery count and last error."""
     from oncely.ops import show_dead_letters
 
-    _run(show_dead_letters(_settings(), limit=limit))
+    settings = _settings()
+    _workflows(settings, [workflow] if workflow else None)
+    _run(show_dead_letters(settings, limit=limit, workflow=workflow, as_json=as_json))
 
 
 @dlq_app.command("replay")
 def dlq_replay(
     dead_id: Annotated[str | None, typer.Argument(help="The dead letter's id.")] = None,
     replay_all: Annotated[bool, typer.Option("--all", help="Replay every dead letter.")] = False,
+    workflow: Annotated[str | None, typer.Option("--workflow", "-w", help="Only this one.")] = None,
 ) -> None:
-    """Put dead letters back in the stream (the job becomes queued again)."""
-    from oncely.ops import replay_dead_letters
+    """Put dead letters back in their stream (the job becomes queued again)."""
+    from oncely.ops import AmbiguousDeadLetter, replay_dead_letters
 
     if (dead_id is None) == (not replay_all):
         err.print("[red]give one dead letter id, or --all[/red]")
         raise typer.Exit(2)
-    count = _run(replay_dead_letters(_settings(), dead_id))
+    settings = _settings()
+    _workflows(settings, [workflow] if workflow else None)
+    try:
+        count = _run(replay_dead_letters(settings, dead_id, workflow=workflow))
+    except AmbiguousDeadLetter as exc:
+        err.print(f"[red]{exc}[/red]")
+        raise typer.Exit(2) from None
     if dead_id is not None and count == 0:
         err.print(f"[red]no dead letter {dead_id}[/red]")
         raise typer.Exit(1)

@@ -3,27 +3,30 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
+import secrets
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
+from pydantic import SecretStr
 from rich.console import Console
 
 from oncely.api.auth import create_api_key, tenant_for_key
 from oncely.bootstrap import (
     ApiServer,
     Resources,
-    build_reconciler,
+    WorkerGroup,
+    app_from,
     build_relay,
-    build_worker,
+    connect_llm,
     open_resources,
     stop_on_signals,
 )
 from oncely.embedded import EmbeddedServers
 from oncely.fakes.llm import serve_fake_llm
 from oncely.fakes.mail import serve_fake_mail
-from oncely.llm.openai_compat import OpenAICompatible
 from oncely.settings import Settings
 from oncely.sql.migrate import migrate
 
@@ -42,40 +45,57 @@ async def run_dev(settings: Settings, *, port: int) -> None:
             }
         )
     try:
-        await _run_services(_with_fakes(settings, port), port)
+        await _run_services(await _with_fakes(settings, port), port)
     finally:
         await asyncio.to_thread(servers.stop)
 
 
-def _with_fakes(settings: Settings, port: int) -> Settings:
-    """Point the model and the mail provider at local fakes unless configured."""
+async def _with_fakes(settings: Settings, port: int) -> Settings:
+    """Point the model, the mail provider and webhooks at local fakes unless
+    configured; sign webhooks with a dev secret kept in the data dir."""
     update: dict[str, Any] = {}
+    fake_provider = f"http://127.0.0.1:{port + 102}"
     if "llm_base_url" not in settings.model_fields_set:
         update["llm_base_url"] = f"http://127.0.0.1:{port + 101}/v1"
     if "sender_url" not in settings.model_fields_set:
         update["sender"] = "http"
-        update["sender_url"] = f"http://127.0.0.1:{port + 102}/v1/messages"
+        update["sender_url"] = f"{fake_provider}/v1/messages"
+    if settings.webhook_url is None:
+        update["webhook_url"] = f"{fake_provider}/v1/events"
+    if not settings.webhook_secret.get_secret_value():
+        secret = await asyncio.to_thread(_dev_secret, settings.data_dir / "dev-webhook-secret")
+        update["webhook_secret"] = SecretStr(secret)
     return settings.model_copy(update=update)
+
+
+def _dev_secret(path: Path) -> str:
+    """A ``whsec_`` secret made once per data dir, so receivers can keep it."""
+    existing = _read_key(path)
+    if existing:
+        return existing
+    secret = "whsec_" + base64.b64encode(secrets.token_bytes(24)).decode()
+    _write_key(path, secret)
+    return secret
 
 
 async def _run_services(settings: Settings, port: int) -> None:
     assert settings.database_url is not None
     await migrate(settings.database_url)
-    async with open_resources(settings) as res, OpenAICompatible.from_settings(settings) as llm:
+    app = app_from(settings)
+    async with open_resources(settings) as res, connect_llm(settings) as llm:
         key = await _dev_key(res, settings.data_dir / "dev-api-key")
-        api = ApiServer(res, host="127.0.0.1", port=port)
-        worker = build_worker(res, llm)
-        reconciler = build_reconciler(res)
-        relay, sender = build_relay(res)
+        api = ApiServer(app, res, host="127.0.0.1", port=port)
+        workers = WorkerGroup(app, res, llm)
+        relay, router = build_relay(app, res)
         background = _fakes(settings, port)
-        _banner(settings, port, key)
-        stops: list[Callable[[], object]] = [api.stop, worker.stop, reconciler.stop, relay.stop]
+        _banner(settings, port, key, app.names)
+        stops: list[Callable[[], object]] = [api.stop, workers.stop, relay.stop]
         stops += [task.cancel for task in background]
         try:
             with stop_on_signals(*stops):
-                await asyncio.gather(api.run(), worker.run(), reconciler.run(), relay.run())
+                await asyncio.gather(api.run(), workers.run(), relay.run())
         finally:
-            await sender.aclose()
+            await router.aclose()
         for task in background:
             task.cancel()
         await asyncio.gather(*background, return_exceptions=True)
@@ -116,14 +136,16 @@ def _write_key(path: Path, key: str) -> None:
     path.chmod(0o600)
 
 
-def _banner(settings: Settings, port: int, key: str) -> None:
+def _banner(settings: Settings, port: int, key: str, workflows: list[str]) -> None:
     base = f"http://127.0.0.1:{port}"
     key_file = settings.data_dir / "dev-api-key"
     console.print(f"""
 [bold green]oncely dev[/bold green] is up (Ctrl-C stops everything)
   API          {base}   (docs: {base}/docs)
+  Workflows    {", ".join(workflows)}   (app {settings.app})
   Model        {settings.llm_base_url}
   Mail         {settings.sender_url}   (mailbox: {settings.data_dir / "mailbox.jsonl"})
+  Webhooks     {settings.webhook_url}   (secret in {settings.data_dir / "dev-webhook-secret"})
   Redis        {settings.redis_url}
   PostgreSQL   {settings.database_url}
   API key      {key}   (also in {key_file})

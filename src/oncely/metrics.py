@@ -22,7 +22,9 @@ JOBS = Counter("oncely_jobs_total", "Job deliveries by outcome", ["workflow", "o
 DELIVERIES = Counter(
     "oncely_deliveries_total", "Stream messages handed to handlers", ["workflow", "kind"]
 )
-DEAD_LETTERS = Counter("oncely_dead_letters_total", "Messages dead-lettered", ["workflow", "reason"])
+DEAD_LETTERS = Counter(
+    "oncely_dead_letters_total", "Messages dead-lettered", ["workflow", "reason"]
+)
 LEASES_LOST = Counter(
     "oncely_leases_lost_total", "In-flight messages taken by another worker", ["workflow"]
 )

@@ -1,27 +1,46 @@
 """Every Redis key, stream and group name oncely uses, in one place.
 
-The braces are Redis Cluster hash tags: everything about the summaries
-stream lives in one slot, so MULTI/EXEC and Lua across these keys work on a
+Each workflow has its own keys, all carrying the workflow's name as a Redis
+Cluster hash tag (``oncely:{<name>}:…``): a workflow's stream, dead letters
+and index live in one slot, so MULTI/EXEC and Lua across them work on a
 cluster too.
 """
 
 from __future__ import annotations
 
-IDEMPOTENCY_PREFIX = "oncely:idem:"
+from dataclasses import dataclass
 
-SUMMARIES_STREAM = "oncely:{summaries}:stream"
-SUMMARIES_DEAD = "oncely:{summaries}:dead"
-# job_id -> stream entry id of every message not yet acknowledged; the
-# reconciler uses it to tell "still in the stream" from "lost".
-SUMMARIES_INDEX = "oncely:{summaries}:index"
-SUMMARIES_GROUP = "summarisers"
-# Held (with a TTL) by the one process running a reconcile pass.
-RECONCILE_LOCK = "oncely:{summaries}:reconcile-lock"
+IDEMPOTENCY_PREFIX = "oncely:idem:"
 
 # The fleet-wide model limiter: a pause after a 429, and GCRA state per limit.
 LLM_PAUSE = "oncely:limiter:llm:pause"
 LLM_RPM = "oncely:limiter:llm:rpm"
 LLM_TPM = "oncely:limiter:llm:tpm"
+
+
+@dataclass(frozen=True)
+class WorkflowKeys:
+    """The Redis keys of one workflow."""
+
+    stream: str
+    dead: str
+    # job_id -> stream entry id of every message not yet acknowledged; the
+    # reconciler uses it to tell "still in the stream" from "lost".
+    index: str
+    group: str
+    # Held (with a TTL) by the one process running a reconcile pass.
+    reconcile_lock: str
+
+
+def workflow_keys(workflow: str, group: str) -> WorkflowKeys:
+    tag = f"oncely:{{{workflow}}}"
+    return WorkflowKeys(
+        stream=f"{tag}:stream",
+        dead=f"{tag}:dead",
+        index=f"{tag}:index",
+        group=group,
+        reconcile_lock=f"{tag}:reconcile-lock",
+    )
 
 
 def idempotency_key(scope_digest: str) -> str:

@@ -1,66 +1,111 @@
-"""Operator commands: status, dead letters, the outbox. Tables to stderr-free
-stdout via rich; ``--json`` where a script wants to read the answer."""
+"""Operator commands: status, dead letters, the outbox. Tables on stdout via
+rich; ``--json`` where a script wants to read the answer."""
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import asdict
 from datetime import UTC, datetime
 
 from rich.console import Console
 from rich.table import Table
 
-from oncely.bootstrap import open_resources
+from oncely.app import App
+from oncely.bootstrap import app_from, jobs_for, open_resources
+from oncely.jobs import dead_letters
+from oncely.jobs.store import Jobs
 from oncely.outbox.store import OutboxStore
-from oncely.queue.dead import list_dead, replay, replay_all
-from oncely.queue.stream import Stream
 from oncely.settings import Settings
 from oncely.status import read_status
 
 out = Console()
 
 
-async def show_status(settings: Settings, *, as_json: bool) -> None:
+@asynccontextmanager
+async def _jobs(settings: Settings, workflows: list[str] | None = None) -> AsyncIterator[Jobs]:
+    app: App = app_from(settings, workflows)
     async with open_resources(settings) as res:
-        status = await read_status(res.pool, Stream(res.redis))
+        yield jobs_for(app, res)
+
+
+async def show_status(settings: Settings, *, as_json: bool) -> None:
+    async with _jobs(settings) as jobs:
+        status = await read_status(jobs, OutboxStore(jobs.pool))
     if as_json:
         print(json.dumps(status.to_json(), indent=2))
         return
-    table = Table(title="oncely status", show_header=False)
-    table.add_row("stream length", str(status.stream_length))
-    table.add_row("pending", str(status.pending))
-    table.add_row("dead letters", str(status.dead_letters))
-    for name, n in status.jobs.items():
-        table.add_row(f"jobs {name}", str(n))
-    o = status.outbox
-    table.add_row("outbox unsent", str(o.unsent))
-    table.add_row("outbox in flight", str(o.in_flight))
-    table.add_row("outbox failed", str(o.failed))
-    oldest = "-" if o.oldest_unsent_age_s is None else f"{o.oldest_unsent_age_s:.1f} s"
-    table.add_row("outbox oldest unsent", oldest)
-    for c in status.consumers:
-        table.add_row(f"consumer {c.name}", f"{c.pending} pending, idle {c.idle_ms} ms")
-    out.print(table)
-
-
-async def show_dead_letters(settings: Settings, *, limit: int) -> None:
-    async with open_resources(settings) as res:
-        letters = await list_dead(Stream(res.redis), limit)
-    table = Table(title=f"dead letters ({len(letters)} shown, newest first)")
-    for column in ("id", "job", "reason", "deliveries", "dead at", "last error"):
+    table = Table(title="oncely status")
+    for column in ("workflow", "stream", "pending", "dead letters", "queued", "done", "dead"):
         table.add_column(column)
-    for d in letters:
+    for w in status.workflows:
+        s, j = w.stream, w.jobs
+        table.add_row(
+            w.workflow,
+            *(str(n) for n in (s.length, s.pending, s.dead_letters)),
+            *(str(j.get(k, 0)) for k in ("queued", "done", "dead")),
+        )
+    out.print(table)
+    o = status.outbox
+    oldest = "-" if o.oldest_unsent_age_s is None else f"{o.oldest_unsent_age_s:.1f} s"
+    out.print(
+        f"outbox: {o.unsent} unsent ({o.in_flight} in flight), {o.failed} failed, "
+        f"oldest unsent {oldest}"
+    )
+    for w in status.workflows:
+        for c in w.stream.consumers:
+            out.print(f"consumer {w.workflow}/{c.name}: {c.pending} pending, idle {c.idle_ms} ms")
+
+
+async def show_dead_letters(
+    settings: Settings, *, limit: int, workflow: str | None, as_json: bool
+) -> None:
+    async with _jobs(settings, [workflow] if workflow else None) as jobs:
+        letters = [
+            (name, letter)
+            for name in jobs.streams
+            for letter in await dead_letters.list_dead(jobs, name, limit)
+        ]
+    if as_json:
+        rows = [
+            {"workflow": name, **{k: v for k, v in asdict(d).items() if k != "fields"}}
+            for name, d in letters
+        ]
+        print(json.dumps(rows, indent=2))
+        return
+    table = Table(title=f"dead letters ({len(letters)} shown, newest first per workflow)")
+    for column in ("workflow", "id", "job"):
+        table.add_column(column, no_wrap=True)
+    for column in ("reason", "deliveries", "dead at", "last error"):
+        table.add_column(column, overflow="fold")
+    for name, d in letters:
         dead_at = datetime.fromtimestamp(d.dead_at, UTC).isoformat(timespec="seconds")
-        table.add_row(d.dead_id, d.job_id, d.reason, str(d.deliveries), dead_at, d.last_error)
+        table.add_row(name, d.dead_id, d.job_id, d.reason, str(d.deliveries), dead_at, d.last_error)
     out.print(table)
 
 
-async def replay_dead_letters(settings: Settings, dead_id: str | None) -> int:
-    async with open_resources(settings) as res:
-        stream = Stream(res.redis)
+class AmbiguousDeadLetter(Exception):
+    """The same dead-letter id exists in several workflows."""
+
+
+async def replay_dead_letters(
+    settings: Settings, dead_id: str | None, *, workflow: str | None
+) -> int:
+    async with _jobs(settings, [workflow] if workflow else None) as jobs:
         if dead_id is None:
-            return len(await replay_all(res.pool, stream))
-        return 0 if await replay(res.pool, stream, dead_id) is None else 1
+            return sum([len(await dead_letters.replay_all(jobs, name)) for name in jobs.streams])
+        owners = [
+            name
+            for name, stream in jobs.streams.items()
+            if await stream.dead_letter_by_id(dead_id) is not None
+        ]
+        if len(owners) > 1:
+            raise AmbiguousDeadLetter(f"{dead_id} is a dead letter of {owners}; add --workflow")
+        if not owners:
+            return 0
+        return 0 if await dead_letters.replay(jobs, owners[0], dead_id) is None else 1
 
 
 async def show_outbox(settings: Settings, *, failed_only: bool, limit: int) -> None:
@@ -69,7 +114,7 @@ async def show_outbox(settings: Settings, *, failed_only: bool, limit: int) -> N
     title = "failed outbox rows" if failed_only else "unsent outbox rows"
     table = Table(title=f"{title} ({len(rows)} shown)")
     for column in ("id", "topic", "dedupe key", "attempts", "state", "last error"):
-        table.add_column(column)
+        table.add_column(column, overflow="fold")
     now = time.time()
     for r in rows:
         if r.failed_at is not None:

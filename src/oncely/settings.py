@@ -1,18 +1,62 @@
-"""Every knob oncely has, read once at the edge (env prefix ``ONCELY_``)."""
+"""Every knob oncely has, read once at the edge (env prefix ``ONCELY_``).
+
+Only the composition root (``oncely.bootstrap``) reads these; it maps them to
+the component configs the library modules take.
+"""
 
 from __future__ import annotations
 
+import os
+import re
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, SecretStr
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+_WORKFLOW_WEBHOOK_URL = re.compile(r"^ONCELY_([A-Z][A-Z0-9_]*)_WEBHOOK_URL$")
+
+
+class _WorkflowWebhookUrls(PydanticBaseSettingsSource):
+    """``ONCELY_<WORKFLOW>_WEBHOOK_URL`` variables, one per workflow, gathered
+    into ``workflow_webhook_urls`` (workflow names are lower-cased)."""
+
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        urls = {
+            m.group(1).lower(): value
+            for name, value in os.environ.items()
+            if (m := _WORKFLOW_WEBHOOK_URL.match(name))
+        }
+        return {"workflow_webhook_urls": urls} if urls else {}
 
 
 class Settings(BaseSettings):
     """Flat settings; the CLI builds one instance and passes it down."""
 
     model_config = SettingsConfigDict(env_prefix="ONCELY_", extra="ignore")
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (
+            init_settings,
+            env_settings,
+            _WorkflowWebhookUrls(settings_cls),
+            dotenv_settings,
+            file_secret_settings,
+        )
+
+    # The app whose workflows every process serves, as module:attribute.
+    app: str = "oncely.builtin:app"
 
     # Servers. Unset means "start embedded ones" in `oncely dev` and the tests.
     redis_url: str | None = None
@@ -30,12 +74,17 @@ class Settings(BaseSettings):
     llm_retry_after_max_s: float = Field(30.0, ge=0)
     llm_rpm: int = Field(0, ge=0)
     llm_tpm: int = Field(0, ge=0)
+    llm_invalid_output_retries: int = Field(2, ge=0)
 
     # Notifications.
     sender: Literal["http", "webhook", "smtp"] = "http"
     sender_url: str = "http://127.0.0.1:8102/v1/messages"
     sender_timeout_s: float = Field(10.0, gt=0)
     webhook_secret: SecretStr = SecretStr("")
+    # Where a workflow's webhook effects go: ONCELY_<WORKFLOW>_WEBHOOK_URL,
+    # else this one (in `oncely dev`: the fake provider's /v1/events).
+    webhook_url: str | None = None
+    workflow_webhook_urls: dict[str, str] = Field(default_factory=dict)
     smtp_from: str = "oncely@localhost"
 
     # Idempotent intake.

@@ -1,143 +1,165 @@
-"""The reference workflow: summarise a text, store it once, queue one email.
+"""A workflow: what a team declares, and the context its step runs in.
 
-The job handler (DESIGN §5 steps 1–3; the worker acknowledges, step 4):
-1. a summary already stored for this job → nothing to do, no model call;
-2. the model call, with classified retries under the delivery's deadline;
-3. one transaction: the summary (``ON CONFLICT DO NOTHING RETURNING``) and,
-   only for the delivery that inserted it, the outbox row and ``done``.
-A duplicate delivery racing this one loses at step 3 and writes nothing.
+```python
+triage = Workflow(
+    name="triage",
+    route="/v1/triage",
+    request=Ticket,
+    result=Triage,
+    step=triage_ticket,          # async (request, ctx) -> result
+    effects=[webhook("ticket.triaged")],
+)
+```
+
+Registering it on an ``App`` gives the idempotent ``POST <route>``, ``GET
+<route>/{job_id}``, a stream of its own, dead letters, reconciliation, status
+and metrics: see docs/architecture.md. The step may run more than once for a
+job (deliveries are at-least-once), so what it emits must depend only on the
+job; only the delivery whose result is stored writes its effects.
 """
 
 from __future__ import annotations
 
-import asyncio
-from typing import TYPE_CHECKING
+import re
+import uuid
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import TYPE_CHECKING, Any, Generic, Literal, Self, TypeVar
 
-import structlog
-from psycopg.types.json import Jsonb
-from psycopg_pool import AsyncConnectionPool
+from pydantic import BaseModel, ConfigDict
+from pydantic_core import to_jsonable_python
 
-from oncely.batching import GroupCommit
+from oncely import names
+from oncely.effects import Effect
 from oncely.errors import PermanentError
-from oncely.llm.base import LLM, build_summary_prompt
-from oncely.queue.stream import JobMessage
-from oncely.retry import Deadline, call_with_retries
-from oncely.sql import query
 
 if TYPE_CHECKING:
-    from oncely.queue.worker import Delivery
-    from oncely.settings import Settings
+    from oncely.jobs.store import JobRecord
+    from oncely.llm.model import Model
 
-log = structlog.get_logger("oncely.workflow")
+RequestT = TypeVar("RequestT", bound=BaseModel)
+ResultT = TypeVar("ResultT", bound=BaseModel)
 
-SUMMARY_READY = "email.summary_ready"
-NOTIFY_CHANNEL = "oncely_outbox"
-
-
-def dedupe_key(job_id: str) -> str:
-    return f"summary_ready:{job_id}"
+_NAME = re.compile(r"^[a-z][a-z0-9_]{0,39}$")
+_ROUTE = re.compile(r"^(/[A-Za-z0-9._~-]+)+$")
 
 
-class StoredSummaries:
-    """Answers "is a summary stored for this job?" for many handlers at once:
-    questions asked while one query runs share the next, so the pre-check
-    costs a fraction of a round trip per job under load."""
+class UsageView(BaseModel):
+    """Tokens and model calls of the delivery that produced the result."""
 
-    def __init__(self, pool: AsyncConnectionPool) -> None:
-        self.pool = pool
-        self._lookup: GroupCommit[str, str] = GroupCommit(self._stored, key=lambda job_id: job_id)
-
-    @property
-    def queries(self) -> int:
-        return self._lookup.flushes
-
-    async def exists(self, job_id: str) -> bool:
-        return await self._lookup(job_id)
-
-    async def _stored(self, job_ids: list[str]) -> set[str]:
-        async with self.pool.connection() as conn:
-            cur = await conn.execute(query("summaries_stored"), (job_ids,))
-            return {str(row[0]) for row in await cur.fetchall()}
+    prompt_tokens: int
+    completion_tokens: int
+    model_calls: int
 
 
-class OutboxWakeUp:
-    """``NOTIFY oncely_outbox`` after commits, one per burst: while one is on
-    its way, later commits only ask for one more. A lost wake-up costs the
-    relay's poll interval, never a notification."""
+class JobView(BaseModel, Generic[ResultT]):
+    """What ``GET <route>/{job_id}`` answers. Subclass it (and pass ``view=``)
+    to add fields of your own; override ``from_record`` to fill them."""
 
-    def __init__(self, pool: AsyncConnectionPool) -> None:
-        self.pool = pool
-        self.sent = 0
-        self._wanted = False
-        self._task: asyncio.Task[None] | None = None
+    model_config = ConfigDict(frozen=True)
 
-    def soon(self) -> None:
-        self._wanted = True
-        if self._task is None or self._task.done():
-            self._task = asyncio.ensure_future(self._send())
+    job_id: uuid.UUID
+    status: Literal["queued", "done", "dead"]
+    result: ResultT | None = None
+    error: str | None = None
+    usage: UsageView | None = None
+    created_at: datetime
+    updated_at: datetime
 
-    async def _send(self) -> None:
-        while self._wanted:
-            self._wanted = False
-            try:
-                async with self.pool.connection() as conn:
-                    await conn.execute(query("notify_outbox"))
-                self.sent += 1
-            except Exception as exc:
-                log.warning("outbox.notify_failed", error=f"{type(exc).__name__}: {exc}")
-                return
-
-
-class SummaryJob:
-    """The worker's handler for summary jobs."""
-
-    def __init__(self, pool: AsyncConnectionPool, llm: LLM, settings: Settings) -> None:
-        self.pool = pool
-        self.llm = llm
-        self.settings = settings
-        self.stored = StoredSummaries(pool)
-        self.wake_relay = OutboxWakeUp(pool)
-
-    async def __call__(self, message: JobMessage, delivery: Delivery) -> str:
-        if await self.stored.exists(message.job_id):
-            return "duplicate"
-        text = message.payload.get("text")
-        notify = message.payload.get("notify")
-        if not isinstance(text, str) or not isinstance(notify, str):
-            raise PermanentError("payload needs text and notify")
-        summary = await self._summarise(text)
-        outcome = await self._store(message.job_id, notify, summary)
-        if outcome == "done":
-            self.wake_relay.soon()
-        return outcome
-
-    async def _summarise(self, text: str) -> str:
-        s = self.settings
-        prompt = build_summary_prompt(text)
-        return await call_with_retries(
-            lambda timeout: self.llm.complete(prompt, timeout),
-            deadline=Deadline.after(s.job_budget_s),
-            per_call_timeout_s=s.llm_timeout_s,
-            max_attempts=s.llm_max_attempts,
-            backoff_base_s=s.llm_backoff_base_s,
-            backoff_max_s=s.llm_backoff_max_s,
-            retry_after_max_s=s.llm_retry_after_max_s,
+    @classmethod
+    def from_record(cls, record: JobRecord) -> Self:
+        return cls.model_validate(
+            {
+                "job_id": record.job_id,
+                "status": record.status,
+                "result": record.result,
+                "error": record.error,
+                "usage": record.usage,
+                "created_at": record.created_at,
+                "updated_at": record.updated_at,
+            }
         )
 
-    async def _store(self, job_id: str, notify: str, summary: str) -> str:
-        params = {
-            "job_id": job_id,
-            "summary": summary,
-            "topic": SUMMARY_READY,
-            "dedupe_key": dedupe_key(job_id),
-            "payload": Jsonb({"job_id": job_id, "to": notify, "summary": summary}),
-        }
-        async with self.pool.connection() as conn:
-            cur = await conn.execute(query("store_summary"), params)
-            row = await cur.fetchone()
-        return "done" if row is not None and row[0] else "duplicate"
+
+@dataclass(frozen=True)
+class Emitted:
+    """An outbox row a step asked for; written with the result, or not at all."""
+
+    topic: str
+    payload: Mapping[str, Any]
+    dedupe_key: str
 
 
-async def mark_dead(pool: AsyncConnectionPool, job_id: str, reason: str) -> None:
-    async with pool.connection() as conn:
-        await conn.execute(query("mark_job_dead"), (reason[:2000], job_id))
+class Context:
+    """What a step gets besides its request: who and which job, the model, and
+    ``emit`` for effects."""
+
+    def __init__(
+        self, workflow: Workflow[Any, Any], job_id: str, tenant: str, model: Model, delivery: int
+    ) -> None:
+        self.workflow = workflow.name
+        self.job_id = job_id
+        self.tenant = tenant
+        self.model = model
+        # 1 on the first delivery; more after crashes, timeouts or transient failures.
+        self.delivery = delivery
+        self._topics = workflow.topics
+        self.emitted: list[Emitted] = []
+
+    def emit(
+        self, topic: str, payload: Mapping[str, Any] | BaseModel, *, dedupe_key: str | None = None
+    ) -> None:
+        """Queue an effect. It is stored in the same transaction as the result,
+        so it exists if and only if the result does; the relay then delivers it
+        once, with ``dedupe_key`` (default ``<topic>:<job_id>``) as the
+        provider's idempotency key."""
+        if topic not in self._topics:
+            raise PermanentError(f"workflow {self.workflow!r} does not declare topic {topic!r}")
+        key = dedupe_key or f"{topic}:{self.job_id}"
+        if any(e.dedupe_key == key for e in self.emitted):
+            raise PermanentError(f"dedupe key {key!r} emitted twice by one step")
+        data = payload.model_dump(mode="json") if isinstance(payload, BaseModel) else payload
+        self.emitted.append(Emitted(topic, to_jsonable_python(data), key))
+
+
+Step = Callable[[RequestT, Context], Awaitable[ResultT]]
+
+
+@dataclass(frozen=True)
+class Workflow(Generic[RequestT, ResultT]):
+    """One kind of job: its request, its step, its result and its effects."""
+
+    name: str
+    route: str
+    request: type[RequestT]
+    result: type[ResultT]
+    step: Step[RequestT, ResultT]
+    effects: Sequence[Effect] = ()
+    # The consumer group on the workflow's stream (default "<name>-workers").
+    group: str | None = None
+    # The model ``GET <route>/{job_id}`` answers (default ``JobView[result]``).
+    view: type[JobView[Any]] | None = None
+    summary: str = ""
+    topics: frozenset[str] = field(init=False)
+
+    def __post_init__(self) -> None:
+        if not _NAME.match(self.name):
+            raise ValueError(
+                f"workflow name {self.name!r}: 1-40 of a-z, 0-9 and _, starting with a letter"
+            )
+        if not _ROUTE.match(self.route):
+            raise ValueError(f"workflow {self.name!r}: route {self.route!r} must look like /v1/x")
+        topics = [e.topic for e in self.effects]
+        if len(set(topics)) != len(topics):
+            raise ValueError(f"workflow {self.name!r} declares a topic twice")
+        object.__setattr__(self, "effects", tuple(self.effects))
+        object.__setattr__(self, "topics", frozenset(topics))
+
+    @property
+    def keys(self) -> names.WorkflowKeys:
+        return names.workflow_keys(self.name, self.group or f"{self.name}-workers")
+
+    @property
+    def job_view(self) -> type[JobView[Any]]:
+        return self.view or JobView[self.result]  # type: ignore[name-defined]

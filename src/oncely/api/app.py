@@ -1,10 +1,20 @@
-"""The ASGI app: routes, problem handlers, body limit, health and metrics."""
+"""The HTTP API of an app: its workflows' routes, problem handlers, body
+limit, health and metrics.
+
+``OncelyAPI`` holds an app's routes and the clients they use. Serve it alone
+(``create_app``), or mount its routes into your own FastAPI service
+(``OncelyAPI.mount``) with your own auth dependency; see the README,
+"Embedding".
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, Protocol
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from psycopg_pool import AsyncConnectionPool
@@ -13,12 +23,14 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from oncely import __version__, metrics
-from oncely.api import summaries
-from oncely.api.idempotency import RETENTION_POLICY
+from oncely.api.auth import TenantDependency, api_key_tenant
+from oncely.api.idempotency import RETENTION_POLICY, idempotency_dependency
 from oncely.api.problems import PROBLEM_BASE, install_problem_handlers, problem
 from oncely.api.store import IdempotencyStore
+from oncely.api.workflows import workflow_router
+from oncely.app import App
+from oncely.jobs.store import Jobs
 from oncely.queue.stream import Stream
-from oncely.settings import Settings
 
 DESCRIPTION = f"""
 Exactly-once effects for LLM steps. Every POST needs an `Idempotency-Key`.
@@ -30,35 +42,125 @@ Errors are RFC 9457 `application/problem+json` with a stable `type` under
 """
 
 
-def create_app(settings: Settings, *, redis: Redis, pool: AsyncConnectionPool) -> FastAPI:
-    """Build the app around live clients; the caller owns their lifecycle."""
-    app = FastAPI(title="oncely", version=__version__, description=DESCRIPTION)
-    app.state.settings = settings
-    app.state.redis = redis
-    app.state.pool = pool
-    app.state.stream = Stream(redis)
-    app.state.idempotency = IdempotencyStore(
-        redis,
-        lock_ttl_s=settings.idempotency_lock_ttl_s,
-        result_ttl_s=settings.idempotency_result_ttl_s,
+@dataclass(frozen=True)
+class ApiConfig:
+    """The intake's knobs (README: Settings)."""
+
+    # How long a running request holds its key without renewal: the time a
+    # crashed API process blocks a retry.
+    lock_ttl_s: float = 30.0
+    # How long a finished request's response is replayed.
+    result_ttl_s: int = 86400
+    # Bodies above this are answered 413 before they are read in full.
+    max_body_bytes: int = 1_048_576
+
+
+class Clients(Protocol):
+    @property
+    def redis(self) -> Redis: ...
+    @property
+    def pool(self) -> AsyncConnectionPool: ...
+
+
+class OncelyAPI:
+    """An app's routes and the clients they use.
+
+    ``clients`` is either open clients (the caller owns them) or a function
+    returning an async context manager that opens them; ``lifespan`` then
+    opens them at start-up and closes them at shutdown. ``auth`` is a FastAPI
+    dependency that answers the tenant (default: API keys).
+    """
+
+    def __init__(
+        self,
+        app: App,
+        config: ApiConfig,
+        clients: Clients | Callable[[], AbstractAsyncContextManager[Clients]],
+        *,
+        auth: TenantDependency | None = None,
+    ) -> None:
+        self.app = app
+        self.config = config
+        self._clients: Clients | None = None
+        self._open: Callable[[], AbstractAsyncContextManager[Clients]] | None = None
+        if callable(clients):
+            self._open = clients
+        else:
+            self._bind(clients)
+        self.tenant = auth or api_key_tenant(lambda: self.clients.pool)
+        self.idempotent = idempotency_dependency(lambda: self._idempotency, self.tenant)
+        self.router = APIRouter()
+        for workflow in app:
+            self.router.include_router(
+                workflow_router(
+                    workflow,
+                    jobs=lambda: self._jobs,
+                    tenant=self.tenant,
+                    idempotent=self.idempotent,
+                )
+            )
+
+    @property
+    def clients(self) -> Clients:
+        if self._clients is None:
+            raise RuntimeError("oncely's routes ran before its lifespan opened their clients")
+        return self._clients
+
+    def _bind(self, clients: Clients) -> None:
+        self._clients = clients
+        streams = {w.name: Stream(clients.redis, w.keys) for w in self.app}
+        self._jobs = Jobs(clients.pool, streams)
+        self._idempotency = IdempotencyStore(
+            clients.redis,
+            lock_ttl_s=self.config.lock_ttl_s,
+            result_ttl_s=self.config.result_ttl_s,
+        )
+
+    @asynccontextmanager
+    async def lifespan(self, _: Any = None) -> AsyncIterator[None]:
+        """Open the clients (unless they were given open) for the app's life."""
+        if self._open is None:
+            yield
+            return
+        async with self._open() as clients:
+            self._bind(clients)
+            try:
+                yield
+            finally:
+                self._clients = None
+
+    def mount(self, host: FastAPI, prefix: str = "") -> None:
+        """Add the workflows' routes to ``host`` with oncely's problem handlers
+        for its own errors (the host keeps its handlers for everything else).
+        The host's lifespan must enter ``self.lifespan``."""
+        host.include_router(self.router, prefix=prefix)
+        install_problem_handlers(host, generic=False)
+
+
+def create_app(api: OncelyAPI) -> FastAPI:
+    """A standalone FastAPI app serving ``api``: its routes, health, metrics,
+    problem+json for every error and the body limit."""
+    app = FastAPI(
+        title="oncely", version=__version__, description=DESCRIPTION, lifespan=api.lifespan
     )
+    app.state.oncely = api
     install_problem_handlers(app)
-    app.include_router(summaries.router)
-    _add_operations(app)
+    app.include_router(api.router)
+    _add_operations(app, api)
     _add_problem_schema(app)
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(BodyLimit, max_bytes=api.config.max_body_bytes)
     app.add_middleware(CountRequests)
     return app
 
 
-def _add_operations(app: FastAPI) -> None:
+def _add_operations(app: FastAPI, api: OncelyAPI) -> None:
     @app.get("/healthz", tags=["operations"], summary="The process is alive")
     async def healthz() -> dict[str, str]:
         return {"status": "ok"}
 
     @app.get("/readyz", tags=["operations"], summary="Redis and PostgreSQL answer")
-    async def readyz(request: Request) -> JSONResponse:
-        checks = {"redis": await _redis_ok(request), "postgres": await _postgres_ok(request)}
+    async def readyz() -> JSONResponse:
+        checks = {"redis": await _redis_ok(api), "postgres": await _postgres_ok(api)}
         ready = all(checks.values())
         return JSONResponse({"ready": ready, **checks}, status_code=200 if ready else 503)
 
@@ -67,16 +169,16 @@ def _add_operations(app: FastAPI) -> None:
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
 
-async def _redis_ok(request: Request) -> bool:
+async def _redis_ok(api: OncelyAPI) -> bool:
     try:
-        return bool(await request.app.state.redis.ping())
+        return bool(await api.clients.redis.ping())
     except Exception:
         return False
 
 
-async def _postgres_ok(request: Request) -> bool:
+async def _postgres_ok(api: OncelyAPI) -> bool:
     try:
-        async with request.app.state.pool.connection(timeout=2) as conn:
+        async with api.clients.pool.connection(timeout=2) as conn:
             await conn.execute("SELECT 1")
         return True
     except Exception:

@@ -1,12 +1,16 @@
-"""API keys: a random bearer token maps to a tenant; only its hash is stored."""
+"""API keys: a random bearer token maps to a tenant; only its hash is stored.
+
+Only this module runs SQL on the ``api_keys`` table.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import secrets
+from collections.abc import Awaitable, Callable
 from typing import Annotated
 
-from fastapi import Depends, Request
+from fastapi import Depends
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from psycopg_pool import AsyncConnectionPool
 
@@ -14,6 +18,9 @@ from oncely.api.problems import Unauthorized
 from oncely.sql import query
 
 KEY_PREFIX = "onc_"
+
+# A FastAPI dependency that answers the request's tenant (or raises).
+TenantDependency = Callable[..., Awaitable[str]]
 
 _bearer = HTTPBearer(auto_error=False, description="An API key from `oncely keys create`.")
 
@@ -49,16 +56,17 @@ async def tenant_for_key(pool: AsyncConnectionPool, key: str) -> str | None:
     return None if row is None else str(row[0])
 
 
-async def current_tenant(
-    request: Request,
-    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
-) -> str:
-    if credentials is None or credentials.scheme.lower() != "bearer":
-        raise Unauthorized("send Authorization: Bearer <api key>")
-    tenant = await tenant_for_key(request.app.state.pool, credentials.credentials)
-    if tenant is None:
-        raise Unauthorized("unknown or revoked API key")
-    return tenant
+def api_key_tenant(pool: Callable[[], AsyncConnectionPool]) -> TenantDependency:
+    """The default auth: ``Authorization: Bearer <api key>`` → its tenant."""
 
+    async def current_tenant(
+        credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+    ) -> str:
+        if credentials is None or credentials.scheme.lower() != "bearer":
+            raise Unauthorized("send Authorization: Bearer <api key>")
+        tenant = await tenant_for_key(pool(), credentials.credentials)
+        if tenant is None:
+            raise Unauthorized("unknown or revoked API key")
+        return tenant
 
-Tenant = Annotated[str, Depends(current_tenant)]
+    return current_tenant

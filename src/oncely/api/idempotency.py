@@ -1,11 +1,12 @@
 """Idempotent POST routes as a FastAPI dependency.
 
-A route declares ``idem: Idempotent`` and wraps its work in
-``await idem.run(body, handler)``. FastAPI has validated the body before the
-endpoint runs, so a schema violation is answered 422 without any key being
-claimed. ``run`` then claims the key, runs the handler once, stores its
-response for replay, and releases the key when the handler fails (5xx,
-exception, cancellation) so the client's retry runs again.
+A route takes ``idem: IdempotentRequest = Depends(api.idempotent)`` (see
+``oncely.api.app.OncelyAPI``) and wraps its work in ``await idem.run(body,
+handler)``. FastAPI has validated the body before the endpoint runs, so a
+schema violation is answered 422 without any key being claimed. ``run``
+then claims the key, runs the handler once, stores its response for replay,
+and releases the key when the handler fails (5xx, exception, cancellation)
+so the client's retry runs again.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from fastapi.encoders import jsonable_encoder
 from starlette.responses import Response
 
 from oncely import metrics
-from oncely.api.auth import Tenant
 from oncely.api.keys import Scope, fingerprint, parse_key
 from oncely.api.problems import problem_schema
 from oncely.api.store import Claimed, Finished, IdempotencyStore, StoredResponse
@@ -171,27 +171,35 @@ def _replay(stored: StoredResponse) -> Response:
     return response
 
 
-async def idempotent_request(
-    request: Request,
-    tenant: Tenant,
-    idempotency_key: Annotated[
-        str | None,
-        Header(
-            alias="Idempotency-Key",
-            description="16–255 printable ASCII characters, bare or as a quoted "
-            "structured-field string. Required. " + RETENTION_POLICY,
-        ),
-    ] = None,
-    prefer: Annotated[
-        str | None,
-        Header(description="`wait=N` (N ≤ 10): wait for an in-flight duplicate and replay it."),
-    ] = None,
-) -> IdempotentRequest:
-    key = parse_key(request.headers.getlist("idempotency-key"))
-    route = request.scope["route"].path
-    scope = Scope(tenant=tenant, method=request.method, route=route, key=key)
-    wait_s = parse_prefer_wait(request.headers.getlist("prefer"))
-    return IdempotentRequest(request.app.state.idempotency, scope, wait_s)
+def idempotency_dependency(
+    store: Callable[[], IdempotencyStore], tenant: Callable[..., Awaitable[str]]
+) -> Callable[..., Awaitable[IdempotentRequest]]:
+    """A FastAPI dependency giving an ``IdempotentRequest`` for ``store()``'s
+    keys and the tenant that ``tenant`` (itself a dependency) resolves."""
 
+    # ``tenant`` is a local: a string annotation could not name it, a default can.
+    tenant_dependency = Depends(tenant)
 
-Idempotent = Annotated[IdempotentRequest, Depends(idempotent_request)]
+    async def idempotent_request(
+        request: Request,
+        tenant_name: str = tenant_dependency,
+        idempotency_key: Annotated[
+            str | None,
+            Header(
+                alias="Idempotency-Key",
+                description="16–255 printable ASCII characters, bare or as a quoted "
+                "structured-field string. Required. " + RETENTION_POLICY,
+            ),
+        ] = None,
+        prefer: Annotated[
+            str | None,
+            Header(description="`wait=N` (N ≤ 10): wait for an in-flight duplicate and replay it."),
+        ] = None,
+    ) -> IdempotentRequest:
+        key = parse_key(request.headers.getlist("idempotency-key"))
+        route = request.scope["route"].path
+        scope = Scope(tenant=tenant_name, method=request.method, route=route, key=key)
+        wait_s = parse_prefer_wait(request.headers.getlist("prefer"))
+        return IdempotentRequest(store(), scope, wait_s)
+
+    return idempotent_request

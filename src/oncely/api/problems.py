@@ -62,7 +62,11 @@ _UNAVAILABLE = (
 )
 
 
-def install_problem_handlers(app: FastAPI) -> None:
+def install_problem_handlers(app: FastAPI, *, generic: bool = True) -> None:
+    """problem+json for oncely's own errors and for unavailable stores; with
+    ``generic``, also for validation, HTTP errors and unhandled exceptions
+    (a host app that mounts oncely's routes keeps its own for those)."""
+
     @app.exception_handler(Unauthorized)
     async def _unauthorized(_: Request, exc: Unauthorized) -> JSONResponse:
         return problem(
@@ -91,6 +95,13 @@ def install_problem_handlers(app: FastAPI) -> None:
             headers={"Retry-After": "1"},
         )
 
+    for exc_type in _UNAVAILABLE:
+        app.add_exception_handler(exc_type, _unavailable)
+    if generic:
+        _install_generic_handlers(app)
+
+
+def _install_generic_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
         errors = [
@@ -105,9 +116,6 @@ def install_problem_handlers(app: FastAPI) -> None:
         return problem(
             exc.status_code, slug.get(exc.status_code, "http-error"), str(exc.detail), None
         )
-
-    for exc_type in _UNAVAILABLE:
-        app.add_exception_handler(exc_type, _unavailable)
 
     app.add_exception_handler(Exception, _internal)
 

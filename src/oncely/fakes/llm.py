@@ -1,6 +1,18 @@
 """The fake model: an OpenAI-compatible chat endpoint whose faults are scripted
 by the prompt itself (DESIGN §6).
 
+It answers an extractive summary of the last user message (its first two
+sentences; for a model whose name contains ``v2``, the first sentence only).
+A request with ``response_format: {"type": "json_schema", ...}`` gets instead
+the one JSON instance of that schema the fake derives from the same message:
+an enum takes the first of its values, in declared order, that the message
+mentions (case-insensitive; ``v2`` takes the second one mentioned), else its
+first value; strings are the summary fitted to ``minLength``/``maxLength``;
+numbers the least their lower bound allows (0 without one); booleans false;
+objects every property; arrays ``minItems`` items; ``$ref``, ``anyOf``,
+``oneOf``, ``allOf`` and ``const`` are followed. ``usage`` estimates four
+characters a token over all messages.
+
 Directives in the last user message, counted per distinct prompt (sha256), so
 a job's fate is written in its own text and survives redeliveries:
 
@@ -8,13 +20,16 @@ a job's fate is written in its own text and survives redeliveries:
   answer that status (429 with ``Retry-After: 1``).
 - ``[[fake:hang*N]]``: never answers. ``[[fake:drip*N]]``: a 200 whose body
   comes one byte a second, forever.
+- ``[[fake:badjson*N]]``: a 200 whose content is not what was asked for:
+  truncated JSON (``{"oops": ``) when a schema was asked for, else ``not json``.
 - ``[[fake:sleep=S]]``: every call takes S seconds first.
 
 Without ``*N`` a fault applies to every call. Faults run in the order written:
 ``[[fake:503*2]] [[fake:429*1]]`` answers 503, 503, 429, then a summary.
 
 It must never be a benchmark's bottleneck: no middleware, no access log,
-directives parsed once per distinct prompt, O(1) work per call otherwise.
+directives parsed and answers worked out once per distinct prompt (and schema),
+O(1) work per call otherwise.
 """
 
 from __future__ import annotations
@@ -25,28 +40,44 @@ import json
 import math
 import random
 import re
+import sys
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from types import TracebackType
-from typing import Literal, cast
+from typing import Any, Literal, cast
 
 import structlog
 from aiohttp import web
 
 log = structlog.get_logger(__name__)
 
-FaultKind = Literal["429", "503", "400", "hang", "drip"]
+HttpFault = Literal["429", "503", "400", "hang", "drip"]
+FaultKind = HttpFault | Literal["badjson"]
 
 _DIRECTIVE = re.compile(
-    r"\[\[fake:(?:(?P<fault>429|503|400|hang|drip)(?:\*(?P<times>\d+))?"
+    r"\[\[fake:(?:(?P<fault>429|503|400|hang|drip|badjson)(?:\*(?P<times>\d+))?"
     r"|sleep=(?P<sleep>\d+(?:\.\d+)?))\]\]"
 )
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
 _SUMMARY_SENTENCES = 2
 _SUMMARY_MAX_CHARS = 280
 _EXCERPT_CHARS = 80
+_CHARS_PER_TOKEN = 4
+# What ``[[fake:badjson]]`` answers: invalid for any schema, and not JSON at all.
+_BAD_JSON = '{"oops": '
+_NOT_JSON = "not json"
+# Values for string formats pydantic emits, where the summary would not validate.
+_STRING_FORMATS = {
+    "date-time": "1970-01-01T00:00:00Z",
+    "date": "1970-01-01",
+    "time": "00:00:00",
+    "duration": "PT0S",
+    "uuid": "00000000-0000-4000-8000-000000000000",
+    "email": "fake@example.com",
+    "uri": "https://example.com/",
+}
 _LIMIT_WINDOW_S = 60.0
 # Fakes hold nothing worth waiting for; a hung call must not stall shutdown.
 _SHUTDOWN_TIMEOUT_S = 0.1
@@ -58,17 +89,37 @@ class Fault:
     times: int | None  # None: every call from here on
 
 
+@dataclass(frozen=True)
+class _ChatRequest:
+    """What the fake reads from a chat completion request."""
+
+    model: str
+    text: str  # the last user message: what faults are counted and answers keyed on
+    chars: int  # of all messages' text, for the token estimate
+    schema: Mapping[str, Any] | None  # from a ``json_schema`` response format
+    schema_key: str  # ``schema`` as canonical JSON; "" without one
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.chars // _CHARS_PER_TOKEN + 1
+
+    @property
+    def second_choice(self) -> bool:
+        """The "v2" model answers differently, for shadow comparisons."""
+        return "v2" in self.model.lower()
+
+
 @dataclass
 class _Prompt:
-    """One distinct prompt: its script and summary, worked out once, and how often
+    """One distinct prompt: its script and answers, worked out once, and how often
     it was called."""
 
     sha256: str
     text: str
     script: tuple[Fault, ...]
     sleep_s: float
-    summary: str
     count: int = 0
+    _answers: dict[tuple[bool, str], str] = field(default_factory=dict, repr=False)
 
     @classmethod
     def parse(cls, sha256: str, text: str) -> _Prompt:
@@ -80,7 +131,16 @@ class _Prompt:
             else:
                 times = int(match["times"]) if match["times"] is not None else None
                 script.append(Fault(cast(FaultKind, match["fault"]), times))
-        return cls(sha256, text, tuple(script), sleep_s, summarise(text))
+        return cls(sha256, text, tuple(script), sleep_s)
+
+    def answer(self, request: _ChatRequest) -> str:
+        """The content for this prompt, once per model variant and schema."""
+        key = (request.second_choice, request.schema_key)
+        content = self._answers.get(key)
+        if content is None:
+            content = _answer(self.text, request.schema, second_choice=request.second_choice)
+            self._answers[key] = content
+        return content
 
     def fault_for(self, call: int) -> FaultKind | None:
         """The fault scripted for this prompt's ``call``-th call (1-based)."""
@@ -178,27 +238,33 @@ class FakeModel:
             self.in_flight -= 1
 
     async def _complete(self, request: web.Request) -> web.StreamResponse:
-        parsed = _parse_request(await request.read())
-        if isinstance(parsed, web.Response):
-            return parsed
-        model, text = parsed
-        refused = self._refuse_over_limit(text)
+        chat = _parse_request(await request.read())
+        if isinstance(chat, web.Response):
+            return chat
+        refused = self._refuse_over_limit(chat.prompt_tokens)
         if refused is not None:
             return refused
-        prompt = self._prompt(text)
+        prompt = self._prompt(chat.text)
         prompt.count += 1
         call = prompt.count  # read before sleeping: concurrent calls each get their number
         if prompt.sleep_s:
             await asyncio.sleep(prompt.sleep_s)
         fault = self._random_fault() or prompt.fault_for(call)
-        if fault is not None:
+        if fault == "badjson":
+            content = _BAD_JSON if chat.schema is not None else _NOT_JSON
+        elif fault is not None:
             return await _FAULTS[fault](request)
-        return web.json_response(_completion(model, prompt, self.total))
+        else:
+            try:
+                content = prompt.answer(chat)
+            except _InvalidSchema as exc:
+                return _error(400, f"invalid json_schema: {exc}", "invalid_request_error")
+        return web.json_response(_completion(chat, content, self.total))
 
-    def _refuse_over_limit(self, text: str) -> web.Response | None:
+    def _refuse_over_limit(self, tokens: int) -> web.Response | None:
         if self._limit is None:
             return None
-        wait_s = self._limit.admit(len(text) // 4 + 1, time.monotonic())
+        wait_s = self._limit.admit(tokens, time.monotonic())
         if wait_s is None:
             return None
         self.rate_limited += 1
@@ -212,7 +278,7 @@ class FakeModel:
             prompt = self._prompts[sha] = _Prompt.parse(sha, text)
         return prompt
 
-    def _random_fault(self) -> FaultKind | None:
+    def _random_fault(self) -> HttpFault | None:
         if self._fault_rate and self._rng.random() < self._fault_rate:
             return self._rng.choice(("503", "429"))
         return None
@@ -225,24 +291,41 @@ class FakeModel:
         return web.json_response({"reset": True})
 
 
-def _parse_request(raw: bytes) -> tuple[str, str] | web.Response:
-    """(model, last user message) or the 400 a real provider would send."""
+def _parse_request(raw: bytes) -> _ChatRequest | web.Response:
+    """What the fake needs from a request, or the 400 a real provider would send."""
     try:
         body = json.loads(raw)
-        messages = body["messages"]
-        text = next(_text(m["content"]) for m in reversed(messages) if m["role"] == "user")
-    except (ValueError, KeyError, TypeError, StopIteration):
+        messages = [(m["role"], _text(m.get("content"))) for m in body["messages"]]
+        text = next(content for role, content in reversed(messages) if role == "user")
+        schema = _response_schema(body.get("response_format"))
+    except (ValueError, KeyError, TypeError, AttributeError, StopIteration):
         return _error(400, "expected a JSON body with a user message", "invalid_request_error")
-    return str(body.get("model", "oncely-fake")), text
+    chars = sum(len(content) for _, content in messages)
+    # Interned: the answer caches of all prompts asked with one schema share one key.
+    schema_key = "" if schema is None else sys.intern(json.dumps(schema, sort_keys=True))
+    return _ChatRequest(str(body.get("model", "oncely-fake")), text, chars, schema, schema_key)
 
 
 def _text(content: object) -> str:
-    """Message content: a string, or a list of parts of which the text ones count."""
+    """Message content: a string, or a list of parts of which the text ones count
+    (none for an assistant message that only calls tools)."""
+    if content is None:
+        return ""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
         return "".join(p["text"] for p in content if isinstance(p, dict) and "text" in p)
     raise TypeError("message content must be a string or a list of parts")
+
+
+def _response_schema(response_format: object) -> Mapping[str, Any] | None:
+    """The schema a ``json_schema`` response format asks for; None for any other."""
+    if not isinstance(response_format, dict) or response_format.get("type") != "json_schema":
+        return None
+    schema = response_format["json_schema"]["schema"]
+    if not isinstance(schema, dict):
+        raise TypeError("json_schema.schema must be an object")
+    return schema
 
 
 def _subject(text: str) -> str:
@@ -252,10 +335,10 @@ def _subject(text: str) -> str:
     return text[start + len("<text>") : end] if 0 <= start < end else text
 
 
-def summarise(text: str) -> str:
+def summarise(text: str, sentences: int = _SUMMARY_SENTENCES) -> str:
     """Extractive: the first sentences of the subject, directives removed."""
     words = " ".join(_DIRECTIVE.sub(" ", _subject(text)).split())
-    summary = " ".join(_SENTENCE_END.split(words)[:_SUMMARY_SENTENCES])
+    summary = " ".join(_SENTENCE_END.split(words)[:sentences])
     if len(summary) > _SUMMARY_MAX_CHARS:
         summary = summary[: _SUMMARY_MAX_CHARS - 1].rstrip() + "…"
     return summary or "Nothing to summarise."
@@ -265,25 +348,171 @@ def _excerpt(text: str) -> str:
     return " ".join(_subject(text).split())[:_EXCERPT_CHARS]
 
 
-def _completion(model: str, prompt: _Prompt, number: int) -> dict[str, object]:
-    summary = prompt.summary
-    prompt_tokens, completion_tokens = len(prompt.text) // 4 + 1, len(summary) // 4 + 1
+def _answer(text: str, schema: Mapping[str, Any] | None, *, second_choice: bool) -> str:
+    summary = summarise(text, 1 if second_choice else _SUMMARY_SENTENCES)
+    if schema is None:
+        return summary
+    instance = _SchemaFiller(schema, text.lower(), summary, second_choice).fill(schema)
+    return json.dumps(instance, ensure_ascii=False)
+
+
+class _InvalidSchema(ValueError):
+    """A response schema the fake cannot build an instance of (a real provider
+    refuses such a request with a 400 too)."""
+
+
+_Schema = Mapping[str, Any]
+_Expanding = frozenset[str]  # the ``$ref``s being filled on the current path
+
+
+@dataclass(frozen=True)
+class _SchemaFiller:
+    """Builds the one instance of a JSON schema the fake answers for a prompt."""
+
+    root: _Schema
+    lowered: str  # the last user message, lower-cased, for enum choices
+    summary: str
+    second_choice: bool
+
+    def fill(self, schema: _Schema, expanding: _Expanding = frozenset()) -> object:
+        if "$ref" in schema:
+            return self._fill_ref(schema["$ref"], expanding)
+        if "const" in schema:
+            return schema["const"]
+        if "enum" in schema:
+            return self._choose(schema["enum"])
+        alternatives = schema.get("anyOf") or schema.get("oneOf")
+        if alternatives:
+            return self.fill(_pick(alternatives, expanding), expanding)
+        if "allOf" in schema:
+            return _merge([self.fill(part, expanding) for part in schema["allOf"]])
+        return self._fill_typed(schema, expanding)
+
+    def _fill_ref(self, ref: str, expanding: _Expanding) -> object:
+        if ref in expanding:
+            return None  # a model that must contain itself has no finite instance
+        return self.fill(_resolve(self.root, ref), expanding | {ref})
+
+    def _choose(self, values: Sequence[object]) -> object:
+        """The first value the prompt mentions (v2: the second), else the first value."""
+        if not values:
+            raise _InvalidSchema("an enum without values")
+        mentioned = [v for v in values if isinstance(v, str) and v.lower() in self.lowered]
+        if not mentioned:
+            return values[0]
+        return mentioned[1] if self.second_choice and len(mentioned) > 1 else mentioned[0]
+
+    def _fill_typed(self, schema: _Schema, expanding: _Expanding) -> object:
+        kind = _type_of(schema)
+        if kind == "object":
+            properties = schema.get("properties", {})
+            return {name: self.fill(prop, expanding) for name, prop in properties.items()}
+        if kind == "array":
+            return self._fill_array(schema, expanding)
+        if kind in ("string", "any"):
+            fixed = _STRING_FORMATS.get(schema.get("format", ""))
+            return fixed or _fit(self.summary, schema.get("minLength", 0), schema.get("maxLength"))
+        if kind in ("integer", "number"):
+            return _least_number(schema, integer=kind == "integer")
+        if kind in ("boolean", "null"):
+            return False if kind == "boolean" else None
+        raise _InvalidSchema(f"unknown type {kind!r}")
+
+    def _fill_array(self, schema: _Schema, expanding: _Expanding) -> list[object]:
+        items = [self.fill(part, expanding) for part in schema.get("prefixItems", ())]
+        missing = schema.get("minItems", 0) - len(items)
+        if missing > 0:
+            each = schema.get("items")
+            items += [self.fill(each if isinstance(each, dict) else {}, expanding)] * missing
+        return items
+
+
+def _resolve(root: _Schema, ref: str) -> _Schema:
+    """A local reference (``#/$defs/Name``, ``#/definitions/Name``) in ``root``."""
+    if not ref.startswith("#"):
+        raise _InvalidSchema(f"only local $ref is supported, not {ref!r}")
+    target: Any = root
+    for token in filter(None, ref[1:].split("/")):
+        try:
+            target = target[token.replace("~1", "/").replace("~0", "~")]
+        except (KeyError, TypeError):
+            raise _InvalidSchema(f"unresolvable $ref {ref!r}") from None
+    if not isinstance(target, dict):
+        raise _InvalidSchema(f"$ref {ref!r} is not a schema")
+    return target
+
+
+def _pick(alternatives: Sequence[_Schema], expanding: _Expanding) -> _Schema:
+    """The first non-null alternative, unless it only recurses into a model being
+    filled (``next: Node | None``), where null ends the recursion."""
+    for alternative in alternatives:
+        if alternative.get("type") != "null" and alternative.get("$ref") not in expanding:
+            return alternative
+    return next((a for a in alternatives if a.get("type") == "null"), alternatives[0])
+
+
+def _merge(parts: list[object]) -> object:
+    """``allOf``: the objects' properties together; otherwise the first part."""
+    merged: dict[str, object] = {}
+    for part in parts:
+        if not isinstance(part, dict):
+            return parts[0]
+        merged.update(part)
+    return merged
+
+
+def _type_of(schema: _Schema) -> str:
+    kind = schema.get("type")
+    if isinstance(kind, list):
+        kind = next((k for k in kind if k != "null"), "null")
+    if kind is None:
+        return "object" if "properties" in schema else "any"
+    return str(kind)
+
+
+def _fit(text: str, min_length: int, max_length: int | None) -> str:
+    """``text`` repeated up to ``min_length``, cut at ``max_length``."""
+    if len(text) < min_length:
+        text = " ".join([text] * (min_length // (len(text) + 1) + 1))
+    return text if max_length is None else text[:max_length]
+
+
+def _least_number(schema: _Schema, *, integer: bool) -> float:
+    """The minimum (0 without one), kept inside the upper bounds."""
+    value: float = schema.get("minimum", 0)
+    above = schema.get("exclusiveMinimum")
+    if above is not None and ("minimum" not in schema or value <= above):
+        value = math.floor(above) + 1 if integer else above + 1
+    if "maximum" in schema and value > schema["maximum"]:
+        value = schema["maximum"]
+    below = schema.get("exclusiveMaximum")
+    if below is not None and value >= below:
+        lower = schema.get("minimum", above)
+        if integer:
+            value = math.ceil(below) - 1
+        else:
+            value = below - 1 if lower is None else (lower + below) / 2
+    return math.ceil(value) if integer else value
+
+
+def _completion(chat: _ChatRequest, content: str, number: int) -> dict[str, object]:
+    completion_tokens = len(content) // _CHARS_PER_TOKEN + 1
     return {
         "id": f"chatcmpl-fake-{number}",
         "object": "chat.completion",
         "created": int(time.time()),
-        "model": model,
+        "model": chat.model,
         "choices": [
             {
                 "index": 0,
-                "message": {"role": "assistant", "content": summary},
+                "message": {"role": "assistant", "content": content},
                 "finish_reason": "stop",
             }
         ],
         "usage": {
-            "prompt_tokens": prompt_tokens,
+            "prompt_tokens": chat.prompt_tokens,
             "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
+            "total_tokens": chat.prompt_tokens + completion_tokens,
         },
     }
 
@@ -324,7 +553,7 @@ async def _drip(request: web.Request) -> web.StreamResponse:
         return response
 
 
-_FAULTS: dict[FaultKind, Callable[[web.Request], Awaitable[web.StreamResponse]]] = {
+_FAULTS: dict[HttpFault, Callable[[web.Request], Awaitable[web.StreamResponse]]] = {
     "429": _answer_429,
     "503": _answer_503,
     "400": _answer_400,

@@ -2,6 +2,27 @@
 ``Idempotency-Key`` like a real email API, so tests can tell duplicates sent
 (``requests``) from duplicates delivered (``effects``).
 
+Routes:
+
+- ``POST /v1/messages``: an email (JSON ``to``/``subject``/``text``); the
+  ``Idempotency-Key`` header is required. 201 ``{"id"}`` for a new key, 200 and
+  the same id for a known one.
+- ``POST /v1/events``: a Standard Webhooks receiver that verifies nothing. The
+  ``webhook-id`` header is required and dedupes like ``Idempotency-Key``; the
+  body must be a JSON object. Events and emails are separate key spaces (two
+  providers in one), both counted in ``effects``.
+- ``GET /_deliveries``: ``{"requests", "effects", "by_key"}``; ``requests`` and
+  ``by_key`` count every POST to either route.
+- ``GET /_events``: the events received, as their mailbox lines (with headers
+  and raw body, for checking signatures).
+- ``POST /_faults`` scripts failures and delays for the POSTs that follow (to
+  either route); ``POST /_reset`` forgets everything.
+
+Each new effect is one JSON line in the mailbox: ``kind`` (``email`` or
+``event``), ``idempotency_key``, ``id``, the email's fields or the event's
+``type``/``data``/``timestamp`` (from its body), ``headers`` and raw ``body``,
+then ``received_at``. A restart on the same mailbox remembers its keys.
+
 Lean on purpose: it must never be the bottleneck of a benchmark, so no access
 log, no locks (one event loop), and the mailbox is appended synchronously.
 """
@@ -11,17 +32,25 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from types import TracebackType
-from typing import Any, TypedDict
+from typing import Any, Literal, TypedDict
 
 import structlog
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 MESSAGES_PATH = "/v1/messages"
+EVENTS_PATH = "/v1/events"
+
+EffectKind = Literal["email", "event"]
+_ID_PREFIX: dict[EffectKind, str] = {"email": "msg", "event": "evt"}
+_IDEMPOTENCY_KEY = "Idempotency-Key"
+_WEBHOOK_ID = "webhook-id"
+_WEBHOOK_HEADERS = (_WEBHOOK_ID, "webhook-timestamp", "webhook-signature")
 
 # Long enough for a delayed request to finish, short enough not to stall a
 # test's teardown.
@@ -60,21 +89,36 @@ class MailState:
     mailbox: Path | None
     requests: int = 0
     by_key: dict[str, int] = field(default_factory=dict)
-    message_ids: dict[str, str] = field(default_factory=dict)
+    effect_ids: dict[tuple[EffectKind, str], str] = field(default_factory=dict)
     faults: Faults = field(default_factory=Faults)
     failures_left: int = 0
+    # Events' lines when there is no mailbox to read them back from.
+    _events: list[dict[str, Any]] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         if self.mailbox is not None:
             self.mailbox.parent.mkdir(parents=True, exist_ok=True)
-            self.message_ids = _recover_mailbox(self.mailbox)
+            self.effect_ids = _recover_mailbox(self.mailbox)
 
     def deliveries(self) -> Deliveries:
         return {
             "requests": self.requests,
-            "effects": len(self.message_ids),
+            "effects": len(self.effect_ids),
             "by_key": dict(self.by_key),
         }
+
+    def events(self) -> list[dict[str, Any]]:
+        if self.mailbox is None:
+            return list(self._events)
+        if not self.mailbox.exists():
+            return []
+        lines = _parse_lines(self.mailbox.read_text(encoding="utf-8"))
+        return [line for line in lines if line.get("kind") == "event"]
+
+    def count_request(self, key: str) -> None:
+        self.requests += 1
+        if key:
+            self.by_key[key] = self.by_key.get(key, 0) + 1
 
     def script(self, faults: Faults) -> None:
         self.faults, self.failures_left = faults, faults.fail_next
@@ -85,29 +129,41 @@ class MailState:
         self.failures_left -= 1
         return True
 
-    def deliver(self, key: str, message: _Message) -> tuple[str, bool]:
-        """The message id for ``key`` and whether this call created the effect."""
+    def deliver(self, kind: EffectKind, key: str, fields: dict[str, Any]) -> tuple[str, bool]:
+        """The effect id for ``key`` and whether this call created the effect;
+        ``fields`` are the kind's own fields of its mailbox line."""
         # No await in here: concurrent requests with one key cannot both deliver.
-        if key in self.message_ids:
-            return self.message_ids[key], False
-        message_id = f"msg_{uuid.uuid4().hex}"
+        known = self.effect_ids.get((kind, key))
+        if known is not None:
+            return known, False
+        effect_id = _new_id(kind)
+        line = _mailbox_line(kind, key, effect_id, fields)
         if self.mailbox is not None:
-            _append(self.mailbox, _mailbox_line(key, message_id, message))
-        self.message_ids[key] = message_id
-        return message_id, True
+            _append(self.mailbox, line)
+        elif kind == "event":
+            self._events.append(line)
+        self.effect_ids[kind, key] = effect_id
+        return effect_id, True
 
     def reset(self) -> None:
-        self.requests, self.by_key, self.message_ids = 0, {}, {}
+        self.requests, self.by_key, self.effect_ids, self._events = 0, {}, {}, []
         self.script(Faults())
         if self.mailbox is not None:
             self.mailbox.write_text("")
 
 
-def _mailbox_line(key: str, message_id: str, message: _Message) -> dict[str, Any]:
+def _new_id(kind: EffectKind) -> str:
+    return f"{_ID_PREFIX[kind]}_{uuid.uuid4().hex}"
+
+
+def _mailbox_line(
+    kind: EffectKind, key: str, effect_id: str, fields: dict[str, Any]
+) -> dict[str, Any]:
     return {
+        "kind": kind,
         "idempotency_key": key,
-        "id": message_id,
-        **message.model_dump(),
+        "id": effect_id,
+        **fields,
         "received_at": datetime.now(UTC).isoformat(),
     }
 
@@ -121,20 +177,31 @@ def _append_raw(mailbox: Path, text: str) -> None:
         f.write(text)
 
 
-def _recover_mailbox(mailbox: Path) -> dict[str, str]:
+def _parse_lines(text: str) -> Iterator[dict[str, Any]]:
+    """The mailbox's lines; a line torn by a kill is no effect and is skipped."""
+    for raw in text.splitlines():
+        try:
+            line = json.loads(raw)
+        except ValueError:
+            continue
+        if isinstance(line, dict):
+            yield line
+
+
+def _recover_mailbox(mailbox: Path) -> dict[tuple[EffectKind, str], str]:
     """Keys already delivered (a real provider remembers them across restarts)."""
     if not mailbox.exists():
         return {}
     text = mailbox.read_text(encoding="utf-8")
     if text and not text.endswith("\n"):
         _append_raw(mailbox, "\n")  # end a line torn by a kill, or the next one fuses with it
-    known: dict[str, str] = {}
-    for raw in text.splitlines():
-        try:
-            line = json.loads(raw)
-            known.setdefault(line["idempotency_key"], line.get("id") or f"msg_{uuid.uuid4().hex}")
-        except (ValueError, KeyError, TypeError):
-            continue  # a torn line is no effect
+    known: dict[tuple[EffectKind, str], str] = {}
+    for line in _parse_lines(text):
+        # Lines written before events existed have no kind: they are emails.
+        kind: EffectKind = "event" if line.get("kind") == "event" else "email"
+        key = line.get("idempotency_key")
+        if isinstance(key, str):
+            known.setdefault((kind, key), line.get("id") or _new_id(kind))
     return known
 
 
@@ -146,27 +213,67 @@ def _error(status: int, message: str, headers: dict[str, str] | None = None) -> 
 
 
 async def _post_message(request: web.Request) -> web.Response:
-    state = request.app[_STATE]
-    state.requests += 1
-    key = request.headers.get("Idempotency-Key", "")
-    if key:
-        state.by_key[key] = state.by_key.get(key, 0) + 1
-    failing, faults = state.take_failure(), state.faults
-    # Read before the delay so a request the client gives up on still takes
-    # effect, as at a real provider: the window a resend's same key covers.
-    body = await request.read()
-    if faults.delay_s:
-        await asyncio.sleep(faults.delay_s)
-    if failing:
-        return _injected_failure(faults)
+    key = request.headers.get(_IDEMPOTENCY_KEY, "")
+    body, failure = await _admit(request, key)
+    if failure is not None:
+        return failure
     if not key:
         return _error(400, "Idempotency-Key header is required")
     try:
         message = _Message.model_validate_json(body)
     except ValidationError as exc:
         return _error(422, f"invalid message: {exc.errors(include_url=False)}")
-    message_id, created = state.deliver(key, message)
-    return web.json_response({"id": message_id}, status=201 if created else 200)
+    return _delivered(request.app[_STATE].deliver("email", key, message.model_dump()))
+
+
+async def _post_event(request: web.Request) -> web.Response:
+    key = request.headers.get(_WEBHOOK_ID, "")
+    body, failure = await _admit(request, key)
+    if failure is not None:
+        return failure
+    if not key:
+        return _error(400, "webhook-id header is required")
+    fields = _event_fields(body, request)
+    if fields is None:
+        return _error(400, "the body must be a JSON object")
+    return _delivered(request.app[_STATE].deliver("event", key, fields))
+
+
+async def _admit(request: web.Request, key: str) -> tuple[bytes, web.Response | None]:
+    """Count the request and play the scripted faults: its body, and the failure
+    to answer instead of delivering, if one is scripted."""
+    state = request.app[_STATE]
+    state.count_request(key)
+    failing, faults = state.take_failure(), state.faults
+    # Read before the delay so a request the client gives up on still takes
+    # effect, as at a real provider: the window a resend's same key covers.
+    body = await request.read()
+    if faults.delay_s:
+        await asyncio.sleep(faults.delay_s)
+    return body, _injected_failure(faults) if failing else None
+
+
+def _event_fields(body: bytes, request: web.Request) -> dict[str, Any] | None:
+    """An event's own mailbox fields, or None if its body is not a JSON object."""
+    try:
+        raw = body.decode("utf-8")
+        event = json.loads(raw)
+    except ValueError:  # UnicodeDecodeError is one
+        return None
+    if not isinstance(event, dict):
+        return None
+    return {
+        "type": event.get("type"),
+        "data": event.get("data"),
+        "timestamp": event.get("timestamp"),
+        "headers": {name: request.headers.get(name) for name in _WEBHOOK_HEADERS},
+        "body": raw,
+    }
+
+
+def _delivered(outcome: tuple[str, bool]) -> web.Response:
+    effect_id, created = outcome
+    return web.json_response({"id": effect_id}, status=201 if created else 200)
 
 
 def _injected_failure(faults: Faults) -> web.Response:
@@ -176,6 +283,10 @@ def _injected_failure(faults: Faults) -> web.Response:
 
 async def _get_deliveries(request: web.Request) -> web.Response:
     return web.json_response(request.app[_STATE].deliveries())
+
+
+async def _get_events(request: web.Request) -> web.Response:
+    return web.json_response(request.app[_STATE].events())
 
 
 async def _post_faults(request: web.Request) -> web.Response:
@@ -196,7 +307,9 @@ def make_app(mailbox: Path | None = None) -> web.Application:
     app = web.Application()
     app[_STATE] = MailState(mailbox)
     app.router.add_post(MESSAGES_PATH, _post_message)
+    app.router.add_post(EVENTS_PATH, _post_event)
     app.router.add_get("/_deliveries", _get_deliveries)
+    app.router.add_get("/_events", _get_events)
     app.router.add_post("/_faults", _post_faults)
     app.router.add_post("/_reset", _post_reset)
     return app
@@ -219,7 +332,12 @@ async def serve_fake_mail(host: str, port: int, mailbox: Path | None) -> None:
     """Serve until cancelled."""
     runner, base_url = await _start(make_app(mailbox), host, port)
     try:
-        log.info("fake_mail.listening", url=base_url + MESSAGES_PATH, mailbox=str(mailbox))
+        log.info(
+            "fake_mail.listening",
+            url=base_url + MESSAGES_PATH,
+            events_url=base_url + EVENTS_PATH,
+            mailbox=str(mailbox),
+        )
         await asyncio.Event().wait()
     finally:
         await runner.cleanup()
@@ -239,11 +357,19 @@ class FakeMailServer:
         return self.base_url + MESSAGES_PATH
 
     @property
+    def events_url(self) -> str:
+        return self.base_url + EVENTS_PATH
+
+    @property
     def state(self) -> MailState:
         return self._app[_STATE]
 
     async def deliveries(self) -> Deliveries:
         return self.state.deliveries()
+
+    async def events(self) -> list[dict[str, Any]]:
+        """The events received, as ``GET /_events`` answers them."""
+        return self.state.events()
 
     async def __aenter__(self) -> FakeMailServer:
         self._runner, self.base_url = await _start(self._app, "127.0.0.1", 0)

@@ -19,7 +19,6 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 from uuid import UUID, uuid4
 
 import psycopg
@@ -32,9 +31,6 @@ from oncely.outbox.store import OutboxRow, OutboxStore
 from oncely.retry import classify, retry_after_s
 from oncely.senders.base import Sender, SendResult
 from oncely.sql import query
-
-if TYPE_CHECKING:
-    from oncely.settings import Settings
 
 log = structlog.get_logger("oncely.relay")
 
@@ -75,17 +71,6 @@ class RelayConfig:
     cleanup_every_s: float = 60.0
     cleanup_batch: int = 1000
     listen_retry_s: float = 1.0
-
-    @classmethod
-    def from_settings(cls, settings: Settings) -> RelayConfig:
-        return cls(
-            max_attempts=settings.relay_max_attempts,
-            lease_s=settings.relay_lease_s,
-            batch=settings.relay_batch,
-            concurrency=settings.relay_concurrency,
-            poll_s=settings.relay_poll_s,
-            retention_s=settings.outbox_retention_s,
-        )
 
 
 def backoff_s(

@@ -3,7 +3,8 @@
 ``XACK`` takes no consumer name, so acknowledging, dead-lettering and lease
 renewal first confirm through ``XPENDING … <consumer>`` that this consumer
 still owns the entry: a worker whose lease was taken over must not finish
-the new owner's delivery. All keys share the ``{summaries}`` hash tag.
+the new owner's delivery. A script's keys all belong to one workflow and
+share its ``{<name>}`` hash tag.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
-from oncely import names
+from oncely.names import WorkflowKeys
 from oncely.queue import scripts
 
 DEAD_STREAM_MAXLEN = 100_000
@@ -53,23 +53,62 @@ class JobMessage:
         )
 
 
-class Stream:
-    """One job stream: ``stream`` with its ``dead`` letters, ``index`` and ``group``."""
+@dataclass(frozen=True)
+class DeadLetter:
+    """A dead entry: the original message fields plus why and when it died."""
 
-    def __init__(
-        self,
-        redis: Redis,
-        *,
-        stream: str = names.SUMMARIES_STREAM,
-        dead: str = names.SUMMARIES_DEAD,
-        index: str = names.SUMMARIES_INDEX,
-        group: str = names.SUMMARIES_GROUP,
-    ) -> None:
+    dead_id: str
+    job_id: str
+    reason: str
+    deliveries: int
+    last_error: str
+    original_id: str
+    dead_at: float
+    fields: dict[str, str]
+
+    @classmethod
+    def from_entry(cls, dead_id: str, fields: dict[str, str]) -> DeadLetter:
+        return cls(
+            dead_id=dead_id,
+            job_id=fields.get("job_id", ""),
+            reason=fields.get("reason", ""),
+            deliveries=int(fields.get("deliveries", "0")),
+            last_error=fields.get("last_error", ""),
+            original_id=fields.get("original_id", ""),
+            dead_at=float(fields.get("dead_at", "0")),
+            fields=fields,
+        )
+
+    def message(self) -> JobMessage:
+        return JobMessage.from_fields(self.fields)
+
+
+@dataclass(frozen=True)
+class Consumer:
+    name: str
+    pending: int
+    idle_ms: int
+
+
+@dataclass(frozen=True)
+class StreamStats:
+    length: int
+    pending: int
+    dead_letters: int
+    consumers: list[Consumer]
+
+
+class Stream:
+    """One workflow's job stream: ``stream`` with its ``dead`` letters,
+    ``index`` and consumer ``group``. The only code that talks to them."""
+
+    def __init__(self, redis: Redis, keys: WorkflowKeys) -> None:
         self.redis = redis
-        self.stream = stream
-        self.dead = dead
-        self.index = index
-        self.group = group
+        self.keys = keys
+        self.stream = keys.stream
+        self.dead = keys.dead
+        self.index = keys.index
+        self.group = keys.group
         self._enqueue = redis.register_script(_ENQUEUE)
         self._ack = redis.register_script(scripts.ACK)
         self._dead_letter = redis.register_script(scripts.DEAD_LETTER)
@@ -200,6 +239,52 @@ class Stream:
             floor = min(floor, str(pending["min"]), key=_id_key)
         await self.redis.xtrim(self.stream, minid=floor, approximate=False)
         return floor
+
+    # -- dead letters and status, for operators ----------------------------------
+
+    async def dead_letters(self, limit: int = 100) -> list[DeadLetter]:
+        """Newest first."""
+        entries: Any = await self.redis.xrevrange(self.dead, count=limit)
+        return [DeadLetter.from_entry(str(i), dict(f)) for i, f in entries]
+
+    async def dead_letter_by_id(self, dead_id: str) -> DeadLetter | None:
+        try:
+            entries: Any = await self.redis.xrange(self.dead, min=dead_id, max=dead_id)
+        except ResponseError:  # not a stream id at all
+            return None
+        return DeadLetter.from_entry(str(entries[0][0]), dict(entries[0][1])) if entries else None
+
+    async def forget_dead_letter(self, dead_id: str) -> None:
+        await self.redis.xdel(self.dead, dead_id)
+
+    async def stats(self) -> StreamStats:
+        await self.ensure_group()
+        pending: Any = await self.redis.xpending(self.stream, self.group)
+        consumers: Any = await self.redis.xinfo_consumers(self.stream, self.group)
+        return StreamStats(
+            length=int(await self.redis.xlen(self.stream)),
+            pending=int(pending["pending"]),
+            dead_letters=int(await self.redis.xlen(self.dead)),
+            consumers=[
+                Consumer(str(c["name"]), int(c["pending"]), int(c["idle"])) for c in consumers
+            ],
+        )
+
+    async def take_reconcile_turn(self, ttl_ms: int) -> bool:
+        """True for the one process (fleet-wide) that reconciles for ``ttl_ms``."""
+        return bool(await self.redis.set(self.keys.reconcile_lock, "1", nx=True, px=ttl_ms))
+
+    async def index_entries(self, job_ids: list[str]) -> list[str | None]:
+        """The indexed entry id of each job (None: no message was indexed)."""
+        found: list[Any] = await self.redis.hmget(self.index, job_ids)
+        return [None if f is None else str(f) for f in found]
+
+    async def entries_exist(self, entry_ids: list[str]) -> list[bool]:
+        """Whether each entry is still in the stream, in one round trip."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for entry_id in entry_ids:
+                pipe.xrange(self.stream, min=entry_id, max=entry_id)
+            return [bool(found) for found in await pipe.execute()]
 
 
 def _id_key(entry_id: str) -> tuple[int, int]:

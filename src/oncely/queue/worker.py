@@ -81,10 +81,14 @@ class Worker:
         handler: Handler,
         config: WorkerConfig,
         *,
+        workflow: str,
         consumer: str | None = None,
         on_dead: Callable[[str, str], Awaitable[None]] | None = None,
     ) -> None:
         self.stream = stream
+        # The workflow this worker runs: a label on its metrics and logs.
+        self.workflow = workflow
+        self.log = log.bind(workflow=workflow)
         # Called with (job id, reason) after a message was dead-lettered.
         self.on_dead = on_dead
         self.handler = handler
@@ -107,7 +111,7 @@ class Worker:
     async def run(self) -> None:
         """Run until ``stop()``; then drain in-flight handlers within the grace period."""
         await self.stream.ensure_group()
-        log.info("worker.started", consumer=self.consumer, concurrency=self.config.concurrency)
+        self.log.info("worker.started", consumer=self.consumer, concurrency=self.config.concurrency)
         background = [
             asyncio.create_task(self._renew_forever(), name="renew-leases"),
             asyncio.create_task(self._trim_forever(), name="trim"),
@@ -122,7 +126,7 @@ class Worker:
             await self._ack.drain()
             with contextlib.suppress(redis.exceptions.RedisError):
                 await self.stream.forget_consumers(idle_ms=0, only=self.consumer)
-            log.info("worker.stopped", consumer=self.consumer, **self.stats)
+            self.log.info("worker.stopped", consumer=self.consumer, **self.stats)
 
     async def _loop(self) -> None:
         pause = _MIN_PAUSE_S
@@ -136,7 +140,7 @@ class Worker:
             except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
                 # Redis restarting or failing over: in-flight handlers go on,
                 # and the loop comes back when it answers again.
-                log.warning("worker.redis_unavailable", error=_describe(exc), retry_in_s=pause)
+                self.log.warning("worker.redis_unavailable", error=_describe(exc), retry_in_s=pause)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._stopping.wait(), pause)
                 pause = min(pause * 2, _MAX_PAUSE_S)
@@ -156,7 +160,7 @@ class Worker:
             block = 0 if self._stopping.is_set() else self.config.block_ms
             entries = await self.stream.read_new(self.consumer, free, block)
             batch = [Delivery(entry_id, fields, 1) for entry_id, fields in entries]
-            metrics.DELIVERIES.labels(kind="new").inc(len(batch))
+            metrics.DELIVERIES.labels(workflow=self.workflow, kind="new").inc(len(batch))
         for delivery in batch:
             self._start(delivery)
         return len(batch)
@@ -186,7 +190,7 @@ class Worker:
         if not entries:
             return []
         counts = await self.stream.delivery_counts(self.consumer, [e for e, _ in entries])
-        metrics.DELIVERIES.labels(kind="reclaimed").inc(len(entries))
+        metrics.DELIVERIES.labels(workflow=self.workflow, kind="reclaimed").inc(len(entries))
         return await self._admit(entries, counts)
 
     async def _admit(self, entries: list[Entry], counts: dict[str, int]) -> list[Delivery]:
@@ -202,9 +206,9 @@ class Worker:
     async def _record_lost(self, ids: list[str]) -> None:
         await self.stream.ack_lost(ids)
         self.stats["lost"] += len(ids)
-        metrics.DEAD_LETTERS.labels(reason="trimmed").inc(len(ids))
+        metrics.DEAD_LETTERS.labels(workflow=self.workflow, reason="trimmed").inc(len(ids))
         for entry_id in ids:
-            log.error("stream.entry_lost", entry_id=entry_id, reason="trimmed while pending")
+            self.log.error("stream.entry_lost", entry_id=entry_id, reason="trimmed while pending")
 
     # -- running handlers ------------------------------------------------
 
@@ -212,13 +216,13 @@ class Worker:
         self._deliveries[delivery.entry_id] = delivery
         task = asyncio.create_task(self._handle(delivery))
         self._tasks[delivery.entry_id] = task
-        metrics.HANDLERS_IN_FLIGHT.inc()
+        metrics.HANDLERS_IN_FLIGHT.labels(workflow=self.workflow).inc()
         task.add_done_callback(lambda _: self._finished(delivery.entry_id))
 
     def _finished(self, entry_id: str) -> None:
         self._tasks.pop(entry_id, None)
         self._deliveries.pop(entry_id, None)
-        metrics.HANDLERS_IN_FLIGHT.dec()
+        metrics.HANDLERS_IN_FLIGHT.labels(workflow=self.workflow).dec()
         self._slot_free.set()
 
     async def _handle(self, delivery: Delivery) -> None:
@@ -227,7 +231,7 @@ class Worker:
         except redis.exceptions.RedisError as exc:
             # Committed effects stay committed; the entry stays pending and a
             # later delivery finds them (pre-check) and settles it.
-            log.warning("job.settle_failed", job_id=delivery.job_id, error=_describe(exc))
+            self.log.warning("job.settle_failed", job_id=delivery.job_id, error=_describe(exc))
 
     async def _process(self, delivery: Delivery) -> None:
         try:
@@ -241,8 +245,10 @@ class Worker:
             await self._failed(delivery, exc)
             return
         if await self._acknowledge(delivery):
-            metrics.JOBS.labels(outcome=outcome).inc()
-            log.info("job.acked", job_id=delivery.job_id, count=delivery.count, outcome=outcome)
+            metrics.JOBS.labels(workflow=self.workflow, outcome=outcome).inc()
+            self.log.info(
+                "job.acked", job_id=delivery.job_id, count=delivery.count, outcome=outcome
+            )
 
     async def _run_handler(self, message: JobMessage, delivery: Delivery) -> str:
         """Two deliveries of one job in this process run one after the other,
@@ -264,13 +270,13 @@ class Worker:
             self._left_pending(delivery, exc)
             return
         if not isinstance(exc, PermanentError | TransientError):
-            log.warning("job.unclassified_error", job_id=delivery.job_id, error=_describe(exc))
+            self.log.warning("job.unclassified_error", job_id=delivery.job_id, error=_describe(exc))
         await self._dead_letter(delivery, "permanent", _describe(exc))
 
     def _left_pending(self, delivery: Delivery, exc: BaseException) -> None:
         self.stats["transient"] += 1
-        metrics.JOBS.labels(outcome="transient").inc()
-        log.warning(
+        metrics.JOBS.labels(workflow=self.workflow, outcome="transient").inc()
+        self.log.warning(
             "job.left_pending",
             job_id=delivery.job_id,
             entry_id=delivery.entry_id,
@@ -295,14 +301,14 @@ class Worker:
         }
         if await self.stream.dead_letter(self.consumer, delivery.entry_id, delivery.job_id, fields):
             self.stats["dead"] += 1
-            metrics.DEAD_LETTERS.labels(reason=reason).inc()
-            log.error("job.dead_lettered", job_id=delivery.job_id, reason=reason, error=error)
+            metrics.DEAD_LETTERS.labels(workflow=self.workflow, reason=reason).inc()
+            self.log.error("job.dead_lettered", job_id=delivery.job_id, reason=reason, error=error)
 
     # -- acknowledging, batched -------------------------------------------
 
     async def _acknowledge(self, delivery: Delivery) -> bool:
         if delivery.lease_lost:
-            log.warning("job.not_acked_lease_lost", job_id=delivery.job_id)
+            self.log.warning("job.not_acked_lease_lost", job_id=delivery.job_id)
             return False
         acked = await self._ack(delivery)
         self.stats["acked" if acked else "lost"] += 1
@@ -332,8 +338,8 @@ class Worker:
             delivery = self._deliveries.get(entry_id)
             if entry_id not in renewed and delivery is not None:
                 delivery.lease_lost = True
-                metrics.LEASES_LOST.inc()
-                log.warning("worker.lease_lost", job_id=delivery.job_id, entry_id=entry_id)
+                metrics.LEASES_LOST.labels(workflow=self.workflow).inc()
+                self.log.warning("worker.lease_lost", job_id=delivery.job_id, entry_id=entry_id)
 
     # -- trimming and shutdown --------------------------------------------------
 
@@ -359,7 +365,7 @@ class Worker:
         pending for other workers."""
         if not self._tasks:
             return
-        log.info("worker.draining", in_flight=len(self._tasks))
+        self.log.info("worker.draining", in_flight=len(self._tasks))
         _, late = await asyncio.wait(
             list(self._tasks.values()), timeout=self.config.shutdown_grace_s
         )
@@ -367,7 +373,7 @@ class Worker:
             task.cancel()
         if late:
             await asyncio.wait(late)
-            log.warning("worker.left_pending_on_shutdown", count=len(late))
+            self.log.warning("worker.left_pending_on_shutdown", count=len(late))
 
 
 def _describe(exc: BaseException) -> str:

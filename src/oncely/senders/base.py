@@ -1,4 +1,12 @@
-"""The sender seam: the protocol, the email payload, and error classification.
+"""The sender seams and the classification of a provider's answers.
+
+Three protocols, one per direction of knowledge:
+
+- ``Sender`` is what the relay calls: ``send(topic, payload, dedupe_key)``.
+  ``oncely.senders.routing.EffectRouter`` implements it by looking the topic up
+  among the effects workflows declared.
+- ``EmailSender`` delivers an already rendered ``Email``; ``EventSender`` an
+  ``Event`` (a webhook). Neither knows any topic.
 
 Every adapter passes the outbox row's dedupe key to the provider as its
 idempotency key, so a resend after a crash or a timeout is one effect.
@@ -11,11 +19,10 @@ import math
 import time
 from dataclasses import dataclass
 from datetime import UTC
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Protocol
 
+from oncely.effects import Email, Event
 from oncely.errors import PermanentError, TransientError
-
-SUMMARY_READY = "email.summary_ready"
 
 # 408/429/5xx are the usual "try again"; 409 is what idempotent APIs answer
 # while a request with the same key is still in flight (Stripe does), so the
@@ -29,6 +36,8 @@ class SendResult:
 
 
 class Sender(Protocol):
+    """The relay's view: deliver one outbox row."""
+
     async def send(self, topic: str, payload: dict[str, Any], dedupe_key: str) -> SendResult:
         """Deliver once per dedupe key; raises TransientError or PermanentError."""
         ...
@@ -36,44 +45,35 @@ class Sender(Protocol):
     async def aclose(self) -> None: ...
 
 
-@dataclass(frozen=True)
-class SummaryReady:
-    """Payload of the ``email.summary_ready`` outbox row."""
+class EmailSender(Protocol):
+    """Delivers a rendered email; the provider dedupes on ``dedupe_key``."""
 
-    job_id: str
-    to: str
-    summary: str
+    async def send(self, email: Email, dedupe_key: str) -> SendResult:
+        """Raises TransientError or PermanentError."""
+        ...
 
-    @classmethod
-    def from_payload(cls, payload: dict[str, Any]) -> SummaryReady:
-        job_id, to, summary = (payload.get(name) for name in ("job_id", "to", "summary"))
-        if not (isinstance(job_id, str) and isinstance(to, str) and isinstance(summary, str)):
-            raise PermanentError(f"{SUMMARY_READY} payload needs string job_id, to, summary")
-        # An empty address never delivers; a line break would smuggle headers in.
-        if not to or "\r" in to or "\n" in to:
-            raise PermanentError(f"{SUMMARY_READY} has an unusable recipient {to!r}")
-        return cls(job_id=job_id, to=to, summary=summary)
-
-    def to_payload(self) -> dict[str, Any]:
-        return {"job_id": self.job_id, "to": self.to, "summary": self.summary}
+    async def aclose(self) -> None: ...
 
 
-class Email(NamedTuple):
-    to: str
-    subject: str
-    text: str
+class EventSender(Protocol):
+    """Delivers an event (a webhook); the receiver dedupes on ``dedupe_key``."""
+
+    async def send(self, event: Event, dedupe_key: str) -> SendResult:
+        """Raises TransientError or PermanentError."""
+        ...
+
+    async def aclose(self) -> None: ...
 
 
-def render_email(topic: str, payload: dict[str, Any]) -> Email:
-    """The email for an outbox row; deterministic, so a resend is the same message."""
-    if topic != SUMMARY_READY:
-        raise PermanentError(f"no email for topic {topic!r}")
-    event = SummaryReady.from_payload(payload)
-    return Email(
-        to=event.to,
-        subject=f"Your summary is ready (job {event.job_id})",
-        text=f"{event.summary}\n\n-- oncely, job {event.job_id}\n",
-    )
+def check_recipient(email: Email) -> None:
+    """Refuse, permanently, an address that can never deliver.
+
+    An empty one never does, and a line break would smuggle headers (a Bcc)
+    into the message; every path that sends an email calls this first.
+    """
+    to = email.to
+    if not to.strip() or "\r" in to or "\n" in to:
+        raise PermanentError(f"unusable email recipient {to!r}")
 
 
 def classify_status(status: int, retry_after: str | None = None, *, detail: str = "") -> None:
@@ -86,10 +86,10 @@ def classify_status(status: int, retry_after: str | None = None, *, detail: str 
         return
     message = f"provider answered {status}" + (f": {detail}" if detail else "")
     if status in _TRANSIENT_4XX or status >= 500:
-        raise TransientError(message, retry_after_s=parse_retry_after(retry_after))
+        raise TransientError(message, retry_after_s=parse_retry_after(retry_after), status=status)
     # 3xx lands here too: we never follow redirects with a POST, so a redirect
     # means the provider URL is misconfigured.
-    raise PermanentError(message)
+    raise PermanentError(message, status=status)
 
 
 def parse_retry_after(value: str | None, *, now: float | None = None) -> float | None:

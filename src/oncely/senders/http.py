@@ -13,8 +13,9 @@ from typing import Any
 
 import aiohttp
 
+from oncely.effects import Email
 from oncely.errors import PermanentError, TransientError
-from oncely.senders.base import SendResult, classify_status, render_email
+from oncely.senders.base import SendResult, check_recipient, classify_status
 
 IDEMPOTENCY_KEY = "Idempotency-Key"
 
@@ -26,7 +27,11 @@ _DETAIL_CHARS = 200
 
 
 class JsonPoster:
-    """POSTs JSON bodies over one shared session and classifies every failure."""
+    """POSTs JSON bodies over one session and classifies every failure.
+
+    Several senders may share one poster (and so one connection pool); each
+    may close it, and a poster used again after closing opens a new session.
+    """
 
     def __init__(self, timeout_s: float, *, max_connections: int = DEFAULT_MAX_CONNECTIONS) -> None:
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
@@ -62,8 +67,8 @@ class JsonPoster:
 
     async def aclose(self) -> None:
         if self._session is not None:
-            await self._session.close()
-            self._session = None
+            session, self._session = self._session, None
+            await session.close()
 
 
 def message_id_from(answer: bytes) -> str | None:
@@ -81,17 +86,27 @@ def message_id_from(answer: bytes) -> str | None:
 
 
 class HttpEmailSender:
-    """Sends ``email.summary_ready`` rows to an HTTP email API as JSON to/subject/text."""
+    """Sends emails to an HTTP email API as JSON ``{to, subject, text}``.
+
+    The dedupe key goes in ``Idempotency-Key``. ``poster`` shares another
+    sender's session (its timeout and connection limit then apply).
+    """
 
     def __init__(
-        self, url: str, timeout_s: float, *, max_connections: int = DEFAULT_MAX_CONNECTIONS
+        self,
+        url: str,
+        timeout_s: float,
+        *,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        poster: JsonPoster | None = None,
     ) -> None:
         self._url = url
-        self._poster = JsonPoster(timeout_s, max_connections=max_connections)
+        self._poster = poster or JsonPoster(timeout_s, max_connections=max_connections)
 
-    async def send(self, topic: str, payload: dict[str, Any], dedupe_key: str) -> SendResult:
-        email = render_email(topic, payload)
-        body = json.dumps(email._asdict()).encode()
+    async def send(self, email: Email, dedupe_key: str) -> SendResult:
+        check_recipient(email)
+        fields = {"to": email.to, "subject": email.subject, "text": email.text}
+        body = json.dumps(fields).encode()
         answer = await self._poster.post(self._url, body, {IDEMPOTENCY_KEY: dedupe_key})
         return SendResult(provider_message_id=message_id_from(answer))
 

@@ -11,16 +11,42 @@ import contextlib
 import email.utils
 import hashlib
 import socket
+from dataclasses import dataclass
 from email.message import EmailMessage
-from typing import Any
+from urllib.parse import unquote, urlsplit
 
 import aiosmtplib
 
+from oncely.effects import Email
 from oncely.errors import OncelyError, PermanentError, TransientError
-from oncely.senders.base import Email, SendResult, render_email
+from oncely.senders.base import SendResult, check_recipient
 
 # A polite goodbye after the message is accepted; not worth the full timeout.
 _QUIT_TIMEOUT_S = 1.0
+
+
+@dataclass(frozen=True)
+class SmtpTarget:
+    host: str
+    port: int
+    use_tls: bool
+    username: str | None = None
+    password: str | None = None
+
+
+def parse_smtp_url(url: str) -> SmtpTarget:
+    """``smtp://[user:pass@]host[:port]`` (default 25) or ``smtps://…`` (TLS, default 465)."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("smtp", "smtps") or not parts.hostname:
+        raise ValueError(f"the smtp sender needs a smtp://host:port URL, got {url!r}")
+    use_tls = parts.scheme == "smtps"
+    return SmtpTarget(
+        host=parts.hostname,
+        port=parts.port or (465 if use_tls else 25),
+        use_tls=use_tls,
+        username=unquote(parts.username) if parts.username else None,
+        password=unquote(parts.password) if parts.password else None,
+    )
 
 
 def message_id_for(dedupe_key: str) -> str:
@@ -44,7 +70,8 @@ def classify_smtp_error(exc: aiosmtplib.SMTPException | OSError) -> OncelyError:
 
 
 class SmtpSender:
-    """One connection per message: SMTP sessions carry one transaction at a time."""
+    """Sends emails over SMTP, one connection per message: SMTP sessions carry
+    one transaction at a time."""
 
     def __init__(
         self,
@@ -65,10 +92,27 @@ class SmtpSender:
         self._use_tls, self._start_tls = use_tls, start_tls
         self._local_hostname = local_hostname
 
-    async def send(self, topic: str, payload: dict[str, Any], dedupe_key: str) -> SendResult:
-        mail = render_email(topic, payload)
-        message = self._compose(mail, dedupe_key)
-        await self._deliver(message, mail.to)
+    @classmethod
+    def from_url(cls, url: str, from_addr: str, timeout_s: float) -> SmtpSender:
+        """A sender for ``smtp://`` or ``smtps://`` ``url`` (see ``parse_smtp_url``)."""
+        target = parse_smtp_url(url)
+        return cls(
+            target.host,
+            target.port,
+            from_addr,
+            timeout_s,
+            username=target.username,
+            password=target.password,
+            use_tls=target.use_tls,
+        )
+
+    async def send(self, email: Email, dedupe_key: str) -> SendResult:
+        check_recipient(email)
+        try:
+            message = self._compose(email, dedupe_key)
+        except ValueError as exc:  # the email package refuses line breaks in any header
+            raise PermanentError(f"cannot compose the email: {exc}") from exc
+        await self._deliver(message, email.to)
         return SendResult(provider_message_id=message["Message-ID"])
 
     def _compose(self, mail: Email, dedupe_key: str) -> EmailMessage:

@@ -1,88 +1,12 @@
--- Every statement oncely runs, by name. Read with oncely.sql.query("name").
-
--- name: create_migrations_table
-CREATE TABLE IF NOT EXISTS oncely_migrations (
-    version    integer     CONSTRAINT oncely_migrations_pkey PRIMARY KEY,
-    name       text        NOT NULL,
-    applied_at timestamptz NOT NULL DEFAULT now()
-)
-
--- name: applied_migrations
-SELECT version FROM oncely_migrations ORDER BY version
-
--- name: record_migration
-INSERT INTO oncely_migrations (version, name) VALUES (%s, %s)
-
--- name: insert_api_key
-INSERT INTO api_keys (key_hash, tenant) VALUES (%s, %s)
-
--- name: revoke_api_key
-UPDATE api_keys SET revoked_at = now()
- WHERE key_hash = %s AND revoked_at IS NULL
-RETURNING tenant
-
--- name: tenant_for_key
-SELECT tenant FROM api_keys WHERE key_hash = %s AND revoked_at IS NULL
-
--- name: insert_job
-INSERT INTO jobs (job_id, tenant, payload) VALUES (%s, %s, %s)
-ON CONFLICT (job_id) DO NOTHING
-
--- name: get_job
-SELECT j.job_id, j.status, s.summary, j.error, j.created_at, j.updated_at
-  FROM jobs j LEFT JOIN summaries s USING (job_id)
- WHERE j.job_id = %s AND j.tenant = %s
-
--- name: summaries_stored
-SELECT job_id FROM summaries WHERE job_id = ANY(%s::uuid[])
-
--- name: store_summary
--- One statement: atomic without BEGIN/COMMIT, one round trip. The summary;
--- then, only if this delivery inserted it, the outbox row and the job's
--- `done`. A duplicate delivery that lost the race changes nothing.
--- (Data-modifying CTEs always run, read or not.) The relay's wake-up is sent
--- after the commit, coalesced per worker: a NOTIFY inside every transaction
--- would serialise commits on the notification queue's lock.
-WITH summary AS (
-    INSERT INTO summaries (job_id, summary) VALUES (%(job_id)s, %(summary)s)
-    ON CONFLICT (job_id) DO NOTHING
-    RETURNING job_id
-), outbox_row AS (
-    INSERT INTO outbox (topic, dedupe_key, payload)
-    SELECT %(topic)s, %(dedupe_key)s, %(payload)s FROM summary
-    ON CONFLICT (dedupe_key) DO NOTHING
-    RETURNING id
-), job AS (
-    UPDATE jobs SET status = 'done', error = NULL, updated_at = now()
-     WHERE job_id IN (SELECT job_id FROM summary)
-    RETURNING job_id
-)
-SELECT count(*) AS stored FROM summary
+-- Statements on the outbox table, by name. Read with oncely.sql.query("name").
 
 -- name: insert_outbox
 -- For other workflows: queue a notification in the caller's transaction.
 INSERT INTO outbox (topic, dedupe_key, payload) VALUES (%s, %s, %s)
 ON CONFLICT (dedupe_key) DO NOTHING
 
--- name: mark_job_dead
-UPDATE jobs SET status = 'dead', error = %s, updated_at = now()
- WHERE job_id = %s AND status = 'queued'
-
 -- name: notify_outbox
 SELECT pg_notify('oncely_outbox', '')
-
--- name: queued_jobs_older_than
-SELECT job_id, tenant, payload FROM jobs
- WHERE status = 'queued' AND created_at < now() - make_interval(secs => %s)
- ORDER BY created_at
- LIMIT %s
-
--- name: mark_job_requeued
--- A dead letter replayed by an operator: its job is waiting again.
-UPDATE jobs SET status = 'queued', error = NULL, updated_at = now()
- WHERE job_id = %s AND status = 'dead'
-
--- ---- outbox relay ----
 
 -- name: outbox_claim
 -- One statement, one short transaction: the CTE locks due rows and skips the
@@ -193,7 +117,3 @@ LISTEN oncely_outbox
 -- name: outbox_listener_ping
 SELECT 1
 
--- ---- operations ----
-
--- name: jobs_by_status
-SELECT status, count(*) FROM jobs GROUP BY status

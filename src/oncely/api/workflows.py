@@ -1,0 +1,99 @@
+"""The HTTP routes every registered workflow gets: ``POST <route>`` (the
+idempotent intake) and ``GET <route>/{job_id}`` (the job and its result).
+
+No ``from __future__ import annotations`` here: FastAPI reads each route's
+request and response models from annotations built per workflow.
+"""
+
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Annotated, Any, Literal, cast
+
+from fastapi import APIRouter, Depends, HTTPException, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
+
+from oncely import metrics
+from oncely.api.idempotency import IDEMPOTENCY_RESPONSES, IdempotentRequest, replay_header_doc
+from oncely.api.problems import problem_schema
+from oncely.jobs.store import Job, Jobs
+from oncely.workflow import Workflow
+
+
+class Accepted(BaseModel):
+    job_id: uuid.UUID
+    status: Literal["queued"]
+
+
+def workflow_router(
+    workflow: Workflow[Any, Any],
+    *,
+    jobs: Callable[[], Jobs],
+    tenant: Callable[..., Awaitable[str]],
+    idempotent: Callable[..., Awaitable[IdempotentRequest]],
+) -> APIRouter:
+    """POST and GET for one workflow. ``jobs`` is called per request, so the
+    router can be built before the lifespan opens the clients."""
+    router = APIRouter(prefix=workflow.route, tags=[workflow.name])
+    request_model = workflow.request
+    view_model = workflow.job_view
+    accepted_total = metrics.JOBS_ACCEPTED.labels(workflow=workflow.name)
+    Tenant = Annotated[str, Depends(tenant)]
+    Idempotent = Annotated[IdempotentRequest, Depends(idempotent)]
+
+    @router.post(
+        "",
+        status_code=202,
+        response_model=Accepted,
+        summary=workflow.summary or f"Accept a {workflow.name} job",
+        operation_id=f"create_{workflow.name}",
+        responses={
+            202: {
+                "description": "Accepted (or, with `Idempotent-Replayed`, the stored original).",
+                "headers": {
+                    "Location": {"schema": {"type": "string"}, "description": "The job's URL."},
+                    **replay_header_doc(),
+                },
+            },
+            **IDEMPOTENCY_RESPONSES,
+        },
+    )
+    async def create(
+        body: request_model,  # type: ignore[valid-type]
+        tenant_name: Tenant,
+        idem: Idempotent,
+        request: Request,
+    ) -> Response:
+        location = f"{request.url.path.rstrip('/')}/{idem.job_id}"
+
+        async def accept() -> Response:
+            payload = cast(BaseModel, body).model_dump(mode="json")
+            job = Job(idem.job_id, tenant_name, workflow.name, payload)
+            await jobs().accept(job)
+            accepted_total.inc()
+            return JSONResponse(
+                {"job_id": idem.job_id, "status": "queued"},
+                status_code=202,
+                headers={"Location": location},
+            )
+
+        return await idem.run(body, accept)
+
+    @router.get(
+        "/{job_id}",
+        response_model=view_model,
+        summary=f"Read a {workflow.name} job and, once done, its result",
+        operation_id=f"get_{workflow.name}",
+        responses={404: problem_schema("No such job for this tenant.")},
+    )
+    async def read(job_id: str, tenant_name: Tenant) -> Any:
+        try:
+            parsed = uuid.UUID(job_id)
+        except ValueError:
+            raise HTTPException(404, "job not found") from None
+        record = await jobs().get(workflow.name, parsed, tenant_name)
+        if record is None:
+            raise HTTPException(404, "job not found")
+        return view_model.from_record(record)
+
+    return router

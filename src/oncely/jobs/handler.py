@@ -1,0 +1,109 @@
+"""Running a workflow's step for one delivery of a job.
+
+1. A result already stored for this job → nothing to do, no model call.
+2. The step, given the validated request and a context (the model with
+   classified retries under this delivery's deadline; ``emit``).
+3. One statement stores the result, the emitted outbox rows and ``done``,
+   only if no other delivery stored a result first.
+The worker acknowledges afterwards; a duplicate delivery racing this one
+loses at step 3 and writes nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, cast
+
+from pydantic import BaseModel, ValidationError
+
+from oncely.errors import PermanentError
+from oncely.jobs.store import Jobs
+from oncely.llm.base import LLM
+from oncely.llm.model import Model
+from oncely.outbox.wakeup import OutboxWakeUp
+from oncely.queue.stream import JobMessage
+from oncely.retry import Deadline, RetryPolicy
+from oncely.workflow import Context, Workflow
+
+if TYPE_CHECKING:
+    from oncely.queue.worker import Delivery
+
+
+@dataclass(frozen=True)
+class StepConfig:
+    """How a step may use the model in one delivery."""
+
+    policy: RetryPolicy
+    # Wall-clock budget of one delivery; a fresh one on each redelivery.
+    budget_s: float = 60.0
+    # Extra model calls after an answer that does not fit the result model.
+    invalid_output_retries: int = 2
+    # The model's name, for metrics.
+    model_name: str = ""
+
+
+class WorkflowHandler:
+    """The worker's handler for one workflow's jobs."""
+
+    def __init__(
+        self,
+        workflow: Workflow[Any, Any],
+        jobs: Jobs,
+        llm: LLM,
+        config: StepConfig,
+        wake_relay: OutboxWakeUp,
+    ) -> None:
+        self.workflow = workflow
+        self.jobs = jobs
+        self.llm = llm
+        self.config = config
+        self.wake_relay = wake_relay
+
+    async def __call__(self, message: JobMessage, delivery: Delivery) -> str:
+        if await self.jobs.result_stored(message.job_id):
+            return "duplicate"
+        try:
+            request = self.workflow.request.model_validate(message.payload)
+        except ValidationError as exc:
+            raise PermanentError(f"stored request no longer validates: {_short(exc)}") from exc
+        ctx = Context(self.workflow, message.job_id, message.tenant, self._model(), delivery.count)
+        result = self._checked(await self.workflow.step(request, ctx))
+        stored = await self.jobs.finish(
+            self.workflow.name,
+            message.job_id,
+            result.model_dump(mode="json"),
+            ctx.model.usage.to_json(),
+            ctx.emitted,
+        )
+        if not stored:
+            return "duplicate"
+        if ctx.emitted:
+            self.wake_relay.soon()
+        return "done"
+
+    def _model(self) -> Model:
+        c = self.config
+        return Model(
+            self.llm,
+            policy=c.policy,
+            deadline=Deadline.after(c.budget_s),
+            workflow=self.workflow.name,
+            model_name=c.model_name,
+            invalid_output_retries=c.invalid_output_retries,
+        )
+
+    def _checked(self, result: Any) -> BaseModel:
+        """The step's answer as the declared result model (a plain dict is validated)."""
+        if isinstance(result, self.workflow.result):
+            return cast(BaseModel, result)
+        try:
+            validated: BaseModel = self.workflow.result.model_validate(result)
+        except ValidationError as exc:
+            raise PermanentError(f"step returned an invalid result: {_short(exc)}") from exc
+        return validated
+
+
+def _short(exc: ValidationError) -> str:
+    return "; ".join(
+        f"{'.'.join(str(p) for p in e['loc']) or '(root)'}: {e['msg']}" for e in exc.errors()
+    )[:500]

@@ -1,0 +1,61 @@
+-- Statements on the jobs and results tables, by name. Read with
+-- oncely.sql.query("name"). Only oncely.jobs.store runs them.
+
+-- name: insert_job
+INSERT INTO jobs (job_id, tenant, kind, payload) VALUES (%s, %s, %s, %s)
+ON CONFLICT (job_id) DO NOTHING
+
+-- name: get_job
+SELECT j.job_id, j.tenant, j.kind, j.status, r.result, r.usage, j.error,
+       j.created_at, j.updated_at
+  FROM jobs j LEFT JOIN results r USING (job_id)
+ WHERE j.job_id = %s AND j.tenant = %s AND j.kind = %s
+
+-- name: results_stored
+SELECT job_id FROM results WHERE job_id = ANY(%s::uuid[])
+
+-- name: finish_job
+-- One statement: atomic without BEGIN/COMMIT, one round trip. The result;
+-- then, only if this delivery inserted it, the outbox rows the step emitted
+-- and the job's `done`. A duplicate delivery that lost the race changes
+-- nothing, so effects exist if and only if the result does.
+-- (Data-modifying CTEs always run, read or not.) The relay's wake-up is sent
+-- after the commit, coalesced per worker: a NOTIFY inside every transaction
+-- would serialise commits on the notification queue's lock.
+WITH result AS (
+    INSERT INTO results (job_id, result, usage)
+    VALUES (%(job_id)s, %(result)s, %(usage)s)
+    ON CONFLICT (job_id) DO NOTHING
+    RETURNING job_id
+), outbox_rows AS (
+    INSERT INTO outbox (topic, dedupe_key, payload, workflow, job_id)
+    SELECT e.topic, e.dedupe_key, e.payload, %(workflow)s, %(job_id)s
+      FROM unnest(%(topics)s::text[], %(dedupe_keys)s::text[], %(payloads)s::jsonb[])
+           AS e (topic, dedupe_key, payload)
+     WHERE EXISTS (SELECT 1 FROM result)
+    ON CONFLICT (dedupe_key) DO NOTHING
+    RETURNING id
+), job AS (
+    UPDATE jobs SET status = 'done', error = NULL, updated_at = now()
+     WHERE job_id IN (SELECT job_id FROM result)
+    RETURNING job_id
+)
+SELECT count(*) AS stored FROM result
+
+-- name: mark_job_dead
+UPDATE jobs SET status = 'dead', error = %s, updated_at = now()
+ WHERE job_id = %s AND status = 'queued'
+
+-- name: queued_jobs_older_than
+SELECT job_id, tenant, kind, payload FROM jobs
+ WHERE kind = %s AND status = 'queued' AND created_at < now() - make_interval(secs => %s)
+ ORDER BY created_at
+ LIMIT %s
+
+-- name: mark_job_requeued
+-- A dead letter replayed by an operator: its job is waiting again.
+UPDATE jobs SET status = 'queued', error = NULL, updated_at = now()
+ WHERE job_id = %s AND status = 'dead'
+
+-- name: jobs_by_kind_and_status
+SELECT kind, status, count(*) FROM jobs GROUP BY kind, status

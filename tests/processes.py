@@ -1,0 +1,83 @@
+"""Starting real `oncely` processes for end-to-end tests, and waiting on state."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    """``python -m oncely <args>`` from the repository root (so ``examples`` imports)."""
+    return start_command(["-m", "oncely", *args], env, log)
+
+
+def start_command(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    """``python <args>`` from the repository root, output to ``log``."""
+    return subprocess.Popen(
+        [sys.executable, *args],
+        env={**os.environ, **env},
+        cwd=ROOT,
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+    )
+
+
+def tail(log: Path, chars: int = 3000) -> str:
+    return log.read_text()[-chars:]
+
+
+@contextmanager
+def running(*procs: subprocess.Popen[bytes]) -> Iterator[None]:
+    """Stop every process with SIGTERM at the end (SIGKILL if it lingers)."""
+    try:
+        yield
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in procs:
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+
+
+async def wait_for(
+    predicate: Callable[[], Awaitable[bool]], within_s: float = 30.0, what: str = "condition"
+) -> None:
+    deadline = asyncio.get_running_loop().time() + within_s
+    while not await predicate():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"{what} not reached within {within_s} s")
+        await asyncio.sleep(0.05)
+
+
+async def wait_healthy(base_url: str, proc: subprocess.Popen[bytes], log: Path) -> None:
+    async def up() -> bool:
+        if proc.poll() is not None:
+            raise AssertionError(f"process exited {proc.returncode}: {tail(log)}")
+        try:
+            async with httpx.AsyncClient() as client:
+                return (await client.get(f"{base_url}/healthz")).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    await wait_for(up, what=f"{base_url}/healthz")

@@ -1,0 +1,234 @@
+"""Both built-in workflows side by side in one deployment, through real
+`oncely api`, `worker` and `relay` processes; operator commands per workflow;
+and a third workflow from `examples/` loaded with `--app`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from oncely.api.auth import create_api_key
+from oncely.fakes.llm import FakeLLMServer
+from oncely.fakes.mail import FakeMailServer
+from oncely.senders.webhook import verify
+from tests.processes import ROOT, free_port, running, start, wait_for, wait_healthy
+
+pytestmark = pytest.mark.slow
+
+SECRET = "whsec_" + "c2VjcmV0LWZvci10ZXN0cy1vbmx5LTEyMzQ1Njc4"
+SUMMARY = {"text": "Retries are safe. Effects happen once.", "notify": "ada@example.com"}
+TICKET = {
+    "subject": "Urgent: refund for a double charge",
+    "body": "My billing statement shows the same order twice. Please refund one.",
+}
+
+
+@pytest.fixture
+async def providers(tmp_path):
+    async with FakeLLMServer() as model, FakeMailServer(tmp_path / "mailbox.jsonl") as mail:
+        yield model, mail
+
+
+def deployment_env(redis_url, database_url, model, mail, **extra: str) -> dict[str, str]:
+    return {
+        "ONCELY_REDIS_URL": redis_url,
+        "ONCELY_DATABASE_URL": database_url,
+        "ONCELY_LLM_BASE_URL": model.url,
+        "ONCELY_SENDER_URL": mail.url,
+        "ONCELY_WEBHOOK_URL": mail.events_url,
+        "ONCELY_WEBHOOK_SECRET": SECRET,
+        "ONCELY_LOG_FORMAT": "json",
+        "ONCELY_BLOCK_MS": "50",
+        **extra,
+    }
+
+
+async def scalar(pool, sql: str, *args: Any) -> Any:
+    async with pool.connection() as conn:
+        row = await (await conn.execute(sql, args)).fetchone()
+    return row[0] if row else None
+
+
+def oncely(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "oncely", *args],
+        env={**os.environ, **env},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def processes(env: dict[str, str], tmp_path: Path, port: int, app: str | None = None):
+    prefix = ["--app", app] if app else []
+    return [
+        start([*prefix, "api", "--port", str(port)], env, tmp_path / "api.log"),
+        start([*prefix, "worker"], env, tmp_path / "worker.log"),
+        start([*prefix, "relay"], env, tmp_path / "relay.log"),
+    ]
+
+
+async def test_summaries_and_triage_side_by_side_each_with_one_effect(
+    redis_url, database_url, pool, providers, tmp_path
+):
+    model, mail = providers
+    key = await create_api_key(pool, "acme")
+    port = free_port()
+    env = deployment_env(redis_url, database_url, model, mail)
+    procs = processes(env, tmp_path, port)
+    base = f"http://127.0.0.1:{port}"
+    auth = {"Authorization": f"Bearer {key}"}
+    with running(*procs):
+        await wait_healthy(base, procs[0], tmp_path / "api.log")
+        async with httpx.AsyncClient(base_url=base, headers=auth) as client:
+            posts = {}
+            for route, body in (("/v1/summaries", SUMMARY), ("/v1/triage", TICKET)):
+                headers = {"Idempotency-Key": f"side-by-side-{route[4:]}-0001"}
+                first = await client.post(route, json=body, headers=headers)
+                again = await client.post(route, json=body, headers=headers)
+                reused = await client.post(
+                    route,
+                    json={**body, **{k: v + "!" for k, v in body.items() if k != "notify"}},
+                    headers=headers,
+                )
+                assert first.status_code == 202, first.text
+                assert again.status_code in (202, 409)
+                assert reused.status_code == 422
+                assert reused.json()["type"].endswith("/idempotency-key-reused")
+                posts[route] = first.json()["job_id"]
+            assert posts["/v1/summaries"] != posts["/v1/triage"]
+
+            async def both_delivered() -> bool:
+                return (await mail.deliveries())["effects"] == 2
+
+            await wait_for(both_delivered, what="one email and one webhook")
+            summary = (await client.get(f"/v1/summaries/{posts['/v1/summaries']}")).json()
+            triage = (await client.get(f"/v1/triage/{posts['/v1/triage']}")).json()
+            crossed = await client.get(f"/v1/triage/{posts['/v1/summaries']}")
+
+    assert summary["status"] == "done" and summary["summary"]
+    assert summary["usage"]["model_calls"] == 1 and summary["usage"]["prompt_tokens"] > 0
+    assert triage["status"] == "done"
+    assert triage["result"]["category"] == "billing"
+    assert triage["result"]["priority"] == "urgent"
+    assert crossed.status_code == 404, "a job is read through its own workflow's route"
+    assert await scalar(pool, "SELECT count(*) FROM jobs") == 2
+    assert await scalar(pool, "SELECT count(*) FROM results") == 2
+    deliveries = await mail.deliveries()
+    assert deliveries["requests"] == 2
+    triage_id = posts["/v1/triage"]
+    assert set(deliveries["by_key"]) == {
+        f"summary_ready:{posts['/v1/summaries']}",
+        f"ticket_triaged:{triage_id}",
+    }
+    lines = [json.loads(line) for line in (tmp_path / "mailbox.jsonl").read_text().splitlines()]
+    [event] = [line for line in lines if line["kind"] == "event"]
+    assert verify(SECRET, event["headers"], event["body"].encode())
+    assert not verify(
+        "whsec_" + "b3RoZXItc2VjcmV0LTEyMzQ1Njc4OTA=", event["headers"], event["body"].encode()
+    )
+    body = json.loads(event["body"])
+    assert body["type"] == "ticket.triaged"
+    assert body["data"]["job_id"] == triage_id
+    assert body["data"]["category"] == "billing"
+    assert model.stats().total == 2
+
+
+async def test_dead_triage_job_is_replayed_by_the_cli_and_status_reports_per_workflow(
+    redis_url, database_url, pool, providers, tmp_path
+):
+    model, mail = providers
+    key = await create_api_key(pool, "acme")
+    port = free_port()
+    env = deployment_env(redis_url, database_url, model, mail)
+    procs = processes(env, tmp_path, port)
+    base = f"http://127.0.0.1:{port}"
+    ticket = {"subject": "Broken", "body": "Garbage, then fine. [[fake:400*1]]"}
+    with running(*procs):
+        await wait_healthy(base, procs[0], tmp_path / "api.log")
+        async with httpx.AsyncClient(
+            base_url=base, headers={"Authorization": f"Bearer {key}"}
+        ) as c:
+            r = await c.post(
+                "/v1/triage", json=ticket, headers={"Idempotency-Key": "dead-then-replayed"}
+            )
+            job_id = r.json()["job_id"]
+
+            async def status_is(expected: str) -> bool:
+                return bool((await c.get(f"/v1/triage/{job_id}")).json()["status"] == expected)
+
+            await wait_for(lambda: status_is("dead"), what="the job dead-lettered")
+            listed = await asyncio.to_thread(oncely, "dlq", "list", "--json", env=env)
+            assert listed.returncode == 0, listed.stderr
+            [letter] = json.loads(listed.stdout)
+            assert (letter["workflow"], letter["job_id"]) == ("triage", job_id)
+            assert letter["reason"] == "permanent" and "400" in letter["last_error"]
+            status = await asyncio.to_thread(oncely, "status", "--json", env=env)
+            report = json.loads(status.stdout)
+            assert report["workflows"]["triage"]["dead_letters"] == 1
+            assert report["workflows"]["triage"]["jobs"]["dead"] == 1
+            assert report["workflows"]["summaries"]["dead_letters"] == 0
+
+            replayed = await asyncio.to_thread(
+                oncely, "dlq", "replay", letter["dead_id"], "--workflow", "triage", env=env
+            )
+            assert replayed.returncode == 0, replayed.stderr
+            await wait_for(lambda: status_is("done"), what="the replayed job done")
+
+            async def delivered() -> bool:
+                return (await mail.deliveries())["effects"] == 1
+
+            await wait_for(delivered, what="its webhook")
+    assert model.stats(contains="Garbage").prompts[0].count == 2
+    status = json.loads((await asyncio.to_thread(oncely, "status", "--json", env=env)).stdout)
+    assert status["workflows"]["triage"]["dead_letters"] == 0
+    assert status["workflows"]["triage"]["jobs"] == {"queued": 0, "done": 1, "dead": 0}
+
+
+async def test_the_example_workflow_runs_through_processes_started_with_app(
+    redis_url, database_url, pool, providers, tmp_path
+):
+    model, mail = providers
+    key = await create_api_key(pool, "shop")
+    port = free_port()
+    env = deployment_env(redis_url, database_url, model, mail)
+    procs = processes(env, tmp_path, port, app="examples.refunds:app")
+    base = f"http://127.0.0.1:{port}"
+    refund = {"order_id": "A-1001", "amount_cents": 2599, "reason": "Arrived damaged: approve?"}
+    with running(*procs):
+        await wait_healthy(base, procs[0], tmp_path / "api.log")
+        async with httpx.AsyncClient(
+            base_url=base, headers={"Authorization": f"Bearer {key}"}
+        ) as c:
+            builtin = await c.post(
+                "/v1/summaries", json=SUMMARY, headers={"Idempotency-Key": "not-served-here-01"}
+            )
+            r = await c.post(
+                "/v1/refunds", json=refund, headers={"Idempotency-Key": "refund-A-1001-first"}
+            )
+            assert r.status_code == 202, r.text
+            job_id = r.json()["job_id"]
+
+            async def delivered() -> bool:
+                return (await mail.deliveries())["effects"] == 1
+
+            await wait_for(delivered, what="the refund webhook")
+            job = (await c.get(f"/v1/refunds/{job_id}")).json()
+    assert builtin.status_code == 404, "the example app serves only its own workflow"
+    assert job["status"] == "done"
+    assert job["result"]["decision"] == "approve"
+    lines = [json.loads(line) for line in (tmp_path / "mailbox.jsonl").read_text().splitlines()]
+    [event] = lines
+    assert event["headers"]["webhook-id"] == f"refund.decided:{job_id}"
+    assert verify(SECRET, event["headers"], event["body"].encode())
+    assert json.loads(event["body"])["data"]["order_id"] == "A-1001"
+    assert await scalar(pool, "SELECT kind FROM jobs") == "refunds"
