@@ -62,7 +62,7 @@ async def test_routes_mount_into_an_existing_app_with_its_own_auth_and_lifespan(
 
 @pytest.mark.slow
 async def test_the_api_is_an_asgi_factory_for_plain_uvicorn(
-    redis_url, database_url, pool, tmp_path
+    redis_url, database_url, redis, pool, tmp_path
 ):
     from oncely.api.auth import create_api_key
 

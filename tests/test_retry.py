@@ -6,21 +6,26 @@ these run in milliseconds; only the hanging-call test uses the real clock.
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import email.utils
+import inspect
 import random
 import time
+from dataclasses import FrozenInstanceError
 from typing import Any
 
 import aiohttp
 import httpx
 import pytest
-from prometheus_client import REGISTRY
+from structlog.testing import capture_logs
 
+from oncely import retry
 from oncely.errors import DeadlineExceeded, PermanentError, TransientError
 from oncely.retry import (
     Deadline,
     RetryEvent,
+    RetryPolicy,
     call_with_retries,
     classify,
     retry_after_s,
@@ -62,16 +67,19 @@ class RecordedSleep:
         self.slept.append(seconds)
 
 
-def policy(**overrides: Any) -> dict[str, Any]:
-    options: dict[str, Any] = {
-        "deadline": Deadline.after(30),
+def policy(deadline: Deadline | None = None, **overrides: Any) -> dict[str, Any]:
+    """``call_with_retries`` keywords: a test policy, fields overridden by name."""
+    fields: dict[str, Any] = {
         "per_call_timeout_s": 1.0,
         "max_attempts": 4,
         "backoff_base_s": 0.1,
         "backoff_max_s": 1.0,
         "retry_after_max_s": 5.0,
     }
-    return options | overrides
+    return {
+        "policy": RetryPolicy(**(fields | overrides)),
+        "deadline": deadline or Deadline.after(30),
+    }
 
 
 def http_error(status: int, headers: dict[str, str]) -> httpx.HTTPStatusError:
@@ -97,13 +105,12 @@ def test_deadline_exceeded_is_not_a_timeout_and_is_never_retried() -> None:
     "error",
     [
         TransientError("later"),
+        TransientError("rate limited", status=429),
         TimeoutError(),
         ConnectionResetError(),
         OSError("network unreachable"),
-        aiohttp.ServerDisconnectedError(),
-        aiohttp.ClientConnectionError(),
-        httpx.ConnectError("refused"),
-        httpx.ReadTimeout("slow"),
+        aiohttp.ClientOSError(),  # an OSError
+        aiohttp.ServerTimeoutError(),  # a TimeoutError
         StatusError(408),
         StatusError(409),
         StatusError(429),
@@ -121,6 +128,8 @@ def test_retryable_errors_are_classified_retryable(error: BaseException) -> None
     "error",
     [
         PermanentError("never"),
+        PermanentError("bad request", status=400),
+        PermanentError("even with a retryable status", status=503),
         ValueError("bug"),
         KeyError("bug"),
         RuntimeError("unknown"),
@@ -142,10 +151,42 @@ def test_retry_reasons_are_bounded_labels() -> None:
     assert retry_reason(TimeoutError()) == "timeout"
     assert retry_reason(ConnectionResetError()) == "connection"
     assert retry_reason(TransientError("x")) == "transient"
+    assert retry_reason(TransientError("x", status=429)) == "429"
+    assert retry_reason(TransientError("x", status=502)) == "5xx"
+
+
+def test_retry_imports_no_sdk_and_no_metrics() -> None:
+    """SDK errors are translated by adapters; callers count their own calls."""
+    tree = ast.parse(inspect.getsource(retry))
+    imported = {
+        alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import)
+        for alias in node.names
+    }
+    imported |= {node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    roots = {name.split(".")[0] for name in imported}
+    assert not roots & {"openai", "httpx", "httpx2", "aiohttp"}
+    assert "oncely.metrics" not in imported
+
+
+def test_retry_policy_defaults_and_validation() -> None:
+    assert RetryPolicy() == RetryPolicy(
+        per_call_timeout_s=20.0,
+        max_attempts=4,
+        backoff_base_s=0.5,
+        backoff_max_s=10.0,
+        retry_after_max_s=30.0,
+    )
+    with pytest.raises(FrozenInstanceError):
+        RetryPolicy().max_attempts = 9  # type: ignore[misc]
+    with pytest.raises(ValueError, match="max_attempts"):
+        RetryPolicy(max_attempts=0)
 
 
 def test_retry_after_is_read_from_headers_and_transient_errors() -> None:
     assert retry_after_s(TransientError("x", retry_after_s=3.0)) == 3.0
+    assert retry_after_s(TransientError("x", status=503)) is None
     assert retry_after_s(http_error(429, {"Retry-After": "2"})) == 2.0
     both = {"retry-after-ms": "1500", "Retry-After": "9"}
     assert retry_after_s(http_error(429, both)) == 1.5
@@ -230,13 +271,13 @@ async def test_stops_before_the_deadline_when_the_next_sleep_leaves_no_useful_at
 async def test_expired_deadline_raises_without_calling() -> None:
     fn = Flaky()
     with pytest.raises(DeadlineExceeded):
-        await call_with_retries(fn, sleep=RecordedSleep(), **policy(deadline=Deadline.after(0)))
+        await call_with_retries(fn, sleep=RecordedSleep(), **policy(Deadline.after(0)))
     assert fn.calls == 0
 
 
 async def test_attempt_timeout_is_the_smaller_of_per_call_timeout_and_remaining_budget() -> None:
     short_budget = Flaky()
-    await call_with_retries(short_budget, **policy(deadline=Deadline.after(0.3)))
+    await call_with_retries(short_budget, **policy(Deadline.after(0.3)))
     long_budget = Flaky()
     await call_with_retries(long_budget, **policy(per_call_timeout_s=0.5))
     assert 0 < short_budget.timeouts[0] <= 0.3
@@ -280,17 +321,19 @@ async def test_cancellation_is_never_retried() -> None:
     assert calls == 1
 
 
-async def test_each_retry_is_counted_and_reported_with_its_reason() -> None:
-    def retries(reason: str) -> float:
-        return REGISTRY.get_sample_value("oncely_model_retries_total", {"reason": reason}) or 0.0
-
-    before = retries("429"), retries("5xx")
+async def test_each_retry_is_reported_and_logged_with_its_reason() -> None:
     events: list[RetryEvent] = []
 
     async def on_retry(event: RetryEvent) -> None:
         events.append(event)
 
-    fn = Flaky(StatusError(429), StatusError(503), StatusError(429))
-    await call_with_retries(fn, sleep=RecordedSleep(), on_retry=on_retry, **policy())
-    assert (retries("429") - before[0], retries("5xx") - before[1]) == (2.0, 1.0)
+    fn = Flaky(StatusError(429), StatusError(503), TransientError("x", status=429))
+    with capture_logs() as logs:
+        await call_with_retries(fn, sleep=RecordedSleep(), on_retry=on_retry, **policy())
     assert [(e.attempt, e.reason) for e in events] == [(1, "429"), (2, "5xx"), (3, "429")]
+    retrying = [entry for entry in logs if entry["event"] == "model.retrying"]
+    assert [(entry["attempt"], entry["reason"]) for entry in retrying] == [
+        (1, "429"),
+        (2, "5xx"),
+        (3, "429"),
+    ]

@@ -78,7 +78,7 @@ def processes(env: dict[str, str], tmp_path: Path, port: int, app: str | None = 
 
 
 async def test_summaries_and_triage_side_by_side_each_with_one_effect(
-    redis_url, database_url, pool, providers, tmp_path
+    redis_url, database_url, redis, pool, providers, tmp_path
 ):
     model, mail = providers
     key = await create_api_key(pool, "acme")
@@ -140,11 +140,11 @@ async def test_summaries_and_triage_side_by_side_each_with_one_effect(
     assert body["type"] == "ticket.triaged"
     assert body["data"]["job_id"] == triage_id
     assert body["data"]["category"] == "billing"
-    assert model.stats().total == 2
+    assert model.stats().total == 2, model.stats()
 
 
 async def test_dead_triage_job_is_replayed_by_the_cli_and_status_reports_per_workflow(
-    redis_url, database_url, pool, providers, tmp_path
+    redis_url, database_url, redis, pool, providers, tmp_path
 ):
     model, mail = providers
     key = await create_api_key(pool, "acme")
@@ -195,7 +195,7 @@ async def test_dead_triage_job_is_replayed_by_the_cli_and_status_reports_per_wor
 
 
 async def test_the_example_workflow_runs_through_processes_started_with_app(
-    redis_url, database_url, pool, providers, tmp_path
+    redis_url, database_url, redis, pool, providers, tmp_path
 ):
     model, mail = providers
     key = await create_api_key(pool, "shop")

@@ -1,7 +1,12 @@
 """Classified in-process retries under a deadline (DESIGN §4).
 
-The only module that imports tenacity. One layer owns the retry policy: the
-SDK's own retries are off, and the worker redelivers what this gives up on.
+The only module that imports tenacity, and a generic one: it knows no SDK
+and no workflow. Adapters translate their client's errors into oncely's
+(``TransientError`` with ``status`` and ``retry_after_s``, ``PermanentError``)
+where they enter; callers that count calls or retries do it in their own
+attempt function and ``on_retry`` (``oncely.llm.model.Model`` does). One
+layer owns the retry policy: the SDK's own retries are off, and the worker
+redelivers what this gives up on.
 
 - ``classify`` says whether an error can succeed later. Unknown errors are
   permanent: retrying a bug only burns money and time.
@@ -21,42 +26,45 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Generic, NoReturn, TypeVar
 
-import aiohttp
-import httpx
-import openai
 import structlog
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, wait_random_exponential
 
 from oncely.errors import DeadlineExceeded, PermanentError, TransientError
-from oncely.metrics import MODEL_CALLS, MODEL_RETRIES
 
 T = TypeVar("T")
 
 log = structlog.get_logger(__name__)
 
-# Bound once: a labels() lookup per model call shows up in profiles.
-_CALLS_OK = MODEL_CALLS.labels(outcome="ok")
-_CALLS_TRANSIENT = MODEL_CALLS.labels(outcome="transient")
-_CALLS_PERMANENT = MODEL_CALLS.labels(outcome="permanent")
-
 _RETRYABLE_STATUSES = frozenset({408, 409, 429})
-_TIMEOUTS: tuple[type[BaseException], ...] = (
-    TimeoutError,  # asyncio.timeout around each attempt; aiohttp.ServerTimeoutError too
-    openai.APITimeoutError,
-    httpx.TimeoutException,
-)
-# ClientPayloadError is a connection that died mid-body: as retryable as one that
-# never opened. The openai SDK wraps its transport errors in APIConnectionError.
-_CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
-    OSError,
-    aiohttp.ClientConnectionError,
-    aiohttp.ClientPayloadError,
-    httpx.TransportError,
-    openai.APIConnectionError,
-)
 # An attempt with less than this share of the per-call timeout left is unlikely
 # to finish a call that the operator sized the timeout for; don't pay for it.
 _USEFUL_ATTEMPT_SHARE = 0.25
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How hard one call is tried, always within the delivery's ``Deadline``.
+
+    - ``per_call_timeout_s``: wall-clock limit of one attempt (shorter when
+      the deadline leaves less); a server dripping bytes is cut off too.
+    - ``max_attempts``: attempts in all, the first included (1: no retry).
+    - ``backoff_base_s`` / ``backoff_max_s``: full-jitter exponential backoff,
+      retry n sleeps uniformly in [0, min(max, base × 2**(n-1))].
+    - ``retry_after_max_s``: a provider's ``Retry-After`` replaces the backoff;
+      this only bounds a bogus one.
+    """
+
+    per_call_timeout_s: float = 20.0
+    max_attempts: int = 4
+    backoff_base_s: float = 0.5
+    backoff_max_s: float = 10.0
+    retry_after_max_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.max_attempts < 1:
+            raise ValueError("max_attempts must be at least 1")
+        if self.per_call_timeout_s <= 0:
+            raise ValueError("per_call_timeout_s must be positive")
 
 
 @dataclass(frozen=True)
@@ -88,7 +96,8 @@ class RetryEvent:
 
 
 def status_of(exc: BaseException) -> int | None:
-    """The HTTP status an error carries, on itself or on its ``.response``."""
+    """The HTTP status an error carries, on itself or on its ``.response``:
+    oncely's errors (``.status``) and most clients' (``.status_code``) fit."""
     for holder in (exc, getattr(exc, "response", None)):
         for attr in ("status_code", "status"):
             value = getattr(holder, attr, None)
@@ -97,49 +106,60 @@ def status_of(exc: BaseException) -> int | None:
     return None
 
 
+def retryable_status(status: int) -> bool:
+    """408, 409, 429 and every 5xx can succeed later; other statuses never will."""
+    return status in _RETRYABLE_STATUSES or status >= 500
+
+
 def classify(exc: BaseException) -> bool:
     """True if ``exc`` may succeed on a later attempt."""
     if isinstance(exc, DeadlineExceeded | PermanentError):
         return False
-    if isinstance(exc, (TransientError, *_TIMEOUTS, *_CONNECTION_ERRORS)):
+    # TimeoutError: asyncio.timeout around each attempt. OSError covers
+    # ConnectionError and the socket errors an unwrapped client lets through.
+    if isinstance(exc, TransientError | TimeoutError | OSError):
         return True
     status = status_of(exc)
-    return status is not None and (status in _RETRYABLE_STATUSES or status >= 500)
+    return status is not None and retryable_status(status)
 
 
 def retry_reason(exc: BaseException) -> str:
     """A short, bounded label for metrics and logs: "429", "5xx", "timeout", ..."""
-    if isinstance(exc, TransientError):
-        return "transient"
-    if isinstance(exc, _TIMEOUTS):
+    if isinstance(exc, TimeoutError):
         return "timeout"
     status = status_of(exc)
-    if status is None:
-        return "connection" if isinstance(exc, _CONNECTION_ERRORS) else "other"
-    return "5xx" if status >= 500 else str(status)
+    if status is not None:
+        return "5xx" if status >= 500 else str(status)
+    if isinstance(exc, TransientError):
+        return "transient"
+    return "connection" if isinstance(exc, OSError) else "other"
 
 
 def retry_after_s(exc: BaseException) -> float | None:
-    """The provider's requested wait, from ``retry-after-ms`` or ``Retry-After``."""
+    """The wait the provider asked for: a ``TransientError``'s own, else read
+    from the ``retry-after-ms`` / ``Retry-After`` headers the error carries."""
     if isinstance(exc, TransientError):
         return exc.retry_after_s
     headers = _headers_of(exc)
-    if not headers:
-        return None
-    millis = _finite(headers.get("retry-after-ms"))
+    return retry_after_from_headers(headers) if headers else None
+
+
+def retry_after_from_headers(headers: Mapping[str, str]) -> float | None:
+    """``retry-after-ms`` (OpenAI's) wins over ``Retry-After`` (seconds or an
+    HTTP-date, RFC 9110 §10.2.3); header names in any case."""
+    lowered = {str(key).lower(): str(value) for key, value in headers.items()}
+    millis = _finite(lowered.get("retry-after-ms"))
     if millis is not None:
         return max(0.0, millis / 1000)
-    value = headers.get("retry-after")
+    value = lowered.get("retry-after")
     return None if value is None else _parse_retry_after(value)
 
 
-def _headers_of(exc: BaseException) -> dict[str, str]:
-    """Response headers, lower-cased: httpx, aiohttp and plain dicts all fit."""
+def _headers_of(exc: BaseException) -> Mapping[str, str]:
+    """Response headers on the error or its ``.response`` (httpx, aiohttp, dicts)."""
     response = getattr(exc, "response", None)
     headers = getattr(response, "headers", None) or getattr(exc, "headers", None)
-    if not isinstance(headers, Mapping):
-        return {}
-    return {str(key).lower(): str(value) for key, value in headers.items()}
+    return headers if isinstance(headers, Mapping) else {}
 
 
 def _finite(value: str | None) -> float | None:
@@ -167,12 +187,8 @@ def _parse_retry_after(value: str) -> float | None:
 async def call_with_retries(
     fn: Callable[[float], Awaitable[T]],
     *,
+    policy: RetryPolicy,
     deadline: Deadline,
-    per_call_timeout_s: float,
-    max_attempts: int,
-    backoff_base_s: float,
-    backoff_max_s: float,
-    retry_after_max_s: float,
     on_retry: Callable[[RetryEvent], Awaitable[None]] | None = None,
     min_attempt_s: float | None = None,
     sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
@@ -180,23 +196,20 @@ async def call_with_retries(
     """Call ``fn(attempt_timeout)`` until it succeeds, fails permanently or time is up.
 
     Raises the permanent error at once, the last transient error after
-    ``max_attempts``, and ``DeadlineExceeded`` (chained from the last error)
-    when the next sleep would leave less than ``min_attempt_s`` (default: a
-    quarter of the per-call timeout) before the deadline. ``sleep`` is
-    injectable so tests can observe backoff without waiting for it.
+    ``policy.max_attempts``, and ``DeadlineExceeded`` (chained from the last
+    error) when the next sleep would leave less than ``min_attempt_s``
+    (default: a quarter of the per-call timeout) before the deadline.
+    ``on_retry`` hears every retry before its sleep. ``sleep`` is injectable
+    so tests can observe backoff without waiting for it.
     """
-    if max_attempts < 1:
-        raise ValueError("max_attempts must be at least 1")
     loop = _RetryLoop(
         fn=fn,
         deadline=deadline,
-        per_call_timeout_s=per_call_timeout_s,
-        max_attempts=max_attempts,
-        retry_after_max_s=retry_after_max_s,
-        useful_s=per_call_timeout_s * _USEFUL_ATTEMPT_SHARE
+        policy=policy,
+        useful_s=policy.per_call_timeout_s * _USEFUL_ATTEMPT_SHARE
         if min_attempt_s is None
         else min_attempt_s,
-        jitter=wait_random_exponential(multiplier=backoff_base_s, max=backoff_max_s),
+        jitter=wait_random_exponential(multiplier=policy.backoff_base_s, max=policy.backoff_max_s),
         on_retry=on_retry,
     )
     # The common case (success on the first call) pays for no retry machinery.
@@ -242,23 +255,21 @@ class _RetryLoop(Generic[T]):
 
     fn: Callable[[float], Awaitable[T]]
     deadline: Deadline
-    per_call_timeout_s: float
-    max_attempts: int
-    retry_after_max_s: float
+    policy: RetryPolicy
     useful_s: float
     jitter: wait_random_exponential
     on_retry: Callable[[RetryEvent], Awaitable[None]] | None
 
     async def attempt(self) -> T:
-        timeout_s = min(self.per_call_timeout_s, self.deadline.remaining())
+        timeout_s = min(self.policy.per_call_timeout_s, self.deadline.remaining())
         return await _timed_attempt(self.fn, timeout_s)
 
     def wait(self, state: RetryCallState) -> float:
         hinted = retry_after_s(_last_error(state))
-        return self.jitter(state) if hinted is None else min(hinted, self.retry_after_max_s)
+        return self.jitter(state) if hinted is None else min(hinted, self.policy.retry_after_max_s)
 
     def stop(self, state: RetryCallState) -> bool:
-        if state.attempt_number >= self.max_attempts:
+        if state.attempt_number >= self.policy.max_attempts:
             return True
         # Sleeping into a deadline that then cuts the attempt short costs a paid
         # call for nothing; hand the job back for redelivery with a fresh budget.
@@ -266,7 +277,7 @@ class _RetryLoop(Generic[T]):
 
     def give_up(self, state: RetryCallState) -> NoReturn:
         error = _last_error(state)
-        if state.attempt_number < self.max_attempts:
+        if state.attempt_number < self.policy.max_attempts:
             raise DeadlineExceeded(
                 f"deadline leaves no room for attempt {state.attempt_number + 1}"
             ) from error
@@ -275,7 +286,6 @@ class _RetryLoop(Generic[T]):
     async def before_sleep(self, state: RetryCallState) -> None:
         error = _last_error(state)
         event = RetryEvent(state.attempt_number, retry_reason(error), state.upcoming_sleep, error)
-        MODEL_RETRIES.labels(reason=event.reason).inc()
         log.info(
             "model.retrying",
             attempt=event.attempt,
@@ -290,14 +300,8 @@ async def _timed_attempt(fn: Callable[[float], Awaitable[T]], timeout_s: float) 
     """One call under a wall-clock timeout: a server dripping bytes is cut off too."""
     if timeout_s <= 0:
         raise DeadlineExceeded("deadline expired before the call")
-    try:
-        async with asyncio.timeout(timeout_s):
-            result = await fn(timeout_s)
-    except Exception as exc:
-        (_CALLS_TRANSIENT if classify(exc) else _CALLS_PERMANENT).inc()
-        raise
-    _CALLS_OK.inc()
-    return result
+    async with asyncio.timeout(timeout_s):
+        return await fn(timeout_s)
 
 
 def _last_error(state: RetryCallState) -> BaseException:

@@ -1,8 +1,19 @@
-"""The model-provider seam: the ``LLM`` protocol and its OpenAI-compatible adapter."""
+"""The model-provider seam: the ``LLM`` protocol, its OpenAI-compatible adapter,
+and ``Model``, what a workflow step calls the model through."""
 
 from __future__ import annotations
 
-from oncely.llm.base import LLM, build_summary_prompt
+from oncely.llm.base import LLM, Completion, Message, ResponseSchema
+from oncely.llm.model import InvalidOutput, Model, Usage
 from oncely.llm.openai_compat import OpenAICompatible
 
-__all__ = ["LLM", "OpenAICompatible", "build_summary_prompt"]
+__all__ = [
+    "LLM",
+    "Completion",
+    "InvalidOutput",
+    "Message",
+    "Model",
+    "OpenAICompatible",
+    "ResponseSchema",
+    "Usage",
+]

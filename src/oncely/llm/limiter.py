@@ -8,21 +8,28 @@ Two mechanisms, checked in one Lua call before every model call:
 - **Pacing.** With ``ONCELY_LLM_RPM`` / ``ONCELY_LLM_TPM`` set, a GCRA
   (generic cell rate algorithm) per limit spaces calls evenly across all
   workers, with a small burst allowance. A call that would break either limit
-  is not made; the caller is told how long to wait.
+  is not made; the caller is told how long to wait. A call reserves its
+  estimated tokens; once the provider reports what it used, the TPM state is
+  moved by the difference, so the pacing follows real usage, not the guess.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import structlog
 from redis.asyncio import Redis
+from redis.exceptions import RedisError
 
 from oncely import names
 from oncely.errors import TransientError
-from oncely.llm.base import LLM
+from oncely.llm.base import LLM, Completion, Message, ResponseSchema
 from oncely.retry import retry_after_s, status_of
+
+log = structlog.get_logger(__name__)
 
 # KEYS: pause, rpm, tpm. ARGV: rpm interval ms, rpm burst ms, tpm interval ms
 # per token, tpm burst ms, tokens. An interval of 0 means no limit.
@@ -50,6 +57,24 @@ if tat_t > 0 then redis.call('SET', KEYS[3], tat_t, 'PX', math.ceil(tat_t - now)
 return 0
 """
 
+# KEYS: tpm. ARGV: tpm interval ms per token, tokens used minus tokens reserved.
+# Moves the theoretical arrival time by the difference, never below now: a
+# call that used less than it reserved gives the rest back, one that used more
+# pays for it. Returns the new backlog in ms (0: no state left).
+_SETTLE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local tat = tonumber(redis.call('GET', KEYS[1]) or '0')
+if tat < now then tat = now end
+local new_tat = tat + tonumber(ARGV[1]) * tonumber(ARGV[2])
+if new_tat <= now then
+  redis.call('DEL', KEYS[1])
+  return 0
+end
+redis.call('SET', KEYS[1], new_tat, 'PX', math.ceil(new_tat - now) + 1)
+return math.ceil(new_tat - now)
+"""
+
 # How stale this process's view of a fleet pause may be (no RPM/TPM limits).
 _PAUSE_REFRESH_S = 0.1
 # A tenth of a minute's allowance may go at once; the rest is paced.
@@ -64,9 +89,9 @@ class Limits:
     pause_max_s: float = 30.0
 
 
-def estimate_tokens(prompt: str, max_output: int = 256) -> int:
-    """About four characters a token, plus the answer's allowance."""
-    return len(prompt) // 4 + max_output
+def estimate_tokens(messages: Sequence[Message], max_output: int = 256) -> int:
+    """About four characters a token over all messages, plus the answer's allowance."""
+    return sum(len(message.content) for message in messages) // 4 + max_output
 
 
 class FleetLimiter:
@@ -74,6 +99,7 @@ class FleetLimiter:
         self.redis = redis
         self.limits = limits
         self._acquire = redis.register_script(_ACQUIRE)
+        self._settle = redis.register_script(_SETTLE)
         self.waits = 0
         self.pauses = 0
         # Without RPM/TPM limits only the pause matters; this process reads it
@@ -90,7 +116,7 @@ class FleetLimiter:
                 self.waits += 1
             return wait
         rpm_ms = _MINUTE_MS / self.limits.rpm if self.limits.rpm else 0.0
-        tpm_ms = _MINUTE_MS / self.limits.tpm if self.limits.tpm else 0.0
+        tpm_ms = self._tpm_ms()
         args = [
             rpm_ms,
             _MINUTE_MS * _BURST_SHARE if rpm_ms else 0,
@@ -103,6 +129,21 @@ class FleetLimiter:
         if wait_ms > 0:
             self.waits += 1
         return wait_ms / 1000
+
+    async def settle(self, reserved: int, used: int) -> None:
+        """Correct a call's TPM reservation to the tokens the provider reported.
+        Nothing to do without a TPM limit, or when the provider reported none."""
+        if not self.limits.tpm or used <= 0 or used == reserved:
+            return
+        try:
+            await self._settle(keys=[names.LLM_TPM], args=[self._tpm_ms(), used - reserved])
+        except RedisError as exc:
+            # The answer is paid for and in hand; losing it over a pacing
+            # correction would pay for it again.
+            log.warning("limiter.settle_failed", error=type(exc).__name__)
+
+    def _tpm_ms(self) -> float:
+        return _MINUTE_MS / self.limits.tpm if self.limits.tpm else 0.0
 
     async def _pause_left(self) -> float:
         now = time.monotonic()
@@ -144,16 +185,27 @@ class LimitedLLM:
         self.llm = llm
         self.limiter = limiter
 
-    async def complete(self, prompt: str, timeout: float) -> str:  # noqa: ASYNC109 (LLM protocol)
+    async def complete(
+        self,
+        messages: Sequence[Message],
+        timeout: float,  # noqa: ASYNC109 (LLM protocol)
+        *,
+        schema: ResponseSchema | None = None,
+    ) -> Completion:
         started = time.monotonic()
-        tokens = estimate_tokens(prompt)
-        while (wait := await self.limiter.acquire(tokens)) > 0:
+        reserved = estimate_tokens(messages)
+        while (wait := await self.limiter.acquire(reserved)) > 0:
             if time.monotonic() - started + wait >= timeout:
                 raise TransientError("fleet rate limit", retry_after_s=wait)
             await asyncio.sleep(wait)
+        left = timeout - (time.monotonic() - started)
         try:
-            return await self.llm.complete(prompt, timeout - (time.monotonic() - started))
+            completion = await self.llm.complete(messages, left, schema=schema)
         except Exception as exc:
+            # Adapters translate a provider's 429 into TransientError(status=429).
             if status_of(exc) == 429:
                 await self.limiter.pause(retry_after_s(exc) or 1.0)
             raise
+        used = completion.prompt_tokens + completion.completion_tokens
+        await self.limiter.settle(reserved, used)
+        return completion

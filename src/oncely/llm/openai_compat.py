@@ -5,25 +5,60 @@ The SDK runs on its aiohttp transport: it costs less than half the client CPU
 per call of the default one (DESIGN §6). Its own retries are off
 (``max_retries=0``): ``oncely.retry`` owns the policy, and two retry layers
 would multiply each other's attempts.
+
+This is the edge where the SDK's errors enter, so they are translated here and
+nowhere else (``oncely.retry`` imports no SDK):
+
+- ``APIStatusError``: 408, 409, 429 and 5xx become ``TransientError`` with the
+  ``status`` and the wait from ``retry-after-ms`` / ``Retry-After``; any other
+  status a ``PermanentError`` with the ``status``.
+- ``APITimeoutError`` (the SDK's read timeout) becomes a plain ``TimeoutError``:
+  to the retry policy and its metrics it is the same event as the wall-clock
+  timeout around every attempt, one "timeout" reason for both.
+- ``APIConnectionError`` and transport errors that escape the SDK unwrapped
+  (httpx, aiohttp) become ``TransientError``.
+- Any other SDK error, and a 200 without an answer, is a ``PermanentError``.
+
+Messages are short and never carry the prompt; the SDK error stays the cause.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from types import TracebackType
 
+import aiohttp
+import httpx
 import openai
-from openai.types.chat import ChatCompletion
+from openai.types.chat import ChatCompletion, ChatCompletionMessageParam
+from openai.types.chat.chat_completion import Choice
+from openai.types.shared_params import ResponseFormatJSONSchema
 
-from oncely.errors import PermanentError
-from oncely.settings import Settings
+from oncely.errors import OncelyError, PermanentError, TransientError
+from oncely.llm.base import Completion, Message, ResponseSchema
+from oncely.retry import retry_after_from_headers, retryable_status
+
+_TRANSPORT_ERRORS: tuple[type[Exception], ...] = (httpx.TransportError, aiohttp.ClientError)
+try:  # the HTTP client of recent SDKs; older ones use httpx
+    import httpx2
+except ImportError:  # pragma: no cover
+    pass
+else:
+    _TRANSPORT_ERRORS = (*_TRANSPORT_ERRORS, httpx2.TransportError)
+
+_SDK_ERRORS: tuple[type[Exception], ...] = (openai.OpenAIError, *_TRANSPORT_ERRORS)
+
+# Enough of a provider's error code to tell errors apart, never a whole message.
+_CODE_CHARS = 60
 
 
 class OpenAICompatible:
-    """The ``LLM`` protocol over chat completions: one user message in, its answer out."""
+    """The ``LLM`` protocol over chat completions, optionally with structured
+    output (``response_format: json_schema``)."""
 
     def __init__(self, client: openai.AsyncOpenAI, model: str) -> None:
         self._client = client
-        self._model = model
+        self.model = model
 
     @classmethod
     def connect(cls, base_url: str, api_key: str, model: str) -> OpenAICompatible:
@@ -36,22 +71,26 @@ class OpenAICompatible:
         )
         return cls(client, model)
 
-    @classmethod
-    def from_settings(cls, settings: Settings) -> OpenAICompatible:
-        return cls.connect(
-            settings.llm_base_url, settings.llm_api_key.get_secret_value(), settings.llm_model
-        )
-
-    async def complete(self, prompt: str, timeout: float) -> str:  # noqa: ASYNC109 (LLM protocol)
+    async def complete(
+        self,
+        messages: Sequence[Message],
+        timeout: float,  # noqa: ASYNC109 (LLM protocol)
+        *,
+        schema: ResponseSchema | None = None,
+    ) -> Completion:
         # The SDK's timeout bounds each socket read, not the call: a server that
         # drips a byte a second would never trip it. The wall-clock limit is the
         # caller's (``call_with_retries`` runs every attempt under one).
-        completion = await self._client.chat.completions.create(
-            model=self._model,
-            messages=[{"role": "user", "content": prompt}],
-            timeout=timeout,
-        )
-        return _answer(completion)
+        try:
+            response = await self._client.chat.completions.create(
+                model=self.model,
+                messages=[_param(message) for message in messages],
+                response_format=openai.omit if schema is None else _response_format(schema),
+                timeout=timeout,
+            )
+        except _SDK_ERRORS as exc:
+            raise translate_error(exc) from exc
+        return _completion(response)
 
     async def aclose(self) -> None:
         await self._client.close()
@@ -68,9 +107,58 @@ class OpenAICompatible:
         await self.aclose()
 
 
-def _answer(completion: ChatCompletion) -> str:
-    """The message text. A 200 without one will not change on a retry."""
-    if not completion.choices or not completion.choices[0].message.content:
-        reason = completion.choices[0].finish_reason if completion.choices else "no choices"
-        raise PermanentError(f"model returned no content ({reason})")
-    return completion.choices[0].message.content
+def translate_error(exc: Exception) -> OncelyError | TimeoutError:
+    """The oncely error an SDK or transport error stands for (see the module doc)."""
+    if isinstance(exc, openai.APIStatusError):
+        return _status_error(exc)
+    if isinstance(exc, openai.APITimeoutError):  # before its base, APIConnectionError
+        return TimeoutError("model call timed out")
+    if isinstance(exc, (openai.APIConnectionError, *_TRANSPORT_ERRORS)):
+        cause = exc.__cause__ if isinstance(exc, openai.APIConnectionError) else exc
+        return TransientError(f"model unreachable ({type(cause or exc).__name__})")
+    return PermanentError(f"model call failed ({type(exc).__name__})")
+
+
+def _status_error(exc: openai.APIStatusError) -> OncelyError:
+    status = exc.status_code
+    code = exc.code if isinstance(exc.code, str) else None
+    message = f"model answered {status}" + (f" ({code[:_CODE_CHARS]})" if code else "")
+    if retryable_status(status):
+        wait = retry_after_from_headers(exc.response.headers)
+        return TransientError(message, status=status, retry_after_s=wait)
+    return PermanentError(message, status=status)
+
+
+def _param(message: Message) -> ChatCompletionMessageParam:
+    # One literal per role: the SDK types each role's message separately.
+    if message.role == "system":
+        return {"role": "system", "content": message.content}
+    if message.role == "assistant":
+        return {"role": "assistant", "content": message.content}
+    return {"role": "user", "content": message.content}
+
+
+def _response_format(schema: ResponseSchema) -> ResponseFormatJSONSchema:
+    return {
+        "type": "json_schema",
+        "json_schema": {"name": schema.name, "schema": dict(schema.schema)},
+    }
+
+
+def _why_empty(choice: Choice | None) -> str:
+    if choice is None:
+        return "no choices"
+    return "refused" if choice.message.refusal else choice.finish_reason
+
+
+def _completion(response: ChatCompletion) -> Completion:
+    """The answer and its usage. A 200 without an answer will not change on a retry."""
+    choice = response.choices[0] if response.choices else None
+    if choice is None or not choice.message.content:
+        raise PermanentError(f"model returned no content ({_why_empty(choice)})")
+    usage = response.usage
+    return Completion(
+        choice.message.content,
+        prompt_tokens=usage.prompt_tokens if usage else 0,
+        completion_tokens=usage.completion_tokens if usage else 0,
+    )

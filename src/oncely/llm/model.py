@@ -1,0 +1,207 @@
+"""What a workflow step gets as ``ctx.model``: the model under the delivery's
+deadline and retry policy, counted per workflow.
+
+Every attempt counts: in ``Model.usage`` (what this delivery spent) and in the
+model metrics labelled by workflow and model. ``structured`` asks for JSON
+valid for a pydantic model and asks again when the answer does not validate;
+those re-asks are separate from transient retries (each gets its own retry
+loop), and all of them run under the one deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+import structlog
+from prometheus_client import Counter
+from pydantic import BaseModel, ValidationError
+
+from oncely.errors import PermanentError
+from oncely.llm.base import LLM, Completion, Message, ResponseSchema
+from oncely.metrics import MODEL_CALLS, MODEL_INVALID_OUTPUTS, MODEL_RETRIES, MODEL_TOKENS
+from oncely.retry import Deadline, RetryEvent, RetryPolicy, call_with_retries, classify
+
+M = TypeVar("M", bound=BaseModel)
+
+log = structlog.get_logger(__name__)
+
+# Enough of a validation error to act on; the answer itself is never quoted.
+_ERRORS_SHOWN = 3
+_ERROR_CHARS = 300
+
+
+@dataclass
+class Usage:
+    """What one delivery spent on the model: attempts made and tokens reported."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    model_calls: int = 0
+
+    def to_json(self) -> dict[str, int]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "model_calls": self.model_calls,
+        }
+
+
+class InvalidOutput(PermanentError):
+    """Every answer failed validation against the step's result model.
+    ``errors`` is a short form of the last validation error."""
+
+    def __init__(self, result: str, errors: str, *, asks: int) -> None:
+        super().__init__(f"{result}: no valid answer in {asks} asks: {errors}")
+        self.errors = errors
+
+
+class Model:
+    """The model for one delivery. Not shared between deliveries: ``usage``
+    and the deadline are the delivery's own."""
+
+    def __init__(
+        self,
+        llm: LLM,
+        *,
+        policy: RetryPolicy,
+        deadline: Deadline,
+        workflow: str,
+        model_name: str,
+        invalid_output_retries: int = 2,
+    ) -> None:
+        if invalid_output_retries < 0:
+            raise ValueError("invalid_output_retries must not be negative")
+        self.usage = Usage()
+        self._llm = llm
+        self._policy = policy
+        self._deadline = deadline
+        self._invalid_output_retries = invalid_output_retries
+        self._meters = _meters(workflow, model_name)
+
+    async def complete(self, user: str, *, system: str | None = None) -> str:
+        """The model's answer to ``user`` (after ``system``, when given)."""
+        completion = await self._ask(_messages(user, system), None)
+        return completion.text
+
+    async def structured(self, result: type[M], user: str, *, system: str | None = None) -> M:
+        """The answer as ``result``: asked for as JSON of its schema, validated,
+        and asked again up to ``invalid_output_retries`` times when invalid.
+        Raises ``InvalidOutput`` (permanent) when no answer validates."""
+        schema = response_schema(result)
+        messages = _messages(user, system)
+        asks = self._invalid_output_retries + 1
+        for ask in range(1, asks + 1):
+            completion = await self._ask(messages, schema)
+            try:
+                return result.model_validate_json(completion.text)
+            except ValidationError as exc:
+                errors = short_errors(exc)
+            self._meters.invalid_outputs.inc()
+            log.info(
+                "model.invalid_output",
+                workflow=self._meters.workflow,
+                result=result.__name__,
+                ask=ask,
+                errors=errors,
+            )
+        raise InvalidOutput(result.__name__, errors, asks=asks)
+
+    async def _ask(self, messages: Sequence[Message], schema: ResponseSchema | None) -> Completion:
+        """One answer, with transient retries under the delivery's deadline."""
+
+        async def attempt(timeout_s: float) -> Completion:
+            self.usage.model_calls += 1
+            try:
+                completion = await self._llm.complete(messages, timeout_s, schema=schema)
+            except (Exception, asyncio.CancelledError) as exc:
+                self._meters.failed(exc).inc()
+                raise
+            self._meters.calls_ok.inc()
+            self._add_usage(completion)
+            return completion
+
+        return await call_with_retries(
+            attempt, policy=self._policy, deadline=self._deadline, on_retry=self._on_retry
+        )
+
+    def _add_usage(self, completion: Completion) -> None:
+        self.usage.prompt_tokens += completion.prompt_tokens
+        self.usage.completion_tokens += completion.completion_tokens
+        if completion.prompt_tokens:
+            self._meters.prompt_tokens.inc(completion.prompt_tokens)
+        if completion.completion_tokens:
+            self._meters.completion_tokens.inc(completion.completion_tokens)
+
+    async def _on_retry(self, event: RetryEvent) -> None:
+        # Off the hot path (a failure and a backoff came first): labels() is fine.
+        MODEL_RETRIES.labels(workflow=self._meters.workflow, reason=event.reason).inc()
+
+
+def _messages(user: str, system: str | None) -> list[Message]:
+    if system is None:
+        return [Message("user", user)]
+    return [Message("system", system), Message("user", user)]
+
+
+@functools.cache
+def response_schema(result: type[BaseModel]) -> ResponseSchema:
+    """The structured-output request for ``result``, worked out once per class."""
+    return ResponseSchema(name=result.__name__, schema=result.model_json_schema())
+
+
+def short_errors(exc: ValidationError) -> str:
+    """Where and why an answer failed validation, without quoting the answer."""
+    details = exc.errors(include_url=False, include_context=False, include_input=False)
+    parts = [
+        f"{'.'.join(str(part) for part in error['loc']) or '<answer>'}: {error['msg']}"
+        for error in details[:_ERRORS_SHOWN]
+    ]
+    if len(details) > _ERRORS_SHOWN:
+        parts.append(f"and {len(details) - _ERRORS_SHOWN} more")
+    text = "; ".join(parts)
+    return text if len(text) <= _ERROR_CHARS else text[: _ERROR_CHARS - 1] + "…"
+
+
+@dataclass(frozen=True)
+class _Meters:
+    """One (workflow, model)'s metric children, bound once: a labels() lookup
+    per model call shows up in profiles."""
+
+    workflow: str
+    calls_ok: Counter
+    calls_transient: Counter
+    calls_permanent: Counter
+    prompt_tokens: Counter
+    completion_tokens: Counter
+    invalid_outputs: Counter
+
+    def failed(self, exc: BaseException) -> Counter:
+        """The outcome child for a failed attempt. One cut off by its wall-clock
+        timeout arrives here as a cancellation: made, maybe paid for, and tried
+        again (in process or by redelivery), so transient like any timeout."""
+        if isinstance(exc, asyncio.CancelledError) or classify(exc):
+            return self.calls_transient
+        return self.calls_permanent
+
+
+@functools.cache
+def _meters(workflow: str, model: str) -> _Meters:
+    def calls(outcome: str) -> Counter:
+        return MODEL_CALLS.labels(workflow=workflow, model=model, outcome=outcome)
+
+    def tokens(kind: str) -> Counter:
+        return MODEL_TOKENS.labels(workflow=workflow, model=model, kind=kind)
+
+    return _Meters(
+        workflow=workflow,
+        calls_ok=calls("ok"),
+        calls_transient=calls("transient"),
+        calls_permanent=calls("permanent"),
+        prompt_tokens=tokens("prompt"),
+        completion_tokens=tokens("completion"),
+        invalid_outputs=MODEL_INVALID_OUTPUTS.labels(workflow=workflow, model=model),
+    )
