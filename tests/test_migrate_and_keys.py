@@ -106,3 +106,16 @@ async def test_operator_commands_show_and_retry_a_failed_outbox_row(redis_url, d
     assert json.loads(status.stdout)["outbox"]["failed"] == 0
     unknown = await asyncio.to_thread(oncely, "outbox", "retry", "999999", env=env)
     assert unknown.returncode == 1
+
+
+def test_a_wrong_app_or_workflow_is_one_readable_line_and_exit_code_2(redis_url, database_url):
+    env = {"ONCELY_REDIS_URL": redis_url, "ONCELY_DATABASE_URL": database_url}
+    missing = oncely("--app", "no_such_module:app", "status", env=env)
+    assert missing.returncode == 2
+    assert "cannot import 'no_such_module'" in missing.stderr
+    assert "Traceback" not in missing.stderr
+    not_an_app = oncely("status", env={**env, "ONCELY_APP": "oncely.builtin:summaries"})
+    assert not_an_app.returncode == 2 and "not an oncely App" in not_an_app.stderr
+    unknown = oncely("worker", "--workflow", "refunds", env=env)
+    assert unknown.returncode == 2
+    assert "no workflow ['refunds']" in unknown.stderr

@@ -48,7 +48,7 @@ def _main(
             "--app",
             envvar="ONCELY_APP",
             show_envvar=True,
-            help="The app to serve, as module:attribute [default: oncely.builtin:app].",
+            help="The app to serve, as module:attribute (default oncely.builtin:app).",
         ),
     ] = None,
 ) -> None:
@@ -59,9 +59,7 @@ def _main(
 
 WorkflowsOpt = Annotated[
     list[str] | None,
-    typer.Option(
-        "--workflow", "-w", help="Only this workflow (repeat for several) [default: all]."
-    ),
+    typer.Option("--workflow", "-w", help="Only this workflow (repeat for several; default all)."),
 ]
 
 HostOpt = Annotated[str, typer.Option(envvar="ONCELY_HOST", show_envvar=True, help="Bind address.")]
@@ -205,7 +203,7 @@ def fake_mail(
         ),
     ] = None,
 ) -> None:
-    """Serve the fake mail provider (dedupes on Idempotency-Key)."""
+    """Serve the fake mail and webhook provider (dedupes on Idempotency-Key / webhook-id)."""
     from oncely.fakes.mail import serve_fake_mail
 
     _settings()
@@ -268,7 +266,7 @@ def dev(
 def status(
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
 ) -> None:
-    """Stream length, pending, consumers, dead letters, outbox and jobs by status."""
+    """Per workflow: stream, pending, consumers, dead letters, jobs; and the outbox."""
     from oncely.ops import show_status
 
     _run(show_status(_settings(), as_json=as_json))
