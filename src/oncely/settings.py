@@ -90,6 +90,8 @@ class Settings(BaseSettings):
     # Idempotent intake.
     idempotency_lock_ttl_s: float = Field(30.0, gt=0)
     idempotency_result_ttl_s: int = Field(86400, gt=0)
+    # A running request renews its key at most this long, then ends 503.
+    idempotency_max_hold_s: float = Field(120.0, gt=0)
     max_body_bytes: int = Field(1_048_576, gt=0)
     reconcile_after_s: float = Field(300.0, gt=0)
 
@@ -98,6 +100,14 @@ class Settings(BaseSettings):
     claim_idle_ms: int = Field(30_000, ge=0)
     max_deliveries: int = Field(5, ge=1)
     job_budget_s: float = Field(60.0, gt=0)
+    # A handler still running this long past its budget is cancelled and its
+    # entry left for redelivery.
+    job_grace_s: float = Field(10.0, ge=0)
+    # Redelivery after a transient failure: exponential, jittered backoff.
+    redelivery_base_s: float = Field(15.0, gt=0)
+    redelivery_max_s: float = Field(900.0, gt=0)
+    # Transient failures dead-letter a job only once it is this old.
+    job_max_age_s: float = Field(86400.0, gt=0)
     block_ms: int = Field(1000, ge=1)
     shutdown_grace_s: float = Field(25.0, ge=0)
     stream_trim_every_s: float = Field(30.0, gt=0)
@@ -109,9 +119,15 @@ class Settings(BaseSettings):
     relay_concurrency: int = Field(64, ge=1)
     relay_poll_s: float = Field(1.0, gt=0)
     outbox_retention_s: float = Field(7 * 86400.0, gt=0)
+    # Finished jobs, their results and sent outbox rows older than this are deleted.
+    job_retention_s: float = Field(30 * 86400.0, gt=0)
 
     # Processes.
     log_format: Literal["console", "json"] = "json"
     log_level: str = "INFO"
     pg_pool_min: int = Field(2, ge=1)
     pg_pool_max: int = Field(20, ge=1)
+    # Bounds on every call to the servers (and on connecting to them).
+    redis_timeout_s: float = Field(5.0, gt=0)
+    pg_statement_timeout_s: float = Field(10.0, gt=0)
+    connect_timeout_s: float = Field(5.0, gt=0)
