@@ -4,11 +4,13 @@ Relay throughput: N outbox rows already in Postgres, drained by
 
 - ``oncely``: a real ``oncely relay`` process (leases with an owner fence,
   attempts counted at claim, classified retries with backoff, a timeout per
-  lease, LISTEN/NOTIFY, metrics and logs);
+  lease, LISTEN/NOTIFY, metrics and logs; its sender the ``EffectRouter``
+  rendering the summaries email topic for the HTTP email sender);
 - ``minimal``: the same sends and updates with none of the guarantees,
-  written here: one keyset SELECT of unsent rows per batch, aiohttp POSTs with
-  the Idempotency-Key, ``concurrency`` at a time without waiting for a batch
-  to finish, one UPDATE of ``sent_at`` per row;
+  written here: one keyset SELECT of unsent rows per batch, the summaries
+  email (``render_email``) POSTed with aiohttp and the Idempotency-Key,
+  ``concurrency`` at a time without waiting for a batch to finish, one UPDATE
+  of ``sent_at`` per row;
 - ``minimal_batched``: the same, with the updates batched (one UPDATE for
   all rows sent since the last one).
 
@@ -27,7 +29,7 @@ in the provider's mailbox (one clock: this machine's).
     .venv/bin/python bench/relay_bench.py --profile DIR  # py-spy: where relay CPU goes
 
 Given servers are not embedded ones: the benchmark FLUSHES the Redis database
-and TRUNCATES jobs, summaries and outbox in the given database.
+and TRUNCATES jobs, results and outbox in the given database.
 """
 
 from __future__ import annotations
@@ -58,10 +60,10 @@ from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 from redis.asyncio import Redis
 
+from oncely.builtin.summaries import SUMMARY_READY, dedupe_key, render_email
+from oncely.errors import PermanentError
 from oncely.fakes.mail import MESSAGES_PATH
-from oncely.senders.base import render_email
 from oncely.sql import query
-from oncely.workflow import SUMMARY_READY, dedupe_key
 
 # The harness the worker benchmark uses: children, noise, servers, provenance.
 from worker_bench import (
@@ -218,7 +220,9 @@ class MinimalRelay:
             self._slots.release()
 
     async def _send(self, topic: str, payload: dict[str, Any], key: str) -> str | None:
-        body = json.dumps(render_email(topic, payload)._asdict()).encode()
+        if topic != SUMMARY_READY:  # what the router's topic lookup refuses
+            raise PermanentError(f"no email for topic {topic!r}")
+        body = json.dumps(asdict(render_email(payload))).encode()
         headers = {"Content-Type": "application/json", "Idempotency-Key": key}
         async with self.session.post(self.url, data=body, headers=headers) as response:
             answer = await response.read()
@@ -907,7 +911,7 @@ async def fresh_servers(urls: tuple[str, str]) -> None:
     finally:
         await redis.aclose()
     async with await psycopg.AsyncConnection.connect(urls[1], autocommit=True) as conn:
-        await conn.execute("TRUNCATE jobs, summaries, outbox RESTART IDENTITY")
+        await conn.execute("TRUNCATE jobs, results, outbox RESTART IDENTITY")
 
 
 async def warm_up(
@@ -935,25 +939,32 @@ def _stack_logs(children: Children) -> str:
 
 # -- profiling (--profile): where a relay's CPU goes ---------------------------------------
 
-# Each sample goes to the first bucket one of whose frames contains the needle.
+# Each sample goes to the first bucket one of whose frames contains the needle
+# (a bucket may have several needles; py-spy names a frame "qualname (file:line)").
 BUCKETS: dict[str, tuple[tuple[str, str], ...]] = {
     "oncely": (
         ("claim: OutboxStore.claim", "OutboxStore.claim"),
-        ("mark sent: OutboxStore.mark_sent", "OutboxStore.mark_sent"),
+        ("mark sent: OutboxStore.mark_sent_many (batched)", "OutboxStore.mark_sent_many"),
         ("send: render_email + body", "render_email"),
         ("send: message_id_from", "message_id_from"),
         ("send: JsonPoster.post (aiohttp)", "JsonPoster.post"),
         ("send: HttpEmailSender.send rest", "HttpEmailSender.send"),
+        ("route: EffectRouter.send / _EmailRoute.deliver", "_EmailRoute.deliver"),
+        ("route: EffectRouter.send / _EmailRoute.deliver", "EffectRouter.send"),
         ("after send: Relay._sent (metrics, log)", "Relay._sent"),
         ("per row: Relay._deliver (lease, timeout)", "Relay._deliver"),
-        ("per row: Relay._relay (slot)", "Relay._relay"),
+        ("per row: Relay._relay (slot)", "Relay._relay ("),
+        ("wait: Relay._wait_for_work", "Relay._wait_for_work"),
+        ("batch: Relay._relay_continuously (starting sends)", "Relay._relay_continuously"),
         ("batch: Relay.run_once (claim + TaskGroup)", "Relay.run_once"),
-        ("loop: Relay.run / _pass / _wait_for_work", "Relay.run"),
+        ("retention: Relay._clean_up_forever", "Relay._clean_up"),
         ("listener", "Relay._listen"),
+        ("loop: Relay.run", "Relay.run"),
     ),
     "minimal": (
         ("read: SELECT batch", "MinimalRelay._read"),
         ("send: render_email + body", "render_email"),
+        ("send: render_email + body", "asdict ("),
         ("update: psycopg", "psycopg"),
         ("send: aiohttp POST", "MinimalRelay._send"),
         ("per row: MinimalRelay._relay", "MinimalRelay._relay"),
@@ -1179,7 +1190,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--database-url",
         default=os.environ.get("ONCELY_BENCH_DATABASE_URL"),
-        help="use this database; jobs, summaries and outbox are TRUNCATED "
+        help="use this database; jobs, results and outbox are TRUNCATED "
         "(env ONCELY_BENCH_DATABASE_URL)",
     )
     p.add_argument("--out", help="also write the JSON document to this file")

@@ -2,12 +2,13 @@
 
 One run, the same jobs, side by side:
 
-- ``oncely``: a real ``oncely worker`` process (pre-check, fleet limiter,
-  classified retries, owner-checked Lua acks, leases, index, NOTIFY,
-  reconciler);
+- ``oncely``: a real ``oncely worker --workflow summaries`` process (the
+  summaries workflow's ``WorkflowHandler`` under a ``Worker``: pre-check,
+  fleet limiter, classified retries, owner-checked Lua acks, leases, index,
+  NOTIFY, reconciler);
 - ``floor_openai``: the same work with none of the guarantees, written here:
   batched XREADGROUP, one model call per message through the same openai SDK
-  on its aiohttp transport, one transaction (summary + outbox row + job done,
+  on its aiohttp transport, one transaction (result + outbox row + job done,
   a single statement on an autocommit connection), batched XACK;
 - ``floor_aiohttp``: the same floor with raw aiohttp instead of the SDK.
 
@@ -22,7 +23,7 @@ truncated tables, with the jobs already in Postgres and in the stream.
     .venv/bin/python bench/worker_bench.py --profile DIR  # py-spy: where CPU goes
 
 Given servers are not embedded ones: the benchmark FLUSHES the Redis database
-and TRUNCATES jobs, summaries and outbox in the given database.
+and TRUNCATES jobs, results and outbox in the given database.
 """
 
 from __future__ import annotations
@@ -57,10 +58,8 @@ from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 from redis.asyncio import Redis
 
-from oncely import names
-from oncely.llm.base import build_summary_prompt
+from oncely.builtin.summaries import INSTRUCTION, SUMMARY_READY, dedupe_key, summaries
 from oncely.sql import query
-from oncely.workflow import SUMMARY_READY, dedupe_key
 
 GOAL = 0.85
 MODEL = "oncely-fake"
@@ -74,17 +73,18 @@ HTTP_CONNECTIONS = 1000
 POLL_S = 0.02
 READY_POLL_S = 0.005
 
-Complete = Callable[[str], Awaitable[str]]
+# The model call with the summaries step's messages: (system, user).
+Complete = Callable[[str, str], Awaitable[str]]
 
 # The floor's whole transaction: one statement on an autocommit connection, so
 # one round trip (the cheapest way to write the three rows; no ON CONFLICT, no
-# NOTIFY). The floor's own SQL, not oncely's.
+# NOTIFY). The floor's own SQL, not oncely's: the same rows as ``finish_job``.
 FLOOR_STORE = """
-WITH summary AS (
-    INSERT INTO summaries (job_id, summary) VALUES (%(job_id)s, %(summary)s)
+WITH result AS (
+    INSERT INTO results (job_id, result) VALUES (%(job_id)s, %(result)s)
 ), outbox_row AS (
-    INSERT INTO outbox (topic, dedupe_key, payload)
-    VALUES (%(topic)s, %(dedupe_key)s, %(payload)s)
+    INSERT INTO outbox (topic, dedupe_key, payload, workflow, job_id)
+    VALUES (%(topic)s, %(dedupe_key)s, %(payload)s, %(workflow)s, %(job_id)s)
 )
 UPDATE jobs SET status = 'done', updated_at = now() WHERE job_id = %(job_id)s
 """
@@ -170,8 +170,9 @@ class FloorConsumer:
 
     async def run_once(self) -> int:
         free = self.concurrency - len(self._tasks)
+        keys = summaries.keys
         reply: Any = await self.redis.xreadgroup(
-            names.SUMMARIES_GROUP, self.consumer, {names.SUMMARIES_STREAM: ">"}, free, 1000
+            keys.group, self.consumer, {keys.stream: ">"}, free, 1000
         )
         entries = reply[0][1] if reply else []
         for entry_id, fields in entries:
@@ -189,14 +190,16 @@ class FloorConsumer:
     async def _handle(self, entry_id: str, fields: dict[str, str]) -> None:
         job_id = fields["job_id"]
         payload = json.loads(fields["payload"])
-        summary = await self.complete(build_summary_prompt(payload["text"]))
+        # The summaries step's prompt (oncely.builtin.summaries.summarise).
+        summary = await self.complete(INSTRUCTION, f"<text>\n{payload['text']}\n</text>")
         outbox = {"job_id": job_id, "to": payload["notify"], "summary": summary}
         row = {
             "job_id": job_id,
-            "summary": summary,
+            "result": Jsonb({"summary": summary}),
             "topic": SUMMARY_READY,
             "dedupe_key": dedupe_key(job_id),
             "payload": Jsonb(outbox),
+            "workflow": summaries.name,
         }
         async with self.pool.connection() as conn:
             await conn.execute(FLOOR_STORE, row)
@@ -212,7 +215,7 @@ class FloorConsumer:
     async def _ack_batch(self) -> None:
         ids, self._acks = self._acks, []
         if ids:
-            await self.redis.xack(names.SUMMARIES_STREAM, names.SUMMARIES_GROUP, *ids)
+            await self.redis.xack(summaries.keys.stream, summaries.keys.group, *ids)
 
 
 @contextlib.asynccontextmanager
@@ -226,9 +229,10 @@ async def openai_model(base_url: str) -> AsyncIterator[Complete]:
         http_client=openai.DefaultAioHttpClient(),
     )
 
-    async def complete(prompt: str) -> str:
+    async def complete(system: str, user: str) -> str:
         completion = await client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": prompt}]
+            model=MODEL,
+            messages=[{"role": "system", "content": system}, {"role": "user", "content": user}],
         )
         return completion.choices[0].message.content or ""
 
@@ -245,8 +249,9 @@ async def aiohttp_model(base_url: str) -> AsyncIterator[Complete]:
     url = f"{base_url}/chat/completions"
     async with aiohttp.ClientSession(connector=connector, headers=headers) as session:
 
-        async def complete(prompt: str) -> str:
-            body = {"model": MODEL, "messages": [{"role": "user", "content": prompt}]}
+        async def complete(system: str, user: str) -> str:
+            messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+            body = {"model": MODEL, "messages": messages}
             async with session.post(url, json=body) as response:
                 response.raise_for_status()
                 answer = await response.json()
@@ -549,7 +554,7 @@ class Bench:
 
     async def fresh_state(self) -> None:
         await self.redis.flushdb()
-        await self.db.execute("TRUNCATE jobs, summaries, outbox RESTART IDENTITY")
+        await self.db.execute("TRUNCATE jobs, results, outbox RESTART IDENTITY")
         url = f"{self.fake.root_url}/_reset"
         async with aiohttp.ClientSession() as session, session.post(url) as r:
             r.raise_for_status()
@@ -568,10 +573,10 @@ class Bench:
             for i in range(jobs)
         ]
         async with self.db.cursor() as cur:
-            rows = [(m.job_id, m.tenant, Jsonb(m.payload)) for m in messages]
+            rows = [(m.job_id, m.tenant, summaries.name, Jsonb(m.payload)) for m in messages]
             await cur.executemany(query("insert_job"), rows)
         await self.db.execute("ANALYZE jobs")
-        stream = Stream(self.redis)
+        stream = Stream(self.redis, summaries.keys)
         await stream.ensure_group()
         for i in range(0, jobs, 50):
             await asyncio.gather(*(stream.enqueue(m) for m in messages[i : i + 50]))
@@ -580,7 +585,8 @@ class Bench:
 
     def spawn(self, contender: Contender) -> subprocess.Popen[bytes]:
         if contender.kind == "oncely":
-            argv = [sys.executable, "-m", "oncely", "worker"]
+            # One workflow's WorkerGroup: its Worker and Reconciler, as before.
+            argv = [sys.executable, "-m", "oncely", "worker", "--workflow", summaries.name]
             env = clean_env(
                 redis_url=self.redis_url,
                 database_url=self.database_url,
@@ -609,7 +615,7 @@ class Bench:
         """Until the group's last-delivered id moves: the consumer is up and reading."""
         deadline = time.monotonic() + within_s
         while time.monotonic() < deadline and proc.poll() is None:
-            groups: Any = await self.redis.xinfo_groups(names.SUMMARIES_STREAM)
+            groups: Any = await self.redis.xinfo_groups(summaries.keys.stream)
             if groups and str(groups[0]["last-delivered-id"]) != "0-0":
                 return
             await asyncio.sleep(READY_POLL_S)
@@ -625,7 +631,7 @@ class Bench:
         raise RuntimeError(f"{done}/{jobs} jobs done when the wait ended")
 
     async def pending(self) -> int:
-        summary: Any = await self.redis.xpending(names.SUMMARIES_STREAM, names.SUMMARIES_GROUP)
+        summary: Any = await self.redis.xpending(summaries.keys.stream, summaries.keys.group)
         return int(summary["pending"])
 
     async def settled(self, within_s: float = 5.0) -> int:
@@ -810,18 +816,23 @@ def _progress(scenario: Scenario, contender: Contender, round_no: int, r: RunRes
 
 # -- profiling (--profile): where a consumer's CPU goes ------------------------
 
-# Each sample goes to the first bucket one of whose frames contains the needle;
-# order matters (the limiter runs inside the model-call wrappers).
+# Each sample goes to the first bucket one of whose frames contains the needle
+# (a bucket may have several needles); order matters: the limiter runs inside
+# the adapter, the adapter inside the model-call wrappers, and those inside the
+# step, which runs inside the handler.
 BUCKETS: dict[str, tuple[tuple[str, str], ...]] = {
     "oncely": (
-        ("limiter: FleetLimiter.acquire", "FleetLimiter.acquire"),
+        ("limiter: FleetLimiter (acquire, settle)", "FleetLimiter."),
         ("model call: openai SDK chat.completions.create", "AsyncCompletions.create"),
-        ("model call: oncely's wrappers (tenacity, Deadline, timeout)", "SummaryJob._summarise"),
-        ("pre-check: SummaryJob._already_done", "SummaryJob._already_done"),
-        ("pre-check: StoredSummaries (batched)", "StoredSummaries"),
-        ("store: SummaryJob._store", "SummaryJob._store"),
-        ("ack: Worker._ack / _flush_acks (Lua ACK)", "Worker._ack"),
-        ("ack: flush", "Worker._flush_acks"),
+        ("model call: OpenAICompatible (messages, completion)", "OpenAICompatible."),
+        ("model call: oncely's wrappers (Model._ask: retries, Deadline, LimitedLLM)", "Model._ask"),
+        ("step: summarise (prompt, emit)", "summarise ("),
+        ("pre-check: Jobs.result_stored (batched)", "Jobs.result_stored"),
+        ("pre-check: Jobs.result_stored (batched)", "Jobs._results_stored"),
+        ("store: Jobs.finish", "Jobs.finish"),
+        ("notify: OutboxWakeUp", "OutboxWakeUp."),
+        ("ack: Worker._acknowledge / _ack_batch (Lua ACK)", "Worker._ack"),
+        ("handler: WorkflowHandler.__call__ (validate, Context, Model)", "WorkflowHandler."),
         ("handler rest: parse, _run_handler, metrics, logs", "Worker._handle"),
         ("read: XAUTOCLAIM + XREADGROUP + starting tasks", "Worker.run_once"),
         ("leases", "Worker.renew_leases"),
@@ -1036,7 +1047,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--database-url",
         default=os.environ.get("ONCELY_BENCH_DATABASE_URL"),
-        help="use this database; jobs, summaries and outbox are TRUNCATED "
+        help="use this database; jobs, results and outbox are TRUNCATED "
         "(env ONCELY_BENCH_DATABASE_URL)",
     )
     p.add_argument("--out", help="also write the JSON document to this file")
