@@ -109,3 +109,16 @@ async def test_each_workflow_is_reconciled_into_its_own_stream(pool, jobs, redis
         assert await Reconciler(jobs, kind, after_s=300).run_once() == 1
     for kind, job_id in accepted.items():
         assert await stream_job_ids(jobs.streams[kind]) == [job_id]
+
+
+async def test_a_job_waiting_out_its_backoff_is_not_requeued(pool, stream, jobs, redis):
+    job_id = await accept(pool, stream, age_s=600)
+    [(entry_id, _)] = await redis.xrange(stream.stream)
+    await stream.read_new("c1", 10, 10)
+    assert await stream.defer("c1", entry_id, job_id, 60.0, {"job_id": job_id})
+    assert await redis.xlen(stream.stream) == 1  # acknowledged, not yet trimmed
+    await redis.xdel(stream.stream, entry_id)
+    assert await Reconciler(jobs, "summaries", after_s=300).run_once() == 0
+    await redis.zrem(stream.keys.delayed, job_id)  # the delayed copy lost too
+    await redis.delete(stream.keys.reconcile_lock)  # the next pass's turn
+    assert await Reconciler(jobs, "summaries", after_s=0.1).run_once() == 1

@@ -24,8 +24,9 @@ from structlog.testing import capture_logs
 from oncely.bootstrap import relay_config
 from oncely.effects import Email, Payload, email
 from oncely.fakes.mail import FakeMailServer, Faults
-from oncely.outbox import OutboxStore, Relay, RelayConfig, backoff_s
+from oncely.outbox import OutboxStore, Relay, RelayConfig
 from oncely.outbox.relay import LISTENER_APPLICATION_NAME
+from oncely.retry import backoff_s
 from oncely.senders import EffectRouter, Sender, SendersConfig, SendResult, build_router
 from oncely.settings import Settings
 from oncely.sql import query
@@ -570,3 +571,17 @@ def _effects(fake_mail: FakeMailServer, count: int) -> Callable[[], Awaitable[bo
         return (await fake_mail.deliveries())["effects"] >= count
 
     return check
+
+
+async def test_a_dead_retention_task_stops_the_relay_with_the_error_logged(pool, sender):
+    relay = make_relay(OutboxStore(pool), sender, cleanup_every_s=0.01)
+
+    async def broken() -> int:
+        raise RuntimeError("retention broke (injected)")
+
+    relay.clean_up = broken  # type: ignore[method-assign]
+    with capture_logs() as logs, pytest.raises(ExceptionGroup) as stopped:
+        await asyncio.wait_for(relay.run(), timeout=10)
+    assert "retention broke" in str(stopped.value.exceptions[0])
+    [failed] = [e for e in logs if e["event"] == "process.task_failed"]
+    assert failed["task"] == "outbox-retention"

@@ -5,6 +5,7 @@ outbox rows, pending and dead entries."""
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import pytest
@@ -125,36 +126,102 @@ async def test_killed_consumer_entry_is_claimable_only_after_claim_idle(pool, st
     assert await pending(stream) == 0
 
 
-async def test_always_failing_job_is_dead_lettered_after_max_deliveries(pool, stream):
+async def test_transient_failures_back_off_per_job_and_die_only_when_old(pool, stream):
+    """Each transient failure takes the job out of the stream for a backoff
+    counted across deliveries; it is dead only past the job's max age, with
+    the last real error."""
     runs = 0
 
     async def flaky(message: JobMessage, delivery: Delivery) -> str:
         nonlocal runs
         runs += 1
-        raise TransientError("provider unavailable")
+        raise TransientError(f"provider unavailable (try {runs})")
 
     job_id = await submit(pool, stream, "never succeeds")
-    worker = make_worker(stream, flaky, pool, claim_idle_ms=0, max_deliveries=3)
-    await drain(worker, rounds=5)
+    fast = {"redelivery_base_s": 0.01, "redelivery_max_s": 0.02, "max_deliveries": 2}
+    worker = make_worker(stream, flaky, pool, **fast)
+    for failures in (1, 2, 3):
+        await drain(worker)
+        assert await pending(stream) == 0, "a deferred job is not pending"
+        assert await stream.redis.zscore(stream.keys.delayed, job_id) is not None
+        assert await stream.redis.hget(stream.index, job_id) == "delayed"
+        raw = await stream.redis.hget(stream.keys.delayed_messages, job_id)
+        assert json.loads(raw)["failures"] == str(failures)
+        await asyncio.sleep(0.05)
+        assert await stream.promote_due() == 1
+    assert runs == 3, "max_deliveries counts crash loops, not reported failures"
+    assert await job_status(pool, job_id) == "queued"
+
+    old = make_worker(stream, flaky, pool, **{**fast, "job_max_age_s": 0.0})
+    await drain(old)
+    [(_, fields)] = await stream.redis.xrange(stream.dead)
+    assert fields["reason"] == "max_age"
+    assert "provider unavailable (try 4)" in fields["last_error"]
+    assert await job_status(pool, job_id) == "dead"
+    assert await pending(stream) == 0
+    assert await stream.redis.zcard(stream.keys.delayed) == 0
+
+
+async def test_a_crash_loop_is_dead_lettered_after_max_deliveries(pool, stream):
+    """Deliveries that never report back (the process dies mid-job) are
+    bounded by max_deliveries; the dead letter carries the last error seen."""
+    runs = 0
+
+    async def crashes(message: JobMessage, delivery: Delivery) -> str:
+        nonlocal runs
+        runs += 1
+        raise Crash
+
+    job_id = await submit(pool, stream, "kills its worker")
+    for _ in range(4):
+        worker = make_worker(stream, crashes, pool, claim_idle_ms=0, max_deliveries=3)
+        started = await worker.run_once()
+        if started:
+            with pytest.raises(Crash):
+                await asyncio.gather(*worker._tasks.values())
     assert runs == 3
-    dead: Any = await stream.redis.xrange(stream.dead)
-    assert len(dead) == 1
-    fields = dead[0][1]
+    [(_, fields)] = await stream.redis.xrange(stream.dead)
     assert fields["reason"] == "max_deliveries"
-    assert fields["job_id"] == job_id
     assert fields["deliveries"] == "4"
-    assert fields["original_id"]
+    assert "never finished" in fields["last_error"]
     assert await job_status(pool, job_id) == "dead"
     assert await pending(stream) == 0
 
 
-async def test_model_that_keeps_answering_429_stays_pending_after_max_attempts(
+async def test_a_handler_past_its_budget_and_grace_is_cancelled_and_redelivered(pool, stream):
+    calls: list[int] = []
+
+    async def hangs_once(message: JobMessage, delivery: Delivery) -> str:
+        calls.append(delivery.count)
+        if len(calls) == 1:
+            await asyncio.Event().wait()  # never returns
+        return "done"
+
+    job_id = await submit(pool, stream, "hangs, then fine")
+    worker = make_worker(
+        stream, hangs_once, pool, handler_timeout_s=0.2, redelivery_base_s=0.01,
+        redelivery_max_s=0.01,
+    )  # fmt: skip
+    await drain(worker)
+    assert await stream.redis.hget(stream.index, job_id) == "delayed"
+    raw = await stream.redis.hget(stream.keys.delayed_messages, job_id)
+    assert "still running after 0.2 s" in json.loads(raw)["last_error"]
+    await asyncio.sleep(0.05)
+    await stream.promote_due()
+    await drain(worker)
+    assert len(calls) == 2
+    assert await pending(stream) == 0
+    assert await stream.redis.hlen(stream.index) == 0
+
+
+async def test_model_that_keeps_answering_429_is_deferred_not_dead(
     pool, stream, summary_job, fake_llm, worker_settings
 ):
     job_id = await submit(pool, stream, "Always rate limited. [[fake:429]]")
     await drain(make_worker(stream, summary_job, pool))
     assert fake_llm.stats().total == worker_settings.llm_max_attempts
-    assert await pending(stream) == 1
+    assert await pending(stream) == 0
+    assert await stream.redis.zcard(stream.keys.delayed) == 1
     assert await stream.redis.xlen(stream.dead) == 0
     assert await job_status(pool, job_id) == "queued"
 
@@ -300,3 +367,32 @@ async def test_trim_never_deletes_entries_not_yet_delivered(pool, stream):
     remaining: Any = await stream.redis.xrange(stream.stream)
     job_ids = [fields["job_id"] for _, fields in remaining]
     assert job_ids == [done_id, *waiting], "undelivered entries survive the trim"
+
+
+async def test_a_running_worker_survives_redis_losing_its_data(pool, stream, redis):
+    """FLUSHALL (or a restart without persistence) under a running worker: it
+    recreates its group and goes on; nothing needs a restart."""
+    done: list[str] = []
+
+    async def record(message: JobMessage, delivery: Delivery) -> str:
+        done.append(message.job_id)
+        return "done"
+
+    worker = make_worker(stream, record, pool, block_ms=20)
+    running = asyncio.create_task(worker.run())
+    try:
+        first = await submit(pool, stream, "before the wipe")
+        while first not in done:
+            await asyncio.sleep(0.01)
+        await redis.flushdb()
+        await asyncio.sleep(0.1)  # the loop meets NOGROUP at least once
+        second = await submit(pool, stream, "after the wipe")
+        for _ in range(500):
+            if second in done:
+                break
+            await asyncio.sleep(0.01)
+        assert second in done, "the worker kept going after the wipe"
+        assert not running.done()
+    finally:
+        worker.stop()
+        await running

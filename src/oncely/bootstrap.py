@@ -11,7 +11,7 @@ import signal
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import structlog
 import uvicorn
@@ -32,6 +32,7 @@ from oncely.queue.stream import Stream
 from oncely.queue.worker import Worker, WorkerConfig
 from oncely.retry import RetryPolicy
 from oncely.senders import EffectRouter, SendersConfig, build_router
+from oncely.services import Service
 from oncely.settings import Settings
 
 if TYPE_CHECKING:
@@ -64,6 +65,10 @@ def worker_config(s: Settings) -> WorkerConfig:
         block_ms=s.block_ms,
         shutdown_grace_s=s.shutdown_grace_s,
         trim_every_s=s.stream_trim_every_s,
+        handler_timeout_s=s.job_budget_s + s.job_grace_s,
+        redelivery_base_s=s.redelivery_base_s,
+        redelivery_max_s=s.redelivery_max_s,
+        job_max_age_s=s.job_max_age_s,
     )
 
 
@@ -257,13 +262,6 @@ async def serve_api(settings: Settings, *, host: str, port: int) -> None:
 
 
 # -- workers ----------------------------------------------------------------------
-
-
-class Service(Protocol):
-    """A long-running part of a process."""
-
-    async def run(self) -> None: ...
-    def stop(self) -> None: ...
 
 
 class WorkerGroup:

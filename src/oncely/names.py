@@ -30,6 +30,10 @@ class WorkflowKeys:
     group: str
     # Held (with a TTL) by the one process running a reconcile pass.
     reconcile_lock: str
+    # Jobs waiting out a redelivery backoff: job_id -> due time (a sorted set),
+    # and job_id -> the message to put back then (a hash).
+    delayed: str
+    delayed_messages: str
 
 
 def workflow_keys(workflow: str, group: str) -> WorkflowKeys:
@@ -40,6 +44,8 @@ def workflow_keys(workflow: str, group: str) -> WorkflowKeys:
         index=f"{tag}:index",
         group=group,
         reconcile_lock=f"{tag}:reconcile-lock",
+        delayed=f"{tag}:delayed",
+        delayed_messages=f"{tag}:delayed-messages",
     )
 
 

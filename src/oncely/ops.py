@@ -38,13 +38,14 @@ async def show_status(settings: Settings, *, as_json: bool) -> None:
         print(json.dumps(status.to_json(), indent=2))
         return
     table = Table(title="oncely status")
-    for column in ("workflow", "stream", "pending", "dead letters", "queued", "done", "dead"):
+    columns = ("workflow", "stream", "pending", "delayed", "dead letters", "queued", "done", "dead")
+    for column in columns:
         table.add_column(column)
     for w in status.workflows:
         s, j = w.stream, w.jobs
         table.add_row(
             w.workflow,
-            *(str(n) for n in (s.length, s.pending, s.dead_letters)),
+            *(str(n) for n in (s.length, s.pending, s.delayed, s.dead_letters)),
             *(str(j.get(k, 0)) for k in ("queued", "done", "dead")),
         )
     out.print(table)

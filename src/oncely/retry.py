@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import email.utils
 import math
+import random
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -309,3 +310,17 @@ def _last_error(state: RetryCallState) -> BaseException:
     if error is None:  # tenacity only waits, stops and sleeps after a failure
         raise RuntimeError("retry state without a failed attempt")
     return error
+
+
+def backoff_s(
+    attempts: int, base_s: float, max_s: float, rand: Callable[[], float] = random.random
+) -> float:
+    """Full jitter: uniform in [0, min(max_s, base_s * 2**(attempts - 1))].
+
+    The one backoff between tries that are not in-process retries: the
+    relay's resends and the worker's redeliveries. Full rather than equal
+    jitter so work that failed together (a provider outage) comes back spread
+    out instead of in one burst.
+    """
+    exponent = min(max(attempts - 1, 0), 32)  # past the cap anyway; avoids float overflow
+    return min(max_s, base_s * 2.0**exponent) * rand()

@@ -4,9 +4,10 @@ A job still ``queued`` after ``reconcile_after_s`` whose stream entry no
 longer exists is enqueued again with the same job id: Redis lost its data,
 or the API died between the insert and the XADD. A job whose entry still
 exists is merely slow or waiting, and is left alone (re-enqueueing it would
-pay for a second model call). The stream's index hash (job id → entry id,
-written with every XADD, removed with every XACK) says which entry to look
-for; a missing index entry means a missing message.
+pay for a second model call), and so is one waiting out a redelivery
+backoff in the delayed set. The stream's index hash (job id → entry id, or
+``delayed``; written with every XADD and deferral, removed with every XACK)
+says where to look; a missing index entry means a missing message.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import redis.exceptions
 import structlog
 
 from oncely.jobs.store import Job, Jobs
-from oncely.queue.stream import Stream
+from oncely.queue.stream import DELAYED, Stream
 
 log = structlog.get_logger("oncely.reconcile")
 
@@ -70,9 +71,12 @@ class Reconciler:
         if not jobs:
             return []
         entry_ids = await self.stream.index_entries([j.job_id for j in jobs])
-        exists = iter(await self.stream.entries_exist([e for e in entry_ids if e is not None]))
+        in_stream = [e for e in entry_ids if e not in (None, DELAYED)]
+        delayed = [j.job_id for j, e in zip(jobs, entry_ids, strict=True) if e == DELAYED]
+        exists = iter(await self.stream.entries_exist(in_stream))
+        waiting = iter(await self.stream.delayed_jobs(delayed))
         return [
             job
             for job, entry_id in zip(jobs, entry_ids, strict=True)
-            if entry_id is None or not next(exists)
+            if entry_id is None or not next(waiting if entry_id == DELAYED else exists)
         ]

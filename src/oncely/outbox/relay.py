@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from uuid import UUID, uuid4
 
@@ -28,8 +28,9 @@ from oncely import metrics
 from oncely.batching import GroupCommit
 from oncely.errors import PermanentError, TransientError
 from oncely.outbox.store import OutboxRow, OutboxStore
-from oncely.retry import classify, retry_after_s
+from oncely.retry import backoff_s, classify, retry_after_s
 from oncely.senders.base import Sender, SendResult
+from oncely.services import supervised
 from oncely.sql import query
 
 log = structlog.get_logger("oncely.relay")
@@ -71,18 +72,6 @@ class RelayConfig:
     cleanup_every_s: float = 60.0
     cleanup_batch: int = 1000
     listen_retry_s: float = 1.0
-
-
-def backoff_s(
-    attempts: int, base_s: float, max_s: float, rand: Callable[[], float] = random.random
-) -> float:
-    """Full jitter: uniform in [0, min(max_s, base_s * 2**(attempts - 1))].
-
-    Full rather than equal jitter so rows that failed together (a provider
-    outage) come back spread out instead of in one burst.
-    """
-    exponent = min(max(attempts - 1, 0), 32)  # past the cap anyway; avoids float overflow
-    return min(max_s, base_s * 2.0**exponent) * rand()
 
 
 @dataclass(frozen=True)
@@ -152,18 +141,23 @@ class Relay:
     # -- the loop ---------------------------------------------------------
 
     async def run(self) -> None:
-        """Relay until ``stop()``; the batch in flight then finishes before this returns."""
+        """Relay until ``stop()``; the batch in flight then finishes before this
+        returns. The listener and retention run in the same task group: one
+        that dies takes the relay down, logged (``oncely.services``)."""
         log.info("relay.started", owner=str(self.owner), batch=self.config.batch)
-        background = [asyncio.create_task(self._clean_up_forever(), name="outbox-retention")]
+        side: list[tuple[str, Callable[[], Awaitable[None]]]] = [
+            ("outbox-retention", self._clean_up_forever)
+        ]
         if self.database_url is not None:
-            listener = self._listen_forever(self.database_url)
-            background.append(asyncio.create_task(listener, name="outbox-listen"))
+            url = self.database_url
+            side.append(("outbox-listen", lambda: self._listen_forever(url)))
         try:
-            await self._relay_continuously()
+            async with asyncio.TaskGroup() as group:
+                background = [group.create_task(supervised(n, loop, log)) for n, loop in side]
+                await self._relay_continuously()
+                for task in background:
+                    task.cancel()
         finally:
-            for task in background:
-                task.cancel()
-            await asyncio.gather(*background, return_exceptions=True)
             self.listening.clear()
             log.info("relay.stopped", owner=str(self.owner), **self.stats)
 

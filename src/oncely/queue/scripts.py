@@ -53,3 +53,43 @@ for i = 3, #ARGV do
 end
 return renewed
 """
+
+# KEYS: stream, index, delayed, delayed messages. ARGV: group, consumer,
+# entry id, job id, delay ms, the message fields as a JSON object.
+# A transient failure: the entry leaves the stream (owner-checked XACK) and
+# waits in the delayed set until the server's clock passes its due time. The
+# index says "delayed", so the reconciler knows the job is not lost.
+DEFER = """
+local id, job = ARGV[3], ARGV[4]
+if #redis.call('XPENDING', KEYS[1], ARGV[1], id, id, 1, ARGV[2]) == 0 then return 0 end
+local t = redis.call('TIME')
+local due = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + tonumber(ARGV[5])
+redis.call('XACK', KEYS[1], ARGV[1], id)
+redis.call('HSET', KEYS[2], job, 'delayed')
+redis.call('ZADD', KEYS[3], due, job)
+redis.call('HSET', KEYS[4], job, ARGV[6])
+return 1
+"""
+
+# KEYS: stream, index, delayed, delayed messages. ARGV: how many at most.
+# Moves every due job back into the stream, atomically: XADD, index, and out
+# of the delayed set. Returns how many moved.
+PROMOTE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local due = redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', now, 'LIMIT', 0, tonumber(ARGV[1]))
+for _, job in ipairs(due) do
+  local raw = redis.call('HGET', KEYS[4], job)
+  redis.call('ZREM', KEYS[3], job)
+  redis.call('HDEL', KEYS[4], job)
+  if raw then
+    local args = {}
+    for k, v in pairs(cjson.decode(raw)) do
+      args[#args + 1] = k
+      args[#args + 1] = tostring(v)
+    end
+    redis.call('HSET', KEYS[2], job, redis.call('XADD', KEYS[1], '*', unpack(args)))
+  end
+end
+return #due
+"""

@@ -4,6 +4,12 @@ Every XADD also records ``job_id -> entry id`` in the stream's index hash, in
 the same Lua call (one round trip). Acknowledging removes the entry from the
 index, so the reconciler can tell a job still waiting in the stream from one
 whose message was lost with Redis' data.
+
+A transient failure takes the entry out of the stream into the workflow's
+delayed set until its backoff has passed (``defer``); ``promote_due`` puts it
+back. Both are single Lua calls on the server's clock, and the index says
+``delayed`` meanwhile, so a job is always in exactly one of: the stream, the
+delayed set, the dead letters, or done.
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ from oncely.names import WorkflowKeys
 from oncely.queue import scripts
 
 DEAD_STREAM_MAXLEN = 100_000
+# The index's value for a job waiting in the delayed set (see scripts.DEFER).
+DELAYED = "delayed"
 
 Entry = tuple[str, dict[str, str]]
 
@@ -94,6 +102,8 @@ class Consumer:
 class StreamStats:
     length: int
     pending: int
+    # Jobs waiting out a redelivery backoff.
+    delayed: int
     dead_letters: int
     consumers: list[Consumer]
 
@@ -113,6 +123,9 @@ class Stream:
         self._ack = redis.register_script(scripts.ACK)
         self._dead_letter = redis.register_script(scripts.DEAD_LETTER)
         self._renew = redis.register_script(scripts.RENEW)
+        self._defer = redis.register_script(scripts.DEFER)
+        self._promote = redis.register_script(scripts.PROMOTE)
+        self._delay_keys = [keys.stream, keys.index, keys.delayed, keys.delayed_messages]
 
     async def enqueue(self, message: JobMessage) -> str:
         """XADD the message and index it; return the entry id."""
@@ -205,6 +218,32 @@ class Stream:
         keys = [self.stream, self.dead, self.index]
         return bool(await self._dead_letter(keys=keys, args=args))
 
+    async def defer(
+        self, consumer: str, entry_id: str, job_id: str, delay_s: float, fields: dict[str, str]
+    ) -> bool:
+        """Take the entry out of the stream until ``delay_s`` from now (server
+        clock); False if this consumer no longer owns it."""
+        args: list[str | int] = [
+            self.group,
+            consumer,
+            entry_id,
+            job_id,
+            max(0, int(delay_s * 1000)),
+            json.dumps(fields, separators=(",", ":")),
+        ]
+        return bool(await self._defer(keys=self._delay_keys, args=args))
+
+    async def promote_due(self, limit: int = 500) -> int:
+        """Put jobs whose backoff has passed back into the stream; how many."""
+        return int(await self._promote(keys=self._delay_keys, args=[limit]))
+
+    async def delayed_jobs(self, job_ids: list[str]) -> list[bool]:
+        """Whether each job waits in the delayed set, in one round trip."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for job_id in job_ids:
+                pipe.zscore(self.keys.delayed, job_id)
+            return [score is not None for score in await pipe.execute()]
+
     async def renew(self, consumer: str, ids: list[str]) -> set[str]:
         if not ids:
             return set()
@@ -264,6 +303,7 @@ class Stream:
         return StreamStats(
             length=int(await self.redis.xlen(self.stream)),
             pending=int(pending["pending"]),
+            delayed=int(await self.redis.zcard(self.keys.delayed)),
             dead_letters=int(await self.redis.xlen(self.dead)),
             consumers=[
                 Consumer(str(c["name"]), int(c["pending"]), int(c["idle"])) for c in consumers
@@ -275,7 +315,8 @@ class Stream:
         return bool(await self.redis.set(self.keys.reconcile_lock, "1", nx=True, px=ttl_ms))
 
     async def index_entries(self, job_ids: list[str]) -> list[str | None]:
-        """The indexed entry id of each job (None: no message was indexed)."""
+        """The indexed entry id of each job (None: no message was indexed;
+        ``"delayed"``: waiting in the delayed set)."""
         found: list[Any] = await self.redis.hmget(self.index, job_ids)
         return [None if f is None else str(f) for f in found]
 

@@ -25,7 +25,8 @@ from oncely import metrics
 from oncely.batching import GroupCommit
 from oncely.errors import DeadlineExceeded, PermanentError, TransientError
 from oncely.queue.stream import Entry, JobMessage, Stream
-from oncely.retry import classify
+from oncely.retry import backoff_s, classify
+from oncely.services import supervised
 
 log = structlog.get_logger("oncely.worker")
 
@@ -44,6 +45,13 @@ _TRANSIENT = (
 
 
 _MIN_PAUSE_S = 0.1
+_ERROR_CHARS = 2000
+# Failures of a connection rather than of the work: retried within a second.
+_CONNECTION_LOST = (
+    ConnectionError,
+    psycopg.OperationalError,
+    redis.exceptions.ConnectionError,
+)
 _FORGET_CONSUMER_AFTER_MS = 3_600_000
 _MAX_PAUSE_S = 5.0
 
@@ -66,12 +74,27 @@ class Delivery:
 
 @dataclass(frozen=True)
 class WorkerConfig:
+    """How one worker reads, runs, redelivers and gives up (README: Settings)."""
+
+    # Handlers in flight at once.
     concurrency: int = 64
+    # Crash-recovery time: entries idle this long are reclaimed (live owners renew).
     claim_idle_ms: int = 30_000
+    # Deliveries of one entry that never reported back (crash loops); then dead.
     max_deliveries: int = 5
     block_ms: int = 1000
     shutdown_grace_s: float = 25.0
     trim_every_s: float = 30.0
+    # A handler still running after this is cancelled and its job redelivered
+    # (the delivery's budget plus a grace); None: no bound.
+    handler_timeout_s: float | None = 70.0
+    # Redelivery after a transient failure: full-jitter exponential backoff.
+    redelivery_base_s: float = 15.0
+    redelivery_max_s: float = 900.0
+    # Transient failures dead-letter a job only once it is this old.
+    job_max_age_s: float = 86_400.0
+    # How often due redeliveries are moved back into the stream.
+    promote_every_s: float = 1.0
 
 
 class Worker:
@@ -109,20 +132,30 @@ class Worker:
     # -- the loop -------------------------------------------------------
 
     async def run(self) -> None:
-        """Run until ``stop()``; then drain in-flight handlers within the grace period."""
+        """Run until ``stop()``; then drain in-flight handlers within the grace period.
+
+        The background tasks (lease renewal, redelivery, trimming) run in one
+        task group with the loop: if one dies, it is logged with its traceback
+        and ``run`` raises, so the process exits and a supervisor restarts it.
+        A dead renewal task must never go unnoticed (it means double model
+        calls)."""
         await self.stream.ensure_group()
         self.log.info("worker.started", consumer=self.consumer, concurrency=self.config.concurrency)
-        background = [
-            asyncio.create_task(self._renew_forever(), name="renew-leases"),
-            asyncio.create_task(self._trim_forever(), name="trim"),
-        ]
         try:
-            await self._loop()
-            await self._drain()
+            async with asyncio.TaskGroup() as group:
+                background = [
+                    group.create_task(supervised(name, loop, self.log))
+                    for name, loop in (
+                        ("renew-leases", self._renew_forever),
+                        ("redeliver", self._promote_forever),
+                        ("trim", self._trim_forever),
+                    )
+                ]
+                await self._loop()
+                await self._drain()
+                for task in background:
+                    task.cancel()
         finally:
-            for task in background:
-                task.cancel()
-            await asyncio.wait(background, timeout=1)
             await self._ack.drain()
             with contextlib.suppress(redis.exceptions.RedisError):
                 await self.stream.forget_consumers(idle_ms=0, only=self.consumer)
@@ -144,6 +177,15 @@ class Worker:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._stopping.wait(), pause)
                 pause = min(pause * 2, _MAX_PAUSE_S)
+            except redis.exceptions.ResponseError as exc:
+                if not _is_nogroup(exc):
+                    raise
+                # Redis lost its data (a restart without persistence, a
+                # FLUSHALL): the group is gone with the stream. Make it again;
+                # the reconciler brings the lost jobs back.
+                self.log.warning("worker.group_recreated", error=_describe(exc))
+                self._cursor = "0-0"
+                await self.stream.ensure_group()
 
     def stop(self) -> None:
         self._stopping.set()
@@ -198,7 +240,9 @@ class Worker:
         for entry_id, fields in entries:
             delivery = Delivery(entry_id, fields, counts.get(entry_id, 2))
             if delivery.count > self.config.max_deliveries:
-                await self._dead_letter(delivery, "max_deliveries", "delivered too often")
+                last = fields.get("last_error") or "no handler reported back"
+                error = f"delivered {delivery.count - 1} times, never finished; last error: {last}"
+                await self._dead_letter(delivery, "max_deliveries", error)
             else:
                 batch.append(delivery)
         return batch
@@ -228,10 +272,17 @@ class Worker:
     async def _handle(self, delivery: Delivery) -> None:
         try:
             await self._process(delivery)
-        except redis.exceptions.RedisError as exc:
-            # Committed effects stay committed; the entry stays pending and a
-            # later delivery finds them (pre-check) and settles it.
-            self.log.warning("job.settle_failed", job_id=delivery.job_id, error=_describe(exc))
+        except Exception as exc:
+            # Acknowledging, deferring or dead-lettering failed (Redis or the
+            # job row unavailable). Committed effects stay committed; the entry
+            # stays pending and a later delivery finds them (pre-check) and
+            # settles it. Logged, never silent.
+            self.log.warning(
+                "job.settle_failed",
+                job_id=delivery.job_id,
+                error=_describe(exc),
+                exc_info=not isinstance(exc, redis.exceptions.RedisError | psycopg.Error),
+            )
 
     async def _process(self, delivery: Delivery) -> None:
         try:
@@ -257,31 +308,63 @@ class Worker:
             await running.wait()
         done = self._running_jobs[message.job_id] = asyncio.Event()
         try:
-            return await self.handler(message, delivery)
+            async with asyncio.timeout(self.config.handler_timeout_s):
+                return await self.handler(message, delivery)
+        except TimeoutError as exc:
+            raise TransientError(
+                f"handler still running after {self.config.handler_timeout_s} s: cancelled"
+            ) from exc
         finally:
             del self._running_jobs[message.job_id]
             done.set()
 
     async def _failed(self, delivery: Delivery, exc: Exception) -> None:
-        """Transient (including a spent deadline): leave it pending for a later
-        delivery with a fresh budget. Anything else, unknown errors included,
-        is permanent (DESIGN §4): dead-letter it now."""
+        """Transient (including a spent deadline): redelivered after a backoff,
+        with a fresh budget. Anything else, unknown errors included, is
+        permanent (README: failures are classified): dead-letter it now."""
         if not isinstance(exc, PermanentError) and (isinstance(exc, _TRANSIENT) or classify(exc)):
-            self._left_pending(delivery, exc)
+            await self._defer(delivery, exc)
             return
         if not isinstance(exc, PermanentError | TransientError):
             self.log.warning("job.unclassified_error", job_id=delivery.job_id, error=_describe(exc))
         await self._dead_letter(delivery, "permanent", _describe(exc))
 
-    def _left_pending(self, delivery: Delivery, exc: BaseException) -> None:
+    async def _defer(self, delivery: Delivery, exc: BaseException) -> None:
+        """Out of the stream until a backoff has passed, counted per job across
+        deliveries; past ``job_max_age_s`` the job is dead instead, with the
+        error. A failure on a connection (a server restart) comes back within
+        a second the first time: the next try likely finds a fresh one."""
+        if delivery.lease_lost:
+            return
+        error = _describe(exc)
+        failures = int(delivery.fields.get("failures", "0")) + 1
+        accepted_at = float(delivery.fields.get("accepted_at") or delivery.fields["enqueued_at"])
+        age_s = time.time() - accepted_at
+        if age_s > self.config.job_max_age_s:
+            await self._dead_letter(delivery, "max_age", f"{age_s:.0f} s old; last error: {error}")
+            return
+        c = self.config
+        delay_s = backoff_s(failures, c.redelivery_base_s, c.redelivery_max_s)
+        if failures == 1 and isinstance(exc, _CONNECTION_LOST):
+            delay_s = min(delay_s, 1.0)
+        fields = {
+            **delivery.fields,
+            "failures": str(failures),
+            "accepted_at": f"{accepted_at:.6f}",
+            "last_error": error[:_ERROR_CHARS],
+        }
+        if not await self.stream.defer(
+            self.consumer, delivery.entry_id, delivery.job_id, delay_s, fields
+        ):
+            return  # another worker holds the entry now
         self.stats["transient"] += 1
         metrics.JOBS.labels(workflow=self.workflow, outcome="transient").inc()
         self.log.warning(
-            "job.left_pending",
+            "job.deferred",
             job_id=delivery.job_id,
-            entry_id=delivery.entry_id,
-            count=delivery.count,
-            error=_describe(exc),
+            failures=failures,
+            retry_in_s=round(delay_s, 3),
+            error=error,
         )
 
     async def _dead_letter(self, delivery: Delivery, reason: str, error: str) -> None:
@@ -296,7 +379,7 @@ class Worker:
             "original_id": delivery.entry_id,
             "reason": reason,
             "deliveries": str(delivery.count),
-            "last_error": error[:2000],
+            "last_error": error[:_ERROR_CHARS],
             "dead_at": f"{time.time():.3f}",
         }
         if await self.stream.dead_letter(self.consumer, delivery.entry_id, delivery.job_id, fields):
@@ -324,8 +407,12 @@ class Worker:
         interval = max(self.config.claim_idle_ms / 3000, 0.05)
         while True:
             await asyncio.sleep(interval)
-            with contextlib.suppress(redis.exceptions.RedisError):
+            try:
                 await self.renew_leases()
+            except redis.exceptions.RedisError as exc:
+                # Redis away: nobody can reclaim our entries either. The next
+                # round renews them; a lost lease is detected then.
+                self.log.warning("worker.renew_failed", error=_describe(exc))
 
     async def renew_leases(self) -> None:
         """Reset the idle time of our in-flight entries; mark the ones another
@@ -341,14 +428,28 @@ class Worker:
                 metrics.LEASES_LOST.labels(workflow=self.workflow).inc()
                 self.log.warning("worker.lease_lost", job_id=delivery.job_id, entry_id=entry_id)
 
+    # -- redelivery ----------------------------------------------------------------
+
+    async def _promote_forever(self) -> None:
+        """Put jobs whose backoff has passed back into the stream. Every worker
+        does it; the Lua call is atomic, so a job moves once."""
+        while True:
+            await asyncio.sleep(self.config.promote_every_s)
+            try:
+                await self.stream.promote_due()
+            except redis.exceptions.RedisError as exc:
+                self.log.warning("worker.redeliver_failed", error=_describe(exc))
+
     # -- trimming and shutdown --------------------------------------------------
 
     async def _trim_forever(self) -> None:
         while True:
             await asyncio.sleep(self.config.trim_every_s)
-            with contextlib.suppress(redis.exceptions.RedisError):
+            try:
                 await self.stream.trim()
                 await self.stream.forget_consumers(idle_ms=_FORGET_CONSUMER_AFTER_MS)
+            except redis.exceptions.RedisError as exc:
+                self.log.warning("worker.trim_failed", error=_describe(exc))
 
     async def _wait_for_slot(self) -> None:
         """Wait for a batch of free slots, not just one: at steady state a
@@ -374,6 +475,10 @@ class Worker:
         if late:
             await asyncio.wait(late)
             self.log.warning("worker.left_pending_on_shutdown", count=len(late))
+
+
+def _is_nogroup(exc: redis.exceptions.ResponseError) -> bool:
+    return str(exc).startswith("NOGROUP")
 
 
 def _describe(exc: BaseException) -> str:
