@@ -1,5 +1,5 @@
 """The fake model: an OpenAI-compatible chat endpoint whose faults are scripted
-by the prompt itself (DESIGN §6).
+by the prompt itself (README: "Tests").
 
 It answers an extractive summary of the last user message (its first two
 sentences; for a model whose name contains ``v2``, the first sentence only).
@@ -26,6 +26,9 @@ a job's fate is written in its own text and survives redeliveries:
 
 Without ``*N`` a fault applies to every call. Faults run in the order written:
 ``[[fake:503*2]] [[fake:429*1]]`` answers 503, 503, 429, then a summary.
+
+A whole-provider outage is switched by the test: ``POST /_outage {"fault":
+"503"}`` makes every call answer that fault until ``DELETE /_outage``.
 
 It must never be a benchmark's bottleneck: no middleware, no access log,
 directives parsed and answers worked out once per distinct prompt (and schema),
@@ -209,6 +212,9 @@ class FakeModel:
         self._fault_rate = fault_rate
         self._seed = seed
         self.in_flight = 0
+        # A provider outage: while set, every call answers this fault
+        # (``POST /_outage {"fault": "503"}``, ended by ``DELETE /_outage``).
+        self.outage: HttpFault | None = None
         self.reset()
 
     def reset(self) -> None:
@@ -249,7 +255,7 @@ class FakeModel:
         call = prompt.count  # read before sleeping: concurrent calls each get their number
         if prompt.sleep_s:
             await asyncio.sleep(prompt.sleep_s)
-        fault = self._random_fault() or prompt.fault_for(call)
+        fault = self.outage or self._random_fault() or prompt.fault_for(call)
         if fault == "badjson":
             content = _BAD_JSON if chat.schema is not None else _NOT_JSON
         elif fault is not None:
@@ -289,6 +295,17 @@ class FakeModel:
     async def reset_route(self, request: web.Request) -> web.Response:
         self.reset()
         return web.json_response({"reset": True})
+
+    async def start_outage(self, request: web.Request) -> web.Response:
+        fault = (await request.json()).get("fault", "503") if request.can_read_body else "503"
+        if fault not in _FAULTS:
+            return _error(400, f"fault must be one of {sorted(_FAULTS)}", "invalid_request_error")
+        self.outage = fault
+        return web.json_response({"outage": fault})
+
+    async def end_outage(self, request: web.Request) -> web.Response:
+        self.outage = None
+        return web.json_response({"outage": None})
 
 
 def _parse_request(raw: bytes) -> _ChatRequest | web.Response:
@@ -574,6 +591,8 @@ def make_app(
     app.router.add_post("/v1/chat/completions", model.chat_completions)
     app.router.add_get("/_calls", model.calls)
     app.router.add_post("/_reset", model.reset_route)
+    app.router.add_post("/_outage", model.start_outage)
+    app.router.add_delete("/_outage", model.end_outage)
     return app
 
 

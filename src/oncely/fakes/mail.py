@@ -1,5 +1,5 @@
-"""The fake mail provider (DESIGN §6): a real HTTP server that dedupes on
-``Idempotency-Key`` like a real email API, so tests can tell duplicates sent
+"""The fake mail and webhook provider (README: "Tests"): a real HTTP server
+that dedupes on ``Idempotency-Key`` like a real email API, so tests can tell duplicates sent
 (``requests``) from duplicates delivered (``effects``).
 
 Routes:

@@ -2,7 +2,7 @@
 the fake model) through the official ``openai`` SDK.
 
 The SDK runs on its aiohttp transport: it costs less than half the client CPU
-per call of the default one (DESIGN §6). Its own retries are off
+per call of the default one (bench/README.md). Its own retries are off
 (``max_retries=0``): ``oncely.retry`` owns the policy, and two retry layers
 would multiply each other's attempts.
 

@@ -1,4 +1,4 @@
-"""The outbox relay: lease due rows, send each, record what happened (DESIGN §5).
+"""The outbox relay: lease due rows, send each, record what happened.
 
 Delivery is at-least-once and the effect exactly-once: the row is marked sent
 only after the provider accepted it, and every resend (after a crash, a lost
@@ -283,7 +283,7 @@ class Relay:
         return await self.store.mark_sent_many(self.owner, sends)
 
     async def _failed(self, row: OutboxRow, exc: Exception) -> None:
-        """Unclassified errors are permanent (DESIGN §4), as in the worker."""
+        """Unclassified errors are permanent, as in the worker (README: failures are classified)."""
         error = _describe(exc)
         give_up = not classify(exc) or row.attempts >= self.config.max_attempts
         delay_s = 0.0 if give_up else self._retry_delay_s(row.attempts, exc)

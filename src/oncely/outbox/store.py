@@ -1,4 +1,4 @@
-"""The outbox table, as the relay and operators use it (DESIGN §5, §8).
+"""The outbox table, as the relay and operators use it (docs/architecture.md).
 
 Leases, not row locks, keep relays apart while a send runs: ``claim`` locks
 due rows only for the one statement that leases them, so a slow or hung

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import random
 import secrets
 import socket
 import time
@@ -107,6 +108,7 @@ class Worker:
         workflow: str,
         consumer: str | None = None,
         on_dead: Callable[[str, str], Awaitable[None]] | None = None,
+        rand: Callable[[], float] = random.random,
     ) -> None:
         self.stream = stream
         # The workflow this worker runs: a label on its metrics and logs.
@@ -114,6 +116,8 @@ class Worker:
         self.log = log.bind(workflow=workflow)
         # Called with (job id, reason) after a message was dead-lettered.
         self.on_dead = on_dead
+        # The backoff's jitter source (tests make it deterministic).
+        self.rand = rand
         self.handler = handler
         self.config = config
         self.consumer = consumer or consumer_name()
@@ -344,7 +348,7 @@ class Worker:
             await self._dead_letter(delivery, "max_age", f"{age_s:.0f} s old; last error: {error}")
             return
         c = self.config
-        delay_s = backoff_s(failures, c.redelivery_base_s, c.redelivery_max_s)
+        delay_s = backoff_s(failures, c.redelivery_base_s, c.redelivery_max_s, self.rand)
         if failures == 1 and isinstance(exc, _CONNECTION_LOST):
             delay_s = min(delay_s, 1.0)
         fields = {
