@@ -21,6 +21,7 @@ from redis.asyncio import Redis
 from oncely.app import App, load_app
 from oncely.jobs.handler import StepConfig, WorkflowHandler
 from oncely.jobs.reconcile import Reconciler
+from oncely.jobs.retention import Retention
 from oncely.jobs.store import Jobs
 from oncely.llm.base import LLM
 from oncely.llm.limiter import FleetLimiter, LimitedLLM, Limits
@@ -265,9 +266,9 @@ async def serve_api(settings: Settings, *, host: str, port: int) -> None:
 
 
 class WorkerGroup:
-    """One ``Worker`` and one ``Reconciler`` per workflow of the app, in one
-    process, under one task group: if any of them fails, the others stop and
-    the process exits with the error."""
+    """One ``Worker`` and one ``Reconciler`` per workflow of the app, and the
+    job retention, in one process under one task group: if any of them fails,
+    the others stop and the process exits with the error."""
 
     def __init__(self, app: App, res: Resources, llm: LLM) -> None:
         s = res.settings
@@ -286,10 +287,11 @@ class WorkerGroup:
             for w in app
         ]
         self.reconcilers = [Reconciler(self.jobs, w.name, after_s=s.reconcile_after_s) for w in app]
+        self.retention = Retention(self.jobs, retention_s=s.job_retention_s)
 
     @property
     def services(self) -> list[Service]:
-        return [*self.workers, *self.reconcilers]
+        return [*self.workers, *self.reconcilers, self.retention]
 
     async def run(self) -> None:
         async with asyncio.TaskGroup() as group:

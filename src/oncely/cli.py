@@ -33,6 +33,8 @@ dlq_app = typer.Typer(help="Dead letters: inspect and replay.", no_args_is_help=
 app.add_typer(dlq_app, name="dlq")
 outbox_app = typer.Typer(help="The outbox: notifications waiting or failed.", no_args_is_help=True)
 app.add_typer(outbox_app, name="outbox")
+tenants_app = typer.Typer(help="Tenants' data.", no_args_is_help=True)
+app.add_typer(tenants_app, name="tenants")
 
 err = Console(stderr=True)
 
@@ -338,6 +340,28 @@ def outbox_retry(
         err.print(f"[red]no failed or unsent row {row_id}[/red]")
         raise typer.Exit(1)
     err.print(f"scheduled {count} row(s) for sending")
+
+
+@tenants_app.command("erase")
+def tenants_erase(
+    tenant: Annotated[str, typer.Argument(help="The tenant whose data goes.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+) -> None:
+    """Delete every job, result, outbox row, queued message and API key of a tenant."""
+    import json
+
+    from oncely.ops import erase_tenant
+
+    if not tenant.strip():
+        err.print("[red]the tenant must not be empty[/red]")
+        raise typer.Exit(2)
+    counts = _run(erase_tenant(_settings(), tenant))
+    if as_json:
+        sys.stdout.write(json.dumps({"tenant": tenant, "deleted": counts}) + "\n")
+        return
+    for name, n in counts.items():
+        sys.stdout.write(f"{name}: {n}\n")
+    err.print(f"erased tenant [bold]{tenant}[/bold]")
 
 
 def main() -> None:

@@ -134,3 +134,16 @@ async def retry_outbox(settings: Settings, row_id: int | None) -> int:
         if row_id is None:
             return await store.retry_all_failed()
         return 1 if await store.retry(row_id) else 0
+
+
+async def erase_tenant(settings: Settings, tenant: str) -> dict[str, int]:
+    """Right to erasure: the tenant's jobs, results and outbox rows first (so a
+    step still running writes nothing), then its messages in every stream,
+    delayed set and dead-letter stream, then its API keys."""
+    from oncely.api.auth import erase_tenant_api_keys
+
+    async with _jobs(settings) as jobs:
+        counts = await jobs.erase_tenant(tenant)
+        counts["messages"] = sum([await s.erase_tenant(tenant) for s in jobs.streams.values()])
+        counts["api_keys"] = await erase_tenant_api_keys(jobs.pool, tenant)
+    return counts

@@ -56,6 +56,13 @@ async def tenant_for_key(pool: AsyncConnectionPool, key: str) -> str | None:
     return None if row is None else str(row[0])
 
 
+async def erase_tenant_api_keys(pool: AsyncConnectionPool, tenant: str) -> int:
+    """Delete every key of ``tenant`` (revoked or not); how many."""
+    async with pool.connection() as conn:
+        cur = await conn.execute(query("erase_tenant_api_keys"), (tenant,))
+    return max(cur.rowcount, 0)
+
+
 def api_key_tenant(pool: Callable[[], AsyncConnectionPool]) -> TenantDependency:
     """The default auth: ``Authorization: Bearer <api key>`` → its tenant."""
 

@@ -153,3 +153,27 @@ class Jobs:
         for kind, status, n in rows:
             counts.setdefault(kind, {"queued": 0, "done": 0, "dead": 0})[status] = int(n)
         return counts
+
+    # -- lifecycle ---------------------------------------------------------------
+
+    async def purge_finished(self, older_than_s: float, batch: int = 1000) -> int:
+        """Delete finished jobs (with results and outbox rows) last changed
+        more than ``older_than_s`` ago whose effects have all been sent,
+        ``batch`` per statement; how many jobs went."""
+        total = 0
+        while True:
+            async with self.pool.connection() as conn:
+                cur = await conn.execute(
+                    query("purge_finished_jobs"), {"age_s": older_than_s, "batch": batch}
+                )
+            total += max(cur.rowcount, 0)
+            if cur.rowcount < batch:
+                return total
+
+    async def erase_tenant(self, tenant: str) -> dict[str, int]:
+        """Every job, result and outbox row of ``tenant``; the counts deleted."""
+        async with self.pool.connection() as conn, conn.transaction():
+            cur = await conn.execute(query("erase_tenant_jobs"), {"tenant": tenant})
+            row = await cur.fetchone()
+        jobs, results, outbox = row if row is not None else (0, 0, 0)
+        return {"jobs": int(jobs), "results": int(results), "outbox": int(outbox)}

@@ -310,6 +310,39 @@ class Stream:
             ],
         )
 
+    async def erase_tenant(self, tenant: str, batch: int = 1000) -> int:
+        """Delete every message of ``tenant``: waiting or pending in the
+        stream, delayed, or dead. For erasure; how many went."""
+        erased = 0
+        for key in (self.stream, self.dead):
+            doomed: list[tuple[str, str]] = []
+            cursor = "-"
+            while True:
+                entries: Any = await self.redis.xrange(key, min=cursor, count=batch)
+                doomed += [
+                    (str(i), f.get("job_id", "")) for i, f in entries if f.get("tenant") == tenant
+                ]
+                if len(entries) < batch:
+                    break
+                cursor = "(" + str(entries[-1][0])
+            for entry_id, job_id in doomed:
+                async with self.redis.pipeline(transaction=True) as pipe:
+                    pipe.xdel(key, entry_id)
+                    if key == self.stream:
+                        pipe.xack(self.stream, self.group, entry_id)
+                        pipe.hdel(self.index, job_id)
+                    await pipe.execute()
+            erased += len(doomed)
+        async for job_id, raw in self.redis.hscan_iter(self.keys.delayed_messages):
+            if json.loads(raw).get("tenant") == tenant:
+                async with self.redis.pipeline(transaction=True) as pipe:
+                    pipe.zrem(self.keys.delayed, job_id)
+                    pipe.hdel(self.keys.delayed_messages, job_id)
+                    pipe.hdel(self.index, job_id)
+                    await pipe.execute()
+                erased += 1
+        return erased
+
     async def take_reconcile_turn(self, ttl_ms: int) -> bool:
         """True for the one process (fleet-wide) that reconciles for ``ttl_ms``."""
         return bool(await self.redis.set(self.keys.reconcile_lock, "1", nx=True, px=ttl_ms))

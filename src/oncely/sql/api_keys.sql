@@ -11,3 +11,5 @@ RETURNING tenant
 -- name: tenant_for_key
 SELECT tenant FROM api_keys WHERE key_hash = %s AND revoked_at IS NULL
 
+-- name: erase_tenant_api_keys
+DELETE FROM api_keys WHERE tenant = %s

@@ -23,8 +23,11 @@ SELECT job_id FROM results WHERE job_id = ANY(%s::uuid[])
 -- after the commit, coalesced per worker: a NOTIFY inside every transaction
 -- would serialise commits on the notification queue's lock.
 WITH result AS (
+    -- Only for a job that still exists (`oncely tenants erase` may have
+    -- removed it while its step ran): then nothing is written.
     INSERT INTO results (job_id, result, usage)
-    VALUES (%(job_id)s, %(result)s, %(usage)s)
+    SELECT %(job_id)s, %(result)s, %(usage)s
+     WHERE EXISTS (SELECT 1 FROM jobs WHERE job_id = %(job_id)s)
     ON CONFLICT (job_id) DO NOTHING
     RETURNING job_id
 ), outbox_rows AS (
@@ -59,3 +62,42 @@ UPDATE jobs SET status = 'queued', error = NULL, updated_at = now()
 
 -- name: jobs_by_kind_and_status
 SELECT kind, status, count(*) FROM jobs GROUP BY kind, status
+
+-- name: purge_finished_jobs
+-- Retention, one bounded batch per statement: finished jobs last changed
+-- before the cut-off whose effects have all left (no unsent outbox row),
+-- with their results and outbox rows. SKIP LOCKED: passes running side by
+-- side take different rows. The foreign key from results is checked at the
+-- end of the statement, after both deletes.
+WITH old AS MATERIALIZED (
+    SELECT job_id FROM jobs j
+     WHERE status IN ('done', 'dead')
+       AND updated_at < now() - make_interval(secs => %(age_s)s)
+       AND NOT EXISTS (
+           SELECT 1 FROM outbox o WHERE o.job_id = j.job_id AND o.sent_at IS NULL
+       )
+     ORDER BY updated_at
+     LIMIT %(batch)s
+       FOR UPDATE SKIP LOCKED
+), outbox_rows AS (
+    DELETE FROM outbox o USING old WHERE o.job_id = old.job_id
+), result_rows AS (
+    DELETE FROM results r USING old WHERE r.job_id = old.job_id
+)
+DELETE FROM jobs j USING old WHERE j.job_id = old.job_id
+
+-- name: erase_tenant_jobs
+-- Right to erasure: every job of the tenant, its result and its outbox rows,
+-- whatever their state. Returns the counts.
+WITH gone_jobs AS (
+    SELECT job_id FROM jobs WHERE tenant = %(tenant)s FOR UPDATE
+), outbox_rows AS (
+    DELETE FROM outbox o USING gone_jobs g WHERE o.job_id = g.job_id RETURNING o.id
+), result_rows AS (
+    DELETE FROM results r USING gone_jobs g WHERE r.job_id = g.job_id RETURNING r.job_id
+), job_rows AS (
+    DELETE FROM jobs j USING gone_jobs g WHERE j.job_id = g.job_id RETURNING j.job_id
+)
+SELECT (SELECT count(*) FROM job_rows) AS jobs,
+       (SELECT count(*) FROM result_rows) AS results,
+       (SELECT count(*) FROM outbox_rows) AS outbox

@@ -1,0 +1,121 @@
+"""Data lifecycle: retention purges only what is old and delivered; erasure
+removes every trace of one tenant and touches no other."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import uuid
+from typing import Any
+
+from oncely.api.auth import create_api_key
+from oncely.jobs.retention import Retention
+from oncely.jobs.store import Job
+from oncely.workflow import Emitted
+
+DAY_S = 86400.0
+
+
+async def finished(jobs, pool, tenant: str, *, status: str, age_days: float, sent: bool) -> str:
+    """A job of ``tenant`` finished ``age_days`` ago, with a result and an
+    outbox row (sent or not); a dead job has neither."""
+    job_id = str(uuid.uuid4())
+    await jobs.accept(Job(job_id, tenant, "triage", {"subject": "s", "body": "b"}))
+    if status == "done":
+        row = Emitted("ticket.triaged", {"job_id": job_id}, f"ticket_triaged:{job_id}")
+        assert await jobs.finish("triage", job_id, {"category": "bug"}, None, [row])
+    else:
+        await jobs.mark_dead(job_id, "permanent: 400")
+    async with pool.connection() as conn:
+        await conn.execute(
+            "UPDATE jobs SET updated_at = now() - make_interval(days => %s) WHERE job_id = %s",
+            (age_days, job_id),
+        )
+        if sent:
+            await conn.execute("UPDATE outbox SET sent_at = now() WHERE job_id = %s", (job_id,))
+    return job_id
+
+
+async def ids(pool, sql: str, *args: Any) -> set[str]:
+    async with pool.connection() as conn:
+        return {str(r[0]) for r in await (await conn.execute(sql, args)).fetchall()}
+
+
+async def test_retention_purges_only_old_finished_jobs_whose_effects_left(jobs, pool):
+    old_done = await finished(jobs, pool, "acme", status="done", age_days=40, sent=True)
+    old_dead = await finished(jobs, pool, "acme", status="dead", age_days=40, sent=False)
+    unsent = await finished(jobs, pool, "acme", status="done", age_days=40, sent=False)
+    recent = await finished(jobs, pool, "acme", status="done", age_days=10, sent=True)
+    queued = str(uuid.uuid4())
+    await jobs.accept(Job(queued, "acme", "triage", {"subject": "s", "body": "b"}))
+    async with pool.connection() as conn:
+        await conn.execute("UPDATE jobs SET created_at = now() - interval '40 days'")
+
+    purged = await Retention(jobs, retention_s=30 * DAY_S, batch=1).run_once()
+
+    assert purged == 2
+    assert await ids(pool, "SELECT job_id FROM jobs") == {unsent, recent, queued}
+    assert await ids(pool, "SELECT job_id FROM results") == {unsent, recent}
+    assert await ids(pool, "SELECT job_id FROM outbox") == {unsent, recent}
+    assert old_done not in await ids(pool, "SELECT job_id FROM outbox")
+    assert old_dead not in await ids(pool, "SELECT job_id FROM jobs")
+
+
+def oncely(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "oncely", *args],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+async def test_erasing_a_tenant_leaves_nothing_of_it_and_touches_no_other(
+    jobs, pool, redis, redis_url, database_url
+):
+    stream = jobs.streams["triage"]
+    await stream.ensure_group()
+    for tenant in ("acme", "globex"):
+        await finished(jobs, pool, tenant, status="done", age_days=1, sent=True)
+        await create_api_key(pool, tenant)
+        queued = str(uuid.uuid4())
+        await jobs.accept(Job(queued, tenant, "triage", {"subject": tenant, "body": "waits"}))
+        dead = str(uuid.uuid4())
+        await jobs.accept(Job(dead, tenant, "triage", {"subject": tenant, "body": "dies"}))
+        delayed = str(uuid.uuid4())
+        await jobs.accept(Job(delayed, tenant, "triage", {"subject": tenant, "body": "later"}))
+    # Two of each tenant's messages leave the stream: one dead, one delayed.
+    entries = await stream.read_new("c1", 100, 10)
+    for entry_id, fields in entries:
+        if fields["payload"].endswith('"dies"}'):
+            assert await stream.dead_letter("c1", entry_id, fields["job_id"], fields)
+        elif fields["payload"].endswith('"later"}'):
+            assert await stream.defer("c1", entry_id, fields["job_id"], 600, fields)
+
+    env = {"ONCELY_REDIS_URL": redis_url, "ONCELY_DATABASE_URL": database_url}
+    erased = await asyncio.to_thread(oncely, "tenants", "erase", "acme", "--json", env=env)
+    # acme's messages: four in the stream (trimming would drop the acknowledged
+    # ones later, erasure does not wait), one dead letter, one delayed.
+
+    assert erased.returncode == 0, erased.stderr
+    report = json.loads(erased.stdout)
+    assert report == {
+        "tenant": "acme",
+        "deleted": {"jobs": 4, "results": 1, "outbox": 1, "messages": 6, "api_keys": 1},
+    }
+    for table in ("jobs", "api_keys"):
+        assert await ids(pool, f"SELECT DISTINCT tenant FROM {table}") == {"globex"}
+    assert await ids(pool, "SELECT count(*) FROM results") == {"1"}
+    assert await ids(pool, "SELECT count(*) FROM outbox") == {"1"}
+    left: list[dict[str, str]] = []
+    for key in (stream.stream, stream.dead):
+        left += [f for _, f in await redis.xrange(key)]
+    left += [json.loads(v) for v in (await redis.hgetall(stream.keys.delayed_messages)).values()]
+    assert {f["tenant"] for f in left} == {"globex"}
+    # Every message of globex stays: its four entries in the stream (acknowledged
+    # or not, until trimmed), its dead letter and its delayed message.
+    assert len(left) == 6
