@@ -119,3 +119,22 @@ def test_a_wrong_app_or_workflow_is_one_readable_line_and_exit_code_2(redis_url,
     unknown = oncely("worker", "--workflow", "refunds", env=env)
     assert unknown.returncode == 2
     assert "no workflow ['refunds']" in unknown.stderr
+
+
+def test_migrate_check_and_processes_refuse_a_schema_behind_or_ahead(
+    empty_database_url, redis_url
+):
+    env = {"ONCELY_REDIS_URL": redis_url, "ONCELY_DATABASE_URL": empty_database_url}
+    behind = oncely("migrate", "--check", env=env)
+    assert behind.returncode == 1 and "pending" in behind.stderr
+    worker = oncely("worker", env=env)
+    assert worker.returncode == 1
+    assert "run `oncely migrate`" in worker.stderr and "Traceback" not in worker.stderr
+
+    assert oncely("migrate", env=env).returncode == 0
+    assert oncely("migrate", "--check", env=env).returncode == 0
+    with psycopg.connect(empty_database_url, autocommit=True) as conn:
+        conn.execute("INSERT INTO oncely_migrations (version, name) VALUES (999, 'future')")
+    relay = oncely("relay", env=env)
+    assert relay.returncode == 1 and "upgrade oncely" in relay.stderr
+    assert oncely("migrate", "--check", env=env).returncode == 1

@@ -35,6 +35,7 @@ from oncely.retry import RetryPolicy
 from oncely.senders import EffectRouter, SendersConfig, build_router
 from oncely.services import Service
 from oncely.settings import Settings
+from oncely.sql.migrate import SchemaMismatch, schema_state
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -174,6 +175,15 @@ async def open_resources(settings: Settings) -> AsyncIterator[Resources]:
         await redis.aclose()
 
 
+async def require_current_schema(res: Resources) -> None:
+    """Long-running processes refuse a database that is behind or ahead of
+    this code (one readable line; ``oncely migrate`` first when upgrading)."""
+    async with res.pool.connection() as conn:
+        problem = (await schema_state(conn)).problem()
+    if problem:
+        raise SchemaMismatch(problem)
+
+
 def jobs_for(app: App, res: Resources) -> Jobs:
     return Jobs(res.pool, {w.name: Stream(res.redis, w.keys) for w in app})
 
@@ -306,6 +316,7 @@ class WorkerGroup:
 async def run_worker(settings: Settings, workflows: list[str] | None = None) -> None:
     app = app_from(settings, workflows)
     async with open_resources(settings) as res, connect_llm(settings) as llm:
+        await require_current_schema(res)
         group = WorkerGroup(app, res, llm)
         with stop_on_signals(group.stop):
             await group.run()
@@ -329,6 +340,7 @@ def build_relay(app: App, res: Resources) -> tuple[Relay, EffectRouter]:
 async def run_relay(settings: Settings) -> None:
     app = app_from(settings)
     async with open_resources(settings) as res:
+        await require_current_schema(res)
         relay, router = build_relay(app, res)
         try:
             with stop_on_signals(relay.stop):

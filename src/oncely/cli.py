@@ -79,8 +79,12 @@ def _run(coro: Coroutine[Any, Any, T]) -> T:
     import redis.exceptions
     import uvloop
 
+    from oncely.sql.migrate import SchemaMismatch
+
     try:
         return uvloop.run(coro)
+    except SchemaMismatch as exc:
+        err.print(f"[red]{exc}[/red]")
     except (psycopg.OperationalError, psycopg_pool.PoolTimeout) as exc:
         err.print(f"[red]PostgreSQL did not answer:[/red] {exc}")
     except redis.exceptions.ConnectionError as exc:
@@ -128,12 +132,24 @@ def _workflows(settings: Settings, names: list[str] | None) -> list[str]:
 
 
 @app.command()
-def migrate() -> None:
+def migrate(
+    check: Annotated[
+        bool, typer.Option("--check", help="Change nothing; exit 1 if migrations are pending.")
+    ] = False,
+) -> None:
     """Apply pending database migrations (safe to run from many processes at once)."""
     from oncely.bootstrap import require_urls
+    from oncely.sql.migrate import check_schema
     from oncely.sql.migrate import migrate as run_migrations
 
     _, database_url = require_urls(_settings())
+    if check:
+        problem = _run(check_schema(database_url)).problem()
+        if problem:
+            err.print(f"[red]{problem}[/red]")
+            raise typer.Exit(1)
+        err.print("the database schema is current")
+        return
     applied = _run(run_migrations(database_url))
     err.print(f"applied {len(applied)} migration(s)" + (f": {applied}" if applied else ""))
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from importlib import resources
+from typing import Any
 
 import psycopg
 import structlog
@@ -54,3 +55,47 @@ async def migrate(conninfo: str) -> list[int]:
             applied.append(migration.version)
             log.info("migrate.applied", version=migration.version, name=migration.name)
     return applied
+
+
+@dataclass(frozen=True)
+class SchemaState:
+    """Which migrations this code has that the database lacks, and the other way."""
+
+    pending: list[int]
+    unknown: list[int]
+
+    @property
+    def current(self) -> bool:
+        return not self.pending and not self.unknown
+
+    def problem(self) -> str | None:
+        """One readable line when the code and the database disagree."""
+        if self.unknown:
+            return (
+                f"the database has migrations this code does not know ({self.unknown}): "
+                "upgrade oncely"
+            )
+        if self.pending:
+            return f"the database schema is behind ({self.pending} pending): run `oncely migrate`"
+        return None
+
+
+class SchemaMismatch(Exception):
+    """A process refuses to start against a database that is behind or ahead."""
+
+
+async def schema_state(conn: psycopg.AsyncConnection[Any]) -> SchemaState:
+    """Compare the applied migrations with this code's (nothing applied: all pending)."""
+    cur = await conn.execute(query("migrations_table_exists"))
+    row = await cur.fetchone()
+    done: set[int] = set()
+    if row is not None and row[0]:
+        cur = await conn.execute(query("applied_migrations"))
+        done = {int(r[0]) for r in await cur.fetchall()}
+    known = {m.version for m in available()}
+    return SchemaState(pending=sorted(known - done), unknown=sorted(done - known))
+
+
+async def check_schema(conninfo: str) -> SchemaState:
+    async with await psycopg.AsyncConnection.connect(conninfo) as conn:
+        return await schema_state(conn)

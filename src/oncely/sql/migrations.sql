@@ -13,3 +13,5 @@ SELECT version FROM oncely_migrations ORDER BY version
 -- name: record_migration
 INSERT INTO oncely_migrations (version, name) VALUES (%s, %s)
 
+-- name: migrations_table_exists
+SELECT to_regclass('oncely_migrations') IS NOT NULL
