@@ -7,6 +7,7 @@ component takes a config dataclass, mapped here in one place.
 from __future__ import annotations
 
 import asyncio
+import math
 import signal
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
@@ -15,10 +16,15 @@ from typing import TYPE_CHECKING
 
 import structlog
 import uvicorn
+from psycopg import conninfo
 from psycopg_pool import AsyncConnectionPool
 from redis.asyncio import Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from oncely.app import App, load_app
+from oncely.health import HealthConfig, HealthServer
 from oncely.jobs.handler import StepConfig, WorkflowHandler
 from oncely.jobs.reconcile import Reconciler
 from oncely.jobs.retention import Retention
@@ -33,7 +39,7 @@ from oncely.queue.stream import Stream
 from oncely.queue.worker import Worker, WorkerConfig
 from oncely.retry import RetryPolicy
 from oncely.senders import EffectRouter, SendersConfig, build_router
-from oncely.services import Service
+from oncely.services import Progress, Service
 from oncely.settings import Settings
 from oncely.sql.migrate import SchemaMismatch, schema_state
 
@@ -56,6 +62,8 @@ def api_config(s: Settings) -> ApiConfig:
         lock_ttl_s=s.idempotency_lock_ttl_s,
         result_ttl_s=s.idempotency_result_ttl_s,
         max_body_bytes=s.max_body_bytes,
+        max_hold_s=s.idempotency_max_hold_s,
+        statement_timeout_s=client_bounds(s).statement_timeout_s,
     )
 
 
@@ -148,26 +156,85 @@ def require_urls(settings: Settings) -> tuple[str, str]:
     return settings.redis_url, settings.database_url
 
 
-def make_redis(url: str) -> Redis:
-    return Redis.from_url(url, decode_responses=True, health_check_interval=30)
+@dataclass(frozen=True)
+class ClientBounds:
+    """How long a process waits on its servers (README: Failure model)."""
+
+    # Every Redis command (the socket timeout): a frozen Redis is an error
+    # after this long, never a hang.
+    redis_timeout_s: float
+    # Connecting to Redis or PostgreSQL; also the longest wait for a free
+    # pooled PostgreSQL connection.
+    connect_timeout_s: float
+    # Every SQL statement: on the server (statement_timeout) and on the
+    # client (a frozen server enforces nothing).
+    statement_timeout_s: float
+
+
+def client_bounds(s: Settings) -> ClientBounds:
+    if s.block_ms / 1000 >= s.redis_timeout_s:
+        # A blocking XREADGROUP must answer before the socket gives up on it.
+        raise SystemExit(
+            f"ONCELY_BLOCK_MS ({s.block_ms}) must be below ONCELY_REDIS_TIMEOUT_S "
+            f"({s.redis_timeout_s:g} s)"
+        )
+    return ClientBounds(s.redis_timeout_s, s.connect_timeout_s, s.pg_statement_timeout_s)
+
+
+def make_redis(url: str, *, timeout_s: float = 5.0, connect_timeout_s: float = 5.0) -> Redis:
+    """A Redis client whose every command answers within ``timeout_s`` (else
+    ``redis.exceptions.TimeoutError``). A command that met a broken
+    connection (a server restarted under a pooled one) is retried once at
+    once on a new connection; a timeout is not retried: that would double
+    the bound."""
+    return Redis.from_url(
+        url,
+        decode_responses=True,
+        health_check_interval=30,
+        socket_timeout=timeout_s,
+        socket_connect_timeout=connect_timeout_s,
+        retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
+    )
+
+
+def postgres_pool(database_url: str, s: Settings) -> AsyncConnectionPool:
+    bounds = client_bounds(s)
+    params = conninfo.conninfo_to_dict(database_url)
+    statement_timeout = f"-c statement_timeout={int(bounds.statement_timeout_s * 1000)}"
+    options = f"{params.get('options') or ''} {statement_timeout}".strip()
+    return AsyncConnectionPool(
+        database_url,
+        min_size=s.pg_pool_min,
+        max_size=s.pg_pool_max,
+        open=False,
+        # The longest wait for a free connection: a request fails fast when
+        # the pool has none (server down or frozen) instead of queueing.
+        timeout=bounds.connect_timeout_s,
+        # Give up replacing a lost connection after a second; the pool grows
+        # again on demand, so a returning server serves at once instead of
+        # after a backoff of many seconds.
+        reconnect_timeout=1.0,
+        kwargs={
+            # Each statement commits on its own unless code opens
+            # ``conn.transaction()``: no BEGIN/COMMIT round trips for single
+            # statements, which is every hot-path write.
+            "autocommit": True,
+            # libpq counts whole seconds, at least 2.
+            "connect_timeout": max(2, math.ceil(bounds.connect_timeout_s)),
+            "options": options,
+        },
+    )
 
 
 @asynccontextmanager
 async def open_resources(settings: Settings) -> AsyncIterator[Resources]:
     redis_url, database_url = require_urls(settings)
-    redis = make_redis(redis_url)
-    pool = AsyncConnectionPool(
-        database_url,
-        min_size=settings.pg_pool_min,
-        max_size=settings.pg_pool_max,
-        open=False,
-        timeout=10,
-        # Each statement commits on its own unless code opens
-        # ``conn.transaction()``: no BEGIN/COMMIT round trips for single
-        # statements, which is every hot-path write.
-        kwargs={"autocommit": True},
+    bounds = client_bounds(settings)
+    redis = make_redis(
+        redis_url, timeout_s=bounds.redis_timeout_s, connect_timeout_s=bounds.connect_timeout_s
     )
-    await pool.open(wait=True, timeout=10)
+    pool = postgres_pool(database_url, settings)
+    await pool.open(wait=True, timeout=max(10, bounds.connect_timeout_s))
     try:
         yield Resources(settings, redis, pool)
     finally:
@@ -318,8 +385,32 @@ async def run_worker(settings: Settings, workflows: list[str] | None = None) -> 
     async with open_resources(settings) as res, connect_llm(settings) as llm:
         await require_current_schema(res)
         group = WorkerGroup(app, res, llm)
-        with stop_on_signals(group.stop):
-            await group.run()
+        health = health_server(
+            res, list(group.jobs.streams.values()), [w.progress for w in group.workers]
+        )
+        await run_services(group, *([health] if health else []))
+
+
+def health_server(
+    res: Resources, streams: list[Stream], loops: list[Progress]
+) -> HealthServer | None:
+    """``/metrics``, ``/healthz``, ``/readyz`` on ``ONCELY_METRICS_PORT``, if set."""
+    s = res.settings
+    if s.metrics_port is None:
+        return None
+    # A loop may wait for a free slot as long as a handler may run.
+    stale_after_s = max(60.0, s.job_budget_s + s.job_grace_s + 30)
+    config = HealthConfig(port=s.metrics_port, stale_after_s=stale_after_s)
+    return HealthServer(config, redis=res.redis, pool=res.pool, streams=streams, loops=loops)
+
+
+async def run_services(*services: Service) -> None:
+    """Run services side by side until SIGTERM/SIGINT stops them all; one that
+    fails stops the others and the process."""
+    with stop_on_signals(*(s.stop for s in services)):
+        async with asyncio.TaskGroup() as group:
+            for service in services:
+                group.create_task(service.run())
 
 
 # -- the relay --------------------------------------------------------------------
@@ -342,9 +433,9 @@ async def run_relay(settings: Settings) -> None:
     async with open_resources(settings) as res:
         await require_current_schema(res)
         relay, router = build_relay(app, res)
+        health = health_server(res, list(jobs_for(app, res).streams.values()), [relay.progress])
         try:
-            with stop_on_signals(relay.stop):
-                await relay.run()
+            await run_services(relay, *([health] if health else []))
         finally:
             await router.aclose()
 

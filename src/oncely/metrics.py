@@ -55,3 +55,38 @@ OUTBOX_LAG = Histogram(
     "Outbox row creation to successful send",
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
 )
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+JOB_SECONDS = Histogram(
+    "oncely_job_seconds",
+    "One delivery of a job, from handler start to its outcome",
+    ["workflow"],
+    buckets=_LATENCY_BUCKETS,
+)
+MODEL_CALL_SECONDS = Histogram(
+    "oncely_model_call_seconds",
+    "One model call attempt, by workflow and model",
+    ["workflow", "model"],
+    buckets=_LATENCY_BUCKETS,
+)
+
+# Backlog, read from Redis and PostgreSQL when /metrics is scraped.
+STREAM_LENGTH = Gauge("oncely_stream_length", "Entries in the workflow's stream", ["workflow"])
+STREAM_PENDING = Gauge(
+    "oncely_stream_pending", "Entries delivered and not yet acknowledged", ["workflow"]
+)
+STREAM_OLDEST_PENDING_AGE = Gauge(
+    "oncely_stream_oldest_pending_age_seconds",
+    "Age of the oldest unacknowledged entry (0 when none)",
+    ["workflow"],
+)
+DELAYED_JOBS = Gauge("oncely_delayed_jobs", "Jobs waiting out a redelivery backoff", ["workflow"])
+DEAD_LETTER_BACKLOG = Gauge(
+    "oncely_dead_letter_entries", "Entries in the dead-letter stream", ["workflow"]
+)
+OUTBOX_UNSENT = Gauge("oncely_outbox_unsent", "Outbox rows not yet sent (not failed)")
+OUTBOX_FAILED = Gauge("oncely_outbox_failed", "Outbox rows that gave up")
+OUTBOX_OLDEST_UNSENT_AGE = Gauge(
+    "oncely_outbox_oldest_unsent_age_seconds", "Age of the oldest unsent outbox row (0 when none)"
+)

@@ -22,6 +22,7 @@ LLM_TPM = "oncely:limiter:llm:tpm"
 class WorkflowKeys:
     """The Redis keys of one workflow."""
 
+    workflow: str
     stream: str
     dead: str
     # job_id -> stream entry id of every message not yet acknowledged; the
@@ -39,6 +40,7 @@ class WorkflowKeys:
 def workflow_keys(workflow: str, group: str) -> WorkflowKeys:
     tag = f"oncely:{{{workflow}}}"
     return WorkflowKeys(
+        workflow=workflow,
         stream=f"{tag}:stream",
         dead=f"{tag}:dead",
         index=f"{tag}:index",

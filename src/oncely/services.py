@@ -11,10 +11,25 @@ exit, for a supervisor to restart. Nothing fails silently.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 import structlog
+
+
+class Progress:
+    """When a service's loop last went round (monotonic): what ``/healthz``
+    reads to tell a live process from a wedged one."""
+
+    def __init__(self) -> None:
+        self.at = time.monotonic()
+
+    def tick(self) -> None:
+        self.at = time.monotonic()
+
+    def age_s(self) -> float:
+        return time.monotonic() - self.at
 
 
 class Service(Protocol):

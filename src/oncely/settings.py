@@ -122,7 +122,9 @@ class Settings(BaseSettings):
     # Finished jobs, their results and sent outbox rows older than this are deleted.
     job_retention_s: float = Field(30 * 86400.0, gt=0)
 
-    # Processes.
+    # Processes. With a metrics port, worker and relay serve /metrics,
+    # /healthz and /readyz on it.
+    metrics_port: int | None = Field(None, ge=1, le=65535)
     log_format: Literal["console", "json"] = "json"
     log_level: str = "INFO"
     pg_pool_min: int = Field(2, ge=1)

@@ -29,6 +29,7 @@ class Status:
                 w.workflow: {
                     "stream_length": w.stream.length,
                     "pending": w.stream.pending,
+                    "oldest_pending_age_s": round(w.stream.oldest_pending_age_s, 3),
                     "delayed": w.stream.delayed,
                     "dead_letters": w.stream.dead_letters,
                     "consumers": [asdict(c) for c in w.stream.consumers],

@@ -12,17 +12,24 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
 import structlog
-from prometheus_client import Counter
+from prometheus_client import Counter, Histogram
 from pydantic import BaseModel, ValidationError
 
 from oncely.errors import PermanentError
 from oncely.llm.base import LLM, Completion, Message, ResponseSchema
-from oncely.metrics import MODEL_CALLS, MODEL_INVALID_OUTPUTS, MODEL_RETRIES, MODEL_TOKENS
+from oncely.metrics import (
+    MODEL_CALL_SECONDS,
+    MODEL_CALLS,
+    MODEL_INVALID_OUTPUTS,
+    MODEL_RETRIES,
+    MODEL_TOKENS,
+)
 from oncely.retry import Deadline, RetryEvent, RetryPolicy, call_with_retries, classify
 
 M = TypeVar("M", bound=BaseModel)
@@ -115,11 +122,14 @@ class Model:
 
         async def attempt(timeout_s: float) -> Completion:
             self.usage.model_calls += 1
+            started = time.monotonic()
             try:
                 completion = await self._llm.complete(messages, timeout_s, schema=schema)
             except (Exception, asyncio.CancelledError) as exc:
                 self._meters.failed(exc).inc()
                 raise
+            finally:
+                self._meters.seconds.observe(time.monotonic() - started)
             self._meters.calls_ok.inc()
             self._add_usage(completion)
             return completion
@@ -178,6 +188,7 @@ class _Meters:
     prompt_tokens: Counter
     completion_tokens: Counter
     invalid_outputs: Counter
+    seconds: Histogram
 
     def failed(self, exc: BaseException) -> Counter:
         """The outcome child for a failed attempt. One cut off by its wall-clock
@@ -204,4 +215,5 @@ def _meters(workflow: str, model: str) -> _Meters:
         prompt_tokens=tokens("prompt"),
         completion_tokens=tokens("completion"),
         invalid_outputs=MODEL_INVALID_OUTPUTS.labels(workflow=workflow, model=model),
+        seconds=MODEL_CALL_SECONDS.labels(workflow=workflow, model=model),
     )

@@ -30,7 +30,7 @@ from oncely.errors import PermanentError, TransientError
 from oncely.outbox.store import OutboxRow, OutboxStore
 from oncely.retry import backoff_s, classify, retry_after_s
 from oncely.senders.base import Sender, SendResult
-from oncely.services import supervised
+from oncely.services import Progress, supervised
 from oncely.sql import query
 
 log = structlog.get_logger("oncely.relay")
@@ -119,6 +119,8 @@ class Relay:
         self.rand = rand
         # Set while the listener's LISTEN is in place (tests wait for it).
         self.listening = asyncio.Event()
+        # Ticks whenever the loop goes round or a send ends (``/healthz``).
+        self.progress = Progress()
         self.stats: dict[str, int] = {
             "sent": 0,
             "failed": 0,
@@ -176,8 +178,10 @@ class Relay:
         def finished(task: asyncio.Task[None]) -> None:
             in_flight.discard(task)
             self._slot_freed.set()
+            self.progress.tick()
 
         while not self._stopping.is_set():
+            self.progress.tick()
             free = self.config.concurrency - len(in_flight)
             if free < wanted:
                 self._slot_freed.clear()

@@ -102,6 +102,8 @@ class Consumer:
 class StreamStats:
     length: int
     pending: int
+    # Since the oldest unacknowledged entry was added (0 when none).
+    oldest_pending_age_s: float
     # Jobs waiting out a redelivery backoff.
     delayed: int
     dead_letters: int
@@ -300,9 +302,11 @@ class Stream:
         await self.ensure_group()
         pending: Any = await self.redis.xpending(self.stream, self.group)
         consumers: Any = await self.redis.xinfo_consumers(self.stream, self.group)
+        oldest = str(pending["min"]) if pending["pending"] else None
         return StreamStats(
             length=int(await self.redis.xlen(self.stream)),
             pending=int(pending["pending"]),
+            oldest_pending_age_s=0.0 if oldest is None else _age_s(oldest),
             delayed=int(await self.redis.zcard(self.keys.delayed)),
             dead_letters=int(await self.redis.xlen(self.dead)),
             consumers=[
@@ -359,6 +363,11 @@ class Stream:
             for entry_id in entry_ids:
                 pipe.xrange(self.stream, min=entry_id, max=entry_id)
             return [bool(found) for found in await pipe.execute()]
+
+
+def _age_s(entry_id: str) -> float:
+    """Seconds since an entry id's millisecond timestamp."""
+    return max(0.0, time.time() - _id_key(entry_id)[0] / 1000)
 
 
 def _id_key(entry_id: str) -> tuple[int, int]:

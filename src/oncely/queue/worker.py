@@ -27,7 +27,7 @@ from oncely.batching import GroupCommit
 from oncely.errors import DeadlineExceeded, PermanentError, TransientError
 from oncely.queue.stream import Entry, JobMessage, Stream
 from oncely.retry import backoff_s, classify
-from oncely.services import supervised
+from oncely.services import Progress, supervised
 
 log = structlog.get_logger("oncely.worker")
 
@@ -118,6 +118,9 @@ class Worker:
         self.on_dead = on_dead
         # The backoff's jitter source (tests make it deterministic).
         self.rand = rand
+        # Ticks whenever the loop goes round or a handler ends (``/healthz``).
+        self.progress = Progress()
+        self._job_seconds = metrics.JOB_SECONDS.labels(workflow=workflow)
         self.handler = handler
         self.config = config
         self.consumer = consumer or consumer_name()
@@ -168,6 +171,7 @@ class Worker:
     async def _loop(self) -> None:
         pause = _MIN_PAUSE_S
         while not self._stopping.is_set():
+            self.progress.tick()
             await self._wait_for_slot()
             if self._stopping.is_set():
                 return
@@ -268,14 +272,17 @@ class Worker:
         task.add_done_callback(lambda _: self._finished(delivery.entry_id))
 
     def _finished(self, entry_id: str) -> None:
+        self.progress.tick()
         self._tasks.pop(entry_id, None)
         self._deliveries.pop(entry_id, None)
         metrics.HANDLERS_IN_FLIGHT.labels(workflow=self.workflow).dec()
         self._slot_free.set()
 
     async def _handle(self, delivery: Delivery) -> None:
+        started = time.monotonic()
         try:
             await self._process(delivery)
+            self._job_seconds.observe(time.monotonic() - started)
         except Exception as exc:
             # Acknowledging, deferring or dead-lettering failed (Redis or the
             # job row unavailable). Committed effects stay committed; the entry
