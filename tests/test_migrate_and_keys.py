@@ -68,7 +68,7 @@ async def test_keys_create_prints_only_the_key_and_stores_only_its_hash(
         await client.get("/v1/summaries/00000000-0000-4000-8000-000000000000", headers=auth)
     ).status_code == 401
     again = await asyncio.to_thread(oncely, "keys", "revoke", key, env=env)
-    assert again.returncode == 1
+    assert again.returncode == 3, "not found"
     assert "no such active key" in again.stderr
 
 
@@ -105,7 +105,48 @@ async def test_operator_commands_show_and_retry_a_failed_outbox_row(redis_url, d
     status = await asyncio.to_thread(oncely, "status", "--json", env=env)
     assert json.loads(status.stdout)["outbox"]["failed"] == 0
     unknown = await asyncio.to_thread(oncely, "outbox", "retry", "999999", env=env)
-    assert unknown.returncode == 1
+    assert unknown.returncode == 3, "not found"
+
+
+async def test_operator_commands_answer_json_dry_runs_and_exit_codes(redis_url, database_url, pool):
+    async with pool.connection() as conn:
+        for key in ("summary_ready:first-failed-row-with-a-long-id", "summary_ready:second"):
+            await conn.execute(
+                "INSERT INTO outbox (topic, dedupe_key, payload, attempts, last_error, failed_at)"
+                " VALUES ('email.summary_ready', %s, '{}', 10, 'HTTP 503', now())",
+                (key,),
+            )
+    env = {"ONCELY_REDIS_URL": redis_url, "ONCELY_DATABASE_URL": database_url, "COLUMNS": "60"}
+
+    listed = await asyncio.to_thread(oncely, "outbox", "list", "--failed", env=env)
+    assert "summary_ready:first-failed-row-with-a-long-id" in listed.stdout, "ids are never cut"
+    rows = json.loads((await asyncio.to_thread(oncely, "outbox", "list", "--json", env=env)).stdout)
+    assert [r["state"] for r in rows] == ["failed", "failed"]
+    dry = await asyncio.to_thread(
+        oncely, "outbox", "retry", "--all-failed", "--dry-run", "--json", env=env
+    )
+    assert json.loads(dry.stdout) == {"dry_run": True, "scheduled": [r["id"] for r in rows]}
+    async with pool.connection() as conn:
+        still = await (
+            await conn.execute("SELECT count(*) FROM outbox WHERE failed_at IS NOT NULL")
+        ).fetchone()
+    assert still == (2,), "a dry run changes nothing"
+    done = await asyncio.to_thread(oncely, "outbox", "retry", "--all-failed", "--json", env=env)
+    assert sorted(json.loads(done.stdout)["scheduled"]) == sorted(r["id"] for r in rows)
+    replay = await asyncio.to_thread(oncely, "dlq", "replay", "--all", "--json", env=env)
+    assert json.loads(replay.stdout) == {"dry_run": False, "replayed": []}
+    missing = await asyncio.to_thread(oncely, "dlq", "replay", "1-0", env=env)
+    assert missing.returncode == 3
+    usage = await asyncio.to_thread(oncely, "dlq", "replay", env=env)
+    assert usage.returncode == 2
+    down = await asyncio.to_thread(
+        oncely,
+        "status",
+        env={"ONCELY_REDIS_URL": "redis://127.0.0.1:9", **{"ONCELY_DATABASE_URL": database_url}},
+    )
+    assert down.returncode == 69 and "did not answer" in down.stderr
+    version = await asyncio.to_thread(oncely, "--version", env=env)
+    assert version.returncode == 0 and version.stdout.startswith("oncely ")
 
 
 def test_a_wrong_app_or_workflow_is_one_readable_line_and_exit_code_2(redis_url, database_url):
@@ -121,9 +162,7 @@ def test_a_wrong_app_or_workflow_is_one_readable_line_and_exit_code_2(redis_url,
     assert "no workflow ['refunds']" in unknown.stderr
 
 
-def test_migrate_check_and_processes_refuse_a_schema_behind_or_ahead(
-    empty_database_url, redis_url
-):
+def test_migrate_check_and_processes_refuse_a_schema_behind_or_ahead(empty_database_url, redis_url):
     env = {"ONCELY_REDIS_URL": redis_url, "ONCELY_DATABASE_URL": empty_database_url}
     behind = oncely("migrate", "--check", env=env)
     assert behind.returncode == 1 and "pending" in behind.stderr

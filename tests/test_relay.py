@@ -529,7 +529,7 @@ async def test_counts_and_retry_all_failed_for_operators(
 
     await store.claim(uuid.uuid4(), 10, 30)
     assert (await store.counts()).in_flight == 1
-    assert await store.retry_all_failed() == 1
+    assert len(await store.retry_all_failed()) == 1
     counts = await store.counts()
     assert (counts.unsent, counts.failed) == (2, 0)
     row = await store.get(failed)

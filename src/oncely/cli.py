@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import sys
 from collections.abc import Coroutine
 from pathlib import Path
@@ -38,8 +39,25 @@ app.add_typer(tenants_app, name="tenants")
 
 err = Console(stderr=True)
 
+# Exit codes every command keeps (scripts rely on them): 2 is typer's usage
+# error; 69 is sysexits' EX_UNAVAILABLE.
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_NOT_FOUND = 3
+EXIT_UNAVAILABLE = 69
+JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable output on stdout.")]
+DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Show what would be done; do nothing.")]
+
 # Set by the --app option before any command runs.
 _chosen_app: str | None = None
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from oncely import __version__
+
+        typer.echo(f"oncely {__version__}")
+        raise typer.Exit()
 
 
 @app.callback()
@@ -53,6 +71,12 @@ def _main(
             help="The app to serve, as module:attribute (default oncely.builtin:app).",
         ),
     ] = None,
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", callback=_print_version, is_eager=True, help="Print the version."
+        ),
+    ] = False,
 ) -> None:
     """oncely: exactly-once effects for LLM steps in business workflows."""
     global _chosen_app
@@ -85,11 +109,16 @@ def _run(coro: Coroutine[Any, Any, T]) -> T:
         return uvloop.run(coro)
     except SchemaMismatch as exc:
         err.print(f"[red]{exc}[/red]")
+        raise typer.Exit(EXIT_FAILED) from None
     except (psycopg.OperationalError, psycopg_pool.PoolTimeout) as exc:
         err.print(f"[red]PostgreSQL did not answer:[/red] {exc}")
-    except redis.exceptions.ConnectionError as exc:
+    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
         err.print(f"[red]Redis did not answer:[/red] {exc}")
-    raise typer.Exit(1)
+    raise typer.Exit(EXIT_UNAVAILABLE)
+
+
+def _print_json(value: Any) -> None:
+    sys.stdout.write(json.dumps(value, indent=2, default=str) + "\n")
 
 
 def _settings(**overrides: Any) -> Settings:
@@ -99,7 +128,7 @@ def _settings(**overrides: Any) -> Settings:
         for error in exc.errors():
             name = "ONCELY_" + "_".join(str(part) for part in error["loc"]).upper()
             err.print(f"[red]{name}[/red]: {error['msg']} (got {error.get('input')!r})")
-        raise typer.Exit(2) from None
+        raise typer.Exit(EXIT_USAGE) from None
     if _chosen_app:
         overrides["app"] = _chosen_app
     if overrides:
@@ -117,7 +146,7 @@ def _check_app(settings: Settings) -> None:
         load_app(settings.app)
     except ValueError as exc:
         err.print(f"[red]--app / ONCELY_APP[/red]: {exc}")
-        raise typer.Exit(2) from None
+        raise typer.Exit(EXIT_USAGE) from None
 
 
 def _workflows(settings: Settings, names: list[str] | None) -> list[str]:
@@ -127,7 +156,7 @@ def _workflows(settings: Settings, names: list[str] | None) -> list[str]:
     unknown = [n for n in names or [] if n not in known]
     if unknown:
         err.print(f"[red]--workflow[/red]: no workflow {unknown} in {settings.app} (has {known})")
-        raise typer.Exit(2)
+        raise typer.Exit(EXIT_USAGE)
     return names or []
 
 
@@ -147,7 +176,7 @@ def migrate(
         problem = _run(check_schema(database_url)).problem()
         if problem:
             err.print(f"[red]{problem}[/red]")
-            raise typer.Exit(1)
+            raise typer.Exit(EXIT_FAILED)
         err.print("the database schema is current")
         return
     applied = _run(run_migrations(database_url))
@@ -250,7 +279,7 @@ def keys_create(
 
     if not tenant.strip():
         err.print("[red]--tenant must not be empty[/red]")
-        raise typer.Exit(2)
+        raise typer.Exit(EXIT_USAGE)
     key = _run(create_key(_settings(), tenant))
     err.print(f"created a key for tenant [bold]{tenant}[/bold]; it is shown only now")
     sys.stdout.write(key + "\n")
@@ -264,7 +293,7 @@ def keys_revoke(key: Annotated[str, typer.Argument(help="The key to revoke.")]) 
     tenant = _run(revoke_key(_settings(), key))
     if tenant is None:
         err.print("[red]no such active key[/red]")
-        raise typer.Exit(1)
+        raise typer.Exit(EXIT_NOT_FOUND)
     err.print(f"revoked a key of tenant [bold]{tenant}[/bold]")
 
 
@@ -282,7 +311,7 @@ def dev(
 
 @app.command()
 def status(
-    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+    as_json: JsonOpt = False,
 ) -> None:
     """Per workflow: stream, pending, consumers, dead letters, jobs; and the outbox."""
     from oncely.ops import show_status
@@ -294,7 +323,7 @@ def status(
 def dlq_list(
     limit: Annotated[int, typer.Option(help="How many per workflow, newest first.")] = 50,
     workflow: Annotated[str | None, typer.Option("--workflow", "-w", help="Only this one.")] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+    as_json: JsonOpt = False,
 ) -> None:
     """List dead letters with their workflow, reason, delivery count and last error."""
     from oncely.ops import show_dead_letters
@@ -309,71 +338,92 @@ def dlq_replay(
     dead_id: Annotated[str | None, typer.Argument(help="The dead letter's id.")] = None,
     replay_all: Annotated[bool, typer.Option("--all", help="Replay every dead letter.")] = False,
     workflow: Annotated[str | None, typer.Option("--workflow", "-w", help="Only this one.")] = None,
+    dry_run: DryRunOpt = False,
+    as_json: JsonOpt = False,
 ) -> None:
     """Put dead letters back in their stream (the job becomes queued again)."""
     from oncely.ops import AmbiguousDeadLetter, replay_dead_letters
 
     if (dead_id is None) == (not replay_all):
         err.print("[red]give one dead letter id, or --all[/red]")
-        raise typer.Exit(2)
+        raise typer.Exit(EXIT_USAGE)
+    if dry_run and not replay_all:
+        err.print("[red]--dry-run goes with --all[/red]")
+        raise typer.Exit(EXIT_USAGE)
     settings = _settings()
     _workflows(settings, [workflow] if workflow else None)
     try:
-        count = _run(replay_dead_letters(settings, dead_id, workflow=workflow))
+        replayed = _run(replay_dead_letters(settings, dead_id, workflow=workflow, dry_run=dry_run))
     except AmbiguousDeadLetter as exc:
         err.print(f"[red]{exc}[/red]")
-        raise typer.Exit(2) from None
-    if dead_id is not None and count == 0:
+        raise typer.Exit(EXIT_USAGE) from None
+    if dead_id is not None and not replayed:
         err.print(f"[red]no dead letter {dead_id}[/red]")
-        raise typer.Exit(1)
-    err.print(f"replayed {count} dead letter(s)")
+        raise typer.Exit(EXIT_NOT_FOUND)
+    verb = "would replay" if dry_run else "replayed"
+    if as_json:
+        _print_json({"dry_run": dry_run, "replayed": replayed})
+    else:
+        for item in replayed:
+            sys.stdout.write(f"{verb} {item['workflow']} job {item['job_id']}\n")
+    err.print(f"{verb} {len(replayed)} dead letter(s)")
 
 
 @outbox_app.command("list")
 def outbox_list(
     failed: Annotated[bool, typer.Option("--failed", help="Only rows that gave up.")] = False,
     limit: Annotated[int, typer.Option(help="How many rows.")] = 50,
+    as_json: JsonOpt = False,
 ) -> None:
     """List outbox rows not yet sent (or, with --failed, the ones that gave up)."""
     from oncely.ops import show_outbox
 
-    _run(show_outbox(_settings(), failed_only=failed, limit=limit))
+    _run(show_outbox(_settings(), failed_only=failed, limit=limit, as_json=as_json))
 
 
 @outbox_app.command("retry")
 def outbox_retry(
     row_id: Annotated[int | None, typer.Argument(help="The outbox row id.")] = None,
     all_failed: Annotated[bool, typer.Option("--all-failed", help="Every failed row.")] = False,
+    dry_run: DryRunOpt = False,
+    as_json: JsonOpt = False,
 ) -> None:
     """Send failed rows again (attempts reset)."""
     from oncely.ops import retry_outbox
 
     if (row_id is None) == (not all_failed):
         err.print("[red]give one row id, or --all-failed[/red]")
-        raise typer.Exit(2)
-    count = _run(retry_outbox(_settings(), row_id))
-    if row_id is not None and count == 0:
-        err.print(f"[red]no failed or unsent row {row_id}[/red]")
-        raise typer.Exit(1)
-    err.print(f"scheduled {count} row(s) for sending")
+        raise typer.Exit(EXIT_USAGE)
+    if dry_run and not all_failed:
+        err.print("[red]--dry-run goes with --all-failed[/red]")
+        raise typer.Exit(EXIT_USAGE)
+    ids = _run(retry_outbox(_settings(), row_id, dry_run=dry_run))
+    if row_id is not None and not ids:
+        err.print(f"[red]no failed row {row_id}[/red]")
+        raise typer.Exit(EXIT_NOT_FOUND)
+    verb = "would schedule" if dry_run else "scheduled"
+    if as_json:
+        _print_json({"dry_run": dry_run, "scheduled": ids})
+    else:
+        for row in ids:
+            sys.stdout.write(f"{verb} outbox row {row}\n")
+    err.print(f"{verb} {len(ids)} row(s) for sending")
 
 
 @tenants_app.command("erase")
 def tenants_erase(
     tenant: Annotated[str, typer.Argument(help="The tenant whose data goes.")],
-    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+    as_json: JsonOpt = False,
 ) -> None:
     """Delete every job, result, outbox row, queued message and API key of a tenant."""
-    import json
-
     from oncely.ops import erase_tenant
 
     if not tenant.strip():
         err.print("[red]the tenant must not be empty[/red]")
-        raise typer.Exit(2)
+        raise typer.Exit(EXIT_USAGE)
     counts = _run(erase_tenant(_settings(), tenant))
     if as_json:
-        sys.stdout.write(json.dumps({"tenant": tenant, "deleted": counts}) + "\n")
+        _print_json({"tenant": tenant, "deleted": counts})
         return
     for name, n in counts.items():
         sys.stdout.write(f"{name}: {n}\n")

@@ -17,7 +17,7 @@ from oncely.app import App
 from oncely.bootstrap import app_from, jobs_for, open_resources
 from oncely.jobs import dead_letters
 from oncely.jobs.store import Jobs
-from oncely.outbox.store import OutboxStore
+from oncely.outbox.store import OutboxRow, OutboxStore
 from oncely.settings import Settings
 from oncely.status import read_status
 
@@ -77,8 +77,7 @@ async def show_dead_letters(
         print(json.dumps(rows, indent=2))
         return
     table = Table(title=f"dead letters ({len(letters)} shown, newest first per workflow)")
-    for column in ("workflow", "id", "job"):
-        table.add_column(column, no_wrap=True)
+    _id_columns(table, ("workflow", "id", "job"), [(n, d.dead_id, d.job_id) for n, d in letters])
     for column in ("reason", "deliveries", "dead at", "last error"):
         table.add_column(column, overflow="fold")
     for name, d in letters:
@@ -92,11 +91,22 @@ class AmbiguousDeadLetter(Exception):
 
 
 async def replay_dead_letters(
-    settings: Settings, dead_id: str | None, *, workflow: str | None
-) -> int:
+    settings: Settings, dead_id: str | None, *, workflow: str | None, dry_run: bool = False
+) -> list[dict[str, str]]:
+    """Replay one dead letter (or all); what was (or, dry, would be) replayed."""
     async with _jobs(settings, [workflow] if workflow else None) as jobs:
         if dead_id is None:
-            return sum([len(await dead_letters.replay_all(jobs, name)) for name in jobs.streams])
+            if dry_run:
+                return [
+                    {"workflow": name, "dead_id": d.dead_id, "job_id": d.job_id}
+                    for name in jobs.streams
+                    for d in await dead_letters.list_dead(jobs, name, 100_000)
+                ]
+            return [
+                {"workflow": name, "job_id": job_id}
+                for name in jobs.streams
+                for job_id in await dead_letters.replay_all(jobs, name)
+            ]
         owners = [
             name
             for name, stream in jobs.streams.items()
@@ -105,35 +115,60 @@ async def replay_dead_letters(
         if len(owners) > 1:
             raise AmbiguousDeadLetter(f"{dead_id} is a dead letter of {owners}; add --workflow")
         if not owners:
-            return 0
-        return 0 if await dead_letters.replay(jobs, owners[0], dead_id) is None else 1
+            return []
+        job_id = await dead_letters.replay(jobs, owners[0], dead_id)
+        return [] if job_id is None else [{"workflow": owners[0], "job_id": job_id}]
 
 
-async def show_outbox(settings: Settings, *, failed_only: bool, limit: int) -> None:
+async def show_outbox(
+    settings: Settings, *, failed_only: bool, limit: int, as_json: bool = False
+) -> None:
     async with open_resources(settings) as res:
         rows = await OutboxStore(res.pool).list(failed_only=failed_only, limit=limit)
+    if as_json:
+        fields = ("id", "topic", "dedupe_key", "attempts", "last_error", "age_s")
+        items = [{f: getattr(r, f) for f in fields} | {"state": _state(r)} for r in rows]
+        print(json.dumps(items, indent=2))
+        return
     title = "failed outbox rows" if failed_only else "unsent outbox rows"
     table = Table(title=f"{title} ({len(rows)} shown)")
-    for column in ("id", "topic", "dedupe key", "attempts", "state", "last error"):
+    _id_columns(table, ("id", "dedupe key"), [(str(r.id), r.dedupe_key) for r in rows])
+    for column in ("topic", "attempts", "state", "last error"):
         table.add_column(column, overflow="fold")
-    now = time.time()
     for r in rows:
-        if r.failed_at is not None:
-            state = "failed"
-        elif r.locked_until is not None and r.locked_until.timestamp() > now:
-            state = "sending"
-        else:
-            state = "waiting"
-        table.add_row(str(r.id), r.topic, r.dedupe_key, str(r.attempts), state, r.last_error or "")
+        table.add_row(
+            str(r.id), r.dedupe_key, r.topic, str(r.attempts), _state(r), r.last_error or ""
+        )
     out.print(table)
 
 
-async def retry_outbox(settings: Settings, row_id: int | None) -> int:
+def _state(row: OutboxRow) -> str:
+    if row.failed_at is not None:
+        return "failed"
+    if row.locked_until is not None and row.locked_until.timestamp() > time.time():
+        return "sending"
+    return "waiting"
+
+
+def _id_columns(table: Table, names: tuple[str, ...], values: list[tuple[str, ...]]) -> None:
+    """Columns that are never cut or wrapped: ids are for copying. The other
+    columns wrap instead."""
+    for i, name in enumerate(names):
+        width = max([len(name), *(len(v[i]) for v in values)])
+        table.add_column(name, no_wrap=True, min_width=width)
+
+
+async def retry_outbox(
+    settings: Settings, row_id: int | None, *, dry_run: bool = False
+) -> list[int]:
+    """Failed rows back to sending: one, or all; their ids (dry: would be)."""
     async with open_resources(settings) as res:
         store = OutboxStore(res.pool)
         if row_id is None:
+            if dry_run:
+                return [r.id for r in await store.list(failed_only=True, limit=1_000_000)]
             return await store.retry_all_failed()
-        return 1 if await store.retry(row_id) else 0
+        return [row_id] if await store.retry(row_id) else []
 
 
 async def erase_tenant(settings: Settings, tenant: str) -> dict[str, int]:

@@ -133,12 +133,14 @@ class OutboxStore:
                 await conn.execute(query("notify_outbox"))
         return retried
 
-    async def retry_all_failed(self) -> int:
+    async def retry_all_failed(self) -> builtins.list[int]:
+        """Every failed row back to sending; their ids."""
         async with self.pool.connection() as conn, conn.transaction():
             cur = await conn.execute(query("outbox_retry_all_failed"))
-            if cur.rowcount > 0:
+            ids = [int(row[0]) for row in await cur.fetchall()]
+            if ids:
                 await conn.execute(query("notify_outbox"))
-        return max(cur.rowcount, 0)
+        return ids
 
     async def delete_sent_before(self, age_s: float, batch: int = 1000) -> int:
         """Delete rows sent more than ``age_s`` ago, ``batch`` per transaction; how many went."""

@@ -87,6 +87,7 @@ UPDATE outbox
    SET failed_at = NULL, attempts = 0, next_attempt_at = now(),
        locked_until = NULL, locked_by = NULL
  WHERE failed_at IS NOT NULL
+RETURNING id
 
 -- name: outbox_delete_sent_before
 -- A bounded batch per transaction, so retention never holds many row locks
