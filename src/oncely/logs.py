@@ -1,31 +1,64 @@
-"""structlog, configured once per process (console in dev, JSON otherwise)."""
+"""Logging, configured once per process: structlog's events and every
+standard-library record (uvicorn, asyncio, psycopg, …) through one renderer,
+console in dev and JSON otherwise, with the current trace's ids when
+OpenTelemetry is installed and a span is active."""
 
 from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import MutableMapping
+from typing import Any
 
 import structlog
+
+from oncely import tracing
+
+
+def add_trace_ids(_: Any, __: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+    """``trace_id``/``span_id`` of the active span, so logs and traces join."""
+    ids = tracing.current_ids()
+    if ids is not None:
+        event.setdefault("trace_id", ids[0])
+        event.setdefault("span_id", ids[1])
+    return event
 
 
 def configure_logging(fmt: str = "json", level: str = "INFO") -> None:
     renderer: structlog.types.Processor = (
         structlog.dev.ConsoleRenderer() if fmt == "console" else structlog.processors.JSONRenderer()
     )
+    threshold = logging.getLevelNamesMapping().get(level.upper(), logging.INFO)
+    shared: list[structlog.types.Processor] = [
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+        add_trace_ids,
+    ]
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            *shared,
             structlog.processors.format_exc_info,
             renderer,
         ],
-        wrapper_class=structlog.make_filtering_bound_logger(
-            logging.getLevelNamesMapping().get(level.upper(), logging.INFO)
-        ),
+        wrapper_class=structlog.make_filtering_bound_logger(threshold),
         logger_factory=structlog.PrintLoggerFactory(sys.stderr),
         cache_logger_on_first_use=True,
     )
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            processors=[
+                structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+                structlog.processors.format_exc_info,
+                renderer,
+            ],
+            foreign_pre_chain=[structlog.stdlib.add_logger_name, *shared],
+        )
+    )
+    root = logging.getLogger()
+    root.handlers = [handler]
+    root.setLevel(threshold)
     # psycopg-pool logs every failed connection attempt; the caller reports
     # the outcome once, readably.
     logging.getLogger("psycopg.pool").setLevel(logging.CRITICAL)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from pydantic import BaseModel, ValidationError
 
+from oncely import tracing
 from oncely.errors import PermanentError
 from oncely.jobs.store import Jobs
 from oncely.llm.base import LLM
@@ -60,6 +61,19 @@ class WorkflowHandler:
         self.wake_relay = wake_relay
 
     async def __call__(self, message: JobMessage, delivery: Delivery) -> str:
+        with tracing.span(
+            f"oncely.job {self.workflow.name}",
+            parent=message.traceparent,
+            kind="consumer",
+            attributes={
+                "oncely.workflow": self.workflow.name,
+                "oncely.job_id": message.job_id,
+                "oncely.delivery": delivery.count,
+            },
+        ):
+            return await self._run(message, delivery)
+
+    async def _run(self, message: JobMessage, delivery: Delivery) -> str:
         if await self.jobs.result_stored(message.job_id):
             return "duplicate"
         try:
@@ -68,13 +82,14 @@ class WorkflowHandler:
             raise PermanentError(f"stored request no longer validates: {_short(exc)}") from exc
         ctx = Context(self.workflow, message.job_id, message.tenant, self._model(), delivery.count)
         result = self._checked(await self.workflow.step(request, ctx))
-        stored = await self.jobs.finish(
-            self.workflow.name,
-            message.job_id,
-            result.model_dump(mode="json"),
-            ctx.model.usage.to_json(),
-            ctx.emitted,
-        )
+        with tracing.span("oncely.store_result", attributes={"oncely.effects": len(ctx.emitted)}):
+            stored = await self.jobs.finish(
+                self.workflow.name,
+                message.job_id,
+                result.model_dump(mode="json"),
+                ctx.model.usage.to_json(),
+                ctx.emitted,
+            )
         if not stored:
             return "duplicate"
         if ctx.emitted:

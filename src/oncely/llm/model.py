@@ -21,6 +21,7 @@ import structlog
 from prometheus_client import Counter, Histogram
 from pydantic import BaseModel, ValidationError
 
+from oncely import tracing
 from oncely.errors import PermanentError
 from oncely.llm.base import LLM, Completion, Message, ResponseSchema
 from oncely.metrics import (
@@ -88,6 +89,7 @@ class Model:
         self._deadline = deadline
         self._invalid_output_retries = invalid_output_retries
         self._meters = _meters(workflow, model_name)
+        self._model_name = model_name
 
     async def complete(self, user: str, *, system: str | None = None) -> str:
         """The model's answer to ``user`` (after ``system``, when given)."""
@@ -123,13 +125,26 @@ class Model:
         async def attempt(timeout_s: float) -> Completion:
             self.usage.model_calls += 1
             started = time.monotonic()
-            try:
-                completion = await self._llm.complete(messages, timeout_s, schema=schema)
-            except (Exception, asyncio.CancelledError) as exc:
-                self._meters.failed(exc).inc()
-                raise
-            finally:
-                self._meters.seconds.observe(time.monotonic() - started)
+            # GenAI semantic conventions: one client span per attempt.
+            with tracing.span(
+                f"chat {self._model_name}",
+                kind="client",
+                attributes={
+                    "gen_ai.operation.name": "chat",
+                    "gen_ai.request.model": self._model_name,
+                    "oncely.attempt": self.usage.model_calls,
+                },
+            ) as span:
+                try:
+                    completion = await self._llm.complete(messages, timeout_s, schema=schema)
+                except (Exception, asyncio.CancelledError) as exc:
+                    self._meters.failed(exc).inc()
+                    raise
+                finally:
+                    self._meters.seconds.observe(time.monotonic() - started)
+                if span is not None:
+                    span.set_attribute("gen_ai.usage.input_tokens", completion.prompt_tokens)
+                    span.set_attribute("gen_ai.usage.output_tokens", completion.completion_tokens)
             self._meters.calls_ok.inc()
             self._add_usage(completion)
             return completion

@@ -22,6 +22,7 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
+from oncely import tracing
 from oncely.names import WorkflowKeys
 from oncely.queue import scripts
 
@@ -31,10 +32,15 @@ DELAYED = "delayed"
 
 Entry = tuple[str, dict[str, str]]
 
-# KEYS[1] stream, KEYS[2] index; ARGV: job_id, tenant, payload, enqueued_at
+# KEYS[1] stream, KEYS[2] index; ARGV: job_id, tenant, payload, enqueued_at,
+# then traceparent (may be empty: not added).
 _ENQUEUE = """
-local id = redis.call('XADD', KEYS[1], '*', 'job_id', ARGV[1], 'tenant', ARGV[2],
-                      'payload', ARGV[3], 'enqueued_at', ARGV[4])
+local fields = {'job_id', ARGV[1], 'tenant', ARGV[2], 'payload', ARGV[3], 'enqueued_at', ARGV[4]}
+if ARGV[5] ~= '' then
+  fields[#fields + 1] = 'traceparent'
+  fields[#fields + 1] = ARGV[5]
+end
+local id = redis.call('XADD', KEYS[1], '*', unpack(fields))
 redis.call('HSET', KEYS[2], ARGV[1], id)
 return id
 """
@@ -46,10 +52,12 @@ class JobMessage:
     tenant: str
     payload: dict[str, Any]
     enqueued_at: float
+    # W3C trace context of whoever enqueued it (the POST's span), if traced.
+    traceparent: str | None = None
 
     @classmethod
     def new(cls, job_id: str, tenant: str, payload: dict[str, Any]) -> JobMessage:
-        return cls(job_id, tenant, payload, time.time())
+        return cls(job_id, tenant, payload, time.time(), tracing.traceparent())
 
     @classmethod
     def from_fields(cls, fields: dict[str, str]) -> JobMessage:
@@ -58,6 +66,7 @@ class JobMessage:
             tenant=fields["tenant"],
             payload=json.loads(fields["payload"]),
             enqueued_at=float(fields["enqueued_at"]),
+            traceparent=fields.get("traceparent"),
         )
 
 
@@ -136,6 +145,7 @@ class Stream:
             message.tenant,
             json.dumps(message.payload, separators=(",", ":")),
             f"{message.enqueued_at:.6f}",
+            message.traceparent or "",
         ]
         entry_id = await self._enqueue(keys=[self.stream, self.index], args=args)
         return str(entry_id)
