@@ -39,6 +39,18 @@ def start_command(args: list[str], env: dict[str, str], log: Path) -> subprocess
     )
 
 
+def oncely(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """Run ``oncely <args>`` to completion from the repository root; its output."""
+    return subprocess.run(
+        [sys.executable, "-m", "oncely", *args],
+        env={**os.environ, **env},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
 def tail(log: Path, chars: int = 3000) -> str:
     return log.read_text()[-chars:]
 

@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import subprocess
-import sys
 import uuid
 from typing import Any
 
@@ -15,6 +12,7 @@ from oncely.api.auth import create_api_key
 from oncely.jobs.retention import Retention
 from oncely.jobs.store import Job
 from oncely.workflow import Emitted
+from tests.processes import oncely
 
 DAY_S = 86400.0
 
@@ -62,16 +60,6 @@ async def test_retention_purges_only_old_finished_jobs_whose_effects_left(jobs, 
     assert await ids(pool, "SELECT job_id FROM outbox") == {unsent, recent}
     assert old_done not in await ids(pool, "SELECT job_id FROM outbox")
     assert old_dead not in await ids(pool, "SELECT job_id FROM jobs")
-
-
-def oncely(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "oncely", *args],
-        env={**os.environ, **env},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
 
 
 async def test_erasing_a_tenant_leaves_nothing_of_it_and_touches_no_other(

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import subprocess
-import sys
 
 import psycopg
 import pytest
 
 from oncely.sql.migrate import available, migrate
+from tests.processes import oncely
 
 
 @pytest.fixture
@@ -31,16 +29,6 @@ async def test_concurrent_migrators_apply_each_migration_once(empty_database_url
         cur = await conn.execute("SELECT version FROM oncely_migrations ORDER BY version")
         assert [r[0] for r in await cur.fetchall()] == versions
     assert await migrate(empty_database_url) == [], "a second run has nothing to do"
-
-
-def oncely(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "oncely", *args],
-        env={**os.environ, **env},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
 
 
 async def test_keys_create_prints_only_the_key_and_stores_only_its_hash(

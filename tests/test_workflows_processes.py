@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +16,7 @@ from oncely.api.auth import create_api_key
 from oncely.fakes.llm import FakeLLMServer
 from oncely.fakes.mail import FakeMailServer
 from oncely.senders.webhook import verify
-from tests.processes import ROOT, free_port, running, start, wait_for, wait_healthy
+from tests.processes import free_port, oncely, running, start, wait_for, wait_healthy
 
 pytestmark = pytest.mark.slow
 
@@ -55,17 +52,6 @@ async def scalar(pool, sql: str, *args: Any) -> Any:
     async with pool.connection() as conn:
         row = await (await conn.execute(sql, args)).fetchone()
     return row[0] if row else None
-
-
-def oncely(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "oncely", *args],
-        env={**os.environ, **env},
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
 
 
 def processes(env: dict[str, str], tmp_path: Path, port: int, app: str | None = None):
