@@ -1,0 +1,60 @@
+"""A client for oncely's HTTP API that keeps the idempotency contract for you.
+
+``Client`` (blocking) and ``AsyncClient`` (asyncio), both on httpx::
+
+    with Client("https://oncely.example", api_key) as oncely:
+        accepted = oncely.submit("/v1/triage", {"subject": ..., "body": ...})
+        job = oncely.wait("/v1/triage", accepted.job_id, timeout_s=60, result_type=Triage)
+
+- ``submit`` makes an idempotency key unless given one and sends that key on
+  every retry, so a request the server accepted before the connection broke
+  is accepted once. It retries connection errors, timeouts, 408, 409, 429
+  and 5xx with full-jitter backoff, never sooner than ``Retry-After``, until
+  ``deadline_s``; anything else raises at once.
+- ``get`` reads a job; ``wait`` reads it until it is done or dead.
+- Errors are typed from the problem+json ``type``; each carries ``status``,
+  ``type``, ``title``, ``detail`` and, from ``submit``, the idempotency key.
+  The API key is never logged or put in a message.
+
+The policy is written once, without I/O (``calls``, ``policy``); the two
+clients only perform its steps.
+"""
+
+from oncely.client.aio import AsyncClient
+from oncely.client.errors import (
+    BadRequest,
+    DeadlineExceeded,
+    KeyReused,
+    NotFound,
+    OncelyClientError,
+    PayloadTooLarge,
+    Unauthorized,
+    Unavailable,
+    UnexpectedResponse,
+    ValidationFailed,
+    WaitTimedOut,
+)
+from oncely.client.jobs import Accepted, Job, Usage
+from oncely.client.policy import Backoff, retry_delay_s
+from oncely.client.sync import Client
+
+__all__ = [
+    "Accepted",
+    "AsyncClient",
+    "Backoff",
+    "BadRequest",
+    "Client",
+    "DeadlineExceeded",
+    "Job",
+    "KeyReused",
+    "NotFound",
+    "OncelyClientError",
+    "PayloadTooLarge",
+    "Unauthorized",
+    "Unavailable",
+    "UnexpectedResponse",
+    "Usage",
+    "ValidationFailed",
+    "WaitTimedOut",
+    "retry_delay_s",
+]

@@ -1,0 +1,144 @@
+"""``AsyncClient``: the asyncio client, driving ``oncely.client.calls``."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Mapping
+from types import TracebackType
+from typing import Any, TypeVar, overload
+
+import httpx
+from pydantic import BaseModel
+
+from oncely.client import calls
+from oncely.client.calls import Outcome, Plan, Send, Sleep
+from oncely.client.jobs import Accepted, Job
+from oncely.client.policy import (
+    POLL_BACKOFF,
+    RETRIED_TRANSPORT_ERRORS,
+    RETRY_BACKOFF,
+    Backoff,
+    Policy,
+)
+from oncely.client.sync import USER_AGENT
+
+T = TypeVar("T")
+M = TypeVar("M", bound=BaseModel)
+
+
+class AsyncClient:
+    """oncely's HTTP API for asyncio code (see ``oncely.client``); the same
+    calls, arguments and errors as ``Client``.
+
+    ``http``: an ``httpx.AsyncClient`` of yours (left open on ``aclose``);
+    ``transport``: for the client this one creates otherwise (tests).
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        api_key: str,
+        *,
+        timeout: float = 10.0,
+        deadline_s: float = 60.0,
+        backoff: Backoff = RETRY_BACKOFF,
+        poll: Backoff = POLL_BACKOFF,
+        http: httpx.AsyncClient | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        if http is not None and transport is not None:
+            raise ValueError("pass an httpx.AsyncClient or a transport, not both")
+        self.policy = Policy(timeout_s=timeout, deadline_s=deadline_s, retry=backoff, poll=poll)
+        self._base_url = base_url.rstrip("/")
+        self._headers = {"Authorization": f"Bearer {api_key}", "User-Agent": USER_AGENT}
+        self._owns_http = http is None
+        self._http = http if http is not None else httpx.AsyncClient(transport=transport)
+
+    def __repr__(self) -> str:
+        return f"AsyncClient({self._base_url!r})"
+
+    async def submit(
+        self,
+        route: str,
+        body: BaseModel | Mapping[str, Any],
+        idempotency_key: str | None = None,
+        *,
+        prefer_wait_s: int | None = None,
+    ) -> Accepted:
+        """See ``Client.submit``."""
+        plan = calls.submit(self.policy, route, body, idempotency_key, prefer_wait_s)
+        return await self._run(plan)
+
+    @overload
+    async def get(self, route: str, job_id: str | uuid.UUID) -> Job[dict[str, Any]]: ...
+    @overload
+    async def get(self, route: str, job_id: str | uuid.UUID, *, result_type: type[M]) -> Job[M]: ...
+    async def get(
+        self, route: str, job_id: str | uuid.UUID, *, result_type: type[BaseModel] | None = None
+    ) -> Job[Any]:
+        """See ``Client.get``."""
+        return await self._run(calls.get(self.policy, route, job_id, result_type))
+
+    @overload
+    async def wait(
+        self, route: str, job_id: str | uuid.UUID, *, timeout_s: float
+    ) -> Job[dict[str, Any]]: ...
+    @overload
+    async def wait(
+        self, route: str, job_id: str | uuid.UUID, *, timeout_s: float, result_type: type[M]
+    ) -> Job[M]: ...
+    async def wait(
+        self,
+        route: str,
+        job_id: str | uuid.UUID,
+        *,
+        timeout_s: float,
+        result_type: type[BaseModel] | None = None,
+    ) -> Job[Any]:
+        """See ``Client.wait``."""
+        return await self._run(calls.wait(self.policy, route, job_id, result_type, timeout_s))
+
+    async def aclose(self) -> None:
+        if self._owns_http:
+            await self._http.aclose()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def _run(self, plan: Plan[T]) -> T:
+        outcome: Outcome = None
+        while True:
+            try:
+                step = plan.send(outcome)
+            except StopIteration as finished:
+                result: T = finished.value
+                return result
+            outcome = await self._perform(step)
+
+    async def _perform(self, step: Send | Sleep) -> Outcome:
+        if isinstance(step, Sleep):
+            await asyncio.sleep(step.seconds)
+            return None
+        try:
+            # httpx's timeouts are per read; a server dripping bytes is cut here.
+            async with asyncio.timeout(step.timeout_s):
+                return await self._http.request(
+                    step.method,
+                    self._base_url + step.path,
+                    headers={**step.headers, **self._headers},
+                    content=step.content,
+                    timeout=step.timeout_s,
+                )
+        except RETRIED_TRANSPORT_ERRORS as exc:
+            return exc
+        except TimeoutError:
+            return httpx.TimeoutException(f"no answer within {step.timeout_s:g} s")

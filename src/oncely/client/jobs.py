@@ -1,0 +1,96 @@
+"""What the API answers about jobs, typed: ``Accepted`` for a ``POST``,
+``Job`` for a ``GET <route>/{job_id}`` (README "HTTP API")."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime
+from typing import Any, Generic, Literal, TypeVar
+
+import httpx
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from oncely.client.errors import Problem, UnexpectedResponse
+
+R = TypeVar("R")
+M = TypeVar("M", bound=BaseModel)
+
+JobStatus = Literal["queued", "done", "dead"]
+
+
+class Accepted(BaseModel):
+    """A ``POST`` the server accepted (or, ``replayed``, had accepted before:
+    the stored original answer, the same job)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    job_id: uuid.UUID
+    status: str
+    location: str
+    replayed: bool
+
+
+class Usage(BaseModel):
+    """The model calls of the delivery that produced the result."""
+
+    model_config = ConfigDict(frozen=True)
+
+    prompt_tokens: int
+    completion_tokens: int
+    model_calls: int
+
+
+class Job(BaseModel, Generic[R]):
+    """A job as ``GET <route>/{job_id}`` shows it. ``result`` is a dict, or
+    the model class ``get``/``wait`` were given; fields a workflow's own view
+    adds (summaries' ``summary``) are kept in ``model_extra``."""
+
+    model_config = ConfigDict(frozen=True, extra="allow")
+
+    job_id: uuid.UUID
+    status: JobStatus
+    result: R | None = None
+    error: str | None = None
+    usage: Usage | None = None
+    created_at: datetime
+    updated_at: datetime
+
+    @property
+    def finished(self) -> bool:
+        """Done or dead: nothing about it changes any more."""
+        return self.status != "queued"
+
+
+def read_accepted(response: httpx.Response, *, idempotency_key: str) -> Accepted:
+    try:
+        body = response.json()
+        return Accepted.model_validate(
+            {
+                **(body if isinstance(body, dict) else {}),
+                "location": response.headers.get("location", ""),
+                "replayed": response.headers.get("idempotent-replayed") == "true",
+            }
+        )
+    except (ValueError, ValidationError) as exc:
+        raise UnexpectedResponse(
+            _unreadable(response, "Accepted", exc), idempotency_key=idempotency_key
+        ) from exc
+
+
+def read_job(response: httpx.Response, result_type: type[BaseModel] | None) -> Job[Any]:
+    model: type[Job[Any]] = Job[dict[str, Any]] if result_type is None else Job[result_type]  # type: ignore[valid-type]
+    try:
+        return model.model_validate_json(response.content)
+    except ValidationError as exc:
+        raise UnexpectedResponse(_unreadable(response, model.__name__, exc)) from exc
+
+
+def _unreadable(response: httpx.Response, what: str, exc: Exception) -> Problem:
+    found = (
+        f"{exc.error_count()} validation errors" if isinstance(exc, ValidationError) else "no JSON"
+    )
+    return Problem(
+        status=response.status_code,
+        title="Unexpected response",
+        detail=f"the answer is not a {what}: {found}",
+    )

@@ -1,0 +1,145 @@
+"""``Client``: the blocking client, driving ``oncely.client.calls``."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Mapping
+from types import TracebackType
+from typing import Any, TypeVar, overload
+
+import httpx
+from pydantic import BaseModel
+
+from oncely import __version__
+from oncely.client import calls
+from oncely.client.calls import Outcome, Plan, Send, Sleep
+from oncely.client.jobs import Accepted, Job
+from oncely.client.policy import (
+    POLL_BACKOFF,
+    RETRIED_TRANSPORT_ERRORS,
+    RETRY_BACKOFF,
+    Backoff,
+    Policy,
+)
+
+T = TypeVar("T")
+M = TypeVar("M", bound=BaseModel)
+
+USER_AGENT = f"oncely-client/{__version__}"
+
+
+class Client:
+    """oncely's HTTP API for blocking code (see ``oncely.client``).
+
+    ``http``: an ``httpx.Client`` of yours (left open on ``close``);
+    ``transport``: for the client this one creates otherwise (tests).
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        api_key: str,
+        *,
+        timeout: float = 10.0,
+        deadline_s: float = 60.0,
+        backoff: Backoff = RETRY_BACKOFF,
+        poll: Backoff = POLL_BACKOFF,
+        http: httpx.Client | None = None,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        if http is not None and transport is not None:
+            raise ValueError("pass an httpx.Client or a transport, not both")
+        self.policy = Policy(timeout_s=timeout, deadline_s=deadline_s, retry=backoff, poll=poll)
+        self._base_url = base_url.rstrip("/")
+        self._headers = {"Authorization": f"Bearer {api_key}", "User-Agent": USER_AGENT}
+        self._owns_http = http is None
+        self._http = http if http is not None else httpx.Client(transport=transport)
+
+    def __repr__(self) -> str:
+        return f"Client({self._base_url!r})"
+
+    def submit(
+        self,
+        route: str,
+        body: BaseModel | Mapping[str, Any],
+        idempotency_key: str | None = None,
+        *,
+        prefer_wait_s: int | None = None,
+    ) -> Accepted:
+        """POST ``body`` to ``route`` (``/v1/triage``) once, whatever it takes.
+
+        Without ``idempotency_key`` one is made, and every retry of this
+        call sends it. ``prefer_wait_s`` (≤ 10): the server waits that long
+        for a duplicate still in flight instead of answering 409.
+        """
+        return self._run(calls.submit(self.policy, route, body, idempotency_key, prefer_wait_s))
+
+    @overload
+    def get(self, route: str, job_id: str | uuid.UUID) -> Job[dict[str, Any]]: ...
+    @overload
+    def get(self, route: str, job_id: str | uuid.UUID, *, result_type: type[M]) -> Job[M]: ...
+    def get(
+        self, route: str, job_id: str | uuid.UUID, *, result_type: type[BaseModel] | None = None
+    ) -> Job[Any]:
+        """The job now; its ``result`` parsed into ``result_type`` if given."""
+        return self._run(calls.get(self.policy, route, job_id, result_type))
+
+    @overload
+    def wait(
+        self, route: str, job_id: str | uuid.UUID, *, timeout_s: float
+    ) -> Job[dict[str, Any]]: ...
+    @overload
+    def wait(
+        self, route: str, job_id: str | uuid.UUID, *, timeout_s: float, result_type: type[M]
+    ) -> Job[M]: ...
+    def wait(
+        self,
+        route: str,
+        job_id: str | uuid.UUID,
+        *,
+        timeout_s: float,
+        result_type: type[BaseModel] | None = None,
+    ) -> Job[Any]:
+        """The job once done or dead; ``WaitTimedOut`` after ``timeout_s``."""
+        return self._run(calls.wait(self.policy, route, job_id, result_type, timeout_s))
+
+    def close(self) -> None:
+        if self._owns_http:
+            self._http.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def _run(self, plan: Plan[T]) -> T:
+        outcome: Outcome = None
+        while True:
+            try:
+                step = plan.send(outcome)
+            except StopIteration as finished:
+                result: T = finished.value
+                return result
+            outcome = self._perform(step)
+
+    def _perform(self, step: Send | Sleep) -> Outcome:
+        if isinstance(step, Sleep):
+            time.sleep(step.seconds)
+            return None
+        try:
+            return self._http.request(
+                step.method,
+                self._base_url + step.path,
+                headers={**step.headers, **self._headers},
+                content=step.content,
+                timeout=step.timeout_s,
+            )
+        except RETRIED_TRANSPORT_ERRORS as exc:
+            return exc
