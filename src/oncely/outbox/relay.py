@@ -24,7 +24,7 @@ from uuid import UUID, uuid4
 import psycopg
 import structlog
 
-from oncely import metrics
+from oncely import metrics, tracing
 from oncely.batching import GroupCommit
 from oncely.errors import PermanentError, TransientError
 from oncely.outbox.store import OutboxRow, OutboxStore
@@ -260,7 +260,13 @@ class Relay:
         window = asyncio.timeout(lease.remaining())
         try:
             async with window:
-                result = await self.sender.send(row.topic, row.payload, row.dedupe_key)
+                with tracing.span(
+                    f"oncely.send {row.topic}",
+                    parent=row.trace_context,
+                    kind="client",
+                    attributes={"oncely.outbox_id": row.id, "oncely.attempt": row.attempts},
+                ):
+                    result = await self.sender.send(row.topic, row.payload, row.dedupe_key)
         except Exception as exc:
             cut = TransientError(f"send cut off when its {lease.lease_s} s lease ended")
             await self._failed(row, cut if window.expired() else exc)

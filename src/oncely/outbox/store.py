@@ -40,6 +40,8 @@ class OutboxRow:
     failed_at: datetime | None
     provider_message_id: str | None
     created_at: datetime
+    # The writing delivery's ``traceparent`` (None when it was not traced).
+    trace_context: str | None
     # Seconds since created_at when the row was read, by the database's clock,
     # so lag metrics do not depend on the relay host's clock agreeing with it.
     age_s: float

@@ -32,7 +32,7 @@ UPDATE outbox o
  WHERE o.id = due.id
 RETURNING o.id, o.topic, o.dedupe_key, o.payload, o.attempts, o.last_error,
           o.next_attempt_at, o.locked_until, o.locked_by, o.sent_at, o.failed_at,
-          o.provider_message_id, o.created_at,
+          o.provider_message_id, o.created_at, o.trace_context,
           extract(epoch FROM now() - o.created_at)::float8 AS age_s
 
 -- name: outbox_mark_sent_many
@@ -59,6 +59,7 @@ RETURNING id
 -- name: outbox_get
 SELECT id, topic, dedupe_key, payload, attempts, last_error, next_attempt_at,
        locked_until, locked_by, sent_at, failed_at, provider_message_id, created_at,
+       trace_context,
        extract(epoch FROM now() - created_at)::float8 AS age_s
   FROM outbox
  WHERE id = %s
@@ -68,6 +69,7 @@ SELECT id, topic, dedupe_key, payload, attempts, last_error, next_attempt_at,
 -- with failed_only, just the ones a person has to look at.
 SELECT id, topic, dedupe_key, payload, attempts, last_error, next_attempt_at,
        locked_until, locked_by, sent_at, failed_at, provider_message_id, created_at,
+       trace_context,
        extract(epoch FROM now() - created_at)::float8 AS age_s
   FROM outbox
  WHERE sent_at IS NULL AND (failed_at IS NOT NULL OR NOT %(failed_only)s)
