@@ -13,9 +13,11 @@ from dataclasses import dataclass
 IDEMPOTENCY_PREFIX = "oncely:idem:"
 
 # The fleet-wide model limiter: a pause after a 429, and GCRA state per limit.
-LLM_PAUSE = "oncely:limiter:llm:pause"
-LLM_RPM = "oncely:limiter:llm:rpm"
-LLM_TPM = "oncely:limiter:llm:tpm"
+# One hash tag: its Lua script reads all three, which a cluster allows only
+# within one slot.
+LLM_PAUSE = "oncely:{limiter}:llm:pause"
+LLM_RPM = "oncely:{limiter}:llm:rpm"
+LLM_TPM = "oncely:{limiter}:llm:tpm"
 
 
 @dataclass(frozen=True)
