@@ -318,14 +318,22 @@ class ApiServer:
     def __init__(self, app: App, res: Resources, *, host: str, port: int) -> None:
         from oncely.api.app import create_app
 
-        asgi = create_app(http_api(app, res.settings, resources=res))
+        self._api = http_api(app, res.settings, resources=res)
         config = uvicorn.Config(
-            asgi, host=host, port=port, log_config=None, access_log=False, lifespan="off"
+            create_app(self._api),
+            host=host,
+            port=port,
+            log_config=None,
+            access_log=False,
+            lifespan="off",
         )
         self._server = _QuietServer(config)
 
     async def run(self) -> None:
-        await self._server.serve()
+        try:
+            await self._server.serve()
+        finally:
+            await self._api.aclose()
 
     def stop(self) -> None:
         self._server.should_exit = True

@@ -9,6 +9,7 @@ limit, health and metrics.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ from oncely.api.problems import PROBLEM_BASE, install_problem_handlers, problem
 from oncely.api.store import IdempotencyStore
 from oncely.api.workflows import workflow_router
 from oncely.app import App
-from oncely.jobs.store import Jobs
+from oncely.jobs.store import Jobs, run_statement
 from oncely.queue.stream import Stream
 
 DESCRIPTION = f"""
@@ -53,6 +54,14 @@ class ApiConfig:
     result_ttl_s: int = 86400
     # Bodies above this are answered 413 before they are read in full.
     max_body_bytes: int = 1_048_576
+    # A running request renews its key at most this long; then its handler
+    # is cancelled, the key released and the request answered 503.
+    max_hold_s: float = 120.0
+    # The client-side bound on every SQL statement, the wait for a pooled
+    # connection included: a frozen server never enforces its own
+    # statement_timeout. Redis commands are bounded by the client's socket
+    # timeout (``bootstrap.make_redis``).
+    statement_timeout_s: float = 10.0
 
 
 class Clients(Protocol):
@@ -87,8 +96,12 @@ class OncelyAPI:
             self._open = clients
         else:
             self._bind(clients)
-        self.tenant = auth or api_key_tenant(lambda: self.clients.pool)
-        self.idempotent = idempotency_dependency(lambda: self._idempotency, self.tenant)
+        self.tenant = auth or api_key_tenant(
+            lambda: self.clients.pool, timeout_s=config.statement_timeout_s
+        )
+        self.idempotent = idempotency_dependency(
+            lambda: self._idempotency, self.tenant, config.max_hold_s
+        )
         self.router = APIRouter()
         for workflow in app:
             self.router.include_router(
@@ -109,7 +122,9 @@ class OncelyAPI:
     def _bind(self, clients: Clients) -> None:
         self._clients = clients
         streams = {w.name: Stream(clients.redis, w.keys) for w in self.app}
-        self._jobs = Jobs(clients.pool, streams)
+        self._jobs = Jobs(
+            clients.pool, streams, statement_timeout_s=self.config.statement_timeout_s
+        )
         self._idempotency = IdempotencyStore(
             clients.redis,
             lock_ttl_s=self.config.lock_ttl_s,
@@ -127,7 +142,16 @@ class OncelyAPI:
             try:
                 yield
             finally:
+                await self.aclose()
                 self._clients = None
+
+    async def aclose(self) -> None:
+        """At shutdown: give withdrawals of unanswered intakes one statement
+        bound to finish, and stop releasing keys in the background."""
+        if self._clients is None:
+            return
+        await self._jobs.finish_withdrawals(self.config.statement_timeout_s)
+        await self._idempotency.aclose()
 
     def mount(self, host: FastAPI, prefix: str = "") -> None:
         """Add the workflows' routes to ``host`` with oncely's problem handlers
@@ -160,7 +184,9 @@ def _add_operations(app: FastAPI, api: OncelyAPI) -> None:
 
     @app.get("/readyz", tags=["operations"], summary="Redis and PostgreSQL answer")
     async def readyz() -> JSONResponse:
-        checks = {"redis": await _redis_ok(api), "postgres": await _postgres_ok(api)}
+        # Side by side: answered within the larger of the two bounds.
+        redis_ok, postgres_ok = await asyncio.gather(_redis_ok(api), _postgres_ok(api))
+        checks = {"redis": redis_ok, "postgres": postgres_ok}
         ready = all(checks.values())
         return JSONResponse({"ready": ready, **checks}, status_code=200 if ready else 503)
 
@@ -178,8 +204,7 @@ async def _redis_ok(api: OncelyAPI) -> bool:
 
 async def _postgres_ok(api: OncelyAPI) -> bool:
     try:
-        async with api.clients.pool.connection(timeout=2) as conn:
-            await conn.execute("SELECT 1")
+        await run_statement(api.clients.pool, "SELECT 1", timeout_s=api.config.statement_timeout_s)
         return True
     except Exception:
         return False

@@ -15,6 +15,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from psycopg_pool import AsyncConnectionPool
 
 from oncely.api.problems import Unauthorized
+from oncely.jobs.store import run_statement
 from oncely.sql import query
 
 KEY_PREFIX = "onc_"
@@ -49,11 +50,14 @@ async def revoke_api_key(pool: AsyncConnectionPool, key: str) -> str | None:
     return None if row is None else str(row[0])
 
 
-async def tenant_for_key(pool: AsyncConnectionPool, key: str) -> str | None:
-    async with pool.connection() as conn:
-        cur = await conn.execute(query("tenant_for_key"), (hash_api_key(key),))
-        row = await cur.fetchone()
-    return None if row is None else str(row[0])
+async def tenant_for_key(
+    pool: AsyncConnectionPool, key: str, *, timeout_s: float = 10.0
+) -> str | None:
+    """The key's tenant, answered within ``timeout_s`` (or ``StatementTimeout``)."""
+    result = await run_statement(
+        pool, query("tenant_for_key"), (hash_api_key(key),), timeout_s=timeout_s
+    )
+    return str(result.rows[0][0]) if result.rows else None
 
 
 async def erase_tenant_api_keys(pool: AsyncConnectionPool, tenant: str) -> int:
@@ -63,15 +67,18 @@ async def erase_tenant_api_keys(pool: AsyncConnectionPool, tenant: str) -> int:
     return max(cur.rowcount, 0)
 
 
-def api_key_tenant(pool: Callable[[], AsyncConnectionPool]) -> TenantDependency:
-    """The default auth: ``Authorization: Bearer <api key>`` → its tenant."""
+def api_key_tenant(
+    pool: Callable[[], AsyncConnectionPool], *, timeout_s: float = 10.0
+) -> TenantDependency:
+    """The default auth: ``Authorization: Bearer <api key>`` → its tenant
+    (the lookup bounded by ``timeout_s``)."""
 
     async def current_tenant(
         credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
     ) -> str:
         if credentials is None or credentials.scheme.lower() != "bearer":
             raise Unauthorized("send Authorization: Bearer <api key>")
-        tenant = await tenant_for_key(pool(), credentials.credentials)
+        tenant = await tenant_for_key(pool(), credentials.credentials, timeout_s=timeout_s)
         if tenant is None:
             raise Unauthorized("unknown or revoked API key")
         return tenant

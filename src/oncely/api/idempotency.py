@@ -7,6 +7,14 @@ schema violation is answered 422 without any key being claimed. ``run``
 then claims the key, runs the handler once, stores its response for replay,
 and releases the key when the handler fails (5xx, exception, cancellation)
 so the client's retry runs again.
+
+The handler holds the key for at most ``max_hold_s``: then it is cancelled,
+the key released and the request answered 503 (``HoldExpired``). A handler
+whose outcome is durable before it returns says so with ``settle``: from
+then on that response is the answer, even if the handler is stopped later.
+A claim, finalise or release that Redis did not answer is released again in
+the background (``IdempotencyStore.release_eventually``), so no key stays
+"in progress" for the lock TTL with nothing running.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ import re
 from collections.abc import Awaitable, Callable
 from typing import Annotated, Any
 
+import redis.exceptions
 import structlog
 from fastapi import Depends, Header, Request
 from fastapi.encoders import jsonable_encoder
@@ -23,8 +32,8 @@ from starlette.responses import Response
 
 from oncely import metrics
 from oncely.api.keys import Scope, fingerprint, parse_key
-from oncely.api.problems import problem_schema
-from oncely.api.store import Claimed, Finished, IdempotencyStore, StoredResponse
+from oncely.api.problems import HoldExpired, problem_schema
+from oncely.api.store import Claimed, Finished, IdempotencyStore, StoredResponse, new_token
 from oncely.errors import KeyReused, RequestInProgress
 
 log = structlog.get_logger("oncely.idempotency")
@@ -34,7 +43,7 @@ MAX_WAIT_S = 10.0
 _POLL_S = 0.05
 _PREFER_WAIT = re.compile(r"(?:^|[\s,;])wait\s*=\s*(\d+)", re.IGNORECASE)
 # Not replayed: recomputed for the replay, or meaningless on it.
-_UNSTORED_HEADERS = {"content-length", "date", "server", "transfer-encoding"}
+_UNSTORED_HEADERS = {"content-length", "date", "server", "transfer-encoding", "idempotent-replayed"}
 
 Handler = Callable[[], Awaitable[Response]]
 
@@ -43,7 +52,8 @@ RETENTION_POLICY = (
     "request's response is kept for `ONCELY_IDEMPOTENCY_RESULT_TTL_S` (default 24 h) "
     "and replayed byte for byte with `Idempotent-Replayed: true`; a request that is "
     "still running holds its key for `ONCELY_IDEMPOTENCY_LOCK_TTL_S` (default 30 s, "
-    "renewed while it runs). Responses with status 5xx and failed requests are not "
+    "renewed while it runs, for at most `ONCELY_IDEMPOTENCY_MAX_HOLD_S`, default "
+    "120 s, then it ends 503). Responses with status 5xx and failed requests are not "
     "kept: retrying with the same key runs the request again."
 )
 
@@ -59,7 +69,10 @@ IDEMPOTENCY_RESPONSES: dict[int | str, dict[str, Any]] = {
         "The body failed validation (no key was claimed), or the key was used "
         "before with a different body."
     ),
-    503: problem_schema("Redis or PostgreSQL did not answer; nothing was stored."),
+    503: problem_schema(
+        "Redis or PostgreSQL did not answer in time, or the request ran past the "
+        "maximum hold; nothing was accepted, retrying with the same key is safe."
+    ),
 }
 
 
@@ -84,32 +97,56 @@ def parse_prefer_wait(values: list[str]) -> float:
 class IdempotentRequest:
     """One request's claim on its idempotency key."""
 
-    def __init__(self, store: IdempotencyStore, scope: Scope, wait_s: float) -> None:
+    def __init__(
+        self, store: IdempotencyStore, scope: Scope, wait_s: float, max_hold_s: float = 120.0
+    ) -> None:
         self._store = store
         self.scope = scope
         self._digest = scope.digest
         self._wait_s = wait_s
+        self._max_hold_s = max_hold_s
+        self._fingerprint: str | None = None
+        self._settled: Response | None = None
 
     @property
     def job_id(self) -> str:
         """Deterministic: every retry of this request names the same job."""
         return str(self.scope.job_id)
 
+    @property
+    def fingerprint(self) -> str:
+        """The body's fingerprint (canonical JSON, sha256), once ``run`` began:
+        a handler stores it with its own record to tell a reused key later."""
+        if self._fingerprint is None:
+            raise RuntimeError("the fingerprint is known once run() has begun")
+        return self._fingerprint
+
+    def settle(self, response: Response) -> None:
+        """The handler's outcome is durable: answer (and store) ``response``
+        even if the handler is stopped or fails after this."""
+        self._settled = response
+
     async def run(self, body: Any, handler: Handler) -> Response:
-        fp = fingerprint(jsonable_encoder(body))
-        outcome = await self._claim(fp)
+        fp = self._fingerprint = fingerprint(jsonable_encoder(body))
+        token = new_token()
+        outcome = await self._claim(fp, token)
         if isinstance(outcome, Finished):
             metrics.IDEMPOTENCY_REPLAYS.labels(route=self.scope.route).inc()
             log.info(
                 "idempotency.replayed", scope=self._digest[:16], status=outcome.response.status
             )
             return _replay(outcome.response)
-        return await self._execute(fp, outcome.token, handler)
+        return await self._execute(fp, token, handler)
 
-    async def _claim(self, fp: str) -> Claimed | Finished:
+    async def _claim(self, fp: str, token: str) -> Claimed | Finished:
         deadline = asyncio.get_running_loop().time() + self._wait_s
         while True:
-            outcome = await self._store.claim(self._digest, fp)
+            try:
+                outcome = await self._store.claim(self._digest, fp, token)
+            except BaseException:
+                # The SET may still be applied when Redis wakes up.
+                self._store.release_eventually(self._digest, token)
+                raise
             if not isinstance(outcome, Claimed) and outcome.fp != fp:
                 raise KeyReused("this Idempotency-Key was used with a different request body")
             if isinstance(outcome, Claimed | Finished):
@@ -120,37 +157,81 @@ class IdempotentRequest:
 
     async def _execute(self, fp: str, token: str, handler: Handler) -> Response:
         keeper = asyncio.create_task(self._keep_lock(token))
+        hold = asyncio.timeout(self._max_hold_s)
         try:
-            response = await handler()
-        except BaseException:
-            # Also on cancellation (client gone): the retry must be able to run.
-            await asyncio.shield(self._release(token))
-            raise
+            async with hold:
+                response = await handler()
+        except BaseException as exc:
+            response = await self._after_failure(fp, token, exc, expired=hold.expired())
         finally:
             keeper.cancel()
         if response.status_code >= 500:
             await asyncio.shield(self._release(token))
             return response
-        stored = _capture(response)
-        if not await asyncio.shield(self._store.finalise(self._digest, token, fp, stored)):
+        await asyncio.shield(self._finalise(fp, token, response))
+        return response
+
+    async def _after_failure(
+        self, fp: str, token: str, exc: BaseException, *, expired: bool
+    ) -> Response:
+        """A settled outcome survives the handler's failure; otherwise the
+        key is released and the failure raised (503 past the max hold)."""
+        if self._settled is None:
+            # Also on cancellation (client gone): the retry must be able to run.
+            await asyncio.shield(self._release(token))
+            if expired:
+                log.warning("idempotency.hold_expired", scope=self._digest[:16])
+                raise HoldExpired(self._max_hold_s) from exc
+            raise exc
+        if not expired and not isinstance(exc, Exception):
+            # Cancelled from outside (client gone, shutdown): keep the outcome.
+            await asyncio.shield(self._finalise(fp, token, self._settled))
+            raise exc
+        log.warning(
+            "idempotency.failed_after_settle", scope=self._digest[:16], error=type(exc).__name__
+        )
+        return self._settled
+
+    async def _finalise(self, fp: str, token: str, response: Response) -> None:
+        try:
+            stored = await self._store.finalise(self._digest, token, fp, _capture(response))
+        except redis.exceptions.RedisError as exc:
+            # The response stands (the handler's work is done); the marker
+            # must not outlive it. A retry runs the handler again.
+            log.warning("idempotency.finalise_failed", scope=self._digest[:16], error=repr(exc))
+            self._store.release_eventually(self._digest, token)
+            return
+        if not stored:
             log.warning("idempotency.lock_lost", scope=self._digest[:16], at="finalise")
             metrics.IDEMPOTENCY_LOCKS_LOST.inc()
-        return response
 
     async def _release(self, token: str) -> None:
         try:
             await self._store.release(self._digest, token)
-        except Exception as exc:  # the lock TTL frees the key anyway
+        except Exception as exc:
             log.warning("idempotency.release_failed", scope=self._digest[:16], error=repr(exc))
+            self._store.release_eventually(self._digest, token)
 
     async def _keep_lock(self, token: str) -> None:
         interval = self._store.lock_ttl_ms / 3000
         while True:
             await asyncio.sleep(interval)
-            if not await self._store.renew(self._digest, token):
+            try:
+                renewed = await self._store.renew(self._digest, token)
+            except redis.exceptions.RedisError as exc:
+                log.warning("idempotency.renew_failed", scope=self._digest[:16], error=repr(exc))
+                continue
+            if not renewed:
                 log.warning("idempotency.lock_lost", scope=self._digest[:16], at="renew")
                 metrics.IDEMPOTENCY_LOCKS_LOST.inc()
                 return
+
+
+def mark_replayed(response: Response) -> Response:
+    """Mark a handler's response as the replay of an earlier outcome (e.g.
+    one recovered from its own store after Redis forgot the key)."""
+    response.headers[REPLAY_HEADER] = "true"
+    return response
 
 
 def _capture(response: Response) -> StoredResponse:
@@ -172,10 +253,13 @@ def _replay(stored: StoredResponse) -> Response:
 
 
 def idempotency_dependency(
-    store: Callable[[], IdempotencyStore], tenant: Callable[..., Awaitable[str]]
+    store: Callable[[], IdempotencyStore],
+    tenant: Callable[..., Awaitable[str]],
+    max_hold_s: float = 120.0,
 ) -> Callable[..., Awaitable[IdempotentRequest]]:
     """A FastAPI dependency giving an ``IdempotentRequest`` for ``store()``'s
-    keys and the tenant that ``tenant`` (itself a dependency) resolves."""
+    keys and the tenant that ``tenant`` (itself a dependency) resolves; a
+    handler holds its key at most ``max_hold_s``."""
 
     # ``tenant`` is a local: a string annotation could not name it, a default can.
     tenant_dependency = Depends(tenant)
@@ -200,6 +284,6 @@ def idempotency_dependency(
         route = request.scope["route"].path
         scope = Scope(tenant=tenant_name, method=request.method, route=route, key=key)
         wait_s = parse_prefer_wait(request.headers.getlist("prefer"))
-        return IdempotentRequest(store(), scope, wait_s)
+        return IdempotentRequest(store(), scope, wait_s, max_hold_s)
 
     return idempotent_request

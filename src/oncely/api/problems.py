@@ -30,6 +30,14 @@ class Unauthorized(Exception):
     """No, unknown or revoked API key."""
 
 
+class HoldExpired(Exception):
+    """A request ran past the maximum hold of its idempotency key: it was
+    stopped and its key released."""
+
+    def __init__(self, max_hold_s: float) -> None:
+        super().__init__(f"the request did not finish within {max_hold_s:g} s")
+
+
 def problem(
     status: int,
     slug: str,
@@ -95,6 +103,17 @@ def install_problem_handlers(app: FastAPI, *, generic: bool = True) -> None:
             headers={"Retry-After": "1"},
         )
 
+    @app.exception_handler(HoldExpired)
+    async def _hold_expired(_: Request, exc: HoldExpired) -> JSONResponse:
+        log.warning("api.hold_expired")
+        return problem(
+            503,
+            "unavailable",
+            "Service unavailable",
+            f"{exc}; it was stopped and its key released, retrying is safe",
+            headers={"Retry-After": "1"},
+        )
+
     for exc_type in _UNAVAILABLE:
         app.add_exception_handler(exc_type, _unavailable)
     if generic:
@@ -126,7 +145,7 @@ async def _unavailable(_: Request, exc: Exception) -> JSONResponse:
         503,
         "unavailable",
         "Service unavailable",
-        "a backing store did not answer; nothing was stored, retrying is safe",
+        "a backing store did not answer in time; nothing was accepted, retrying is safe",
         headers={"Retry-After": "1"},
     )
 

@@ -6,19 +6,36 @@ TTL) and ``{"state": "done", "fp", "status", "headers", "body"}`` once it
 finished (TTL = result TTL). Everything that changes a claimed key checks
 the token first, in one Lua script, so a request that outlived its lock can
 never overwrite or delete the key of the request that took it over.
+
+A claim, finalise or release that got no answer may still be applied when
+Redis wakes up: a marker nobody runs would then answer 409 for the lock TTL.
+``release_eventually`` keeps trying an owner-checked release in the
+background until Redis has answered for a while (README, Failure model).
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+import redis.exceptions
+import structlog
 from redis.asyncio import Redis
 
 from oncely import names
+
+log = structlog.get_logger("oncely.idempotency")
+
+# Background releases: a round every _RELEASE_EVERY_S; a key is done once
+# Redis has answered for _SETTLE_S (a write sent before it woke is applied
+# within its first moments), or after _GIVE_UP_S without an answer.
+_RELEASE_EVERY_S = 0.25
+_SETTLE_S = 1.0
+_GIVE_UP_S = 3600.0
 
 # KEYS[1] = key; ARGV[1] = token, ARGV[2] = new value, ARGV[3] = ttl ms
 _FINALISE = """
@@ -86,6 +103,27 @@ class Finished:
 ClaimOutcome = Claimed | Running | Finished
 
 
+def new_token() -> str:
+    """A claim's owner token."""
+    return secrets.token_hex(16)
+
+
+@dataclass
+class _Unreleased:
+    digest: str
+    token: str
+    since: float
+    answered_at: float | None = None
+
+
+@dataclass
+class _Releases:
+    """Owner-checked releases still to be confirmed, and the task doing them."""
+
+    pending: list[_Unreleased] = field(default_factory=list)
+    task: asyncio.Task[None] | None = None
+
+
 class IdempotencyStore:
     def __init__(self, redis: Redis, *, lock_ttl_s: float, result_ttl_s: int) -> None:
         self._redis = redis
@@ -94,11 +132,12 @@ class IdempotencyStore:
         self._finalise = redis.register_script(_FINALISE)
         self._release = redis.register_script(_RELEASE)
         self._renew = redis.register_script(_RENEW)
+        self._releases = _Releases()
 
-    async def claim(self, digest: str, fp: str) -> ClaimOutcome:
-        """Take the key, or report what holds it (a running or finished request)."""
+    async def claim(self, digest: str, fp: str, token: str) -> ClaimOutcome:
+        """Take the key with ``token``, or report what holds it (a running or
+        finished request)."""
         key = names.idempotency_key(digest)
-        token = secrets.token_hex(16)
         marker = json.dumps({"state": "running", "fp": fp, "token": token})
         while True:
             if await self._redis.set(key, marker, nx=True, px=self.lock_ttl_ms):
@@ -108,6 +147,10 @@ class IdempotencyStore:
                 continue  # expired or released between SET and GET: try again
             record = json.loads(raw)
             if record["state"] == "running":
+                if record.get("token") == token:
+                    # Our own SET, applied although its answer was lost (the
+                    # client retried it on a fresh connection).
+                    return Claimed(token)
                 return Running(record["fp"])
             return Finished(record["fp"], StoredResponse.from_record(record))
 
@@ -126,3 +169,52 @@ class IdempotencyStore:
     async def renew(self, digest: str, token: str) -> bool:
         key = names.idempotency_key(digest)
         return bool(await self._renew(keys=[key], args=[token, self.lock_ttl_ms]))
+
+    # -- releases that could not be confirmed ------------------------------------
+
+    def release_eventually(self, digest: str, token: str) -> None:
+        """Release ``token``'s claim on the key once Redis answers again (and
+        for a moment after, in case the claim itself lands late)."""
+        loop = asyncio.get_running_loop()
+        self._releases.pending.append(_Unreleased(digest, token, loop.time()))
+        task = self._releases.task
+        if task is None or task.done():
+            task = self._releases.task = loop.create_task(self._release_pending())
+            task.add_done_callback(_log_death)
+
+    async def _release_pending(self) -> None:
+        while self._releases.pending:
+            await self._release_round()
+            if self._releases.pending:
+                await asyncio.sleep(_RELEASE_EVERY_S)
+
+    async def _release_round(self) -> None:
+        loop = asyncio.get_running_loop()
+        for item in list(self._releases.pending):
+            try:
+                released = await self.release(item.digest, item.token)
+            except redis.exceptions.RedisError:
+                break  # not answering yet: every key waits for the next round
+            now = loop.time()
+            if item.answered_at is None:
+                item.answered_at = now
+            if released or now - item.answered_at >= _SETTLE_S:
+                self._releases.pending.remove(item)
+                log.info("idempotency.released_late", scope=item.digest[:16], held=released)
+        now = loop.time()
+        for item in list(self._releases.pending):
+            if item.answered_at is None and now - item.since > _GIVE_UP_S:
+                self._releases.pending.remove(item)
+                log.warning("idempotency.release_abandoned", scope=item.digest[:16])
+
+    async def aclose(self) -> None:
+        """Stop releasing (shutdown): a marker left behind expires with its TTL."""
+        task = self._releases.task
+        if task is not None and not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+
+def _log_death(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and (exc := task.exception()) is not None:
+        log.error("idempotency.release_loop_failed", exc_info=exc)

@@ -14,9 +14,15 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
 from oncely import metrics
-from oncely.api.idempotency import IDEMPOTENCY_RESPONSES, IdempotentRequest, replay_header_doc
+from oncely.api.idempotency import (
+    IDEMPOTENCY_RESPONSES,
+    IdempotentRequest,
+    mark_replayed,
+    replay_header_doc,
+)
 from oncely.api.problems import problem_schema
-from oncely.jobs.store import Job, Jobs
+from oncely.errors import KeyReused
+from oncely.jobs.store import Acceptance, Job, Jobs
 from oncely.workflow import Workflow
 
 
@@ -69,13 +75,10 @@ def workflow_router(
         async def accept() -> Response:
             payload = cast(BaseModel, body).model_dump(mode="json")
             job = Job(idem.job_id, tenant_name, workflow.name, payload)
-            await jobs().accept(job)
-            accepted_total.inc()
-            return JSONResponse(
-                {"job_id": idem.job_id, "status": "queued"},
-                status_code=202,
-                headers={"Location": location},
-            )
+            response, fresh = await accept_job(jobs(), job, idem, location)
+            if fresh:
+                accepted_total.inc()
+            return response
 
         return await idem.run(body, accept)
 
@@ -97,3 +100,30 @@ def workflow_router(
         return view_model.from_record(record)
 
     return router
+
+
+async def accept_job(
+    jobs: Jobs, job: Job, idem: IdempotentRequest, location: str
+) -> tuple[Response, bool]:
+    """The intake's handler: 202 once the job row is committed (whatever
+    becomes of the enqueue), the same bytes when the row was there before
+    (Redis forgot the key), 422 when that row holds another body."""
+    answers: list[Response] = []
+
+    def recorded(acceptance: Acceptance) -> None:
+        # Rows accepted before fingerprints were kept cannot tell: replayed.
+        if acceptance.fingerprint not in (None, idem.fingerprint):
+            return
+        response = JSONResponse(
+            {"job_id": job.job_id, "status": "queued"},
+            status_code=202,
+            headers={"Location": location},
+        )
+        answers.append(response if acceptance.fresh else mark_replayed(response))
+        # The row is the record of acceptance: from here on, never a 503.
+        idem.settle(answers[0])
+
+    acceptance = await jobs.accept(job, fingerprint=idem.fingerprint, on_recorded=recorded)
+    if not answers:
+        raise KeyReused("this Idempotency-Key was used with a different request body")
+    return answers[0], acceptance.fresh

@@ -8,25 +8,139 @@ through ``Jobs``: ``accept`` inserts the row then enqueues (intake),
 lost (the reconciler). A crash between the two steps leaves a queued row
 without a message, which the reconciler puts back; never a message without
 a row.
+
+Every statement is bounded on the client as well as on the server
+(``statement_timeout``): a frozen server never enforces its own timeout.
+An intake whose insert got no answer is answered 503, so ``accept`` then
+*withdraws* it in the background: once PostgreSQL answers again, that
+attempt's row (fenced by the attempt's ``intake_token``) becomes
+``withdrawn``, or, if the insert has not landed yet, a ``withdrawn`` row is
+written first so that the late insert changes nothing. A withdrawn row is
+never dispatched, reads as 404, and a retry with the same key takes it over.
 """
 
 from __future__ import annotations
 
+import asyncio
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+import psycopg
+import redis.exceptions
+import structlog
 from psycopg.types.json import Jsonb
-from psycopg_pool import AsyncConnectionPool
+from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from oncely.batching import GroupCommit
+from oncely.errors import RequestInProgress
 from oncely.queue.stream import JobMessage, Stream
 from oncely.sql import query
 from oncely.workflow import Emitted
 
+log = structlog.get_logger("oncely.jobs")
+
 _ERROR_CHARS = 2000
+# Withdrawals retry while PostgreSQL does not answer: first after this long,
+# doubling up to the cap.
+_WITHDRAW_RETRY_S = (0.2, 2.0)
+
+
+class StatementTimeout(psycopg.OperationalError):
+    """No answer within the client-side bound. ``sent``: the statement had
+    reached the server (its outcome is unknown), rather than still waiting
+    for a pooled connection."""
+
+    def __init__(self, message: str, *, sent: bool) -> None:
+        super().__init__(message)
+        self.sent = sent
+
+
+@dataclass(frozen=True)
+class StatementResult:
+    rows: list[tuple[Any, ...]]
+    rowcount: int
+
+
+class _Sent:
+    """Set once the statement left for the server."""
+
+    def __init__(self) -> None:
+        self.value = False
+
+
+# Statements given up on by their callers, finishing in the background.
+_abandoned: set[asyncio.Task[StatementResult]] = set()
+
+
+async def run_statement(
+    pool: AsyncConnectionPool, sql: str, params: Any = None, *, timeout_s: float
+) -> StatementResult:
+    """One statement on a pooled connection, answered within ``timeout_s``
+    (the wait for a connection included) or ``StatementTimeout``.
+
+    Cancelling a psycopg query makes psycopg cancel it on the server and,
+    if the server does not answer that either, close the connection: up to
+    10 s more on a frozen server (psycopg #1371). So the statement runs in
+    its own task, and a caller past its bound stops waiting for it: the task
+    finishes in the background and the pool discards the connection if
+    psycopg closed it (a cancelled query that the server acknowledged leaves
+    a healthy one)."""
+    sent = _Sent()
+    task = asyncio.create_task(_execute(pool, sql, params, sent))
+    try:
+        done, _ = await asyncio.wait({task}, timeout=timeout_s)
+    except asyncio.CancelledError:
+        _abandon(task)
+        raise
+    if not done:
+        _abandon(task)
+        raise StatementTimeout(f"no answer within {timeout_s:g} s", sent=sent.value)
+    return task.result()
+
+
+async def _execute(
+    pool: AsyncConnectionPool, sql: str, params: Any, sent: _Sent
+) -> StatementResult:
+    async with pool.connection() as conn:
+        sent.value = True
+        cur = await conn.execute(sql, params)
+        rows = await cur.fetchall() if cur.description is not None else []
+        return StatementResult(rows, cur.rowcount)
+
+
+def _abandon(task: asyncio.Task[StatementResult]) -> None:
+    task.cancel()
+    _abandoned.add(task)
+    task.add_done_callback(_forget)
+
+
+def abandoned_statements() -> int:
+    """Statements whose callers gave up on them, still finishing (psycopg
+    cancelling them on the server, or closing their connections)."""
+    return len(_abandoned)
+
+
+def _forget(task: asyncio.Task[StatementResult]) -> None:
+    _abandoned.discard(task)
+    if not task.cancelled() and task.exception() is not None:
+        log.debug("jobs.abandoned_statement_failed", error=repr(task.exception()))
+
+
+def outcome_unknown(exc: BaseException) -> bool:
+    """Whether a failed write may still have been (or still be) applied:
+    anything but "never sent" and "the server answered with an error"."""
+    if isinstance(exc, StatementTimeout):
+        return exc.sent
+    if isinstance(exc, PoolTimeout):
+        return False
+    if isinstance(exc, psycopg.Error) and exc.sqlstate:
+        # An error answer rolls the (single, autocommitted) statement back;
+        # class 08 is the connection failing, with no answer.
+        return exc.sqlstate.startswith("08")
+    return True
 
 
 @dataclass(frozen=True)
@@ -37,6 +151,16 @@ class Job:
     tenant: str
     kind: str
     payload: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Acceptance:
+    """What ``accept`` found: ``fresh`` when this call recorded the job (and
+    enqueued it), else the job was recorded before, with ``fingerprint``
+    (None for rows accepted before fingerprints were kept)."""
+
+    fresh: bool
+    fingerprint: str | None
 
 
 @dataclass(frozen=True)
@@ -55,29 +179,82 @@ class JobRecord:
 
 
 class Jobs:
-    def __init__(self, pool: AsyncConnectionPool, streams: Mapping[str, Stream]) -> None:
+    def __init__(
+        self,
+        pool: AsyncConnectionPool,
+        streams: Mapping[str, Stream],
+        *,
+        statement_timeout_s: float = 10.0,
+    ) -> None:
         self.pool = pool
         # workflow name -> its stream
         self.streams = streams
+        # The client-side bound on every statement (ONCELY_PG_STATEMENT_TIMEOUT_S).
+        self.statement_timeout_s = statement_timeout_s
         # Pre-checks asked while one query runs share the next one.
         self._stored: GroupCommit[str, str] = GroupCommit(self._results_stored, key=str)
+        self._withdrawals = _Withdrawals(self._run)
+
+    async def _run(self, name: str, params: Any = None) -> StatementResult:
+        return await run_statement(
+            self.pool, query(name), params, timeout_s=self.statement_timeout_s
+        )
 
     # -- dispatch: the row first, then the stream ------------------------------
 
-    async def accept(self, job: Job) -> None:
-        """Intake: record the job, then enqueue it. Idempotent per job id."""
-        async with self.pool.connection() as conn:
-            await conn.execute(
-                query("insert_job"), (job.job_id, job.tenant, job.kind, Jsonb(job.payload))
-            )
-        await self._enqueue(job)
+    async def accept(
+        self,
+        job: Job,
+        *,
+        fingerprint: str | None = None,
+        on_recorded: Callable[[Acceptance], None] | None = None,
+    ) -> Acceptance:
+        """Intake: record the job, then enqueue it. Idempotent per job id.
+
+        One statement inserts the row with the request's ``fingerprint``, or
+        answers the row already there (then nothing is enqueued: a lost
+        message is the reconciler's to restore). ``on_recorded`` hears the
+        outcome as soon as it is durable. Once the row is committed the job
+        is accepted: a failed enqueue is logged and left to the reconciler.
+        An insert whose outcome is unknown is withdrawn (module docstring)."""
+        token = uuid.uuid4()
+        params = {
+            "job_id": job.job_id,
+            "tenant": job.tenant,
+            "kind": job.kind,
+            "payload": Jsonb(job.payload),
+            "fingerprint": fingerprint,
+            "token": token,
+        }
+        try:
+            result = await self._run("accept_job", params)
+        except BaseException as exc:
+            if outcome_unknown(exc):
+                self._withdrawals.add(job, token)
+            raise
+        acceptance = _acceptance(result)
+        if on_recorded is not None:
+            on_recorded(acceptance)
+        if acceptance.fresh:
+            await self._enqueue_recorded(job)
+        return acceptance
+
+    async def finish_withdrawals(self, within_s: float) -> None:
+        """Wait up to ``within_s`` for pending withdrawals (shutdown)."""
+        await self._withdrawals.finish(within_s)
+
+    async def _enqueue_recorded(self, job: Job) -> None:
+        try:
+            await self._enqueue(job)
+        except redis.exceptions.RedisError as exc:
+            # The row is the record of acceptance: the reconciler dispatches it.
+            log.warning("jobs.enqueue_failed", job_id=job.job_id, error=type(exc).__name__)
 
     async def replay(self, job: Job) -> bool:
         """A dead job back to queued, then enqueued; False if it was not dead."""
-        async with self.pool.connection() as conn:
-            cur = await conn.execute(query("mark_job_requeued"), (job.job_id,))
+        result = await self._run("mark_job_requeued", (job.job_id,))
         await self._enqueue(job)
-        return cur.rowcount > 0
+        return result.rowcount > 0
 
     async def restore(self, job: Job) -> None:
         """A queued job whose message is gone, enqueued again (same job id)."""
@@ -96,9 +273,8 @@ class Jobs:
         return self._stored.flushes
 
     async def _results_stored(self, job_ids: list[str]) -> set[str]:
-        async with self.pool.connection() as conn:
-            cur = await conn.execute(query("results_stored"), (job_ids,))
-            return {str(row[0]) for row in await cur.fetchall()}
+        result = await self._run("results_stored", (job_ids,))
+        return {str(row[0]) for row in result.rows}
 
     async def finish(
         self,
@@ -120,35 +296,26 @@ class Jobs:
             "dedupe_keys": [e.dedupe_key for e in emitted],
             "payloads": [Jsonb(e.payload) for e in emitted],
         }
-        async with self.pool.connection() as conn:
-            cur = await conn.execute(query("finish_job"), params)
-            row = await cur.fetchone()
-        return row is not None and bool(row[0])
+        rows = (await self._run("finish_job", params)).rows
+        return bool(rows) and bool(rows[0][0])
 
     async def mark_dead(self, job_id: str, reason: str) -> None:
-        async with self.pool.connection() as conn:
-            await conn.execute(query("mark_job_dead"), (reason[:_ERROR_CHARS], job_id))
+        await self._run("mark_job_dead", (reason[:_ERROR_CHARS], job_id))
 
     # -- readers ---------------------------------------------------------------
 
     async def get(self, kind: str, job_id: uuid.UUID, tenant: str) -> JobRecord | None:
         """The job, only if it is of this workflow and this tenant's."""
-        async with self.pool.connection() as conn:
-            cur = await conn.execute(query("get_job"), (job_id, tenant, kind))
-            row = await cur.fetchone()
-        return None if row is None else JobRecord(*row)
+        rows = (await self._run("get_job", (job_id, tenant, kind))).rows
+        return JobRecord(*rows[0]) if rows else None
 
     async def stale_queued(self, kind: str, older_than_s: float, limit: int) -> list[Job]:
-        async with self.pool.connection() as conn:
-            cur = await conn.execute(query("queued_jobs_older_than"), (kind, older_than_s, limit))
-            rows = await cur.fetchall()
+        rows = (await self._run("queued_jobs_older_than", (kind, older_than_s, limit))).rows
         return [Job(str(job_id), tenant, k, payload) for job_id, tenant, k, payload in rows]
 
     async def counts(self) -> dict[str, dict[str, int]]:
-        """Jobs by workflow and status."""
-        async with self.pool.connection() as conn:
-            cur = await conn.execute(query("jobs_by_kind_and_status"))
-            rows = await cur.fetchall()
+        """Jobs by workflow and status (withdrawn intakes are not jobs)."""
+        rows = (await self._run("jobs_by_kind_and_status")).rows
         counts: dict[str, dict[str, int]] = {}
         for kind, status, n in rows:
             counts.setdefault(kind, {"queued": 0, "done": 0, "dead": 0})[status] = int(n)
@@ -161,14 +328,13 @@ class Jobs:
         more than ``older_than_s`` ago whose effects have all been sent,
         ``batch`` per statement; how many jobs went."""
         total = 0
-        while True:
-            async with self.pool.connection() as conn:
-                cur = await conn.execute(
-                    query("purge_finished_jobs"), {"age_s": older_than_s, "batch": batch}
-                )
-            total += max(cur.rowcount, 0)
-            if cur.rowcount < batch:
-                return total
+        for name in ("purge_finished_jobs", "purge_withdrawn_jobs"):
+            while True:
+                result = await self._run(name, {"age_s": older_than_s, "batch": batch})
+                total += max(result.rowcount, 0)
+                if result.rowcount < batch:
+                    break
+        return total
 
     async def erase_tenant(self, tenant: str) -> dict[str, int]:
         """Every job, result and outbox row of ``tenant``; the counts deleted."""
@@ -177,3 +343,77 @@ class Jobs:
             row = await cur.fetchone()
         jobs, results, outbox = row if row is not None else (0, 0, 0)
         return {"jobs": int(jobs), "results": int(results), "outbox": int(outbox)}
+
+
+def _acceptance(result: StatementResult) -> Acceptance:
+    if not result.rows:
+        # The row appeared after this statement's snapshot: another request
+        # with the same key is recording it right now.
+        raise RequestInProgress("a request with this Idempotency-Key is still running")
+    fresh, fingerprint = result.rows[0]
+    return Acceptance(bool(fresh), fingerprint)
+
+
+class _Withdrawals:
+    """Intakes answered 503 whose insert may still land, withdrawn together
+    in one statement per round until PostgreSQL answers (README, Decisions:
+    "Truthful 503"). A task runs only while some are pending."""
+
+    def __init__(self, run: Callable[[str, Any], Awaitable[StatementResult]]) -> None:
+        self._run = run
+        # job id -> (job, the attempts' intake tokens)
+        self._pending: dict[str, tuple[Job, list[uuid.UUID]]] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    def add(self, job: Job, token: uuid.UUID) -> None:
+        self._pending.setdefault(job.job_id, (job, []))[1].append(token)
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._drain())
+            self._task.add_done_callback(_log_death)
+
+    async def finish(self, within_s: float) -> None:
+        task = self._task
+        if task is None or task.done():
+            return
+        await asyncio.wait({task}, timeout=within_s)
+        if self._pending:
+            # The API stops here: these rows, if they landed, will run.
+            log.error("intake.withdrawals_abandoned", job_ids=sorted(self._pending))
+            task.cancel()
+
+    async def _drain(self) -> None:
+        delay, cap = _WITHDRAW_RETRY_S
+        while self._pending:
+            # One token per job per round: a statement may touch a row once.
+            batch = [(job, tokens[0]) for job, tokens in self._pending.values()]
+            try:
+                result = await self._run("withdraw_jobs", _withdraw_params(batch))
+            except (psycopg.Error, PoolTimeout) as exc:
+                log.warning("intake.withdraw_retrying", jobs=len(batch), error=type(exc).__name__)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, cap)
+                continue
+            self._done(batch, {str(job_id) for job_id, undone in result.rows if undone})
+
+    def _done(self, batch: list[tuple[Job, uuid.UUID]], undone: set[str]) -> None:
+        for job, token in batch:
+            tokens = self._pending[job.job_id][1]
+            tokens.remove(token)
+            if not tokens:
+                del self._pending[job.job_id]
+            # "undone": the insert had landed; without this the job would run.
+            log.info("intake.withdrawn", job_id=job.job_id, undone=job.job_id in undone)
+
+
+def _withdraw_params(batch: list[tuple[Job, uuid.UUID]]) -> dict[str, Any]:
+    return {
+        "job_ids": [job.job_id for job, _ in batch],
+        "tenants": [job.tenant for job, _ in batch],
+        "kinds": [job.kind for job, _ in batch],
+        "tokens": [token for _, token in batch],
+    }
+
+
+def _log_death(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and (exc := task.exception()) is not None:
+        log.error("intake.withdraw_failed", exc_info=exc)

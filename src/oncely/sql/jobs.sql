@@ -5,11 +5,55 @@
 INSERT INTO jobs (job_id, tenant, kind, payload) VALUES (%s, %s, %s, %s)
 ON CONFLICT (job_id) DO NOTHING
 
+-- name: accept_job
+-- The intake, one round trip: record the job with the request's fingerprint
+-- and this attempt's intake token, or answer the row already there.
+-- `fresh` is true when this statement recorded the job: inserted it, or took
+-- over a `withdrawn` row left by an earlier attempt (an intake answered 503).
+-- A queued row with the same fingerprint is adopted (its token becomes this
+-- attempt's): an earlier attempt still withdrawing can no longer touch it.
+-- Otherwise the existing row is answered as it is (fresh = false).
+-- (`created_at = now()` holds only for a row written by this transaction.)
+WITH upsert AS (
+    INSERT INTO jobs AS j (job_id, tenant, kind, payload, fingerprint, intake_token)
+    VALUES (%(job_id)s, %(tenant)s, %(kind)s, %(payload)s, %(fingerprint)s, %(token)s)
+    ON CONFLICT (job_id) DO UPDATE
+       SET intake_token = EXCLUDED.intake_token,
+           status = 'queued',
+           payload = EXCLUDED.payload,
+           fingerprint = EXCLUDED.fingerprint,
+           error = NULL,
+           created_at = CASE WHEN j.status = 'withdrawn' THEN now() ELSE j.created_at END,
+           updated_at = CASE WHEN j.status = 'withdrawn' THEN now() ELSE j.updated_at END
+     WHERE (j.status = 'withdrawn' AND j.intake_token IS DISTINCT FROM EXCLUDED.intake_token)
+        OR (j.status = 'queued' AND j.fingerprint = EXCLUDED.fingerprint)
+    RETURNING j.created_at = now() AS fresh, j.fingerprint
+)
+SELECT fresh, fingerprint FROM upsert
+UNION ALL
+SELECT false, fingerprint FROM jobs
+ WHERE job_id = %(job_id)s AND NOT EXISTS (SELECT 1 FROM upsert)
+
+-- name: withdraw_jobs
+-- Intakes answered 503 whose insert may still land. Each attempt's own
+-- queued row (same intake token) becomes `withdrawn`; where no row exists
+-- yet, a `withdrawn` one is written first, so the late insert conflicts and
+-- changes nothing. A row adopted by a later attempt, or finished, is left
+-- alone. `undone`: the attempt's insert had landed.
+INSERT INTO jobs AS j (job_id, tenant, kind, payload, intake_token, status)
+SELECT w.job_id, w.tenant, w.kind, '{}'::jsonb, w.token, 'withdrawn'
+  FROM unnest(%(job_ids)s::uuid[], %(tenants)s::text[], %(kinds)s::text[],
+              %(tokens)s::uuid[]) AS w (job_id, tenant, kind, token)
+ON CONFLICT (job_id) DO UPDATE
+   SET status = 'withdrawn', payload = '{}', fingerprint = NULL, updated_at = now()
+ WHERE j.intake_token = EXCLUDED.intake_token AND j.status = 'queued'
+RETURNING j.job_id, j.created_at <> now() AS undone
+
 -- name: get_job
 SELECT j.job_id, j.tenant, j.kind, j.status, r.result, r.usage, j.error,
        j.created_at, j.updated_at
   FROM jobs j LEFT JOIN results r USING (job_id)
- WHERE j.job_id = %s AND j.tenant = %s AND j.kind = %s
+ WHERE j.job_id = %s AND j.tenant = %s AND j.kind = %s AND j.status <> 'withdrawn'
 
 -- name: results_stored
 SELECT job_id FROM results WHERE job_id = ANY(%s::uuid[])
@@ -61,7 +105,7 @@ UPDATE jobs SET status = 'queued', error = NULL, updated_at = now()
  WHERE job_id = %s AND status = 'dead'
 
 -- name: jobs_by_kind_and_status
-SELECT kind, status, count(*) FROM jobs GROUP BY kind, status
+SELECT kind, status, count(*) FROM jobs WHERE status <> 'withdrawn' GROUP BY kind, status
 
 -- name: purge_finished_jobs
 -- Retention, one bounded batch per statement: finished jobs last changed
@@ -85,6 +129,17 @@ WITH old AS MATERIALIZED (
     DELETE FROM results r USING old WHERE r.job_id = old.job_id
 )
 DELETE FROM jobs j USING old WHERE j.job_id = old.job_id
+
+-- name: purge_withdrawn_jobs
+-- Retention for intakes answered 503 and never retried: their withdrawn
+-- rows (no result, no outbox rows, no payload) go after the same cut-off.
+DELETE FROM jobs WHERE job_id IN (
+    SELECT job_id FROM jobs
+     WHERE status = 'withdrawn'
+       AND updated_at < now() - make_interval(secs => %(age_s)s)
+     LIMIT %(batch)s
+       FOR UPDATE SKIP LOCKED
+)
 
 -- name: erase_tenant_jobs
 -- Right to erasure: every job of the tenant, its result and its outbox rows,
