@@ -252,7 +252,8 @@ async def require_current_schema(res: Resources) -> None:
 
 
 def jobs_for(app: App, res: Resources) -> Jobs:
-    return Jobs(res.pool, {w.name: Stream(res.redis, w.keys) for w in app})
+    streams = {w.name: Stream(res.redis, w.keys) for w in app}
+    return Jobs(res.pool, streams, statement_timeout_s=res.settings.pg_statement_timeout_s)
 
 
 @contextmanager

@@ -125,6 +125,8 @@ class Settings(BaseSettings):
     # Processes. With a metrics port, worker and relay serve /metrics,
     # /healthz and /readyz on it.
     metrics_port: int | None = Field(None, ge=1, le=65535)
+    # Export traces over OTLP/HTTP (the otel extra; OTEL_EXPORTER_OTLP_* settings).
+    otel: bool = False
     log_format: Literal["console", "json"] = "json"
     log_level: str = "INFO"
     pg_pool_min: int = Field(2, ge=1)

@@ -10,6 +10,7 @@ outbox row (its ``trace_context`` column) to the provider request.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -77,3 +78,20 @@ def current_ids() -> tuple[str, str] | None:
     if not ctx.is_valid:
         return None
     return f"{ctx.trace_id:032x}", f"{ctx.span_id:016x}"
+
+
+def configure(service: str) -> None:
+    """Export this process's spans over OTLP/HTTP (``ONCELY_OTEL=true``; the
+    endpoint and headers come from the standard ``OTEL_EXPORTER_OTLP_*``
+    variables). Needs the ``otel`` extra; says so plainly without it."""
+    try:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    except ImportError as exc:
+        raise RuntimeError("ONCELY_OTEL needs the otel extra: pip install 'oncely[otel]'") from exc
+    name = os.environ.get("OTEL_SERVICE_NAME") or service
+    provider = TracerProvider(resource=Resource.create({"service.name": name}))
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    trace.set_tracer_provider(provider)

@@ -13,7 +13,7 @@ from fastapi import APIRouter, Depends, HTTPException, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
-from oncely import metrics
+from oncely import metrics, tracing
 from oncely.api.idempotency import (
     IDEMPOTENCY_RESPONSES,
     IdempotentRequest,
@@ -80,7 +80,13 @@ def workflow_router(
                 accepted_total.inc()
             return response
 
-        return await idem.run(body, accept)
+        # The trace starts here and travels with the job (oncely.tracing).
+        with tracing.span(
+            f"POST {workflow.route}",
+            kind="server",
+            attributes={"http.request.method": "POST", "http.route": workflow.route},
+        ):
+            return await idem.run(body, accept)
 
     @router.get(
         "/{job_id}",

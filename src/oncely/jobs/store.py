@@ -34,6 +34,7 @@ import structlog
 from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
+from oncely import tracing
 from oncely.batching import GroupCommit
 from oncely.errors import RequestInProgress
 from oncely.queue.stream import JobMessage, Stream
@@ -295,6 +296,8 @@ class Jobs:
             "topics": [e.topic for e in emitted],
             "dedupe_keys": [e.dedupe_key for e in emitted],
             "payloads": [Jsonb(e.payload) for e in emitted],
+            # The relay's send continues the delivery's trace.
+            "trace_context": tracing.traceparent(),
         }
         rows = (await self._run("finish_job", params)).rows
         return bool(rows) and bool(rows[0][0])

@@ -75,8 +75,8 @@ WITH result AS (
     ON CONFLICT (job_id) DO NOTHING
     RETURNING job_id
 ), outbox_rows AS (
-    INSERT INTO outbox (topic, dedupe_key, payload, workflow, job_id)
-    SELECT e.topic, e.dedupe_key, e.payload, %(workflow)s, %(job_id)s
+    INSERT INTO outbox (topic, dedupe_key, payload, workflow, job_id, trace_context)
+    SELECT e.topic, e.dedupe_key, e.payload, %(workflow)s, %(job_id)s, %(trace_context)s
       FROM unnest(%(topics)s::text[], %(dedupe_keys)s::text[], %(payloads)s::jsonb[])
            AS e (topic, dedupe_key, payload)
      WHERE EXISTS (SELECT 1 FROM result)
