@@ -63,10 +63,18 @@ async def test_retention_purges_only_old_finished_jobs_whose_effects_left(jobs, 
 
 
 async def test_erasing_a_tenant_leaves_nothing_of_it_and_touches_no_other(
-    jobs, pool, redis, redis_url, database_url
+    jobs, pool, redis, redis_url, database_url, client
 ):
     stream = jobs.streams["triage"]
     await stream.ensure_group()
+    for tenant in ("acme", "globex"):  # one request each through the API: one record each
+        key = await create_api_key(pool, tenant)
+        r = await client.post(
+            "/v1/triage",
+            json={"subject": tenant, "body": "through the API"},
+            headers={"Authorization": f"Bearer {key}", "Idempotency-Key": f"erase-me-{tenant}-01"},
+        )
+        assert r.status_code == 202
     for tenant in ("acme", "globex"):
         await finished(jobs, pool, tenant, status="done", age_days=1, sent=True)
         await create_api_key(pool, tenant)
@@ -86,14 +94,21 @@ async def test_erasing_a_tenant_leaves_nothing_of_it_and_touches_no_other(
 
     env = {"ONCELY_REDIS_URL": redis_url, "ONCELY_DATABASE_URL": database_url}
     erased = await asyncio.to_thread(oncely, "tenants", "erase", "acme", "--json", env=env)
-    # acme's messages: four in the stream (trimming would drop the acknowledged
+    # acme's messages: five in the stream (trimming would drop the acknowledged
     # ones later, erasure does not wait), one dead letter, one delayed.
 
     assert erased.returncode == 0, erased.stderr
     report = json.loads(erased.stdout)
     assert report == {
         "tenant": "acme",
-        "deleted": {"jobs": 4, "results": 1, "outbox": 1, "messages": 6, "api_keys": 1},
+        "deleted": {
+            "jobs": 5,
+            "results": 1,
+            "outbox": 1,
+            "messages": 7,
+            "idempotency_records": 1,
+            "api_keys": 2,
+        },
     }
     for table in ("jobs", "api_keys"):
         assert await ids(pool, f"SELECT DISTINCT tenant FROM {table}") == {"globex"}
@@ -104,6 +119,8 @@ async def test_erasing_a_tenant_leaves_nothing_of_it_and_touches_no_other(
         left += [f for _, f in await redis.xrange(key)]
     left += [json.loads(v) for v in (await redis.hgetall(stream.keys.delayed_messages)).values()]
     assert {f["tenant"] for f in left} == {"globex"}
-    # Every message of globex stays: its four entries in the stream (acknowledged
+    # Every message of globex stays: its five entries in the stream (acknowledged
     # or not, until trimmed), its dead letter and its delayed message.
-    assert len(left) == 6
+    assert len(left) == 7
+    records = [k async for k in redis.scan_iter(match="oncely:idem:*")]
+    assert len(records) == 1, "globex's idempotency record stays"

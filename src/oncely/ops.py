@@ -174,11 +174,16 @@ async def retry_outbox(
 async def erase_tenant(settings: Settings, tenant: str) -> dict[str, int]:
     """Right to erasure: the tenant's jobs, results and outbox rows first (so a
     step still running writes nothing), then its messages in every stream,
-    delayed set and dead-letter stream, then its API keys."""
+    delayed set and dead-letter stream, its idempotency records, then its API
+    keys."""
     from oncely.api.auth import erase_tenant_api_keys
+    from oncely.api.store import IdempotencyStore
 
-    async with _jobs(settings) as jobs:
+    async with open_resources(settings) as res:
+        jobs = jobs_for(app_from(settings), res)
         counts = await jobs.erase_tenant(tenant)
         counts["messages"] = sum([await s.erase_tenant(tenant) for s in jobs.streams.values()])
-        counts["api_keys"] = await erase_tenant_api_keys(jobs.pool, tenant)
+        records = IdempotencyStore(res.redis, lock_ttl_s=1, result_ttl_s=1)
+        counts["idempotency_records"] = await records.erase_tenant(tenant)
+        counts["api_keys"] = await erase_tenant_api_keys(res.pool, tenant)
     return counts

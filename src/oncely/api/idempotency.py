@@ -142,7 +142,7 @@ class IdempotentRequest:
         deadline = asyncio.get_running_loop().time() + self._wait_s
         while True:
             try:
-                outcome = await self._store.claim(self._digest, fp, token)
+                outcome = await self._store.claim(self._digest, fp, token, tenant=self.scope.tenant)
             except BaseException:
                 # The SET may still be applied when Redis wakes up.
                 self._store.release_eventually(self._digest, token)
@@ -194,7 +194,9 @@ class IdempotentRequest:
 
     async def _finalise(self, fp: str, token: str, response: Response) -> None:
         try:
-            stored = await self._store.finalise(self._digest, token, fp, _capture(response))
+            stored = await self._store.finalise(
+                self._digest, token, fp, _capture(response), tenant=self.scope.tenant
+            )
         except redis.exceptions.RedisError as exc:
             # The response stands (the handler's work is done); the marker
             # must not outlive it. A retry runs the handler again.

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import hashlib
 import json
 import secrets
 from dataclasses import dataclass, field
@@ -58,17 +59,23 @@ return redis.call('PEXPIRE', KEYS[1], ARGV[2])
 """
 
 
+def tenant_tag(tenant: str) -> str:
+    """What a record says of its tenant: enough to find it for erasure."""
+    return hashlib.sha256(tenant.encode()).hexdigest()[:16] if tenant else ""
+
+
 @dataclass(frozen=True)
 class StoredResponse:
     status: int
     headers: list[tuple[str, str]]
     body: bytes
 
-    def to_json(self, fp: str) -> str:
+    def to_json(self, fp: str, tenant: str = "") -> str:
         return json.dumps(
             {
                 "state": "done",
                 "fp": fp,
+                "t": tenant_tag(tenant),
                 "status": self.status,
                 "headers": self.headers,
                 "body": base64.b64encode(self.body).decode(),
@@ -134,11 +141,11 @@ class IdempotencyStore:
         self._renew = redis.register_script(_RENEW)
         self._releases = _Releases()
 
-    async def claim(self, digest: str, fp: str, token: str) -> ClaimOutcome:
+    async def claim(self, digest: str, fp: str, token: str, *, tenant: str = "") -> ClaimOutcome:
         """Take the key with ``token``, or report what holds it (a running or
         finished request)."""
         key = names.idempotency_key(digest)
-        marker = json.dumps({"state": "running", "fp": fp, "token": token})
+        marker = json.dumps({"state": "running", "fp": fp, "token": token, "t": tenant_tag(tenant)})
         while True:
             if await self._redis.set(key, marker, nx=True, px=self.lock_ttl_ms):
                 return Claimed(token)
@@ -154,13 +161,38 @@ class IdempotencyStore:
                 return Running(record["fp"])
             return Finished(record["fp"], StoredResponse.from_record(record))
 
-    async def finalise(self, digest: str, token: str, fp: str, response: StoredResponse) -> bool:
+    async def finalise(
+        self, digest: str, token: str, fp: str, response: StoredResponse, *, tenant: str = ""
+    ) -> bool:
         """Store the response if we still own the key; False means the lock was lost."""
         key = names.idempotency_key(digest)
         done = await self._finalise(
-            keys=[key], args=[token, response.to_json(fp), self.result_ttl_ms]
+            keys=[key], args=[token, response.to_json(fp, tenant), self.result_ttl_ms]
         )
         return bool(done)
+
+    async def erase_tenant(self, tenant: str, batch: int = 1000) -> int:
+        """Delete every record of ``tenant`` (right to erasure); how many.
+        Records carry a hash of their tenant; older ones, without it, expire
+        within the result TTL."""
+        tag = tenant_tag(tenant)
+        erased = 0
+        keys: list[str] = []
+        async for key in self._redis.scan_iter(match=names.IDEMPOTENCY_PREFIX + "*", count=batch):
+            keys.append(key)
+            if len(keys) >= batch:
+                erased += await self._erase_matching(keys, tag)
+                keys = []
+        return erased + (await self._erase_matching(keys, tag) if keys else 0)
+
+    async def _erase_matching(self, keys: list[str], tag: str) -> int:
+        values: list[Any] = await self._redis.mget(keys)
+        doomed = [
+            k for k, v in zip(keys, values, strict=True) if v and json.loads(v).get("t") == tag
+        ]
+        if doomed:
+            await self._redis.delete(*doomed)
+        return len(doomed)
 
     async def release(self, digest: str, token: str) -> bool:
         key = names.idempotency_key(digest)
