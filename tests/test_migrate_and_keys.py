@@ -165,3 +165,40 @@ def test_migrate_check_and_processes_refuse_a_schema_behind_or_ahead(empty_datab
     relay = oncely("relay", env=env)
     assert relay.returncode == 1 and "upgrade oncely" in relay.stderr
     assert oncely("migrate", "--check", env=env).returncode == 1
+
+
+async def test_keys_have_ids_are_listed_without_secrets_and_revoked_by_id(
+    redis_url, database_url, pool, client
+):
+    env = {"ONCELY_REDIS_URL": redis_url, "ONCELY_DATABASE_URL": database_url}
+    created = json.loads(
+        (
+            await asyncio.to_thread(oncely, "keys", "create", "--tenant", "acme", "--json", env=env)
+        ).stdout
+    )
+    other = (
+        await asyncio.to_thread(oncely, "keys", "create", "--tenant", "globex", env=env)
+    ).stdout
+    auth = {"Authorization": f"Bearer {created['key']}"}
+    probe = "/v1/summaries/00000000-0000-4000-8000-000000000000"
+    assert (await client.get(probe, headers=auth)).status_code == 404  # known key: used now
+
+    listed = await asyncio.to_thread(oncely, "keys", "list", "--json", env=env)
+    keys = {k["id"]: k for k in json.loads(listed.stdout)}
+    assert set(keys) >= {created["id"]}
+    assert keys[created["id"]]["tenant"] == "acme"
+    assert keys[created["id"]]["last_used_at"] is not None
+    assert created["key"] not in listed.stdout and other.strip() not in listed.stdout
+    only = json.loads(
+        (
+            await asyncio.to_thread(oncely, "keys", "list", "--tenant", "globex", "--json", env=env)
+        ).stdout
+    )
+    assert [k["tenant"] for k in only] == ["globex"]
+
+    revoked = await asyncio.to_thread(oncely, "keys", "revoke", "--id", created["id"], env=env)
+    assert revoked.returncode == 0, revoked.stderr
+    assert (await client.get(probe, headers=auth)).status_code == 401
+    again = await asyncio.to_thread(oncely, "keys", "revoke", "--id", created["id"], env=env)
+    assert again.returncode == 3
+    assert (await asyncio.to_thread(oncely, "keys", "revoke", env=env)).returncode == 2

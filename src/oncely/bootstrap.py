@@ -447,20 +447,3 @@ async def run_relay(settings: Settings) -> None:
             await run_services(relay, *([health] if health else []))
         finally:
             await router.aclose()
-
-
-# -- keys ---------------------------------------------------------------------------
-
-
-async def create_key(settings: Settings, tenant: str) -> str:
-    from oncely.api.auth import create_api_key
-
-    async with open_resources(settings) as res:
-        return await create_api_key(res.pool, tenant)
-
-
-async def revoke_key(settings: Settings, key: str) -> str | None:
-    from oncely.api.auth import revoke_api_key
-
-    async with open_resources(settings) as res:
-        return await revoke_api_key(res.pool, key)

@@ -187,3 +187,45 @@ async def erase_tenant(settings: Settings, tenant: str) -> dict[str, int]:
         counts["idempotency_records"] = await records.erase_tenant(tenant)
         counts["api_keys"] = await erase_tenant_api_keys(res.pool, tenant)
     return counts
+
+
+async def create_key(settings: Settings, tenant: str) -> tuple[str, str]:
+    """(the secret, its id)."""
+    from oncely.api.auth import create_api_key_with_id
+
+    async with open_resources(settings) as res:
+        return await create_api_key_with_id(res.pool, tenant)
+
+
+async def revoke_key(settings: Settings, *, key: str | None, key_id: str | None) -> str | None:
+    """Revoke by secret or by id; the tenant, or None if no such active key."""
+    from oncely.api.auth import revoke_api_key, revoke_api_key_by_id
+
+    async with open_resources(settings) as res:
+        if key_id is not None:
+            return await revoke_api_key_by_id(res.pool, key_id)
+        assert key is not None
+        return await revoke_api_key(res.pool, key)
+
+
+async def show_keys(settings: Settings, *, tenant: str | None, as_json: bool) -> None:
+    from oncely.api.auth import list_api_keys
+
+    async with open_resources(settings) as res:
+        keys = await list_api_keys(res.pool, tenant)
+    if as_json:
+        print(json.dumps([asdict(k) for k in keys], indent=2, default=str))
+        return
+    table = Table(title=f"API keys ({len(keys)})")
+    _id_columns(table, ("id", "tenant"), [(k.id, k.tenant) for k in keys])
+    for column in ("created", "last used", "revoked"):
+        table.add_column(column, overflow="fold")
+    for k in keys:
+        table.add_row(
+            k.id, k.tenant, _when(k.created_at), _when(k.last_used_at), _when(k.revoked_at)
+        )
+    out.print(table)
+
+
+def _when(moment: datetime | None) -> str:
+    return "-" if moment is None else moment.astimezone(UTC).isoformat(timespec="seconds")

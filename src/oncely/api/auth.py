@@ -8,10 +8,13 @@ from __future__ import annotations
 import hashlib
 import secrets
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from datetime import datetime
 from typing import Annotated
 
 from fastapi import Depends
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from psycopg.rows import class_row
 from psycopg_pool import AsyncConnectionPool
 
 from oncely.api.problems import Unauthorized
@@ -35,11 +38,45 @@ def hash_api_key(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
+@dataclass(frozen=True)
+class ApiKey:
+    """What an operator sees of a key: never the secret."""
+
+    id: str
+    tenant: str
+    created_at: datetime
+    last_used_at: datetime | None
+    revoked_at: datetime | None
+
+
 async def create_api_key(pool: AsyncConnectionPool, tenant: str) -> str:
+    key, _ = await create_api_key_with_id(pool, tenant)
+    return key
+
+
+async def create_api_key_with_id(pool: AsyncConnectionPool, tenant: str) -> tuple[str, str]:
+    """A new key for ``tenant``: (the secret, shown once; its id)."""
     key = new_api_key()
     async with pool.connection() as conn:
-        await conn.execute(query("insert_api_key"), (hash_api_key(key), tenant))
-    return key
+        cur = await conn.execute(query("insert_api_key"), (hash_api_key(key), tenant))
+        row = await cur.fetchone()
+    assert row is not None
+    return key, str(row[0])
+
+
+async def revoke_api_key_by_id(pool: AsyncConnectionPool, key_id: str) -> str | None:
+    """Revoke by id; the key's tenant, or None if no active key has that id."""
+    async with pool.connection() as conn:
+        cur = await conn.execute(query("revoke_api_key_by_id"), (key_id,))
+        row = await cur.fetchone()
+    return None if row is None else str(row[0])
+
+
+async def list_api_keys(pool: AsyncConnectionPool, tenant: str | None = None) -> list[ApiKey]:
+    async with pool.connection() as conn:
+        cur = conn.cursor(row_factory=class_row(ApiKey))
+        await cur.execute(query("list_api_keys"), {"tenant": tenant})
+        return await cur.fetchall()
 
 
 async def revoke_api_key(pool: AsyncConnectionPool, key: str) -> str | None:
@@ -55,7 +92,7 @@ async def tenant_for_key(
 ) -> str | None:
     """The key's tenant, answered within ``timeout_s`` (or ``StatementTimeout``)."""
     result = await run_statement(
-        pool, query("tenant_for_key"), (hash_api_key(key),), timeout_s=timeout_s
+        pool, query("tenant_for_key"), {"key_hash": hash_api_key(key)}, timeout_s=timeout_s
     )
     return str(result.rows[0][0]) if result.rows else None
 
