@@ -4,7 +4,9 @@ the ``badjson`` fault in the scripted order, usage over all messages, and the
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from collections.abc import AsyncIterator
 from datetime import datetime
 from enum import Enum
@@ -14,8 +16,11 @@ from uuid import UUID
 import httpx
 import pytest
 from pydantic import BaseModel, Field, ValidationError
+from typer.testing import CliRunner
 
-from oncely.fakes.llm import FakeLLMServer
+from oncely.cli import app as cli
+from oncely.fakes.faults import parse_rates
+from oncely.fakes.llm import RANDOM_FAULTS, FakeLLMServer
 
 
 class Severity(Enum):
@@ -296,3 +301,175 @@ async def test_v2_model_summarises_in_one_sentence(http: httpx.AsyncClient) -> N
     v2 = content_of(await chat(http, TICKET_TEXT, model="oncely-fake-v2"))
 
     assert (v1, v2) == (TICKET_SUMMARY, "The bug blocks billing.")
+
+
+# --- random faults ------------------------------------------------------------------
+
+
+async def outcomes(fake: FakeLLMServer, texts: list[str], **kw: Any) -> list[str]:
+    """What each call met: the status, or ``badjson`` for a 200 that is not the answer."""
+    seen = []
+    async with httpx.AsyncClient(base_url=fake.url, timeout=5) as http:
+        for text in texts:
+            response = await chat(http, text, **kw)
+            bad = response.status_code == 200 and content_of(response) == "not json"
+            seen.append("badjson" if bad else str(response.status_code))
+    return seen
+
+
+async def test_random_faults_are_reproducible_with_a_seed_whatever_the_order_of_calls() -> None:
+    rates = {"429": 0.2, "503": 0.2, "badjson": 0.2}
+    texts = [f"Prompt {n % 7}." for n in range(60)]
+    async with FakeLLMServer(faults=rates, seed=3) as a, FakeLLMServer(faults=rates, seed=3) as b:
+        forward = await outcomes(a, texts)
+        # The other fake sees each prompt's calls in the same order, the
+        # prompts interleaved differently.
+        by_prompt = sorted(range(60), key=lambda n: (n % 7, n))
+        backward = await outcomes(b, [texts[n] for n in by_prompt])
+    async with FakeLLMServer(faults=rates, seed=4) as c:
+        other_seed = await outcomes(c, texts)
+
+    assert [forward[n] for n in by_prompt] == backward
+    assert other_seed != forward
+    assert {"429", "503", "badjson", "200"} <= set(forward)
+
+
+async def test_random_faults_meet_their_rates_and_are_counted_per_prompt_and_in_total() -> None:
+    rates = {"429": 0.1, "503": 0.1, "badjson": 0.1}
+    async with FakeLLMServer(faults=rates, seed=1) as fake:
+        seen = await outcomes(fake, [f"Distinct prompt {n}." for n in range(600)])
+        stats = fake.stats()
+
+    for kind in ("429", "503", "badjson"):
+        assert 30 <= seen.count(kind) <= 90, (kind, seen.count(kind))
+    assert stats.random_faults == {k: seen.count(k) for k in ("429", "503", "badjson")}
+    assert sum(p.billed for p in stats.prompts) == seen.count("200")
+    assert sum(p.faults.get("503", 0) for p in stats.prompts) == seen.count("503")
+    assert "random_faults" in stats.to_json()
+
+
+async def test_a_random_429_carries_retry_after_and_a_random_503_does_not() -> None:
+    async with (
+        FakeLLMServer(faults={"429": 1.0}) as busy,
+        FakeLLMServer(faults={"503": 1.0}) as down,
+    ):
+        async with httpx.AsyncClient(base_url=busy.url) as http:
+            limited = await chat(http, "Too many.")
+        async with httpx.AsyncClient(base_url=down.url) as http:
+            unavailable = await chat(http, "Gone.")
+
+    assert (limited.status_code, limited.headers["Retry-After"]) == (429, "1")
+    assert unavailable.status_code == 503 and "Retry-After" not in unavailable.headers
+
+
+async def test_a_random_badjson_is_invalid_for_the_schema_asked_for() -> None:
+    async with FakeLLMServer(faults={"badjson": 1.0}) as fake:
+        async with httpx.AsyncClient(base_url=fake.url) as http:
+            response = await chat(http, "Structured please.", schema=Triage)
+        [prompt] = fake.stats().prompts
+
+    assert content_of(response) == '{"oops": '
+    assert (prompt.count, prompt.billed, prompt.faults) == (1, 0, {"badjson": 1})
+
+
+async def test_a_slow_call_takes_slow_s_then_answers_as_usual() -> None:
+    async with FakeLLMServer(faults={"slow": 1.0}, slow_s=0.3) as fake:
+        async with httpx.AsyncClient(base_url=fake.url) as http:
+            started = time.monotonic()
+            response = await chat(http, TICKET_TEXT)
+            took = time.monotonic() - started
+        stats = fake.stats()
+
+    assert content_of(response) == TICKET_SUMMARY
+    assert took >= 0.3
+    assert (stats.random_faults, stats.prompts[0].billed) == ({"slow": 1}, 1)
+
+
+async def test_a_slow_call_is_billed_even_if_the_client_leaves_before_the_answer() -> None:
+    async with FakeLLMServer(faults={"slow": 1.0}, slow_s=0.5) as fake:
+        async with httpx.AsyncClient(base_url=fake.url, timeout=0.1) as http:
+            with pytest.raises(httpx.TimeoutException):
+                await chat(http, "Generating at length.")
+        for _ in range(50):  # the fake notices the client is gone a moment later
+            [prompt] = fake.stats().prompts
+            if prompt.abandoned_ports:
+                break
+            await asyncio.sleep(0.01)
+
+    assert (prompt.count, prompt.billed, prompt.faults) == (1, 1, {"slow": 1})
+    assert prompt.abandoned_ports == prompt.billed_ports
+
+
+async def test_billed_calls_name_the_client_port_they_came_from(fake: FakeLLMServer) -> None:
+    """Which process paid for a call: a soak matches ports to the processes it killed."""
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "Who paid?"}]})
+    host, port = fake.root_url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+        f"Connection: close\r\n\r\n{body}".encode()
+    )
+    answer = await reader.read()
+    client_port = writer.get_extra_info("sockname")[1]
+    writer.close()
+
+    assert answer.startswith(b"HTTP/1.1 200")
+    [prompt] = fake.stats().prompts
+    assert (prompt.billed, prompt.billed_ports) == (1, [client_port])
+
+
+@pytest.mark.parametrize("kind", ["hang", "drip"])
+async def test_a_random_hang_or_drip_never_completes(kind: str) -> None:
+    async with FakeLLMServer(faults={kind: 1.0}) as fake:
+        async with httpx.AsyncClient(base_url=fake.url, timeout=0.3) as http:
+            with pytest.raises(httpx.TimeoutException):
+                response = await chat(http, "Waiting.")
+                await response.aread()
+        [prompt] = fake.stats().prompts
+
+    assert (prompt.billed, prompt.faults) == (0, {kind: 1})
+
+
+async def test_a_scripted_fault_wins_over_a_random_one() -> None:
+    async with FakeLLMServer(faults={"503": 1.0}) as fake:
+        seen = await outcomes(fake, ["Refused. [[fake:400]]", "Refused. [[fake:400]]"])
+
+    assert seen == ["400", "400"]
+    assert fake.stats().random_faults == {}
+
+
+async def test_fault_rate_still_fails_that_share_with_429_or_503() -> None:
+    async with FakeLLMServer(fault_rate=1.0, seed=5) as fake:
+        seen = await outcomes(fake, [f"Any {n}." for n in range(40)])
+
+    assert set(seen) == {"429", "503"}
+
+
+def test_fault_rates_are_checked() -> None:
+    with pytest.raises(ValueError, match="unknown fault 'boom'"):
+        FakeLLMServer(faults={"boom": 0.1})
+    with pytest.raises(ValueError, match="more than 1"):
+        FakeLLMServer(faults={"429": 0.6, "503": 0.6})
+    with pytest.raises(ValueError, match="between 0 and 1"):
+        FakeLLMServer(faults={"slow": -0.1})
+
+
+def test_faults_option_parses_kind_equals_rate_and_refuses_nonsense() -> None:
+    assert parse_rates(" 429=0.05, slow=0.1 ,", RANDOM_FAULTS) == {"429": 0.05, "slow": 0.1}
+    assert parse_rates("", RANDOM_FAULTS) == {}
+    for bad, message in [
+        ("429", "kind=rate"),
+        ("429=lots", "must be a number"),
+        ("429=0.1,429=0.2", "twice"),
+        ("teapot=0.1", "unknown fault"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            parse_rates(bad, RANDOM_FAULTS)
+
+
+def test_fake_llm_command_refuses_bad_faults_as_a_usage_error() -> None:
+    result = CliRunner().invoke(cli, ["fake-llm", "--faults", "429=0.9,503=0.9"])
+
+    assert result.exit_code == 2
+    assert "more than 1" in result.output

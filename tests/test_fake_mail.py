@@ -15,8 +15,13 @@ from typing import Any
 
 import aiohttp
 import pytest
+from typer.testing import CliRunner
 
+from oncely.cli import app as cli
+from oncely.effects import Email
+from oncely.errors import TransientError
 from oncely.fakes.mail import EVENTS_PATH, FakeMailServer, serve_fake_mail
+from oncely.senders.http import HttpEmailSender
 
 MESSAGE = {"to": "ada@example.com", "subject": "Hello", "text": "Your summary."}
 EVENT = {"type": "summary.ready", "timestamp": "2024-05-01T12:00:00Z", "data": {"job": "j-1"}}
@@ -443,3 +448,115 @@ def write_line_without_kind(mailbox: Path, key: str, message_id: str) -> None:
     """An email line as written before events existed."""
     line = {"idempotency_key": key, "id": message_id, **MESSAGE, "received_at": "earlier"}
     mailbox.write_text(json.dumps(line) + "\n")
+
+
+# --- random faults ------------------------------------------------------------------
+
+
+async def test_a_random_503_delivers_nothing_and_is_counted(
+    http: aiohttp.ClientSession, mailbox: Path
+) -> None:
+    async with FakeMailServer(mailbox, faults={"503": 1.0}) as mail:
+        status, body, _ = await post_message(http, mail.url, "k-down")
+        deliveries = await mail.deliveries()
+
+    assert (status, body["error"]) == (503, "injected fault (random)")
+    assert deliveries == {
+        "requests": 1,
+        "effects": 0,
+        "by_key": {"k-down": 1},
+        "faults": {"503": 1},
+    }
+    assert mailbox_lines(mailbox) == []
+
+
+async def test_a_drop_delivers_then_closes_the_connection_without_an_answer(
+    http: aiohttp.ClientSession, mailbox: Path
+) -> None:
+    async with FakeMailServer(mailbox, faults={"drop": 1.0}) as mail:
+        for _ in range(2):
+            with pytest.raises(aiohttp.ServerDisconnectedError):
+                await post_message(http, mail.url, "k-dropped")
+        with pytest.raises(aiohttp.ServerDisconnectedError):
+            await post_event(http, mail.events_url, "evt-dropped")
+        deliveries = await mail.deliveries()
+
+    assert (deliveries["requests"], deliveries["effects"]) == (3, 2)
+    assert deliveries["faults"] == {"drop": 3}
+    keys = [line["idempotency_key"] for line in mailbox_lines(mailbox)]
+    assert keys == ["k-dropped", "evt-dropped"]
+
+
+async def test_the_relays_sender_hears_a_drop_as_a_transient_failure_and_a_resend_is_one_effect(
+    mailbox: Path,
+) -> None:
+    email = Email(to="ada@example.com", subject="Hello", text="Once.")
+    async with FakeMailServer(mailbox, faults={"drop": 1.0}) as mail:
+        sender = HttpEmailSender(mail.url, timeout_s=2.0)
+        try:
+            for _ in range(2):
+                with pytest.raises(TransientError):
+                    await sender.send(email, "summary_ready:job-1")
+        finally:
+            await sender.aclose()
+        deliveries = await mail.deliveries()
+
+    assert (deliveries["requests"], deliveries["effects"]) == (2, 1)
+    assert len(mailbox_lines(mailbox)) == 1
+
+
+async def test_a_timeout_holds_the_request_past_the_client_and_then_delivers(
+    http: aiohttp.ClientSession, mailbox: Path
+) -> None:
+    async with FakeMailServer(mailbox, faults={"timeout": 1.0}, hold_s=0.4) as mail:
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.1):
+                await post_message(http, mail.url, "k-held")
+        assert mailbox_lines(mailbox) == []
+        await asyncio.sleep(0.5)
+        deliveries = await mail.deliveries()
+
+    assert (deliveries["effects"], deliveries["faults"]) == (1, {"timeout": 1})
+    assert [line["idempotency_key"] for line in mailbox_lines(mailbox)] == ["k-held"]
+
+
+async def test_random_faults_are_reproducible_per_key_with_a_seed(
+    http: aiohttp.ClientSession,
+) -> None:
+    rates = {"503": 0.5}
+
+    async def statuses(seed: int, keys: list[str]) -> dict[str, list[int]]:
+        seen: dict[str, list[int]] = {}
+        async with FakeMailServer(faults=rates, seed=seed) as mail:
+            for key in keys:
+                status, _, _ = await post_message(http, mail.url, key)
+                seen.setdefault(key, []).append(status)
+        return seen
+
+    keys = [f"k-{n % 5}" for n in range(30)]
+    first = await statuses(7, keys)
+    again = await statuses(7, sorted(keys))
+    other = await statuses(8, keys)
+
+    assert first == again
+    assert first != other
+    assert {s for seen in first.values() for s in seen} == {503, 201, 200}
+
+
+async def test_a_scripted_fault_wins_over_a_random_one(
+    http: aiohttp.ClientSession,
+) -> None:
+    async with FakeMailServer(faults={"drop": 1.0}) as mail:
+        await script(http, mail, fail_next=1, status=429)
+        status, _, _ = await post_message(http, mail.url, "k-scripted")
+        deliveries = await mail.deliveries()
+
+    assert status == 429
+    assert (deliveries["effects"], deliveries["faults"]) == (0, {})
+
+
+def test_fake_mail_command_refuses_unknown_faults_as_a_usage_error() -> None:
+    result = CliRunner().invoke(cli, ["fake-mail", "--faults", "429=0.1"])
+
+    assert result.exit_code == 2
+    assert "unknown fault '429'" in result.output

@@ -101,12 +101,11 @@ def _run(coro: Coroutine[Any, Any, T]) -> T:
     import psycopg
     import psycopg_pool
     import redis.exceptions
-    import uvloop
 
     from oncely.sql.migrate import SchemaMismatch
 
     try:
-        return uvloop.run(coro)
+        return _event_loop_run(coro)
     except SchemaMismatch as exc:
         err.print(f"[red]{exc}[/red]")
         raise typer.Exit(EXIT_FAILED) from None
@@ -115,6 +114,15 @@ def _run(coro: Coroutine[Any, Any, T]) -> T:
     except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
         err.print(f"[red]Redis did not answer:[/red] {exc}")
     raise typer.Exit(EXIT_UNAVAILABLE)
+
+
+def _event_loop_run(coro: Coroutine[Any, Any, T]) -> T:
+    """uvloop where it is installed (not on Windows), asyncio's loop otherwise."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
 
 
 def _print_json(value: Any) -> None:
@@ -134,6 +142,10 @@ def _settings(**overrides: Any) -> Settings:
     if overrides:
         settings = settings.model_copy(update=overrides)
     configure_logging(settings.log_format, settings.log_level)
+    if settings.otel:
+        from oncely import tracing
+
+        tracing.configure("oncely")
     _check_app(settings)
     return settings
 
@@ -224,19 +236,48 @@ def fake_llm(
         typer.Option(
             envvar="ONCELY_FAKE_FAULT_RATE",
             show_envvar=True,
-            help="Share of calls failing at random.",
+            min=0.0,
+            max=1.0,
+            help="Share of calls failing at random (half 429, half 503).",
         ),
     ] = 0.0,
     seed: Annotated[
         int,
         typer.Option(envvar="ONCELY_FAKE_SEED", show_envvar=True, help="Seed for random faults."),
     ] = 0,
+    faults: Annotated[
+        str,
+        typer.Option(
+            envvar="ONCELY_FAKE_LLM_FAULTS",
+            show_envvar=True,
+            help="Random faults per call, kind=rate: 429, 503, hang, drip, slow, badjson "
+            "(e.g. 429=0.05,503=0.05,slow=0.05).",
+        ),
+    ] = "",
+    slow_s: Annotated[
+        float,
+        typer.Option(
+            envvar="ONCELY_FAKE_SLOW_S", show_envvar=True, help="How long a slow call takes."
+        ),
+    ] = 2.0,
 ) -> None:
     """Serve the fake OpenAI-compatible model; directives in the prompt script its faults."""
-    from oncely.fakes.llm import serve_fake_llm
+    from oncely.fakes.llm import RANDOM_FAULTS, serve_fake_llm
 
+    rates = _fault_rates(faults, RANDOM_FAULTS)
     _settings()
-    _serve_forever(serve_fake_llm(host, port, rpm=rpm, tpm=tpm, fault_rate=fault_rate, seed=seed))
+    _serve_forever(
+        serve_fake_llm(
+            host,
+            port,
+            rpm=rpm,
+            tpm=tpm,
+            fault_rate=fault_rate,
+            seed=seed,
+            faults=rates,
+            slow_s=slow_s,
+        )
+    )
 
 
 @app.command("fake-mail")
@@ -249,12 +290,42 @@ def fake_mail(
             envvar="ONCELY_FAKE_MAILBOX", show_envvar=True, help="Append every email to this JSONL."
         ),
     ] = None,
+    faults: Annotated[
+        str,
+        typer.Option(
+            envvar="ONCELY_FAKE_MAIL_FAULTS",
+            show_envvar=True,
+            help="Random faults per POST, kind=rate: 503, timeout (held past the sender's "
+            "timeout), drop (delivered, then the connection closed unanswered).",
+        ),
+    ] = "",
+    seed: Annotated[
+        int,
+        typer.Option(envvar="ONCELY_FAKE_SEED", show_envvar=True, help="Seed for random faults."),
+    ] = 0,
+    hold_s: Annotated[
+        float,
+        typer.Option(
+            envvar="ONCELY_FAKE_HOLD_S", show_envvar=True, help="How long a timeout holds a POST."
+        ),
+    ] = 30.0,
 ) -> None:
     """Serve the fake mail and webhook provider (dedupes on Idempotency-Key / webhook-id)."""
-    from oncely.fakes.mail import serve_fake_mail
+    from oncely.fakes.mail import RANDOM_FAULTS, serve_fake_mail
 
+    rates = _fault_rates(faults, RANDOM_FAULTS)
     _settings()
-    _serve_forever(serve_fake_mail(host, port, mailbox))
+    _serve_forever(serve_fake_mail(host, port, mailbox, faults=rates, seed=seed, hold_s=hold_s))
+
+
+def _fault_rates(text: str, kinds: tuple[str, ...]) -> dict[str, float]:
+    """``--faults`` parsed, or a usage error (exit 2) naming what is wrong."""
+    from oncely.fakes.faults import parse_rates
+
+    try:
+        return parse_rates(text, kinds)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--faults") from None
 
 
 def _serve_forever(coro: Coroutine[Any, Any, None]) -> None:
@@ -273,27 +344,54 @@ def _serve_forever(coro: Coroutine[Any, Any, None]) -> None:
 @keys_app.command("create")
 def keys_create(
     tenant: Annotated[str, typer.Option(help="The tenant this key acts for.")],
+    as_json: JsonOpt = False,
 ) -> None:
     """Create an API key. Prints the key alone on stdout, once; only its hash is stored."""
-    from oncely.bootstrap import create_key
+    from oncely.ops import create_key
 
     if not tenant.strip():
         err.print("[red]--tenant must not be empty[/red]")
         raise typer.Exit(EXIT_USAGE)
-    key = _run(create_key(_settings(), tenant))
-    err.print(f"created a key for tenant [bold]{tenant}[/bold]; it is shown only now")
-    sys.stdout.write(key + "\n")
+    key, key_id = _run(create_key(_settings(), tenant))
+    err.print(f"created key {key_id} for tenant [bold]{tenant}[/bold]; it is shown only now")
+    if as_json:
+        _print_json({"id": key_id, "tenant": tenant, "key": key})
+    else:
+        sys.stdout.write(key + "\n")
+
+
+@keys_app.command("list")
+def keys_list(
+    tenant: Annotated[str | None, typer.Option(help="Only this tenant's keys.")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """List API keys: id, tenant, created, last used, revoked (never the secret)."""
+    from oncely.ops import show_keys
+
+    _run(show_keys(_settings(), tenant=tenant, as_json=as_json))
 
 
 @keys_app.command("revoke")
-def keys_revoke(key: Annotated[str, typer.Argument(help="The key to revoke.")]) -> None:
+def keys_revoke(
+    key: Annotated[
+        str | None,
+        typer.Argument(help="The key itself (prefer --id: a secret on a command line leaks)."),
+    ] = None,
+    key_id: Annotated[str | None, typer.Option("--id", help="The key's id (keys list).")] = None,
+    as_json: JsonOpt = False,
+) -> None:
     """Revoke an API key: requests with it get 401 from now on."""
-    from oncely.bootstrap import revoke_key
+    from oncely.ops import revoke_key
 
-    tenant = _run(revoke_key(_settings(), key))
+    if (key is None) == (key_id is None):
+        err.print("[red]give --id ID (or the key itself)[/red]")
+        raise typer.Exit(EXIT_USAGE)
+    tenant = _run(revoke_key(_settings(), key=key, key_id=key_id))
     if tenant is None:
         err.print("[red]no such active key[/red]")
         raise typer.Exit(EXIT_NOT_FOUND)
+    if as_json:
+        _print_json({"revoked": key_id or "by key", "tenant": tenant})
     err.print(f"revoked a key of tenant [bold]{tenant}[/bold]")
 
 

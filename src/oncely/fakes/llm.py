@@ -30,6 +30,22 @@ Without ``*N`` a fault applies to every call. Faults run in the order written:
 A whole-provider outage is switched by the test: ``POST /_outage {"fault":
 "503"}`` makes every call answer that fault until ``DELETE /_outage``.
 
+Random faults, for soaks (``oncely fake-llm --faults 429=0.05,slow=0.05 --seed
+S``): each call meets at most one, at its kind's rate: ``429`` (with
+``Retry-After: 1``), ``503``, ``hang``, ``drip``, ``badjson`` as above, or
+``slow`` (the answer takes ``slow_s``: a long generation).
+Which call meets which is fixed by the seed, the prompt and the call's number
+for that prompt (``oncely.fakes.faults``), so a rerun gives each job the same
+fate. A scripted fault wins over a random one on the same call; an outage
+over both. ``--fault-rate F`` is ``429=F/2,503=F/2``.
+
+``GET /_calls`` counts per prompt the calls, the ones ``billed`` (the real
+answer was generated, whether or not the client stayed to read it: what a
+provider bills) with the client port each came from (which process paid),
+the ports of those whose client left before the answer was done (a
+timeout, a crash), and the faults met, by kind; with random faults on,
+``random_faults`` totals them.
+
 It must never be a benchmark's bottleneck: no middleware, no access log,
 directives parsed and answers worked out once per distinct prompt (and schema),
 O(1) work per call otherwise.
@@ -41,7 +57,6 @@ import asyncio
 import hashlib
 import json
 import math
-import random
 import re
 import sys
 import time
@@ -54,10 +69,15 @@ from typing import Any, Literal, cast
 import structlog
 from aiohttp import web
 
+from oncely.fakes.faults import RandomFaults
+
 log = structlog.get_logger(__name__)
 
 HttpFault = Literal["429", "503", "400", "hang", "drip"]
 FaultKind = HttpFault | Literal["badjson"]
+# What ``--faults`` may name, in the order rates are drawn.
+RANDOM_FAULTS = ("429", "503", "hang", "drip", "slow", "badjson")
+RandomFault = FaultKind | Literal["slow"]
 
 _DIRECTIVE = re.compile(
     r"\[\[fake:(?:(?P<fault>429|503|400|hang|drip|badjson)(?:\*(?P<times>\d+))?"
@@ -84,6 +104,8 @@ _STRING_FORMATS = {
 _LIMIT_WINDOW_S = 60.0
 # Fakes hold nothing worth waiting for; a hung call must not stall shutdown.
 _SHUTDOWN_TIMEOUT_S = 0.1
+# How long a random ``slow`` call takes to answer.
+DEFAULT_SLOW_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -122,6 +144,10 @@ class _Prompt:
     script: tuple[Fault, ...]
     sleep_s: float
     count: int = 0
+    billed: int = 0
+    billed_ports: list[int] = field(default_factory=list)
+    abandoned_ports: list[int] = field(default_factory=list)
+    faults: dict[str, int] = field(default_factory=dict)
     _answers: dict[tuple[bool, str], str] = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -162,6 +188,13 @@ class PromptCalls:
     sha256: str
     count: int
     excerpt: str
+    # Calls whose real answer was generated (billed), the client port of
+    # each, those of the billed calls whose client left before the answer
+    # was done, and the faults met, by kind.
+    billed: int = 0
+    billed_ports: list[int] = field(default_factory=list)
+    abandoned_ports: list[int] = field(default_factory=list)
+    faults: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -173,11 +206,13 @@ class CallStats:
     max_in_flight: int
     prompts: list[PromptCalls]
     rate_limited: int | None = None  # only when an rpm/tpm limit is on
+    random_faults: dict[str, int] | None = None  # only when random faults are on
 
     def to_json(self) -> dict[str, object]:
         body = asdict(self)
-        if self.rate_limited is None:
-            del body["rate_limited"]
+        for optional in ("rate_limited", "random_faults"):
+            if body[optional] is None:
+                del body[optional]
         return body
 
 
@@ -207,10 +242,19 @@ class _RateLimit:
 class FakeModel:
     """The fake's state and routes. One per app; all in one event loop, no locks."""
 
-    def __init__(self, *, rpm: int = 0, tpm: int = 0, fault_rate: float = 0.0, seed: int = 0):
+    def __init__(
+        self,
+        *,
+        rpm: int = 0,
+        tpm: int = 0,
+        fault_rate: float = 0.0,
+        seed: int = 0,
+        faults: Mapping[str, float] | None = None,
+        slow_s: float = DEFAULT_SLOW_S,
+    ):
         self._limits = (rpm, tpm)
-        self._fault_rate = fault_rate
-        self._seed = seed
+        self.random = RandomFaults(RANDOM_FAULTS, _with_fault_rate(faults or {}, fault_rate), seed)
+        self.slow_s = slow_s
         self.in_flight = 0
         # A provider outage: while set, every call answers this fault
         # (``POST /_outage {"fault": "503"}``, ended by ``DELETE /_outage``).
@@ -221,18 +265,29 @@ class FakeModel:
         self.total = 0
         self.max_in_flight = self.in_flight
         self.rate_limited = 0
+        self.random_faults: dict[str, int] = {}
         self._prompts: dict[str, _Prompt] = {}
-        self._rng = random.Random(self._seed)
         self._limit = _RateLimit(*self._limits) if any(self._limits) else None
 
     def stats(self, contains: str | None = None) -> CallStats:
         prompts = [
-            PromptCalls(p.sha256, p.count, _excerpt(p.text))
+            PromptCalls(
+                p.sha256,
+                p.count,
+                _excerpt(p.text),
+                p.billed,
+                list(p.billed_ports),
+                list(p.abandoned_ports),
+                dict(p.faults),
+            )
             for p in self._prompts.values()
             if contains is None or contains in p.text
         ]
         rate_limited = self.rate_limited if self._limit is not None else None
-        return CallStats(self.total, self.in_flight, self.max_in_flight, prompts, rate_limited)
+        random_faults = dict(self.random_faults) if self.random else None
+        return CallStats(
+            self.total, self.in_flight, self.max_in_flight, prompts, rate_limited, random_faults
+        )
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         self.total += 1
@@ -255,16 +310,29 @@ class FakeModel:
         call = prompt.count  # read before sleeping: concurrent calls each get their number
         if prompt.sleep_s:
             await asyncio.sleep(prompt.sleep_s)
-        fault = self.outage or self._random_fault() or prompt.fault_for(call)
+        fault = self.outage or prompt.fault_for(call) or self._random_fault(prompt.sha256, call)
+        if fault is not None:
+            prompt.faults[fault] = prompt.faults.get(fault, 0) + 1
         if fault == "badjson":
             content = _BAD_JSON if chat.schema is not None else _NOT_JSON
-        elif fault is not None:
+        elif fault is not None and fault != "slow":
             return await _FAULTS[fault](request)
         else:
             try:
                 content = prompt.answer(chat)
             except _InvalidSchema as exc:
                 return _error(400, f"invalid json_schema: {exc}", "invalid_request_error")
+            # Billed once generating starts, as a provider does, even if the
+            # client goes away before a slow answer is done.
+            prompt.billed += 1
+            port = _client_port(request)
+            prompt.billed_ports.append(port)
+            if fault == "slow":
+                try:
+                    await asyncio.sleep(self.slow_s)
+                except asyncio.CancelledError:  # the client went away
+                    prompt.abandoned_ports.append(port)
+                    raise
         return web.json_response(_completion(chat, content, self.total))
 
     def _refuse_over_limit(self, tokens: int) -> web.Response | None:
@@ -284,10 +352,11 @@ class FakeModel:
             prompt = self._prompts[sha] = _Prompt.parse(sha, text)
         return prompt
 
-    def _random_fault(self) -> HttpFault | None:
-        if self._fault_rate and self._rng.random() < self._fault_rate:
-            return self._rng.choice(("503", "429"))
-        return None
+    def _random_fault(self, sha256: str, call: int) -> RandomFault | None:
+        kind = self.random.draw(sha256, call)
+        if kind is not None:
+            self.random_faults[kind] = self.random_faults.get(kind, 0) + 1
+        return cast(RandomFault | None, kind)
 
     async def calls(self, request: web.Request) -> web.Response:
         return web.json_response(self.stats(request.query.get("contains")).to_json())
@@ -306,6 +375,20 @@ class FakeModel:
     async def end_outage(self, request: web.Request) -> web.Response:
         self.outage = None
         return web.json_response({"outage": None})
+
+
+def _client_port(request: web.Request) -> int:
+    peer = request.transport.get_extra_info("peername") if request.transport else None
+    return int(peer[1]) if isinstance(peer, tuple) and len(peer) >= 2 else 0
+
+
+def _with_fault_rate(faults: Mapping[str, float], fault_rate: float) -> dict[str, float]:
+    """``fault_rate`` (the older option) is half 429s and half 503s, on top of ``faults``."""
+    rates = dict(faults)
+    if fault_rate:
+        for kind in ("429", "503"):
+            rates[kind] = rates.get(kind, 0.0) + fault_rate / 2
+    return rates
 
 
 def _parse_request(raw: bytes) -> _ChatRequest | web.Response:
@@ -582,10 +665,18 @@ FAKE_MODEL = web.AppKey("fake_model", FakeModel)
 
 
 def make_app(
-    *, rpm: int = 0, tpm: int = 0, fault_rate: float = 0.0, seed: int = 0
+    *,
+    rpm: int = 0,
+    tpm: int = 0,
+    fault_rate: float = 0.0,
+    seed: int = 0,
+    faults: Mapping[str, float] | None = None,
+    slow_s: float = DEFAULT_SLOW_S,
 ) -> web.Application:
     """The fake's aiohttp app; its ``FakeModel`` is at ``app[FAKE_MODEL]``."""
-    model = FakeModel(rpm=rpm, tpm=tpm, fault_rate=fault_rate, seed=seed)
+    model = FakeModel(
+        rpm=rpm, tpm=tpm, fault_rate=fault_rate, seed=seed, faults=faults, slow_s=slow_s
+    )
     app = web.Application()
     app[FAKE_MODEL] = model
     app.router.add_post("/v1/chat/completions", model.chat_completions)
@@ -609,11 +700,27 @@ async def _start(app: web.Application, host: str, port: int) -> web.AppRunner:
 
 
 async def serve_fake_llm(
-    host: str, port: int, *, rpm: int = 0, tpm: int = 0, fault_rate: float = 0.0, seed: int = 0
+    host: str,
+    port: int,
+    *,
+    rpm: int = 0,
+    tpm: int = 0,
+    fault_rate: float = 0.0,
+    seed: int = 0,
+    faults: Mapping[str, float] | None = None,
+    slow_s: float = DEFAULT_SLOW_S,
 ) -> None:
     """Serve the fake model until cancelled."""
-    runner = await _start(make_app(rpm=rpm, tpm=tpm, fault_rate=fault_rate, seed=seed), host, port)
-    log.info("fake_llm.started", url=f"http://{host}:{port}/v1", rpm=rpm, tpm=tpm)
+    app = make_app(rpm=rpm, tpm=tpm, fault_rate=fault_rate, seed=seed, faults=faults, slow_s=slow_s)
+    runner = await _start(app, host, port)
+    log.info(
+        "fake_llm.started",
+        url=f"http://{host}:{port}/v1",
+        rpm=rpm,
+        tpm=tpm,
+        faults=app[FAKE_MODEL].random.describe(),
+        seed=seed,
+    )
     try:
         await asyncio.Event().wait()
     finally:
@@ -628,9 +735,18 @@ class FakeLLMServer:
     """
 
     def __init__(
-        self, *, rpm: int = 0, tpm: int = 0, fault_rate: float = 0.0, seed: int = 0
+        self,
+        *,
+        rpm: int = 0,
+        tpm: int = 0,
+        fault_rate: float = 0.0,
+        seed: int = 0,
+        faults: Mapping[str, float] | None = None,
+        slow_s: float = DEFAULT_SLOW_S,
     ) -> None:
-        self._app = make_app(rpm=rpm, tpm=tpm, fault_rate=fault_rate, seed=seed)
+        self._app = make_app(
+            rpm=rpm, tpm=tpm, fault_rate=fault_rate, seed=seed, faults=faults, slow_s=slow_s
+        )
         self._runner: web.AppRunner | None = None
         self.root_url = ""
 

@@ -18,6 +18,20 @@ Routes:
 - ``POST /_faults`` scripts failures and delays for the POSTs that follow (to
   either route); ``POST /_reset`` forgets everything.
 
+Random faults, for soaks (``oncely fake-mail --faults 503=0.05,drop=0.02 --seed
+S``): each POST to either route meets at most one, at its kind's rate, after a
+scripted fault had its turn:
+
+- ``503``: answered 503, nothing delivered.
+- ``timeout``: the request is held ``hold_s`` (longer than the client waits)
+  and then handled as usual, so the effect happens after the sender gave up.
+- ``drop``: the effect happens (it is in the mailbox and counted) and the
+  connection is closed with no answer: the sender cannot know it was delivered.
+
+Which POST meets which is fixed by the seed, the key and how many POSTs with
+that key came before (``oncely.fakes.faults``). ``/_deliveries`` then also
+answers ``faults``: how many of each kind were met.
+
 Each new effect is one JSON line in the mailbox: ``kind`` (``email`` or
 ``event``), ``idempotency_key``, ``id``, the email's fields or the event's
 ``type``/``data``/``timestamp`` (from its body), ``headers`` and raw ``body``,
@@ -32,16 +46,18 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Literal, TypedDict
+from typing import Any, Literal, NotRequired, TypedDict
 
 import structlog
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from oncely.fakes.faults import RandomFaults
 
 MESSAGES_PATH = "/v1/messages"
 EVENTS_PATH = "/v1/events"
@@ -55,6 +71,10 @@ _WEBHOOK_HEADERS = (_WEBHOOK_ID, "webhook-timestamp", "webhook-signature")
 # Long enough for a delayed request to finish, short enough not to stall a
 # test's teardown.
 _SHUTDOWN_S = 1.0
+# What ``--faults`` may name, in the order rates are drawn.
+RANDOM_FAULTS = ("503", "timeout", "drop")
+# How long a random ``timeout`` holds its request.
+DEFAULT_HOLD_S = 30.0
 
 log = structlog.get_logger(__name__)
 
@@ -63,6 +83,7 @@ class Deliveries(TypedDict):
     requests: int
     effects: int
     by_key: dict[str, int]
+    faults: NotRequired[dict[str, int]]  # random faults met, when they are on
 
 
 class Faults(BaseModel):
@@ -92,6 +113,9 @@ class MailState:
     effect_ids: dict[tuple[EffectKind, str], str] = field(default_factory=dict)
     faults: Faults = field(default_factory=Faults)
     failures_left: int = 0
+    random: RandomFaults = field(default_factory=lambda: RandomFaults(RANDOM_FAULTS))
+    hold_s: float = DEFAULT_HOLD_S
+    random_met: dict[str, int] = field(default_factory=dict)
     # Events' lines when there is no mailbox to read them back from.
     _events: list[dict[str, Any]] = field(default_factory=list, repr=False)
 
@@ -101,11 +125,14 @@ class MailState:
             self.effect_ids = _recover_mailbox(self.mailbox)
 
     def deliveries(self) -> Deliveries:
-        return {
+        answer: Deliveries = {
             "requests": self.requests,
             "effects": len(self.effect_ids),
             "by_key": dict(self.by_key),
         }
+        if self.random:
+            answer["faults"] = dict(self.random_met)
+        return answer
 
     def events(self) -> list[dict[str, Any]]:
         if self.mailbox is None:
@@ -129,6 +156,13 @@ class MailState:
         self.failures_left -= 1
         return True
 
+    def random_fault(self, key: str) -> str | None:
+        """The random fault of this POST with ``key`` (already counted), if any."""
+        kind = self.random.draw(key, self.by_key[key]) if key else None
+        if kind is not None:
+            self.random_met[kind] = self.random_met.get(kind, 0) + 1
+        return kind
+
     def deliver(self, kind: EffectKind, key: str, fields: dict[str, Any]) -> tuple[str, bool]:
         """The effect id for ``key`` and whether this call created the effect;
         ``fields`` are the kind's own fields of its mailbox line."""
@@ -147,6 +181,7 @@ class MailState:
 
     def reset(self) -> None:
         self.requests, self.by_key, self.effect_ids, self._events = 0, {}, {}, []
+        self.random_met = {}
         self.script(Faults())
         if self.mailbox is not None:
             self.mailbox.write_text("")
@@ -214,7 +249,7 @@ def _error(status: int, message: str, headers: dict[str, str] | None = None) -> 
 
 async def _post_message(request: web.Request) -> web.Response:
     key = request.headers.get(_IDEMPOTENCY_KEY, "")
-    body, failure = await _admit(request, key)
+    body, failure, drop = await _admit(request, key)
     if failure is not None:
         return failure
     if not key:
@@ -223,12 +258,13 @@ async def _post_message(request: web.Request) -> web.Response:
         message = _Message.model_validate_json(body)
     except ValidationError as exc:
         return _error(422, f"invalid message: {exc.errors(include_url=False)}")
-    return _delivered(request.app[_STATE].deliver("email", key, message.model_dump()))
+    delivered = request.app[_STATE].deliver("email", key, message.model_dump())
+    return _dropped(request) if drop else _delivered(delivered)
 
 
 async def _post_event(request: web.Request) -> web.Response:
     key = request.headers.get(_WEBHOOK_ID, "")
-    body, failure = await _admit(request, key)
+    body, failure, drop = await _admit(request, key)
     if failure is not None:
         return failure
     if not key:
@@ -236,21 +272,39 @@ async def _post_event(request: web.Request) -> web.Response:
     fields = _event_fields(body, request)
     if fields is None:
         return _error(400, "the body must be a JSON object")
-    return _delivered(request.app[_STATE].deliver("event", key, fields))
+    delivered = request.app[_STATE].deliver("event", key, fields)
+    return _dropped(request) if drop else _delivered(delivered)
 
 
-async def _admit(request: web.Request, key: str) -> tuple[bytes, web.Response | None]:
-    """Count the request and play the scripted faults: its body, and the failure
-    to answer instead of delivering, if one is scripted."""
+async def _admit(request: web.Request, key: str) -> tuple[bytes, web.Response | None, bool]:
+    """Count the request and play the scripted faults, else the random ones:
+    its body, the failure to answer instead of delivering, if any, and
+    whether to drop the connection once delivered."""
     state = request.app[_STATE]
     state.count_request(key)
     failing, faults = state.take_failure(), state.faults
+    chance = None if failing else state.random_fault(key)
     # Read before the delay so a request the client gives up on still takes
     # effect, as at a real provider: the window a resend's same key covers.
     body = await request.read()
     if faults.delay_s:
         await asyncio.sleep(faults.delay_s)
-    return body, _injected_failure(faults) if failing else None
+    if chance == "timeout":
+        await asyncio.sleep(state.hold_s)
+    if failing:
+        return body, _injected_failure(faults), False
+    if chance == "503":
+        return body, _error(503, "injected fault (random)"), False
+    return body, None, chance == "drop"
+
+
+def _dropped(request: web.Request) -> web.Response:
+    """Close the connection with no answer (the effect already happened); the
+    response returned is never written."""
+    transport = request.transport
+    if transport is not None:
+        transport.abort()
+    return web.Response(status=204)
 
 
 def _event_fields(body: bytes, request: web.Request) -> dict[str, Any] | None:
@@ -303,9 +357,16 @@ async def _post_reset(request: web.Request) -> web.Response:
     return web.json_response(request.app[_STATE].deliveries())
 
 
-def make_app(mailbox: Path | None = None) -> web.Application:
+def make_app(
+    mailbox: Path | None = None,
+    *,
+    faults: Mapping[str, float] | None = None,
+    seed: int = 0,
+    hold_s: float = DEFAULT_HOLD_S,
+) -> web.Application:
     app = web.Application()
-    app[_STATE] = MailState(mailbox)
+    random = RandomFaults(RANDOM_FAULTS, dict(faults or {}), seed)
+    app[_STATE] = MailState(mailbox, random=random, hold_s=hold_s)
     app.router.add_post(MESSAGES_PATH, _post_message)
     app.router.add_post(EVENTS_PATH, _post_event)
     app.router.add_get("/_deliveries", _get_deliveries)
@@ -328,15 +389,26 @@ async def _start(app: web.Application, host: str, port: int) -> tuple[web.AppRun
     return runner, f"http://{bound_host}:{bound_port}"
 
 
-async def serve_fake_mail(host: str, port: int, mailbox: Path | None) -> None:
+async def serve_fake_mail(
+    host: str,
+    port: int,
+    mailbox: Path | None,
+    *,
+    faults: Mapping[str, float] | None = None,
+    seed: int = 0,
+    hold_s: float = DEFAULT_HOLD_S,
+) -> None:
     """Serve until cancelled."""
-    runner, base_url = await _start(make_app(mailbox), host, port)
+    app = make_app(mailbox, faults=faults, seed=seed, hold_s=hold_s)
+    runner, base_url = await _start(app, host, port)
     try:
         log.info(
             "fake_mail.listening",
             url=base_url + MESSAGES_PATH,
             events_url=base_url + EVENTS_PATH,
             mailbox=str(mailbox),
+            faults=app[_STATE].random.describe(),
+            seed=seed,
         )
         await asyncio.Event().wait()
     finally:
@@ -346,9 +418,16 @@ async def serve_fake_mail(host: str, port: int, mailbox: Path | None) -> None:
 class FakeMailServer:
     """The fake provider on 127.0.0.1 and a free port, for the span of an ``async with``."""
 
-    def __init__(self, mailbox: Path | None = None) -> None:
+    def __init__(
+        self,
+        mailbox: Path | None = None,
+        *,
+        faults: Mapping[str, float] | None = None,
+        seed: int = 0,
+        hold_s: float = DEFAULT_HOLD_S,
+    ) -> None:
         self.mailbox = mailbox
-        self._app = make_app(mailbox)
+        self._app = make_app(mailbox, faults=faults, seed=seed, hold_s=hold_s)
         self._runner: web.AppRunner | None = None
         self.base_url = ""
 
