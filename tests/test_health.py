@@ -66,3 +66,26 @@ async def test_worker_and_relay_serve_metrics_health_and_readiness(
     # Nobody answers at the mail address: three emails wait in the outbox.
     assert "oncely_outbox_unsent 3.0" in relay_metrics
     assert "oncely_outbox_oldest_unsent_age_seconds" in relay_metrics
+
+
+async def test_the_api_moves_metrics_off_its_public_port(redis_url, database_url, redis, tmp_path):
+    port, metrics_port = free_port(), free_port()
+    env = {
+        "ONCELY_REDIS_URL": redis_url,
+        "ONCELY_DATABASE_URL": database_url,
+        "ONCELY_METRICS_PORT": str(metrics_port),
+    }
+    api = start(["api", "--port", str(port)], env, tmp_path / "api.log")
+    with running(api):
+
+        async def up() -> bool:
+            r = await get(f"http://127.0.0.1:{metrics_port}/metrics")
+            return r is not None and r.status_code == 200
+
+        await wait_for(up, what="the API's metrics port")
+        public = await get(f"http://127.0.0.1:{port}/metrics")
+        private = await get(f"http://127.0.0.1:{metrics_port}/metrics")
+        ready = await get(f"http://127.0.0.1:{metrics_port}/readyz")
+    assert public is not None and public.status_code == 404
+    assert private is not None and "oncely_requests_total" in private.text
+    assert ready is not None and ready.json()["ready"] is True

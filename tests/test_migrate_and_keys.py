@@ -154,9 +154,10 @@ def test_migrate_check_and_processes_refuse_a_schema_behind_or_ahead(empty_datab
     env = {"ONCELY_REDIS_URL": redis_url, "ONCELY_DATABASE_URL": empty_database_url}
     behind = oncely("migrate", "--check", env=env)
     assert behind.returncode == 1 and "pending" in behind.stderr
-    worker = oncely("worker", env=env)
-    assert worker.returncode == 1
-    assert "run `oncely migrate`" in worker.stderr and "Traceback" not in worker.stderr
+    for process in ("worker", "api"):
+        refused = oncely(process, env=env)
+        assert refused.returncode == 1, process
+        assert "run `oncely migrate`" in refused.stderr and "Traceback" not in refused.stderr
 
     assert oncely("migrate", env=env).returncode == 0
     assert oncely("migrate", "--check", env=env).returncode == 0

@@ -320,8 +320,10 @@ class ApiServer:
         from oncely.api.app import create_app
 
         self._api = http_api(app, res.settings, resources=res)
+        # With a metrics port, /metrics leaves the public port (health_server).
+        public_metrics = res.settings.metrics_port is None
         config = uvicorn.Config(
-            create_app(self._api),
+            create_app(self._api, public_metrics=public_metrics),
             host=host,
             port=port,
             log_config=None,
@@ -343,9 +345,10 @@ class ApiServer:
 async def serve_api(settings: Settings, *, host: str, port: int) -> None:
     app = app_from(settings)
     async with open_resources(settings) as res:
+        await require_current_schema(res)
         server = ApiServer(app, res, host=host, port=port)
-        with stop_on_signals(server.stop):
-            await server.run()
+        health = health_server(res, list(jobs_for(app, res).streams.values()), [])
+        await run_services(server, *([health] if health else []))
 
 
 # -- workers ----------------------------------------------------------------------

@@ -161,23 +161,24 @@ class OncelyAPI:
         install_problem_handlers(host, generic=False)
 
 
-def create_app(api: OncelyAPI) -> FastAPI:
-    """A standalone FastAPI app serving ``api``: its routes, health, metrics,
-    problem+json for every error and the body limit."""
+def create_app(api: OncelyAPI, *, public_metrics: bool = True) -> FastAPI:
+    """A standalone FastAPI app serving ``api``: its routes, health, metrics
+    (unless ``public_metrics`` is off: they are served on the metrics port
+    instead), problem+json for every error and the body limit."""
     app = FastAPI(
         title="oncely", version=__version__, description=DESCRIPTION, lifespan=api.lifespan
     )
     app.state.oncely = api
     install_problem_handlers(app)
     app.include_router(api.router)
-    _add_operations(app, api)
+    _add_operations(app, api, public_metrics=public_metrics)
     _add_problem_schema(app)
     app.add_middleware(BodyLimit, max_bytes=api.config.max_body_bytes)
     app.add_middleware(CountRequests)
     return app
 
 
-def _add_operations(app: FastAPI, api: OncelyAPI) -> None:
+def _add_operations(app: FastAPI, api: OncelyAPI, *, public_metrics: bool) -> None:
     @app.get("/healthz", tags=["operations"], summary="The process is alive")
     async def healthz() -> dict[str, str]:
         return {"status": "ok"}
@@ -189,6 +190,9 @@ def _add_operations(app: FastAPI, api: OncelyAPI) -> None:
         checks = {"redis": redis_ok, "postgres": postgres_ok}
         ready = all(checks.values())
         return JSONResponse({"ready": ready, **checks}, status_code=200 if ready else 503)
+
+    if not public_metrics:
+        return
 
     @app.get("/metrics", tags=["operations"], summary="Prometheus metrics")
     async def metrics_endpoint() -> Response:
