@@ -64,6 +64,7 @@ def api_config(s: Settings) -> ApiConfig:
         max_body_bytes=s.max_body_bytes,
         max_hold_s=s.idempotency_max_hold_s,
         statement_timeout_s=client_bounds(s).statement_timeout_s,
+        tenant_rpm=s.tenant_rpm,
     )
 
 

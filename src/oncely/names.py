@@ -53,5 +53,10 @@ def workflow_keys(workflow: str, group: str) -> WorkflowKeys:
     )
 
 
+def tenant_rate_key(tenant_digest: str) -> str:
+    """GCRA state of one tenant's intake limit (ONCELY_TENANT_RPM); expires."""
+    return f"oncely:tenant-rate:{tenant_digest}"
+
+
 def idempotency_key(scope_digest: str) -> str:
     return IDEMPOTENCY_PREFIX + scope_digest

@@ -93,6 +93,8 @@ class Settings(BaseSettings):
     # A running request renews its key at most this long, then ends 503.
     idempotency_max_hold_s: float = Field(120.0, gt=0)
     max_body_bytes: int = Field(1_048_576, gt=0)
+    # Intake requests per minute per tenant, fleet-wide (0: no limit).
+    tenant_rpm: int = Field(0, ge=0)
     reconcile_after_s: float = Field(300.0, gt=0)
 
     # Stream worker.

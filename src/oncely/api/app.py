@@ -27,6 +27,7 @@ from oncely import __version__, metrics
 from oncely.api.auth import TenantDependency, api_key_tenant
 from oncely.api.idempotency import RETENTION_POLICY, idempotency_dependency
 from oncely.api.problems import PROBLEM_BASE, install_problem_handlers, problem
+from oncely.api.ratelimit import TenantLimiter
 from oncely.api.store import IdempotencyStore
 from oncely.api.workflows import workflow_router
 from oncely.app import App
@@ -62,6 +63,8 @@ class ApiConfig:
     # statement_timeout. Redis commands are bounded by the client's socket
     # timeout (``bootstrap.make_redis``).
     statement_timeout_s: float = 10.0
+    # Requests per minute each tenant may send, fleet-wide (0: no limit).
+    tenant_rpm: int = 0
 
 
 class Clients(Protocol):
@@ -110,6 +113,7 @@ class OncelyAPI:
                     jobs=lambda: self._jobs,
                     tenant=self.tenant,
                     idempotent=self.idempotent,
+                    limiter=lambda: self._limiter,
                 )
             )
 
@@ -130,6 +134,8 @@ class OncelyAPI:
             lock_ttl_s=self.config.lock_ttl_s,
             result_ttl_s=self.config.result_ttl_s,
         )
+        rpm = self.config.tenant_rpm
+        self._limiter = TenantLimiter(clients.redis, rpm) if rpm else None
 
     @asynccontextmanager
     async def lifespan(self, _: Any = None) -> AsyncIterator[None]:

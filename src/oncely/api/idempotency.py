@@ -65,6 +65,14 @@ IDEMPOTENCY_RESPONSES: dict[int | str, dict[str, Any]] = {
         "headers": {"Retry-After": {"schema": {"type": "integer"}, "description": "Seconds."}},
     },
     413: problem_schema("Request body over `ONCELY_MAX_BODY_BYTES`."),
+    429: {
+        **problem_schema("Over the tenant's `ONCELY_TENANT_RPM`; no key was claimed."),
+        "headers": {
+            "Retry-After": {"schema": {"type": "integer"}, "description": "Seconds."},
+            "RateLimit": {"schema": {"type": "string"}},
+            "RateLimit-Policy": {"schema": {"type": "string"}},
+        },
+    },
     422: problem_schema(
         "The body failed validation (no key was claimed), or the key was used "
         "before with a different body."

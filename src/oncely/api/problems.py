@@ -30,6 +30,14 @@ class Unauthorized(Exception):
     """No, unknown or revoked API key."""
 
 
+class RateLimited(Exception):
+    """The tenant is over its intake limit; carries the RateLimit headers."""
+
+    def __init__(self, headers: dict[str, str]) -> None:
+        super().__init__("over the tenant's request limit")
+        self.headers = headers
+
+
 class HoldExpired(Exception):
     """A request ran past the maximum hold of its idempotency key: it was
     stopped and its key released."""
@@ -101,6 +109,16 @@ def install_problem_handlers(app: FastAPI, *, generic: bool = True) -> None:
             "Request in progress",
             str(exc),
             headers={"Retry-After": "1"},
+        )
+
+    @app.exception_handler(RateLimited)
+    async def _rate_limited(_: Request, exc: RateLimited) -> JSONResponse:
+        return problem(
+            429,
+            "rate-limited",
+            "Too many requests",
+            f"{exc}; retry after {exc.headers['Retry-After']} s with the same key",
+            headers=exc.headers,
         )
 
     @app.exception_handler(HoldExpired)

@@ -20,7 +20,8 @@ from oncely.api.idempotency import (
     mark_replayed,
     replay_header_doc,
 )
-from oncely.api.problems import problem_schema
+from oncely.api.problems import RateLimited, problem_schema
+from oncely.api.ratelimit import TenantLimiter
 from oncely.errors import KeyReused
 from oncely.jobs.store import Acceptance, Job, Jobs
 from oncely.workflow import Workflow
@@ -37,6 +38,7 @@ def workflow_router(
     jobs: Callable[[], Jobs],
     tenant: Callable[..., Awaitable[str]],
     idempotent: Callable[..., Awaitable[IdempotentRequest]],
+    limiter: Callable[[], TenantLimiter | None] = lambda: None,
 ) -> APIRouter:
     """POST and GET for one workflow. ``jobs`` is called per request, so the
     router can be built before the lifespan opens the clients."""
@@ -80,6 +82,12 @@ def workflow_router(
                 accepted_total.inc()
             return response
 
+        # Over the tenant's limit: refused before any key is claimed.
+        tenant_limit = limiter()
+        if tenant_limit is not None:
+            admission = await tenant_limit.admit(tenant_name)
+            if not admission.admitted:
+                raise RateLimited(admission.headers())
         # The trace starts here and travels with the job (oncely.tracing).
         with tracing.span(
             f"POST {workflow.route}",
