@@ -197,3 +197,11 @@ async def test_without_a_tpm_limit_usage_writes_no_state(redis):
     await limiter.settle(reserved=10, used=10_000)
     assert await redis.get(names.LLM_TPM) is None
     assert await redis.get(names.LLM_RPM) is not None
+
+
+async def test_a_call_bigger_than_the_burst_goes_when_nothing_is_owed(redis):
+    """It would otherwise wait forever; later calls pay for it instead."""
+    limiter = FleetLimiter(redis, Limits(tpm=6000))  # burst: 600 tokens, 10 ms a token
+    assert await limiter.acquire(2000) == 0
+    wait = await limiter.acquire(10)
+    assert 10 < wait <= 20.1, "the next call waits out the big one's debt"

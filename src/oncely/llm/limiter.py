@@ -45,6 +45,9 @@ local function check(key, interval, burst, cost)
   if tat < now then tat = now end
   local new_tat = tat + interval * cost
   local wait = new_tat - burst - now
+  -- A call bigger than the burst would wait forever: it goes once nothing
+  -- else is owed, and later calls pay for it.
+  if interval * cost > burst then wait = tat - now end
   if wait > 0 then return wait, 0 end
   return 0, new_tat
 end
