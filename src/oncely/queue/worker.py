@@ -146,7 +146,7 @@ class Worker:
         and ``run`` raises, so the process exits and a supervisor restarts it.
         A dead renewal task must never go unnoticed (it means double model
         calls)."""
-        await self.stream.ensure_group()
+        await self._wait_for_redis()
         self.log.info("worker.started", consumer=self.consumer, concurrency=self.config.concurrency)
         try:
             async with asyncio.TaskGroup() as group:
@@ -194,6 +194,22 @@ class Worker:
                 self.log.warning("worker.group_recreated", error=_describe(exc))
                 self._cursor = "0-0"
                 await self.stream.ensure_group()
+
+    async def _wait_for_redis(self) -> None:
+        """Make the group, waiting (with backoff) while Redis does not answer:
+        a worker started during an outage waits for it like a running one."""
+        pause = _MIN_PAUSE_S
+        while True:
+            try:
+                await self.stream.ensure_group()
+                return
+            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
+                if self._stopping.is_set():
+                    raise
+                self.log.warning("worker.redis_unavailable", error=_describe(exc), retry_in_s=pause)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stopping.wait(), pause)
+                pause = min(pause * 2, _MAX_PAUSE_S)
 
     def stop(self) -> None:
         self._stopping.set()
