@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -93,3 +94,29 @@ async def wait_healthy(base_url: str, proc: subprocess.Popen[bytes], log: Path) 
             return False
 
     await wait_for(up, what=f"{base_url}/healthz")
+
+
+@contextlib.contextmanager
+def frozen(pids: list[int]) -> Iterator[None]:
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+
+
+def postgres_pids(pgdata: Path) -> list[int]:
+    """The postmaster and every process it started: the whole cluster."""
+    postmaster = int((pgdata / "postmaster.pid").read_text().split()[0])
+    pids = [postmaster]
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            stat = (proc / "stat").read_text()
+            if int(stat.rsplit(")", 1)[1].split()[1]) == postmaster:
+                pids.append(int(proc.name))
+    return pids

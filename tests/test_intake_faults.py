@@ -10,10 +10,8 @@ continued in a ``finally``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
-import signal
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -38,7 +36,7 @@ from oncely.jobs.store import abandoned_statements
 from oncely.settings import Settings
 from oncely.sql.migrate import migrate
 from tests.helpers import asgi_app
-from tests.processes import free_port, wait_for
+from tests.processes import free_port, frozen, postgres_pids, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -76,35 +74,9 @@ def private_postgres(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple
         servers.stop()
 
 
-@contextlib.contextmanager
-def frozen(pids: list[int]) -> Iterator[None]:
-    for pid in pids:
-        os.kill(pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGCONT)
-
-
 async def valkey_pids(redis: Redis) -> list[int]:
     info = await redis.info("server")
     return [int(info["process_id"])]
-
-
-def postgres_pids(pgdata: Path) -> list[int]:
-    """The postmaster and every process it started: the whole cluster."""
-    postmaster = int((pgdata / "postmaster.pid").read_text().split()[0])
-    pids = [postmaster]
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        with contextlib.suppress(OSError):
-            stat = (proc / "stat").read_text()
-            if int(stat.rsplit(")", 1)[1].split()[1]) == postmaster:
-                pids.append(int(proc.name))
-    return pids
 
 
 async def no_abandoned_statements() -> bool:
