@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from fastapi import APIRouter, FastAPI
@@ -31,6 +31,7 @@ from oncely.api.ratelimit import TenantLimiter
 from oncely.api.store import IdempotencyStore
 from oncely.api.workflows import workflow_router
 from oncely.app import App
+from oncely.console import console_router
 from oncely.jobs.store import Jobs, run_statement
 from oncely.queue.stream import Stream
 
@@ -65,6 +66,9 @@ class ApiConfig:
     statement_timeout_s: float = 10.0
     # Requests per minute each tenant may send, fleet-wide (0: no limit).
     tenant_rpm: int = 0
+    # The operator key of the web console at /console (None: no console).
+    # Kept out of repr so that it never reaches a log line.
+    console_key: str | None = field(default=None, repr=False)
 
 
 class Clients(Protocol):
@@ -123,6 +127,12 @@ class OncelyAPI:
             raise RuntimeError("oncely's routes ran before its lifespan opened their clients")
         return self._clients
 
+    @property
+    def jobs(self) -> Jobs:
+        """The job store the routes use (bound when the clients open)."""
+        _ = self.clients  # a readable error before the lifespan opened them
+        return self._jobs
+
     def _bind(self, clients: Clients) -> None:
         self._clients = clients
         streams = {w.name: Stream(clients.redis, w.keys) for w in self.app}
@@ -177,6 +187,8 @@ def create_app(api: OncelyAPI, *, public_metrics: bool = True) -> FastAPI:
     app.state.oncely = api
     install_problem_handlers(app)
     app.include_router(api.router)
+    if api.config.console_key:
+        app.include_router(console_router(api, api.config.console_key))
     _add_operations(app, api, public_metrics=public_metrics)
     _add_problem_schema(app)
     app.add_middleware(BodyLimit, max_bytes=api.config.max_body_bytes)

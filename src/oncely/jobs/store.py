@@ -179,6 +179,13 @@ class JobRecord:
     updated_at: datetime
 
 
+@dataclass(frozen=True)
+class JobDetail(JobRecord):
+    """A job row with its result and its request, as operators see it."""
+
+    payload: dict[str, Any]
+
+
 class Jobs:
     def __init__(
         self,
@@ -323,6 +330,17 @@ class Jobs:
         for kind, status, n in rows:
             counts.setdefault(kind, {"queued": 0, "done": 0, "dead": 0})[status] = int(n)
         return counts
+
+    async def recent(self, kind: str, status: str | None, limit: int) -> list[JobRecord]:
+        """A workflow's jobs of any tenant, newest first; of one status if given."""
+        params = {"kind": kind, "status": status, "limit": limit}
+        rows = (await self._run("list_jobs", params)).rows
+        return [JobRecord(*row) for row in rows]
+
+    async def detail(self, kind: str, job_id: uuid.UUID) -> JobDetail | None:
+        """The job with its request, whatever its tenant: for operators only."""
+        rows = (await self._run("get_job_for_operator", (job_id, kind))).rows
+        return JobDetail(*rows[0]) if rows else None
 
     # -- lifecycle ---------------------------------------------------------------
 

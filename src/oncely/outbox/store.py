@@ -126,6 +126,13 @@ class OutboxStore:
             await cur.execute(query("outbox_list"), {"failed_only": failed_only, "limit": limit})
             return await cur.fetchall()
 
+    async def for_job(self, job_id: UUID) -> builtins.list[OutboxRow]:
+        """Every row one job emitted, sent or not, in emission order."""
+        async with self.pool.connection() as conn:
+            cur = conn.cursor(row_factory=class_row(OutboxRow))
+            await cur.execute(query("list_outbox_for_job"), (job_id,))
+            return await cur.fetchall()
+
     async def retry(self, row_id: int) -> bool:
         """Give a failed row a fresh set of attempts now; False if it is not failed."""
         async with self.pool.connection() as conn, conn.transaction():

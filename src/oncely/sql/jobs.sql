@@ -156,3 +156,21 @@ WITH gone_jobs AS (
 SELECT (SELECT count(*) FROM job_rows) AS jobs,
        (SELECT count(*) FROM result_rows) AS results,
        (SELECT count(*) FROM outbox_rows) AS outbox
+
+-- name: list_jobs
+-- The console's listing: one workflow's jobs, newest first, optionally of
+-- one status (NULL: any but withdrawn, which are not jobs).
+SELECT j.job_id, j.tenant, j.kind, j.status, r.result, r.usage, j.error,
+       j.created_at, j.updated_at
+  FROM jobs j LEFT JOIN results r USING (job_id)
+ WHERE j.kind = %(kind)s AND j.status <> 'withdrawn'
+   AND (%(status)s::text IS NULL OR j.status = %(status)s::text)
+ ORDER BY j.created_at DESC, j.job_id
+ LIMIT %(limit)s
+
+-- name: get_job_for_operator
+-- A job of a workflow whatever its tenant, with its request: for operators only.
+SELECT j.job_id, j.tenant, j.kind, j.status, r.result, r.usage, j.error,
+       j.created_at, j.updated_at, j.payload
+  FROM jobs j LEFT JOIN results r USING (job_id)
+ WHERE j.job_id = %s AND j.kind = %s AND j.status <> 'withdrawn'

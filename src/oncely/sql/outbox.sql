@@ -120,3 +120,13 @@ LISTEN oncely_outbox
 -- name: outbox_listener_ping
 SELECT 1
 
+
+-- name: list_outbox_for_job
+-- Every outbox row a job's step emitted, sent or not, in emission order.
+SELECT id, topic, dedupe_key, payload, attempts, last_error, next_attempt_at,
+       locked_until, locked_by, sent_at, failed_at, provider_message_id, created_at,
+       trace_context,
+       extract(epoch FROM now() - created_at)::float8 AS age_s
+  FROM outbox
+ WHERE job_id = %s
+ ORDER BY id

@@ -1,0 +1,292 @@
+"""The web console: signed in by the operator key only, every page escaped,
+replay and retry only with the CSRF token; and, in a real headless Chromium,
+a dead job replayed from the page ends done."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from pydantic import SecretStr
+
+from oncely.api.auth import create_api_key
+from oncely.jobs import dead_letters
+from tests.helpers import asgi_app, count, drain, job_status, make_worker, submit
+from tests.processes import free_port, running, start, wait_for, wait_healthy
+
+KEY = "operator-key-for-tests-only-7f3a"
+ARTIFACTS = Path(__file__).resolve().parent / "artifacts"
+CHROMIUM = "/usr/bin/chromium"
+CHROMEDRIVER = "/usr/bin/chromedriver"
+
+
+@pytest.fixture
+async def console(settings, redis, pool) -> AsyncIterator[httpx.AsyncClient]:
+    """A client of the real app with the console on; not signed in."""
+    app = asgi_app(settings.model_copy(update={"console_key": SecretStr(KEY)}), redis, pool)
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://oncely.test") as c:
+        yield c
+
+
+@pytest.fixture
+async def operator(console) -> httpx.AsyncClient:
+    """The console client, signed in."""
+    r = await console.get("/console/login", params={"key": KEY})
+    assert r.status_code == 303
+    return console
+
+
+async def dead_summary(pool, jobs, summary_job, text: str) -> str:
+    """A summaries job the real worker dead-lettered (the fake model refuses it once)."""
+    stream = jobs.streams["summaries"]
+    await stream.ensure_group()
+    job_id = await submit(pool, stream, text)
+    await drain(make_worker(stream, summary_job, pool))
+    assert await job_status(pool, job_id) == "dead"
+    return job_id
+
+
+def csrf_of(page: str) -> str:
+    match = re.search(r'name="csrf" value="([0-9a-f]{64})"', page)
+    assert match, "no CSRF token on the page"
+    return match.group(1)
+
+
+async def test_without_a_key_there_is_no_console(client):
+    assert (await client.get("/console")).status_code == 404
+    assert (await client.get("/console/login", params={"key": "anything"})).status_code == 404
+
+
+async def test_a_stranger_is_sent_to_the_login_form(console):
+    for path in ("/console", "/console/outbox", "/console/workflows/triage/dead-letters"):
+        r = await console.get(path)
+        assert (r.status_code, r.headers["location"]) == (303, "/console/login"), path
+    form = await console.get("/console/login")
+    assert form.status_code == 200 and 'name="key"' in form.text
+    r = await console.post("/console/outbox/1/retry", data={"csrf": "0" * 64})
+    assert r.status_code == 303 and r.headers["location"] == "/console/login"
+
+
+async def test_a_wrong_key_is_refused(console):
+    r = await console.get("/console/login", params={"key": KEY + "x"})
+    assert r.status_code == 401
+    assert "set-cookie" not in r.headers
+    r = await console.post("/console/login", data={"key": ""})
+    assert r.status_code == 401
+    assert (await console.get("/console")).status_code == 303
+
+
+async def test_the_right_key_sets_a_strict_httponly_cookie_without_the_key(console):
+    r = await console.post("/console/login", data={"key": KEY})
+    assert (r.status_code, r.headers["location"]) == (303, "/console")
+    cookie = r.headers["set-cookie"].lower()
+    assert "httponly" in cookie and "samesite=strict" in cookie and "path=/console" in cookie
+    assert KEY.lower() not in cookie
+    overview = await console.get("/console")
+    assert overview.status_code == 200
+    assert 'id="workflow-summaries"' in overview.text and 'id="workflow-triage"' in overview.text
+    assert KEY not in overview.text
+    assert overview.headers["cache-control"] == "no-store"
+
+
+async def test_jobs_list_filters_by_status_and_detail_escapes_the_request(
+    operator, pool, jobs, summary_job
+):
+    job_id = await dead_summary(
+        pool, jobs, summary_job, "<script>alert(1)</script> refused. [[fake:400*1]]"
+    )
+    dead = await operator.get("/console/workflows/summaries/jobs", params={"status": "dead"})
+    assert job_id in dead.text
+    done = await operator.get("/console/workflows/summaries/jobs", params={"status": "done"})
+    assert job_id not in done.text
+    detail = await operator.get(f"/console/workflows/summaries/jobs/{job_id}")
+    assert detail.status_code == 200
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in detail.text
+    assert "<script>" not in detail.text
+    assert 'id="job-status" class="status-dead">dead<' in detail.text
+    assert "400" in detail.text  # the error the model answered
+    other = await operator.get(f"/console/workflows/triage/jobs/{job_id}")
+    assert other.status_code == 404
+    assert (
+        await operator.get(f"/console/workflows/summaries/jobs/{uuid.uuid4()}")
+    ).status_code == 404
+    assert (await operator.get("/console/workflows/nope/jobs")).status_code == 404
+
+
+async def test_replay_needs_the_csrf_token_and_happens_once(operator, pool, jobs, summary_job):
+    job_id = await dead_summary(pool, jobs, summary_job, "Refused once. [[fake:400*1]]")
+    page = await operator.get("/console/workflows/summaries/dead-letters")
+    assert job_id in page.text
+    [letter] = await dead_letters.list_dead(jobs, "summaries")
+    action = f"/console/workflows/summaries/dead-letters/{letter.dead_id}/replay"
+    assert action in page.text
+
+    assert (await operator.post(action)).status_code == 403
+    assert (await operator.post(action, data={"csrf": "f" * 64})).status_code == 403
+    assert await job_status(pool, job_id) == "dead"
+
+    r = await operator.post(action, data={"csrf": csrf_of(page.text)})
+    assert r.status_code == 303
+    assert await job_status(pool, job_id) == "queued"
+    assert await dead_letters.list_dead(jobs, "summaries") == []
+    after = await operator.get(r.headers["location"])
+    assert "Replayed job" in after.text and job_id in after.text
+
+    again = await operator.post(action, data={"csrf": csrf_of(page.text)}, follow_redirects=True)
+    assert "not there any more" in again.text
+    stream = jobs.streams["summaries"]
+    assert await stream.redis.xlen(stream.stream) == 2  # the first message and one replay
+
+
+async def test_retry_of_a_failed_outbox_row(operator, pool):
+    async with pool.connection() as conn:
+        cur = await conn.execute(
+            "INSERT INTO outbox (topic, dedupe_key, payload, attempts, last_error, failed_at)"
+            " VALUES ('email', 'email:console-test', '{}', 8, 'HTTP 500 <b>down</b>', now())"
+            " RETURNING id"
+        )
+        row = await cur.fetchone()
+    assert row is not None
+    row_id = int(row[0])
+    page = await operator.get("/console/outbox")
+    assert "email:console-test" in page.text
+    assert "HTTP 500 &lt;b&gt;down&lt;/b&gt;" in page.text
+    action = f"/console/outbox/{row_id}/retry"
+    assert (await operator.post(action, data={})).status_code == 403
+    r = await operator.post(action, data={"csrf": csrf_of(page.text)}, follow_redirects=True)
+    assert r.status_code == 200 and f"Outbox row {row_id} will be sent again" in r.text
+    assert await count(pool, "SELECT count(*) FROM outbox WHERE failed_at IS NOT NULL") == 0
+    assert await count(pool, "SELECT attempts FROM outbox WHERE id = %s", row_id) == 0
+    again = await operator.post(action, data={"csrf": csrf_of(page.text)}, follow_redirects=True)
+    assert "is not failed" in again.text
+
+
+# -- a real browser --------------------------------------------------------------
+
+
+def _chrome(profile: Path) -> Any:
+    if not (Path(CHROMIUM).exists() and Path(CHROMEDRIVER).exists()):
+        pytest.skip(
+            "the browser test needs Chromium and its driver at /usr/bin/chromium and "
+            "/usr/bin/chromedriver: apt-get install -y chromium chromium-driver"
+        )
+    webdriver = pytest.importorskip("selenium.webdriver", reason="pip install 'oncely[test]'")
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for arg in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--no-first-run",
+        "--window-size=1280,900",
+        f"--user-data-dir={profile}",
+    ):
+        options.add_argument(arg)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    service = webdriver.ChromeService(executable_path=CHROMEDRIVER)
+    return webdriver.Chrome(options=options, service=service)
+
+
+def _shot(driver: Any, name: str) -> None:
+    ARTIFACTS.mkdir(exist_ok=True)
+    driver.save_screenshot(str(ARTIFACTS / f"console-{name}.png"))
+
+
+def _sign_in_and_replay(driver: Any, base: str, job_id: str) -> None:
+    """Sync selenium steps; run in a thread so the in-process fake model keeps serving."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as ec
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    driver.get(f"{base}/console")
+    assert driver.current_url == f"{base}/console/login"
+    _shot(driver, "login")
+    driver.find_element(By.ID, "key").send_keys(KEY)
+    driver.find_element(By.ID, "sign-in").click()
+    WebDriverWait(driver, 10).until(ec.presence_of_element_located((By.ID, "workflow-triage")))
+    _shot(driver, "overview")
+    driver.get(f"{base}/console/workflows/triage/dead-letters")
+    table = driver.find_element(By.ID, "dead-letters")
+    assert job_id in table.text
+    _shot(driver, "dead-letters")
+    driver.find_element(By.CSS_SELECTOR, f'button.replay[data-job="{job_id}"]').click()
+    alert = WebDriverWait(driver, 5).until(ec.alert_is_present())
+    assert "Replay" in alert.text
+    alert.accept()
+    notice = WebDriverWait(driver, 10).until(ec.presence_of_element_located((By.ID, "notice")))
+    assert "Replayed job" in notice.text and job_id in notice.text
+    _shot(driver, "replayed")
+
+
+def _job_page_says_done(driver: Any, base: str, job_id: str) -> None:
+    from selenium.webdriver.common.by import By
+
+    driver.get(f"{base}/console/workflows/triage/jobs/{job_id}")
+    driver.refresh()
+    assert driver.find_element(By.ID, "job-status").text == "done"
+    assert driver.find_element(By.ID, "result").text
+    _shot(driver, "job")
+    driver.get(f"{base}/console/workflows/triage/jobs?status=done")
+    assert job_id in driver.find_element(By.ID, "jobs").text
+    _shot(driver, "jobs")
+    driver.get(f"{base}/console/outbox")
+    _shot(driver, "outbox")
+
+
+@pytest.mark.slow
+async def test_a_dead_job_replayed_in_the_browser_ends_done(
+    redis_url, database_url, pool, fake_llm, tmp_path
+):
+    driver = _chrome(tmp_path / "chromium-profile")
+    key = await create_api_key(pool, "acme")
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    env = {
+        "ONCELY_REDIS_URL": redis_url,
+        "ONCELY_DATABASE_URL": database_url,
+        "ONCELY_LLM_BASE_URL": fake_llm.url,
+        "ONCELY_CONSOLE_KEY": KEY,
+        "ONCELY_LOG_FORMAT": "json",
+        "ONCELY_BLOCK_MS": "50",
+    }
+    api = start(["api", "--port", str(port)], env, tmp_path / "api.log")
+    worker = start(["worker"], env, tmp_path / "worker.log")
+    ticket = {"subject": "Broken", "body": "Refused once, then fine. [[fake:400*1]]"}
+    try:
+        with running(api, worker):
+            await wait_healthy(base, api, tmp_path / "api.log")
+            async with httpx.AsyncClient(
+                base_url=base, headers={"Authorization": f"Bearer {key}"}
+            ) as c:
+                r = await c.post(
+                    "/v1/triage",
+                    json=ticket,
+                    headers={"Idempotency-Key": "console-dead-then-replayed"},
+                )
+                assert r.status_code == 202, r.text
+            job_id = r.json()["job_id"]
+
+            async def status_is(expected: str) -> bool:
+                return await job_status(pool, job_id) == expected
+
+            await wait_for(lambda: status_is("dead"), what="the job dead-lettered")
+            await asyncio.to_thread(_sign_in_and_replay, driver, base, job_id)
+            await wait_for(lambda: status_is("done"), what="the replayed job done")
+            await asyncio.to_thread(_job_page_says_done, driver, base, job_id)
+            severe = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
+            assert severe == [], severe
+        assert KEY not in (tmp_path / "api.log").read_text()
+        assert fake_llm.stats(contains="Refused once").prompts[0].count == 2
+    finally:
+        driver.quit()
