@@ -31,6 +31,7 @@ fmt: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/worker_bench.py
+	$(BIN)/python bench/intake_bench.py --out bench/intake-report.json
 
 clean:
 	rm -rf $(VENV) .oncely .pytest_cache .mypy_cache .ruff_cache
