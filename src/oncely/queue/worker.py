@@ -505,7 +505,9 @@ class Worker:
 
 
 def _is_nogroup(exc: redis.exceptions.ResponseError) -> bool:
-    return str(exc).startswith("NOGROUP")
+    """The stream or its group is gone: NOGROUP, or (Redis 7.0) a blocked
+    XREADGROUP woken with UNBLOCKED when its key was deleted."""
+    return str(exc).startswith(("NOGROUP", "UNBLOCKED"))
 
 
 def _describe(exc: BaseException) -> str:
