@@ -22,7 +22,7 @@ and two ``oncely relay`` processes, all configured through documented
   for ``--freeze-s``, then SIGCONT).
 
 It then waits (at most ``--drain-timeout``) until nothing is queued,
-pending, delayed or unsent, checks the invariants (DESIGN §9) against
+pending, delayed or unsent, checks the invariants (README: "What it promises") against
 PostgreSQL, the fake provider's mailbox and the fake model's call counts,
 and prints one JSON report on stdout (progress goes to stderr). Exit status
 1 on any violation, 2 on a usage error.
