@@ -12,10 +12,11 @@ a row.
 Every statement is bounded on the client as well as on the server
 (``statement_timeout``): a frozen server never enforces its own timeout.
 An intake whose insert got no answer is answered 503, so ``accept`` then
-*withdraws* it in the background: once PostgreSQL answers again, that
-attempt's row (fenced by the attempt's ``intake_token``) becomes
-``withdrawn``, or, if the insert has not landed yet, a ``withdrawn`` row is
-written first so that the late insert changes nothing. A withdrawn row is
+*withdraws* it in the background: once PostgreSQL answers again, the
+attempt is recorded as unanswered on its row, which becomes ``withdrawn``
+once every attempt that touched it (its writer and the retries that adopted
+it) was unanswered; if the insert has not landed yet, a ``withdrawn`` row
+is written first so that the late insert changes nothing. A withdrawn row is
 never dispatched, reads as 404, and a retry with the same key takes it over.
 """
 

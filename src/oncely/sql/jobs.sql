@@ -9,23 +9,28 @@ ON CONFLICT (job_id) DO NOTHING
 -- The intake, one round trip: record the job with the request's fingerprint
 -- and this attempt's intake token, or answer the row already there.
 -- `fresh` is true when this statement recorded the job: inserted it, or took
--- over a `withdrawn` row left by an earlier attempt (an intake answered 503).
--- A queued row with the same fingerprint is adopted (its token becomes this
--- attempt's): an earlier attempt still withdrawing can no longer touch it.
--- Otherwise the existing row is answered as it is (fresh = false).
--- (`created_at = now()` holds only for a row written by this transaction.)
+-- over a `withdrawn` row left by earlier attempts (intakes answered 503; an
+-- attempt already withdrawn, whose insert lands late, takes nothing over).
+-- A queued row with the same fingerprint is adopted: this attempt joins
+-- `adopters`, so the row is withdrawn only if this attempt is withdrawn too
+-- (see withdraw_jobs). Otherwise the existing row is answered as it is
+-- (fresh = false). (`created_at = now()` holds only for a row written by
+-- this transaction.)
 WITH upsert AS (
     INSERT INTO jobs AS j (job_id, tenant, kind, payload, fingerprint, intake_token)
     VALUES (%(job_id)s, %(tenant)s, %(kind)s, %(payload)s, %(fingerprint)s, %(token)s)
     ON CONFLICT (job_id) DO UPDATE
-       SET intake_token = EXCLUDED.intake_token,
+       SET intake_token = CASE WHEN j.status = 'withdrawn' THEN EXCLUDED.intake_token
+                               ELSE j.intake_token END,
+           adopters = CASE WHEN j.status = 'withdrawn' THEN '{}'
+                           ELSE array_append(j.adopters, EXCLUDED.intake_token) END,
            status = 'queued',
            payload = EXCLUDED.payload,
            fingerprint = EXCLUDED.fingerprint,
            error = NULL,
            created_at = CASE WHEN j.status = 'withdrawn' THEN now() ELSE j.created_at END,
            updated_at = CASE WHEN j.status = 'withdrawn' THEN now() ELSE j.updated_at END
-     WHERE (j.status = 'withdrawn' AND j.intake_token IS DISTINCT FROM EXCLUDED.intake_token)
+     WHERE (j.status = 'withdrawn' AND NOT EXCLUDED.intake_token = ANY(j.unanswered))
         OR (j.status = 'queued' AND j.fingerprint = EXCLUDED.fingerprint)
     RETURNING j.created_at = now() AS fresh, j.fingerprint
 )
@@ -35,19 +40,28 @@ SELECT false, fingerprint FROM jobs
  WHERE job_id = %(job_id)s AND NOT EXISTS (SELECT 1 FROM upsert)
 
 -- name: withdraw_jobs
--- Intakes answered 503 whose insert may still land. Each attempt's own
--- queued row (same intake token) becomes `withdrawn`; where no row exists
--- yet, a `withdrawn` one is written first, so the late insert conflicts and
--- changes nothing. A row adopted by a later attempt, or finished, is left
--- alone. `undone`: the attempt's insert had landed.
-INSERT INTO jobs AS j (job_id, tenant, kind, payload, intake_token, status)
-SELECT w.job_id, w.tenant, w.kind, '{}'::jsonb, w.token, 'withdrawn'
+-- Intakes answered 503 whose insert may still land. Each attempt joins its
+-- row's `unanswered`; a queued row becomes `withdrawn` once every attempt
+-- that touched it (its writer and its adopters) is unanswered, so a row
+-- another attempt was answered 202 for stays queued. Where no row exists
+-- yet, a `withdrawn` one is written first, so the late insert changes
+-- nothing. `undone`: this statement withdrew a row that had landed.
+INSERT INTO jobs AS j (job_id, tenant, kind, payload, intake_token, unanswered, status)
+SELECT w.job_id, w.tenant, w.kind, '{}'::jsonb, w.token, ARRAY[w.token], 'withdrawn'
   FROM unnest(%(job_ids)s::uuid[], %(tenants)s::text[], %(kinds)s::text[],
               %(tokens)s::uuid[]) AS w (job_id, tenant, kind, token)
 ON CONFLICT (job_id) DO UPDATE
-   SET status = 'withdrawn', payload = '{}', fingerprint = NULL, updated_at = now()
- WHERE j.intake_token = EXCLUDED.intake_token AND j.status = 'queued'
-RETURNING j.job_id, j.created_at <> now() AS undone
+   SET unanswered = array_append(j.unanswered, EXCLUDED.intake_token),
+       status = CASE WHEN j.status = 'queued'
+                      AND array_append(j.adopters, j.intake_token)
+                          <@ array_append(j.unanswered, EXCLUDED.intake_token)
+                     THEN 'withdrawn' ELSE j.status END,
+       updated_at = CASE WHEN j.status = 'queued'
+                          AND array_append(j.adopters, j.intake_token)
+                              <@ array_append(j.unanswered, EXCLUDED.intake_token)
+                         THEN now() ELSE j.updated_at END
+RETURNING j.job_id,
+          j.status = 'withdrawn' AND j.updated_at = now() AND j.created_at <> now() AS undone
 
 -- name: get_job
 SELECT j.job_id, j.tenant, j.kind, j.status, r.result, r.usage, j.error,
