@@ -66,6 +66,9 @@ class ApiConfig:
     statement_timeout_s: float = 10.0
     # Requests per minute each tenant may send, fleet-wide (0: no limit).
     tenant_rpm: int = 0
+    # How long an API key, once looked up, is trusted without asking
+    # PostgreSQL again: the longest a revoked key keeps working (0: no cache).
+    api_key_cache_s: float = 10.0
     # The operator key of the web console at /console (None: no console).
     # Kept out of repr so that it never reaches a log line.
     console_key: str | None = field(default=None, repr=False)
@@ -104,7 +107,9 @@ class OncelyAPI:
         else:
             self._bind(clients)
         self.tenant = auth or api_key_tenant(
-            lambda: self.clients.pool, timeout_s=config.statement_timeout_s
+            lambda: self.clients.pool,
+            timeout_s=config.statement_timeout_s,
+            cache_s=config.api_key_cache_s,
         )
         self.idempotent = idempotency_dependency(
             lambda: self._idempotency, self.tenant, config.max_hold_s
