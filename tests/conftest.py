@@ -112,6 +112,8 @@ def settings(redis_url: str, database_url: str, tmp_path: Path) -> Settings:
         database_url=database_url,
         data_dir=tmp_path,
         log_format="console",
+        # Short, so that tests of revocation wait a moment, not the default 10 s.
+        api_key_cache_s=0.5,
     )
 
 

@@ -18,6 +18,7 @@ from oncely.api.auth import create_api_key, revoke_api_key
 from oncely.api.store import IdempotencyStore
 from oncely.builtin.summaries import summaries
 from tests.helpers import asgi_app
+from tests.processes import wait_for
 
 URL = "/v1/summaries"
 BODY = {"text": "Idempotency keys make retries safe.", "notify": "ada@example.com"}
@@ -217,10 +218,35 @@ async def test_missing_or_unknown_key_is_401(client, pool, redis, authorization)
     assert await redis.dbsize() == 0
 
 
-async def test_revoked_key_is_401(client, pool, api_key, auth):
+async def test_a_revoked_key_is_401_once_the_key_cache_expires(client, pool, api_key, auth):
+    """The API trusts a key it looked up for ONCELY_API_KEY_CACHE_S (0.5 s
+    in tests): right after revocation the cached key still works, without
+    asking PostgreSQL; then it is refused."""
     assert (await client.post(URL, json=BODY, headers=headers(auth))).status_code == 202
     assert await revoke_api_key(pool, api_key) == "acme"
-    r = await client.post(URL, json=BODY, headers=headers(auth, key="req-0002-abcdefgh"))
+    cached = await client.post(URL, json=BODY, headers=headers(auth, key="req-0002-abcdefgh"))
+    assert cached.status_code == 202, "answered from the cache"
+    keys = iter(f"req-{n:04d}-abcdefgh" for n in range(3, 10_000))
+
+    async def refused() -> bool:
+        r = await client.post(URL, json=BODY, headers=headers(auth, key=next(keys)))
+        return r.status_code == 401
+
+    await wait_for(refused, 10, "the revoked key refused")
+    accepted = await job_count(pool)
+    r = await client.post(URL, json=BODY, headers=headers(auth, key="req-9999-abcdefgh"))
+    assert r.status_code == 401
+    assert await job_count(pool) == accepted, "a refused request stores nothing"
+
+
+async def test_without_the_key_cache_a_revoked_key_is_401_at_once(settings, redis, pool):
+    key = await create_api_key(pool, "acme")
+    auth = {"Authorization": f"Bearer {key}"}
+    app = asgi_app(settings.model_copy(update={"api_key_cache_s": 0}), redis, pool)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+        assert (await c.post(URL, json=BODY, headers=headers(auth))).status_code == 202
+        assert await revoke_api_key(pool, key) == "acme"
+        r = await c.post(URL, json=BODY, headers=headers(auth, key="req-0002-abcdefgh"))
     assert r.status_code == 401
     assert await job_count(pool) == 1
 

@@ -9,7 +9,7 @@ import psycopg
 import pytest
 
 from oncely.sql.migrate import available, migrate
-from tests.processes import oncely
+from tests.processes import oncely, wait_for
 
 
 @pytest.fixture
@@ -52,9 +52,13 @@ async def test_keys_create_prints_only_the_key_and_stores_only_its_hash(
     ).status_code == 404
     revoked = await asyncio.to_thread(oncely, "keys", "revoke", key, env=env)
     assert revoked.returncode == 0, revoked.stderr
-    assert (
-        await client.get("/v1/summaries/00000000-0000-4000-8000-000000000000", headers=auth)
-    ).status_code == 401
+    assert "ONCELY_API_KEY_CACHE_S" in revoked.stderr, "says when it takes effect"
+
+    async def refused() -> bool:
+        url = "/v1/summaries/00000000-0000-4000-8000-000000000000"
+        return (await client.get(url, headers=auth)).status_code == 401
+
+    await wait_for(refused, 10, "the revoked key refused")
     again = await asyncio.to_thread(oncely, "keys", "revoke", key, env=env)
     assert again.returncode == 3, "not found"
     assert "no such active key" in again.stderr
@@ -199,7 +203,11 @@ async def test_keys_have_ids_are_listed_without_secrets_and_revoked_by_id(
 
     revoked = await asyncio.to_thread(oncely, "keys", "revoke", "--id", created["id"], env=env)
     assert revoked.returncode == 0, revoked.stderr
-    assert (await client.get(probe, headers=auth)).status_code == 401
+
+    async def probe_refused() -> bool:
+        return (await client.get(probe, headers=auth)).status_code == 401
+
+    await wait_for(probe_refused, 10, "the revoked key refused")
     again = await asyncio.to_thread(oncely, "keys", "revoke", "--id", created["id"], env=env)
     assert again.returncode == 3
     assert (await asyncio.to_thread(oncely, "keys", "revoke", env=env)).returncode == 2

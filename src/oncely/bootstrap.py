@@ -65,6 +65,7 @@ def api_config(s: Settings) -> ApiConfig:
         max_hold_s=s.idempotency_max_hold_s,
         statement_timeout_s=client_bounds(s).statement_timeout_s,
         tenant_rpm=s.tenant_rpm,
+        api_key_cache_s=s.api_key_cache_s,
         console_key=s.console_key.get_secret_value() if s.console_key else None,
     )
 

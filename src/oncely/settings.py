@@ -95,6 +95,8 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(1_048_576, gt=0)
     # Intake requests per minute per tenant, fleet-wide (0: no limit).
     tenant_rpm: int = Field(0, ge=0)
+    # How long each API process trusts a key it looked up (0: ask every time).
+    api_key_cache_s: float = Field(10.0, ge=0)
     # The web console's operator key (/console); unset: no console (404).
     console_key: SecretStr | None = None
     reconcile_after_s: float = Field(300.0, gt=0)

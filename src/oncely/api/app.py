@@ -66,6 +66,9 @@ class ApiConfig:
     statement_timeout_s: float = 10.0
     # Requests per minute each tenant may send, fleet-wide (0: no limit).
     tenant_rpm: int = 0
+    # How long an API key, once looked up, is trusted without asking
+    # PostgreSQL again: the longest a revoked key keeps working (0: no cache).
+    api_key_cache_s: float = 10.0
     # The operator key of the web console at /console (None: no console).
     # Kept out of repr so that it never reaches a log line.
     console_key: str | None = field(default=None, repr=False)
@@ -104,7 +107,9 @@ class OncelyAPI:
         else:
             self._bind(clients)
         self.tenant = auth or api_key_tenant(
-            lambda: self.clients.pool, timeout_s=config.statement_timeout_s
+            lambda: self.clients.pool,
+            timeout_s=config.statement_timeout_s,
+            cache_s=config.api_key_cache_s,
         )
         self.idempotent = idempotency_dependency(
             lambda: self._idempotency, self.tenant, config.max_hold_s
@@ -191,8 +196,7 @@ def create_app(api: OncelyAPI, *, public_metrics: bool = True) -> FastAPI:
         app.include_router(console_router(api, api.config.console_key))
     _add_operations(app, api, public_metrics=public_metrics)
     _add_problem_schema(app)
-    app.add_middleware(BodyLimit, max_bytes=api.config.max_body_bytes)
-    app.add_middleware(CountRequests)
+    app.add_middleware(Edge, max_bytes=api.config.max_body_bytes)
     return app
 
 
@@ -256,11 +260,15 @@ def _add_problem_schema(app: FastAPI) -> None:
     app.openapi = openapi  # type: ignore[method-assign]
 
 
-class CountRequests:
-    """``oncely_requests_total`` by route template and status class."""
+class Edge:
+    """The one middleware of the standalone API: ``oncely_requests_total``
+    by route template and status class, and 413 for bodies over the limit
+    (by Content-Length, or by counting the stream). One layer, not two: it
+    runs on every request (bench/README.md, Intake)."""
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app = app
+        self.max_bytes = max_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -275,28 +283,17 @@ class CountRequests:
             await send(message)
 
         try:
-            await self.app(scope, receive, recording_send)
+            declared = _content_length(scope)
+            if declared is not None and declared > self.max_bytes:
+                await self._too_large(scope, receive, recording_send)
+            else:
+                await self.app(scope, self._counting(receive), recording_send)
         finally:
             route = scope.get("route")
             path = getattr(route, "path", "unmatched")
             metrics.REQUESTS.labels(route=path, outcome=f"{status // 100}xx").inc()
 
-
-class BodyLimit:
-    """413 for bodies over the limit, by Content-Length or by counting the stream."""
-
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await self._too_large(scope, receive, send)
-            return
+    def _counting(self, receive: Receive) -> Receive:
         seen = 0
 
         async def counting_receive() -> Message:
@@ -308,10 +305,17 @@ class BodyLimit:
                 raise HTTPException(413, f"the limit is {self.max_bytes} bytes")
             return message
 
-        await self.app(scope, counting_receive, send)
+        return counting_receive
 
     async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
         response = problem(
             413, "payload-too-large", "Payload too large", f"the limit is {self.max_bytes} bytes"
         )
         await response(scope, receive, send)
+
+
+def _content_length(scope: Scope) -> int | None:
+    for name, value in scope["headers"]:
+        if name == b"content-length":
+            return int(value) if value.isdigit() else None
+    return None

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import secrets
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import datetime
@@ -91,8 +92,14 @@ async def tenant_for_key(
     pool: AsyncConnectionPool, key: str, *, timeout_s: float = 10.0
 ) -> str | None:
     """The key's tenant, answered within ``timeout_s`` (or ``StatementTimeout``)."""
+    return await _tenant_for_hash(pool, hash_api_key(key), timeout_s=timeout_s)
+
+
+async def _tenant_for_hash(
+    pool: AsyncConnectionPool, key_hash: str, *, timeout_s: float
+) -> str | None:
     result = await run_statement(
-        pool, query("tenant_for_key"), {"key_hash": hash_api_key(key)}, timeout_s=timeout_s
+        pool, query("tenant_for_key"), {"key_hash": key_hash}, timeout_s=timeout_s
     )
     return str(result.rows[0][0]) if result.rows else None
 
@@ -104,20 +111,63 @@ async def erase_tenant_api_keys(pool: AsyncConnectionPool, tenant: str) -> int:
     return max(cur.rowcount, 0)
 
 
+class KeyCache:
+    """Active keys seen recently, by hash: the intake's key lookup costs a
+    statement only once per key and ``ttl_s`` on each API process. So a
+    revoked (or erased) key keeps working for up to ``ttl_s`` on a process
+    that saw it (README, Settings: ``ONCELY_API_KEY_CACHE_S``). Only active
+    keys are kept: a new key works at once, an unknown one is looked up each
+    time. At most ``max_keys`` entries; the oldest go first."""
+
+    def __init__(self, ttl_s: float, max_keys: int = 10_000) -> None:
+        self.ttl_s = ttl_s
+        self.max_keys = max_keys
+        # key hash -> (tenant, monotonic expiry); insertion order is age order.
+        self._entries: dict[str, tuple[str, float]] = {}
+
+    def get(self, key_hash: str) -> str | None:
+        entry = self._entries.get(key_hash)
+        if entry is None:
+            return None
+        tenant, expires = entry
+        if time.monotonic() >= expires:
+            del self._entries[key_hash]
+            return None
+        return tenant
+
+    def put(self, key_hash: str, tenant: str) -> None:
+        if self.ttl_s <= 0:
+            return
+        self._entries.pop(key_hash, None)
+        while len(self._entries) >= self.max_keys:
+            del self._entries[next(iter(self._entries))]
+        self._entries[key_hash] = (tenant, time.monotonic() + self.ttl_s)
+
+
 def api_key_tenant(
-    pool: Callable[[], AsyncConnectionPool], *, timeout_s: float = 10.0
+    pool: Callable[[], AsyncConnectionPool],
+    *,
+    timeout_s: float = 10.0,
+    cache_s: float = 0.0,
 ) -> TenantDependency:
     """The default auth: ``Authorization: Bearer <api key>`` → its tenant
-    (the lookup bounded by ``timeout_s``)."""
+    (the lookup bounded by ``timeout_s``; active keys cached ``cache_s``,
+    see ``KeyCache``)."""
+    cache = KeyCache(cache_s)
 
     async def current_tenant(
         credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
     ) -> str:
         if credentials is None or credentials.scheme.lower() != "bearer":
             raise Unauthorized("send Authorization: Bearer <api key>")
-        tenant = await tenant_for_key(pool(), credentials.credentials, timeout_s=timeout_s)
+        key_hash = hash_api_key(credentials.credentials)
+        tenant = cache.get(key_hash)
+        if tenant is not None:
+            return tenant
+        tenant = await _tenant_for_hash(pool(), key_hash, timeout_s=timeout_s)
         if tenant is None:
             raise Unauthorized("unknown or revoked API key")
+        cache.put(key_hash, tenant)
         return tenant
 
     return current_tenant

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import re
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Annotated, Any
 
 import redis.exceptions
@@ -164,7 +165,7 @@ class IdempotentRequest:
             await asyncio.sleep(_POLL_S)
 
     async def _execute(self, fp: str, token: str, handler: Handler) -> Response:
-        keeper = asyncio.create_task(self._keep_lock(token))
+        keeper = _LockKeeper(partial(self._keep_lock, token), self._store.lock_ttl_ms / 3000)
         hold = asyncio.timeout(self._max_hold_s)
         try:
             async with hold:
@@ -172,7 +173,7 @@ class IdempotentRequest:
         except BaseException as exc:
             response = await self._after_failure(fp, token, exc, expired=hold.expired())
         finally:
-            keeper.cancel()
+            keeper.stop()
         if response.status_code >= 500:
             await asyncio.shield(self._release(token))
             return response
@@ -223,9 +224,9 @@ class IdempotentRequest:
             self._store.release_eventually(self._digest, token)
 
     async def _keep_lock(self, token: str) -> None:
+        """Renew the key now and every third of its TTL until stopped."""
         interval = self._store.lock_ttl_ms / 3000
         while True:
-            await asyncio.sleep(interval)
             try:
                 renewed = await self._store.renew(self._digest, token)
             except redis.exceptions.RedisError as exc:
@@ -235,6 +236,26 @@ class IdempotentRequest:
                 log.warning("idempotency.lock_lost", scope=self._digest[:16], at="renew")
                 metrics.IDEMPOTENCY_LOCKS_LOST.inc()
                 return
+            await asyncio.sleep(interval)
+
+
+class _LockKeeper:
+    """Starts ``renewals`` only if the request is still going after
+    ``after_s`` (a third of the lock TTL). Almost every request finishes in
+    milliseconds, so it costs a timer, not a task (bench/README.md, Intake)."""
+
+    def __init__(self, renewals: Callable[[], Awaitable[None]], after_s: float) -> None:
+        self._renewals = renewals
+        self._task: asyncio.Future[None] | None = None
+        self._timer = asyncio.get_running_loop().call_later(after_s, self._start)
+
+    def _start(self) -> None:
+        self._task = asyncio.ensure_future(self._renewals())
+
+    def stop(self) -> None:
+        self._timer.cancel()
+        if self._task is not None:
+            self._task.cancel()
 
 
 def mark_replayed(response: Response) -> Response:
