@@ -112,9 +112,7 @@ def distribution(scores: dict[float, int]) -> dict[str, int]:
     """Pairs per score bucket."""
     counts = {label: 0 for label, _, _ in BUCKETS}
     for score, n in scores.items():
-        label = next(
-            lab for lab, low, high in BUCKETS if (low <= score < high) or (score >= high == 1.0)
-        )
+        label = "1" if score >= 1 else next(lab for lab, low, high in BUCKETS if score < high)
         counts[label] += n
     return counts
 
