@@ -275,7 +275,8 @@ async def test_a_promoted_variant_runs_the_primary(deploy, jobs, pool, fake_llm)
     d = await deploy(primary="triage=oncely-fake-v2")
     [job_id] = await accept_tickets(jobs, 1)
     await d.settle("triage")
-    [(result,)] = await rows(pool, "SELECT result FROM results")
+    [(stored_for, result)] = await rows(pool, "SELECT job_id::text, result FROM results")
+    assert stored_for == job_id
     assert result["category"] == "bug", "the v2 model's answer is the job's result"
     assert fake_llm.stats().models == {"oncely-fake-v2": 1}
     assert await count(pool, "SELECT count(*) FROM outbox") == 1
