@@ -42,7 +42,7 @@ from oncely.retry import RetryPolicy
 from oncely.senders import EffectRouter, SendersConfig, build_router
 from oncely.services import Progress, Service
 from oncely.settings import Settings
-from oncely.shadow.config import ShadowSpec, parse_primary, parse_shadow
+from oncely.shadow.config import ShadowSpec, check_workflows, parse_primary, parse_shadow
 from oncely.shadow.run import ShadowDispatch, ShadowHandler
 from oncely.shadow.store import ShadowResults
 from oncely.sql.migrate import SchemaMismatch, schema_state
@@ -155,10 +155,7 @@ def shadow_plan(s: Settings, app: App | None = None) -> ShadowPlan:
     (ValueError naming the unknown ones)."""
     plan = ShadowPlan(parse_shadow(s.shadow), parse_primary(s.primary))
     if app is not None:
-        named = {spec.workflow for spec in plan.shadows} | set(plan.primary)
-        unknown = sorted(named - set(app.names))
-        if unknown:
-            raise ValueError(f"no workflow {unknown} in {s.app} (has {app.names})")
+        check_workflows(plan.shadows, plan.primary, app.names, s.app)
     return plan
 
 

@@ -44,7 +44,8 @@ eval_app = typer.Typer(
 )
 app.add_typer(eval_app, name="eval")
 
-err = Console(stderr=True)
+# soft_wrap: an error stays one line, whatever the terminal width.
+err = Console(stderr=True, soft_wrap=True)
 
 # Exit codes every command keeps (scripts rely on them): 2 is typer's usage
 # error; 69 is sysexits' EX_UNAVAILABLE.
@@ -161,7 +162,7 @@ def _settings(**overrides: Any) -> Settings:
 def _check_app(settings: Settings) -> None:
     """A wrong --app is one readable line and exit code 2, before anything starts."""
     from oncely.app import load_app
-    from oncely.bootstrap import shadow_plan
+    from oncely.shadow.config import check_workflows, parse_primary, parse_shadow
 
     try:
         app = load_app(settings.app)
@@ -169,7 +170,8 @@ def _check_app(settings: Settings) -> None:
         err.print(f"[red]--app / ONCELY_APP[/red]: {exc}")
         raise typer.Exit(EXIT_USAGE) from None
     try:
-        shadow_plan(settings, app)
+        shadows, primary = parse_shadow(settings.shadow), parse_primary(settings.primary)
+        check_workflows(shadows, primary, app.names, settings.app)
     except ValueError as exc:
         err.print(f"[red]ONCELY_SHADOW / ONCELY_PRIMARY[/red]: {exc}")
         raise typer.Exit(EXIT_USAGE) from None

@@ -58,6 +58,15 @@ def parse_primary(text: str) -> dict[str, str]:
     return primary
 
 
+def check_workflows(
+    specs: list[ShadowSpec], primary: dict[str, str], known: list[str], app: str
+) -> None:
+    """ValueError naming the workflows the settings name that ``app`` lacks."""
+    unknown = sorted(({s.workflow for s in specs} | set(primary)) - set(known))
+    if unknown:
+        raise ValueError(f"no workflow {unknown} in {app} (has {known})")
+
+
 def sampled(job_id: str, rate: float) -> bool:
     """Whether ``job_id`` is in the sample: a hash of the id, so every
     delivery of a job, on any worker, decides the same; and a job sampled at
