@@ -20,7 +20,7 @@ from oncely.builtin.triage import Triage
 from oncely.jobs.store import Job
 from oncely.llm.base import Message
 from oncely.llm.limiter import FleetLimiter, LimitedLLM, Limits
-from oncely.queue.stream import JobMessage, Stream
+from oncely.queue.stream import JobMessage
 from oncely.queue.worker import Worker
 from oncely.shadow.config import parse_primary, parse_shadow, sampled
 from oncely.shadow.evaluate import Evaluation, evaluate, field_agreement
@@ -351,13 +351,3 @@ async def test_fake_model_fails_one_model_only_and_counts_calls_per_model(fake_l
         assert await chat("broken") == 200
         calls = (await http.get("/_calls")).json()
     assert calls["models"] == {"broken": 2, "fine": 1}
-
-
-def test_shadow_streams_share_their_workflows_slot() -> None:
-    from redis.crc import key_slot
-
-    keys = names.shadow_keys("triage", "fake-v2")
-    redis_keys = [keys.stream, keys.dead, keys.index, keys.delayed, keys.delayed_messages]
-    slots = {key_slot(k.encode()) for k in redis_keys}
-    assert slots == {key_slot(names.workflow_keys("triage", "g").stream.encode())}
-    assert Stream  # the same Stream class runs them

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import structlog
 from redis.asyncio import Redis
@@ -248,4 +248,4 @@ class LimitedLLM:
             raise
         used = completion.prompt_tokens + completion.completion_tokens
         await self.limiter.settle(reserved, used)
-        return completion
+        return replace(completion, queued_s=timeout - left)

@@ -143,11 +143,13 @@ class Model:
                     completion = await self._llm.complete(messages, timeout_s, schema=schema)
                 except (Exception, asyncio.CancelledError) as exc:
                     self._meters.failed(exc).inc()
+                    self.usage.model_ms += round((time.monotonic() - started) * 1000)
                     raise
                 finally:
-                    elapsed = time.monotonic() - started
-                    self.usage.model_ms += round(elapsed * 1000)
-                    self._meters.seconds.observe(elapsed)
+                    self._meters.seconds.observe(time.monotonic() - started)
+                # Time waiting on the fleet limiter is not the model's.
+                spent = time.monotonic() - started - completion.queued_s
+                self.usage.model_ms += max(0, round(spent * 1000))
                 if span is not None:
                     span.set_attribute("gen_ai.usage.input_tokens", completion.prompt_tokens)
                     span.set_attribute("gen_ai.usage.output_tokens", completion.completion_tokens)
