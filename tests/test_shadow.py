@@ -6,6 +6,7 @@ and the report's numbers checked against the stored rows."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from datetime import UTC, datetime
@@ -13,10 +14,10 @@ from typing import Any
 
 import pytest
 
-from oncely import names
+from oncely import App, ModelJudge, names
 from oncely.bootstrap import Resources, WorkerGroup, connect_llm
 from oncely.builtin import app as builtin_app
-from oncely.builtin.triage import Triage
+from oncely.builtin.triage import Triage, triage
 from oncely.jobs.store import Job
 from oncely.llm.base import Message
 from oncely.llm.limiter import FleetLimiter, LimitedLLM, Limits
@@ -351,3 +352,30 @@ async def test_fake_model_fails_one_model_only_and_counts_calls_per_model(fake_l
         assert await chat("broken") == 200
         calls = (await http.get("/_calls")).json()
     assert calls["models"] == {"broken": 2, "fine": 1}
+
+
+async def test_a_model_judge_scores_with_its_own_counted_calls(
+    worker_settings, redis, pool, jobs, fake_llm
+):
+    judged = dataclasses.replace(triage, evaluator=ModelJudge())
+    s = worker_settings.model_copy(update={"shadow": "triage=oncely-fake-v2:1"})
+    llm = connect_llm(s)
+    try:
+        d = Deployment(WorkerGroup(App([judged]), Resources(s, redis, pool), llm))
+        await d.start()
+        ids = await accept_tickets(jobs, 3)
+        await d.settle("triage")
+        await d.settle("triage:shadow:oncely-fake-v2")
+    finally:
+        await llm.aclose()
+    stored = await rows(pool, "SELECT job_id::text, score, fields, usage FROM shadow_results")
+    assert sorted(r[0] for r in stored) == sorted(ids)
+    for _, score, fields, usage in stored:
+        # The fake judge answers the first enum value ("same") for these tickets.
+        assert (score, fields) == (1.0, {"judge": 1.0})
+        assert usage["model_calls"] == 1 and usage["judge_model_calls"] == 1
+        assert usage["judge_prompt_tokens"] > 0
+    # The primary's model judges: one call per job for the job, one to judge.
+    assert fake_llm.stats().models == {"oncely-fake": 6, "oncely-fake-v2": 3}
+    judge_prompts = fake_llm.stats(contains="Candidate:").prompts
+    assert len(judge_prompts) == 3 and all(p.count == 1 for p in judge_prompts)

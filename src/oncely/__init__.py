@@ -10,7 +10,7 @@ from oncely.effects import Email, Event, email, webhook
 from oncely.errors import DeadlineExceeded, PermanentError, TransientError
 from oncely.jobs.store import JobRecord
 from oncely.llm.model import InvalidOutput, Model, Usage
-from oncely.shadow.evaluate import Evaluation, field_agreement
+from oncely.shadow.evaluate import Evaluation, ModelJudge, field_agreement
 from oncely.workflow import Context, JobView, Variant, Workflow
 
 __version__ = "0.1.0"
@@ -26,6 +26,7 @@ __all__ = [
     "JobRecord",
     "JobView",
     "Model",
+    "ModelJudge",
     "PermanentError",
     "TransientError",
     "Usage",

@@ -43,6 +43,7 @@ from oncely.senders import EffectRouter, SendersConfig, build_router
 from oncely.services import Progress, Service
 from oncely.settings import Settings
 from oncely.shadow.config import ShadowSpec, check_workflows, parse_primary, parse_shadow
+from oncely.shadow.evaluate import ModelJudge
 from oncely.shadow.run import ShadowDispatch, ShadowHandler
 from oncely.shadow.store import ShadowResults
 from oncely.sql.migrate import SchemaMismatch, schema_state
@@ -452,8 +453,18 @@ class WorkerGroup:
         variant = w.variant(spec.variant)
         share = FleetLimiter(res.redis, limits(s), share=s.shadow_rpm_share)
         store = ShadowResults(res.pool, statement_timeout_s=s.pg_statement_timeout_s)
+        judge = w.evaluator if isinstance(w.evaluator, ModelJudge) else None
         handler = ShadowHandler(
-            w, variant, store, LimitedLLM(self._llm_for(variant), share), self._steps_for(variant)
+            w,
+            variant,
+            store,
+            LimitedLLM(self._llm_for(variant), share),
+            self._steps_for(variant),
+            judge_llm=(
+                LimitedLLM(self._models(judge.model or self._steps.model_name), share)
+                if judge is not None
+                else None
+            ),
         )
         concurrency = max(1, round(self._config.concurrency * s.shadow_rpm_share))
         return Worker(

@@ -41,7 +41,7 @@ from oncely.errors import PermanentError
 if TYPE_CHECKING:
     from oncely.jobs.store import JobRecord
     from oncely.llm.model import Model
-    from oncely.shadow.evaluate import Evaluator
+    from oncely.shadow.evaluate import Evaluator, ModelJudge
 
 RequestT = TypeVar("RequestT", bound=BaseModel)
 ResultT = TypeVar("ResultT", bound=BaseModel)
@@ -195,8 +195,9 @@ class Workflow(Generic[RequestT, ResultT]):
     # Declared variants, for shadow runs and promotion (ONCELY_SHADOW, ONCELY_PRIMARY).
     variants: Sequence[Variant] = ()
     # How a shadow result is scored against the primary's (default: every
-    # field of the result compared for equality, oncely.field_agreement()).
-    evaluator: Evaluator | None = None
+    # field of the result compared for equality, oncely.field_agreement());
+    # oncely.ModelJudge() asks a model instead.
+    evaluator: Evaluator | ModelJudge | None = None
     topics: frozenset[str] = field(init=False)
 
     def __post_init__(self) -> None:

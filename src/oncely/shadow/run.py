@@ -32,7 +32,7 @@ from oncely.llm.model import Model
 from oncely.queue.stream import JobMessage, Stream
 from oncely.retry import Deadline, classify
 from oncely.shadow.config import sampled
-from oncely.shadow.evaluate import evaluate
+from oncely.shadow.evaluate import Evaluation, ModelJudge, evaluate
 from oncely.shadow.store import ShadowResults, ShadowRun
 from oncely.workflow import Context, Variant, Workflow
 
@@ -82,6 +82,8 @@ class ShadowHandler:
         store: ShadowResults,
         llm: LLM,
         config: StepConfig,
+        *,
+        judge_llm: LLM | None = None,
     ) -> None:
         self.workflow = workflow
         self.variant = variant
@@ -89,6 +91,8 @@ class ShadowHandler:
         # The variant's model, behind the shadow share of the fleet limiter.
         self.llm = llm
         self.config = config
+        # The model judge's model (a ModelJudge evaluator), behind the same share.
+        self.judge_llm = judge_llm
 
     async def __call__(self, message: JobMessage, delivery: Delivery) -> str:
         with tracing.span(
@@ -106,7 +110,8 @@ class ShadowHandler:
     async def _run(self, message: JobMessage, delivery: Delivery) -> str:
         if await self.store.stored(message.job_id, self.variant.name):
             return "duplicate"
-        model = self._model()
+        model = self._model(self.llm, self.variant.model or self.config.model_name)
+        judge = self._judge()
         try:
             primary, request = self._inputs(message, delivery)
             ctx = Context(
@@ -120,16 +125,16 @@ class ShadowHandler:
             )
             step = self.variant.step or self.workflow.step
             result = self._checked(await step(request, ctx))
-            evaluation = evaluate(self.workflow.evaluator, primary, result)
+            evaluation = await self._evaluate(judge, request, primary, result)
         except Exception as exc:
             if isinstance(exc, DeadlineExceeded) or classify(exc):
                 raise  # transient: delivered again later, like a job
-            return await self._failed(message.job_id, model, exc)
+            return await self._failed(message.job_id, _usage(model, judge), exc)
         run = ShadowRun(
             workflow=self.workflow.name,
             variant=self.variant.name,
             job_id=message.job_id,
-            usage=model.usage.to_json(),
+            usage=_usage(model, judge),
             result=result.model_dump(mode="json"),
             emitted=ctx.emitted,
             score=evaluation.score,
@@ -145,11 +150,27 @@ class ShadowHandler:
         )
         await self.store.record(run)
 
-    async def _failed(self, job_id: str, model: Model, exc: Exception) -> str:
+    async def _evaluate(
+        self, judge: Model | None, request: BaseModel, primary: BaseModel, result: BaseModel
+    ) -> Evaluation:
+        evaluator = self.workflow.evaluator
+        if isinstance(evaluator, ModelJudge):
+            assert judge is not None
+            return await evaluator.judge(judge, request, primary, result)
+        return evaluate(evaluator, primary, result)
+
+    def _judge(self) -> Model | None:
+        """The judge's own Model (its usage kept apart), if the workflow has one."""
+        evaluator = self.workflow.evaluator
+        if not isinstance(evaluator, ModelJudge):
+            return None
+        if self.judge_llm is None:
+            raise PermanentError("a ModelJudge evaluator needs the handler's judge_llm")
+        return self._model(self.judge_llm, evaluator.model or self.config.model_name)
+
+    async def _failed(self, job_id: str, usage: Mapping[str, int], exc: Exception) -> str:
         error = f"{type(exc).__name__}: {exc}"[:_ERROR_CHARS]
-        run = ShadowRun(
-            self.workflow.name, self.variant.name, job_id, model.usage.to_json(), error=error
-        )
+        run = ShadowRun(self.workflow.name, self.variant.name, job_id, usage, error=error)
         await self.store.record(run)
         log.info("shadow.failed", job_id=job_id, variant=self.variant.name, error=error)
         return "shadow_failed"
@@ -163,14 +184,14 @@ class ShadowHandler:
             raise PermanentError(f"shadow message unusable: {type(exc).__name__}") from exc
         return primary, request
 
-    def _model(self) -> Model:
+    def _model(self, llm: LLM, model_name: str) -> Model:
         c = self.config
         return Model(
-            self.llm,
+            llm,
             policy=c.policy,
             deadline=Deadline.after(c.budget_s),
             workflow=self.workflow.name,
-            model_name=self.variant.model or c.model_name,
+            model_name=model_name,
             invalid_output_retries=c.invalid_output_retries,
         )
 
@@ -184,3 +205,12 @@ class ShadowHandler:
                 f"step returned an invalid result: {exc.error_count()} errors"
             ) from exc
         return validated
+
+
+def _usage(model: Model, judge: Model | None) -> dict[str, int]:
+    """The run's usage; a judge's calls under ``judge_*`` keys, apart from the
+    variant's own (what cost comparisons with the primary read)."""
+    usage = model.usage.to_json()
+    if judge is not None:
+        usage |= {f"judge_{key}": value for key, value in judge.usage.to_json().items()}
+    return usage
