@@ -205,3 +205,12 @@ async def test_a_call_bigger_than_the_burst_goes_when_nothing_is_owed(redis):
     assert await limiter.acquire(2000) == 0
     wait = await limiter.acquire(10)
     assert 10 < wait <= 20.1, "the next call waits out the big one's debt"
+
+
+async def test_a_call_reports_how_long_it_waited_on_the_limiter(redis, limiter):
+    """So the model time in ``usage`` leaves limiter waits out."""
+    await limiter.pause(0.3)
+    completion = await LimitedLLM(RecordingLLM([]), limiter).complete(ask("x"), timeout=5)
+    assert completion.queued_s >= 0.2
+    unpaused = await LimitedLLM(RecordingLLM([]), limiter).complete(ask("y"), timeout=5)
+    assert unpaused.queued_s < 0.2

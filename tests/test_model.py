@@ -322,7 +322,12 @@ def test_short_errors_show_the_first_three_and_stay_short() -> None:
 
 def test_usage_to_json() -> None:
     usage = Usage(prompt_tokens=3, completion_tokens=2, model_calls=1)
-    assert usage.to_json() == {"prompt_tokens": 3, "completion_tokens": 2, "model_calls": 1}
+    assert usage.to_json() == {
+        "prompt_tokens": 3,
+        "completion_tokens": 2,
+        "model_calls": 1,
+        "model_ms": 0,
+    }
 
 
 # --- through the OpenAI adapter ---------------------------------------------------------

@@ -10,7 +10,8 @@ from oncely.effects import Email, Event, email, webhook
 from oncely.errors import DeadlineExceeded, PermanentError, TransientError
 from oncely.jobs.store import JobRecord
 from oncely.llm.model import InvalidOutput, Model, Usage
-from oncely.workflow import Context, JobView, Workflow
+from oncely.shadow.evaluate import Evaluation, ModelJudge, field_agreement
+from oncely.workflow import Context, JobView, Variant, Workflow
 
 __version__ = "0.1.0"
 
@@ -19,16 +20,20 @@ __all__ = [
     "Context",
     "DeadlineExceeded",
     "Email",
+    "Evaluation",
     "Event",
     "InvalidOutput",
     "JobRecord",
     "JobView",
     "Model",
+    "ModelJudge",
     "PermanentError",
     "TransientError",
     "Usage",
+    "Variant",
     "Workflow",
     "__version__",
     "email",
+    "field_agreement",
     "webhook",
 ]

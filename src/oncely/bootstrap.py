@@ -11,8 +11,8 @@ import math
 import signal
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 import structlog
 import uvicorn
@@ -23,6 +23,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 
+from oncely import names
 from oncely.app import App, load_app
 from oncely.health import HealthConfig, HealthServer
 from oncely.jobs.handler import StepConfig, WorkflowHandler
@@ -41,7 +42,12 @@ from oncely.retry import RetryPolicy
 from oncely.senders import EffectRouter, SendersConfig, build_router
 from oncely.services import Progress, Service
 from oncely.settings import Settings
+from oncely.shadow.config import ShadowSpec, check_workflows, parse_primary, parse_shadow
+from oncely.shadow.evaluate import ModelJudge
+from oncely.shadow.run import ShadowDispatch, ShadowHandler
+from oncely.shadow.store import ShadowResults
 from oncely.sql.migrate import SchemaMismatch, schema_state
+from oncely.workflow import Variant, Workflow
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -133,6 +139,36 @@ def senders_config(s: Settings) -> SendersConfig:
 
 def connect_llm(s: Settings) -> OpenAICompatible:
     return OpenAICompatible.connect(s.llm_base_url, s.llm_api_key.get_secret_value(), s.llm_model)
+
+
+@dataclass(frozen=True)
+class ShadowPlan:
+    """ONCELY_SHADOW and ONCELY_PRIMARY: shadow variants, and each workflow's primary."""
+
+    shadows: list[ShadowSpec]
+    primary: dict[str, str]
+
+    def for_workflow(self, workflow: str) -> list[ShadowSpec]:
+        return [spec for spec in self.shadows if spec.workflow == workflow]
+
+
+def shadow_plan(s: Settings, app: App | None = None) -> ShadowPlan:
+    """The settings' shadow plan; with ``app``, checked against its workflows
+    (ValueError naming the unknown ones)."""
+    plan = ShadowPlan(parse_shadow(s.shadow), parse_primary(s.primary))
+    if app is not None:
+        check_workflows(plan.shadows, plan.primary, app.names, s.app)
+    return plan
+
+
+def shadow_streams(app: App, res: Resources) -> list[Stream]:
+    """The streams of every configured shadow variant of ``app``'s workflows."""
+    plan = shadow_plan(res.settings)
+    return [
+        Stream(res.redis, names.shadow_keys(spec.workflow, spec.variant))
+        for spec in plan.shadows
+        if spec.workflow in app.names
+    ]
 
 
 def app_from(s: Settings, only: list[str] | None = None) -> App:
@@ -358,32 +394,104 @@ async def serve_api(settings: Settings, *, host: str, port: int) -> None:
 
 
 class WorkerGroup:
-    """One ``Worker`` and one ``Reconciler`` per workflow of the app, and the
-    job retention, in one process under one task group: if any of them fails,
-    the others stop and the process exits with the error."""
+    """One ``Worker`` and one ``Reconciler`` per workflow of the app, one
+    ``Worker`` per shadow variant (ONCELY_SHADOW), and the job retention, in
+    one process under one task group: if any of them fails, the others stop
+    and the process exits with the error.
 
-    def __init__(self, app: App, res: Resources, llm: LLM) -> None:
+    ``models`` gives the adapter for another model name (a variant's); by
+    default the OpenAI-compatible adapter's ``with_model``."""
+
+    def __init__(
+        self, app: App, res: Resources, llm: LLM, *, models: Callable[[str], LLM] | None = None
+    ) -> None:
         s = res.settings
         self.jobs = jobs_for(app, res)
-        limited = LimitedLLM(llm, FleetLimiter(res.redis, limits(s)))
-        wake_relay = OutboxWakeUp(res.pool)
-        config, steps = worker_config(s), step_config(s)
-        self.workers = [
-            Worker(
-                self.jobs.streams[w.name],
-                WorkflowHandler(w, self.jobs, limited, steps, wake_relay),
-                config,
-                workflow=w.name,
-                on_dead=self.jobs.mark_dead,
-            )
-            for w in app
+        self._models = models or _model_switch(llm)
+        self._fleet = FleetLimiter(res.redis, limits(s))
+        self._wake_relay = OutboxWakeUp(res.pool)
+        self._config, self._steps = worker_config(s), step_config(s)
+        plan = shadow_plan(s)
+        self.shadow_workers = [
+            self._shadow_worker(app[spec.workflow], spec, res)
+            for spec in plan.shadows
+            if spec.workflow in app.names
         ]
+        self.workers = [self._worker(w, plan, res) for w in app]
         self.reconcilers = [Reconciler(self.jobs, w.name, after_s=s.reconcile_after_s) for w in app]
         self.retention = Retention(self.jobs, retention_s=s.job_retention_s)
 
+    def _worker(self, w: Workflow[Any, Any], plan: ShadowPlan, res: Resources) -> Worker:
+        name = plan.primary.get(w.name)
+        variant = w.variant(name) if name else None
+        if variant is not None:
+            log.info("variant.primary", workflow=w.name, variant=variant.name)
+        shadows = [
+            (spec.variant, spec.rate, Stream(res.redis, names.shadow_keys(w.name, spec.variant)))
+            for spec in plan.for_workflow(w.name)
+        ]
+        handler = WorkflowHandler(
+            w,
+            self.jobs,
+            LimitedLLM(self._llm_for(variant), self._fleet),
+            self._steps_for(variant),
+            self._wake_relay,
+            variant=variant,
+            shadows=ShadowDispatch(shadows) if shadows else None,
+        )
+        return Worker(
+            self.jobs.streams[w.name],
+            handler,
+            self._config,
+            workflow=w.name,
+            on_dead=self.jobs.mark_dead,
+        )
+
+    def _shadow_worker(self, w: Workflow[Any, Any], spec: ShadowSpec, res: Resources) -> Worker:
+        """Shadow calls count against their share of the fleet limits, and a
+        shadow worker holds that share of a worker's handler slots."""
+        s = res.settings
+        variant = w.variant(spec.variant)
+        share = FleetLimiter(res.redis, limits(s), share=s.shadow_rpm_share)
+        store = ShadowResults(res.pool, statement_timeout_s=s.pg_statement_timeout_s)
+        judge = w.evaluator if isinstance(w.evaluator, ModelJudge) else None
+        handler = ShadowHandler(
+            w,
+            variant,
+            store,
+            LimitedLLM(self._llm_for(variant), share),
+            self._steps_for(variant),
+            judge_llm=(
+                LimitedLLM(self._models(judge.model or self._steps.model_name), share)
+                if judge is not None
+                else None
+            ),
+        )
+        concurrency = max(1, round(self._config.concurrency * s.shadow_rpm_share))
+        return Worker(
+            Stream(res.redis, names.shadow_keys(w.name, variant.name)),
+            handler,
+            replace(self._config, concurrency=concurrency),
+            workflow=f"{w.name}:shadow:{variant.name}",
+            on_dead=handler.record_dead,
+        )
+
+    def _llm_for(self, variant: Variant | None) -> LLM:
+        model = variant.model if variant is not None else None
+        return self._models(model or self._steps.model_name)
+
+    def _steps_for(self, variant: Variant | None) -> StepConfig:
+        if variant is None or variant.model is None:
+            return self._steps
+        return replace(self._steps, model_name=variant.model)
+
+    @property
+    def loops(self) -> list[Worker]:
+        return [*self.workers, *self.shadow_workers]
+
     @property
     def services(self) -> list[Service]:
-        return [*self.workers, *self.reconcilers, self.retention]
+        return [*self.workers, *self.shadow_workers, *self.reconcilers, self.retention]
 
     async def run(self) -> None:
         async with asyncio.TaskGroup() as group:
@@ -395,13 +503,21 @@ class WorkerGroup:
             service.stop()
 
 
+def _model_switch(llm: LLM) -> Callable[[str], LLM]:
+    """Another model on the same endpoint (the adapter's ``with_model``); an
+    adapter without one serves every model name itself."""
+    if isinstance(llm, OpenAICompatible):
+        return llm.with_model
+    return lambda _model: llm
+
+
 async def run_worker(settings: Settings, workflows: list[str] | None = None) -> None:
     app = app_from(settings, workflows)
     async with open_resources(settings) as res, connect_llm(settings) as llm:
         await require_current_schema(res)
         group = WorkerGroup(app, res, llm)
         health = health_server(
-            res, list(group.jobs.streams.values()), [w.progress for w in group.workers]
+            res, list(group.jobs.streams.values()), [w.progress for w in group.loops]
         )
         await run_services(group, *([health] if health else []))
 

@@ -9,8 +9,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import sys
 from collections.abc import Coroutine
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
@@ -36,6 +38,11 @@ outbox_app = typer.Typer(help="The outbox: notifications waiting or failed.", no
 app.add_typer(outbox_app, name="outbox")
 tenants_app = typer.Typer(help="Tenants' data.", no_args_is_help=True)
 app.add_typer(tenants_app, name="tenants")
+eval_app = typer.Typer(
+    help="Shadow runs (ONCELY_SHADOW): agreement reports and promotion gates.",
+    no_args_is_help=True,
+)
+app.add_typer(eval_app, name="eval")
 
 # soft_wrap: an error is one line however long, whatever the terminal width.
 err = Console(stderr=True, soft_wrap=True)
@@ -136,7 +143,8 @@ def _settings(**overrides: Any) -> Settings:
     except ValidationError as exc:
         for error in exc.errors():
             name = "ONCELY_" + "_".join(str(part) for part in error["loc"]).upper()
-            err.print(f"[red]{name}[/red]: {error['msg']} (got {error.get('input')!r})")
+            message = error["msg"].removeprefix("Value error, ")
+            err.print(f"[red]{name}[/red]: {message} (got {error.get('input')!r})")
         raise typer.Exit(EXIT_USAGE) from None
     if _chosen_app:
         overrides["app"] = _chosen_app
@@ -154,11 +162,18 @@ def _settings(**overrides: Any) -> Settings:
 def _check_app(settings: Settings) -> None:
     """A wrong --app is one readable line and exit code 2, before anything starts."""
     from oncely.app import load_app
+    from oncely.shadow.config import check_workflows, parse_primary, parse_shadow
 
     try:
-        load_app(settings.app)
+        app = load_app(settings.app)
     except ValueError as exc:
         err.print(f"[red]--app / ONCELY_APP[/red]: {exc}")
+        raise typer.Exit(EXIT_USAGE) from None
+    try:
+        shadows, primary = parse_shadow(settings.shadow), parse_primary(settings.primary)
+        check_workflows(shadows, primary, app.names, settings.app)
+    except ValueError as exc:
+        err.print(f"[red]ONCELY_SHADOW / ONCELY_PRIMARY[/red]: {exc}")
         raise typer.Exit(EXIT_USAGE) from None
 
 
@@ -532,6 +547,93 @@ def tenants_erase(
     for name, n in counts.items():
         sys.stdout.write(f"{name}: {n}\n")
     err.print(f"erased tenant [bold]{tenant}[/bold]")
+
+
+EvalWorkflowOpt = Annotated[str, typer.Option("--workflow", "-w", help="The workflow.")]
+SinceOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="Only shadow runs since then: a duration back from now (30m, 6h, 7d) "
+        "or an ISO 8601 time (default: all stored)."
+    ),
+]
+
+
+def _since(value: str | None) -> datetime:
+    """``--since`` as an aware time, or a usage error (exit 2)."""
+    if value is None:
+        return datetime(1970, 1, 1, tzinfo=UTC)
+    match = re.fullmatch(r"(\d+)([smhd])", value.strip())
+    if match:
+        unit = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days"}[match[2]]
+        return datetime.now(UTC) - timedelta(**{unit: int(match[1])})
+    try:
+        when = datetime.fromisoformat(value)
+    except ValueError:
+        err.print(f"[red]--since[/red]: want 30m, 6h, 7d or an ISO 8601 time, got {value!r}")
+        raise typer.Exit(EXIT_USAGE) from None
+    return when if when.tzinfo else when.replace(tzinfo=UTC)
+
+
+@eval_app.command("report")
+def eval_report(
+    workflow: EvalWorkflowOpt,
+    variant: Annotated[str | None, typer.Option(help="Only this shadow variant.")] = None,
+    since: SinceOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Shadow variants against the primary: agreement, scores, errors, cost and latency."""
+    from oncely.ops import eval_reports, print_eval_report
+
+    settings = _settings()
+    _workflows(settings, [workflow])
+    reports = _run(eval_reports(settings, workflow, variant, _since(since)))
+    print_eval_report(reports, workflow=workflow, as_json=as_json)
+
+
+@eval_app.command("gate")
+def eval_gate(
+    workflow: EvalWorkflowOpt,
+    variant: Annotated[str, typer.Option(help="The shadow variant to judge.")],
+    min_agreement: Annotated[
+        float, typer.Option(min=0.0, max=1.0, help="Least mean agreement over the pairs.")
+    ],
+    min_pairs: Annotated[int, typer.Option(min=1, help="Least pairs compared.")] = 1,
+    max_error_rate: Annotated[
+        float, typer.Option(min=0.0, max=1.0, help="Most shadow runs failed, as a share.")
+    ] = 0.05,
+    max_cost_ratio: Annotated[
+        float | None,
+        typer.Option(min=0.0, help="Most shadow tokens per job over the primary's."),
+    ] = None,
+    since: SinceOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Exit 0 if the variant meets every threshold, else 1: for deploy pipelines."""
+    from oncely.ops import eval_reports
+    from oncely.shadow.report import Thresholds, gate
+
+    settings = _settings()
+    _workflows(settings, [workflow])
+    reports = _run(eval_reports(settings, workflow, variant, _since(since)))
+    thresholds = Thresholds(min_agreement, min_pairs, max_error_rate, max_cost_ratio)
+    verdict = gate(reports[0] if reports else None, thresholds)
+    word = "pass" if verdict.passed else "fail"
+    if as_json:
+        _print_json(
+            {
+                "workflow": workflow,
+                "variant": variant,
+                "passed": verdict.passed,
+                "checks": verdict.checks,
+                "failures": verdict.failures,
+            }
+        )
+    else:
+        details = "; ".join([*verdict.failures, *verdict.checks])
+        sys.stdout.write(f"{word}: {workflow} / {variant}: {details}\n")
+    if not verdict.passed:
+        raise typer.Exit(EXIT_FAILED)
 
 
 def main() -> None:

@@ -139,6 +139,7 @@ def _write_key(path: Path, key: str) -> None:
 def _banner(settings: Settings, port: int, key: str, workflows: list[str]) -> None:
     base = f"http://127.0.0.1:{port}"
     key_file = settings.data_dir / "dev-api-key"
+    shadows = f"  Shadows      {settings.shadow}\n" if settings.shadow else ""
     console.print(f"""
 [bold green]oncely dev[/bold green] is up (Ctrl-C stops everything)
   API          {base}   (docs: {base}/docs)
@@ -146,7 +147,7 @@ def _banner(settings: Settings, port: int, key: str, workflows: list[str]) -> No
   Model        {settings.llm_base_url}
   Mail         {settings.sender_url}   (mailbox: {settings.data_dir / "mailbox.jsonl"})
   Webhooks     {settings.webhook_url}   (secret in {settings.data_dir / "dev-webhook-secret"})
-  Redis        {settings.redis_url}
+{shadows}  Redis        {settings.redis_url}
   PostgreSQL   {settings.database_url}
   API key      {key}   (also in {key_file})
 

@@ -18,6 +18,11 @@ IDEMPOTENCY_PREFIX = "oncely:idem:"
 LLM_PAUSE = "oncely:{limiter}:llm:pause"
 LLM_RPM = "oncely:{limiter}:llm:rpm"
 LLM_TPM = "oncely:{limiter}:llm:tpm"
+# A share of those limits (ONCELY_SHADOW_RPM_SHARE): shadow calls count
+# against the fleet's limits and against these, so they take at most their
+# share. Same hash tag, so one script still reads every key.
+LLM_SHARE_RPM = "oncely:{limiter}:llm:share:rpm"
+LLM_SHARE_TPM = "oncely:{limiter}:llm:share:tpm"
 
 
 @dataclass(frozen=True)
@@ -47,6 +52,24 @@ def workflow_keys(workflow: str, group: str) -> WorkflowKeys:
         dead=f"{tag}:dead",
         index=f"{tag}:index",
         group=group,
+        reconcile_lock=f"{tag}:reconcile-lock",
+        delayed=f"{tag}:delayed",
+        delayed_messages=f"{tag}:delayed-messages",
+    )
+
+
+def shadow_keys(workflow: str, variant: str) -> WorkflowKeys:
+    """The keys of one shadow variant's work for a workflow (README: "Trial a
+    model change safely"): a stream, group, dead letters, index and delayed
+    set of its own, so shadow runs never touch the workflow's stream, yet
+    under the workflow's hash tag, in its slot."""
+    tag = f"oncely:{{{workflow}}}:shadow:{variant}"
+    return WorkflowKeys(
+        workflow=workflow,
+        stream=f"{tag}:stream",
+        dead=f"{tag}:dead",
+        index=f"{tag}:index",
+        group="shadow-workers",
         reconcile_lock=f"{tag}:reconcile-lock",
         delayed=f"{tag}:delayed",
         delayed_messages=f"{tag}:delayed-messages",

@@ -14,11 +14,13 @@ from rich.console import Console
 from rich.table import Table
 
 from oncely.app import App
-from oncely.bootstrap import app_from, jobs_for, open_resources
+from oncely.bootstrap import app_from, jobs_for, open_resources, shadow_streams
 from oncely.jobs import dead_letters
 from oncely.jobs.store import Jobs
 from oncely.outbox.store import OutboxRow, OutboxStore
 from oncely.settings import Settings
+from oncely.shadow.report import VariantReport, build_report
+from oncely.shadow.store import ShadowResults
 from oncely.status import read_status
 
 out = Console()
@@ -182,7 +184,9 @@ async def erase_tenant(settings: Settings, tenant: str) -> dict[str, int]:
     async with open_resources(settings) as res:
         jobs = jobs_for(app_from(settings), res)
         counts = await jobs.erase_tenant(tenant)
-        counts["messages"] = sum([await s.erase_tenant(tenant) for s in jobs.streams.values()])
+        # Shadow streams too: their messages carry the tenant's requests.
+        streams = [*jobs.streams.values(), *shadow_streams(app_from(settings), res)]
+        counts["messages"] = sum([await s.erase_tenant(tenant) for s in streams])
         records = IdempotencyStore(res.redis, lock_ttl_s=1, result_ttl_s=1)
         counts["idempotency_records"] = await records.erase_tenant(tenant)
         counts["api_keys"] = await erase_tenant_api_keys(res.pool, tenant)
@@ -229,3 +233,56 @@ async def show_keys(settings: Settings, *, tenant: str | None, as_json: bool) ->
 
 def _when(moment: datetime | None) -> str:
     return "-" if moment is None else moment.astimezone(UTC).isoformat(timespec="seconds")
+
+
+async def eval_reports(
+    settings: Settings, workflow: str, variant: str | None, since: datetime
+) -> list[VariantReport]:
+    """The shadow report of ``workflow``, per variant (only ``variant`` if given)."""
+    async with open_resources(settings) as res:
+        store = ShadowResults(res.pool, statement_timeout_s=settings.pg_statement_timeout_s)
+        return await build_report(store, workflow, variant, since)
+
+
+def print_eval_report(reports: list[VariantReport], *, workflow: str, as_json: bool) -> None:
+    if as_json:
+        print(
+            json.dumps({"workflow": workflow, "variants": [r.to_json() for r in reports]}, indent=2)
+        )
+        return
+    if not reports:
+        out.print(f"no shadow runs stored for {workflow}")
+        return
+    for r in reports:
+        out.print(
+            f"[bold]{r.workflow} / {r.variant}[/bold]: {r.pairs} pairs compared, "
+            f"{r.runs} shadow runs, {r.errors} errors ({r.error_rate:.1%})"
+        )
+        out.print(f"agreement {_maybe(r.agreement)}")
+        fields = Table(title="agreement per field")
+        fields.add_column("field")
+        fields.add_column("agreement")
+        for name, mean in r.fields.items():
+            fields.add_row(name, f"{mean:.3f}")
+        if r.fields:
+            out.print(fields)
+        out.print("scores: " + ", ".join(f"{k}: {n}" for k, n in r.scores.items()))
+        costs = Table(title="per job (pairs)")
+        for column in ("", "primary", "shadow", "delta"):
+            costs.add_column(column)
+        for key, label in (
+            ("tokens", "tokens"),
+            ("model_calls", "model calls"),
+            ("model_ms", "model time (ms)"),
+        ):
+            p, s = r.primary[key], r.shadow[key]
+            delta = None if p is None or s is None else s - p
+            costs.add_row(label, _maybe(p, ".1f"), _maybe(s, ".1f"), _maybe(delta, "+.1f"))
+        out.print(costs)
+        out.print(f"cost ratio {_maybe(r.cost_ratio)}, latency ratio {_maybe(r.latency_ratio)}")
+        for error, n in r.top_errors:
+            out.print(f"error x{n}: {error}")
+
+
+def _maybe(value: float | None, spec: str = ".3f") -> str:
+    return "n/a" if value is None else format(value, spec)

@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 _WORKFLOW_WEBHOOK_URL = re.compile(r"^ONCELY_([A-Z][A-Z0-9_]*)_WEBHOOK_URL$")
@@ -75,6 +75,15 @@ class Settings(BaseSettings):
     llm_rpm: int = Field(0, ge=0)
     llm_tpm: int = Field(0, ge=0)
     llm_invalid_output_retries: int = Field(2, ge=0)
+
+    # Shadow runs (README: "Trial a model change safely"): per workflow,
+    # variants run beside the primary on a sample of jobs, never acted on
+    # (`triage=fake-v2:0.2,summaries=fake-v2:0.05`).
+    shadow: str = ""
+    # The share of ONCELY_LLM_RPM / ONCELY_LLM_TPM shadow calls may take.
+    shadow_rpm_share: float = Field(0.2, gt=0, le=1)
+    # Per workflow, the variant its jobs run on (`triage=fake-v2`): promotion.
+    primary: str = ""
 
     # Notifications.
     sender: Literal["http", "webhook", "smtp"] = "http"
@@ -141,3 +150,19 @@ class Settings(BaseSettings):
     redis_timeout_s: float = Field(5.0, gt=0)
     pg_statement_timeout_s: float = Field(10.0, gt=0)
     connect_timeout_s: float = Field(5.0, gt=0)
+
+    @field_validator("shadow")
+    @classmethod
+    def _shadow_parses(cls, value: str) -> str:
+        from oncely.shadow.config import parse_shadow
+
+        parse_shadow(value)
+        return value
+
+    @field_validator("primary")
+    @classmethod
+    def _primary_parses(cls, value: str) -> str:
+        from oncely.shadow.config import parse_primary
+
+        parse_primary(value)
+        return value

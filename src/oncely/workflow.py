@@ -16,6 +16,10 @@ Registering it on an ``App`` gives the idempotent ``POST <route>``, ``GET
 and metrics: see docs/architecture.md. The step may run more than once for a
 job (deliveries are at-least-once), so what it emits must depend only on the
 job; only the delivery whose result is stored writes its effects.
+
+A workflow may declare ``variants`` (another model, other instructions, or
+another step) and an ``evaluator`` that scores a variant's result against the
+primary's: shadow runs (README: "Trial a model change safely") use them.
 """
 
 from __future__ import annotations
@@ -37,12 +41,17 @@ from oncely.errors import PermanentError
 if TYPE_CHECKING:
     from oncely.jobs.store import JobRecord
     from oncely.llm.model import Model
+    from oncely.shadow.evaluate import Evaluator, ModelJudge
 
 RequestT = TypeVar("RequestT", bound=BaseModel)
 ResultT = TypeVar("ResultT", bound=BaseModel)
 
 _NAME = re.compile(r"^[a-z][a-z0-9_]{0,39}$")
 _ROUTE = re.compile(r"^(/[A-Za-z0-9._~-]+)+$")
+# Variant names are model names too (``gpt-4o-mini``, ``llama3:8b``, ``org/model``).
+_VARIANT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,99}$")
+# What ``ctx.variant`` is for the configured model, with no variant named.
+PRIMARY = "primary"
 
 
 class UsageView(BaseModel):
@@ -93,10 +102,22 @@ class Emitted:
 
 class Context:
     """What a step gets besides its request: who and which job, the model, and
-    ``emit`` for effects."""
+    ``emit`` for effects.
+
+    ``variant`` names the variant this run is for (``"primary"`` for the
+    configured model); ``shadow`` is true in a shadow run, whose emits are
+    recorded with its result and never sent."""
 
     def __init__(
-        self, workflow: Workflow[Any, Any], job_id: str, tenant: str, model: Model, delivery: int
+        self,
+        workflow: Workflow[Any, Any],
+        job_id: str,
+        tenant: str,
+        model: Model,
+        delivery: int,
+        *,
+        variant: Variant | None = None,
+        shadow: bool = False,
     ) -> None:
         self.workflow = workflow.name
         self.job_id = job_id
@@ -104,8 +125,17 @@ class Context:
         self.model = model
         # 1 on the first delivery; more after crashes, timeouts or transient failures.
         self.delivery = delivery
+        self.variant = variant.name if variant is not None else PRIMARY
+        self.shadow = shadow
+        self._instructions = variant.instructions if variant is not None else None
         self._topics = workflow.topics
         self.emitted: list[Emitted] = []
+
+    def instructions(self, default: str) -> str:
+        """The variant's instructions if it declares some, else ``default``:
+        steps that pass their system prompt through this can be trialled with
+        another prompt as a variant."""
+        return self._instructions if self._instructions is not None else default
 
     def emit(
         self, topic: str, payload: Mapping[str, Any] | BaseModel, *, dedupe_key: str | None = None
@@ -127,6 +157,27 @@ Step = Callable[[RequestT, Context], Awaitable[ResultT]]
 
 
 @dataclass(frozen=True)
+class Variant:
+    """Another way to run a workflow's step: another ``model``, other
+    ``instructions`` (what ``ctx.instructions(default)`` answers), or another
+    ``step`` altogether. A name that no variant declares stands for that
+    model with the workflow's own step and instructions."""
+
+    name: str
+    # None: the configured model (ONCELY_LLM_MODEL).
+    model: str | None = None
+    instructions: str | None = None
+    step: Step[Any, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if not _VARIANT.match(self.name):
+            raise ValueError(
+                f"variant name {self.name!r}: 1-100 of letters, digits and ._:/@+-, "
+                "starting with a letter or digit"
+            )
+
+
+@dataclass(frozen=True)
 class Workflow(Generic[RequestT, ResultT]):
     """One kind of job: its request, its step, its result and its effects."""
 
@@ -141,6 +192,12 @@ class Workflow(Generic[RequestT, ResultT]):
     # The model ``GET <route>/{job_id}`` answers (default ``JobView[result]``).
     view: type[JobView[Any]] | None = None
     summary: str = ""
+    # Declared variants, for shadow runs and promotion (ONCELY_SHADOW, ONCELY_PRIMARY).
+    variants: Sequence[Variant] = ()
+    # How a shadow result is scored against the primary's (default: every
+    # field of the result compared for equality, oncely.field_agreement());
+    # oncely.ModelJudge() asks a model instead.
+    evaluator: Evaluator | ModelJudge | None = None
     topics: frozenset[str] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -153,12 +210,23 @@ class Workflow(Generic[RequestT, ResultT]):
         topics = [e.topic for e in self.effects]
         if len(set(topics)) != len(topics):
             raise ValueError(f"workflow {self.name!r} declares a topic twice")
+        variants = [v.name for v in self.variants]
+        if len(set(variants)) != len(variants) or PRIMARY in variants:
+            raise ValueError(
+                f"workflow {self.name!r}: variant names must be unique, not {PRIMARY!r}"
+            )
         object.__setattr__(self, "effects", tuple(self.effects))
+        object.__setattr__(self, "variants", tuple(self.variants))
         object.__setattr__(self, "topics", frozenset(topics))
 
     @property
     def keys(self) -> names.WorkflowKeys:
         return names.workflow_keys(self.name, self.group or f"{self.name}-workers")
+
+    def variant(self, name: str) -> Variant:
+        """The declared variant ``name``, or else the model of that name."""
+        declared = next((v for v in self.variants if v.name == name), None)
+        return declared or Variant(name, model=name)
 
     @property
     def job_view(self) -> type[JobView[Any]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any, Self
 
@@ -44,13 +45,22 @@ def dedupe_key(job_id: str) -> str:
 async def summarise(request: SummaryRequest, ctx: Context) -> Summary:
     # Deterministic per job: equal texts give equal prompts, so a provider-side
     # cache (and the fake model's per-prompt counters) sees one job.
-    text = await ctx.model.complete(f"<text>\n{request.text}\n</text>", system=INSTRUCTION)
+    text = await ctx.model.complete(
+        f"<text>\n{request.text}\n</text>", system=ctx.instructions(INSTRUCTION)
+    )
     ctx.emit(
         SUMMARY_READY,
         {"job_id": ctx.job_id, "to": str(request.notify), "summary": text},
         dedupe_key=dedupe_key(ctx.job_id),
     )
     return Summary(summary=text)
+
+
+def same_words(primary: Summary, shadow: Summary) -> float:
+    """A shadow summary's score: the words both summaries use over the words
+    either uses (Jaccard), case-insensitive. Free text rarely matches exactly."""
+    a, b = (set(re.findall(r"\w+", s.summary.lower())) for s in (primary, shadow))
+    return len(a & b) / len(a | b) if a | b else 1.0
 
 
 def render_email(payload: Mapping[str, Any]) -> Email:
@@ -75,4 +85,5 @@ summaries = Workflow(
     group="summarisers",
     view=SummaryJob,
     summary="Accept a text to summarise and email",
+    evaluator=same_words,
 )

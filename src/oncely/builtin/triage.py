@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from oncely import Context, Workflow, webhook
+from oncely import Context, Workflow, field_agreement, webhook
 
 TICKET_TRIAGED = "ticket.triaged"
 
@@ -33,7 +33,7 @@ class Triage(BaseModel):
 
 async def triage_ticket(ticket: Ticket, ctx: Context) -> Triage:
     result = await ctx.model.structured(
-        Triage, f"{ticket.subject}\n\n{ticket.body}", system=INSTRUCTIONS
+        Triage, f"{ticket.subject}\n\n{ticket.body}", system=ctx.instructions(INSTRUCTIONS)
     )
     ctx.emit(
         TICKET_TRIAGED,
@@ -51,4 +51,6 @@ triage = Workflow(
     step=triage_ticket,
     effects=[webhook(TICKET_TRIAGED)],
     summary="Accept a support ticket to triage",
+    # Shadow runs are judged on the decisions; the reply is free text.
+    evaluator=field_agreement("category", "priority"),
 )

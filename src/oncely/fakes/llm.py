@@ -28,7 +28,9 @@ Without ``*N`` a fault applies to every call. Faults run in the order written:
 ``[[fake:503*2]] [[fake:429*1]]`` answers 503, 503, 429, then a summary.
 
 A whole-provider outage is switched by the test: ``POST /_outage {"fault":
-"503"}`` makes every call answer that fault until ``DELETE /_outage``.
+"503"}`` makes every call answer that fault until ``DELETE /_outage``. With
+``"model": M`` in either body, only calls asking for model ``M`` (a broken
+shadow variant, say): ``POST /_outage {"fault": "400", "model": "fake-v2"}``.
 
 Random faults, for soaks (``oncely fake-llm --faults 429=0.05,slow=0.05 --seed
 S``): each call meets at most one, at its kind's rate: ``429`` (with
@@ -39,11 +41,11 @@ for that prompt (``oncely.fakes.faults``), so a rerun gives each job the same
 fate. A scripted fault wins over a random one on the same call; an outage
 over both. ``--fault-rate F`` is ``429=F/2,503=F/2``.
 
-``GET /_calls`` counts per prompt the calls, the ones ``billed`` (the real
-answer was generated, whether or not the client stayed to read it: what a
-provider bills) with the client port each came from (which process paid),
-and the faults met, by kind, with their client ports too; with random
-faults on, ``random_faults`` totals them.
+``GET /_calls`` counts calls per model name (``models``), and per prompt the
+calls, the ones ``billed`` (the real answer was generated, whether or not
+the client stayed to read it: what a provider bills) with the client port
+each came from (which process paid), and the faults met, by kind, with
+their client ports too; with random faults on, ``random_faults`` totals them.
 
 It must never be a benchmark's bottleneck: no middleware, no access log,
 directives parsed and answers worked out once per distinct prompt (and schema),
@@ -203,6 +205,8 @@ class CallStats:
     in_flight: int
     max_in_flight: int
     prompts: list[PromptCalls]
+    # Calls per requested model name (refused ones included).
+    models: dict[str, int] = field(default_factory=dict)
     rate_limited: int | None = None  # only when an rpm/tpm limit is on
     random_faults: dict[str, int] | None = None  # only when random faults are on
 
@@ -257,6 +261,8 @@ class FakeModel:
         # A provider outage: while set, every call answers this fault
         # (``POST /_outage {"fault": "503"}``, ended by ``DELETE /_outage``).
         self.outage: HttpFault | None = None
+        # The same for one model name only.
+        self.model_outages: dict[str, HttpFault] = {}
         self.reset()
 
     def reset(self) -> None:
@@ -264,6 +270,7 @@ class FakeModel:
         self.max_in_flight = self.in_flight
         self.rate_limited = 0
         self.random_faults: dict[str, int] = {}
+        self.models: dict[str, int] = {}
         self._prompts: dict[str, _Prompt] = {}
         self._limit = _RateLimit(*self._limits) if any(self._limits) else None
 
@@ -284,7 +291,13 @@ class FakeModel:
         rate_limited = self.rate_limited if self._limit is not None else None
         random_faults = dict(self.random_faults) if self.random else None
         return CallStats(
-            self.total, self.in_flight, self.max_in_flight, prompts, rate_limited, random_faults
+            self.total,
+            self.in_flight,
+            self.max_in_flight,
+            prompts,
+            dict(self.models),
+            rate_limited,
+            random_faults,
         )
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
@@ -300,6 +313,7 @@ class FakeModel:
         chat = _parse_request(await request.read())
         if isinstance(chat, web.Response):
             return chat
+        self.models[chat.model] = self.models.get(chat.model, 0) + 1
         refused = self._refuse_over_limit(chat.prompt_tokens)
         if refused is not None:
             return refused
@@ -308,7 +322,12 @@ class FakeModel:
         call = prompt.count  # read before sleeping: concurrent calls each get their number
         if prompt.sleep_s:
             await asyncio.sleep(prompt.sleep_s)
-        fault = self.outage or prompt.fault_for(call) or self._random_fault(prompt.sha256, call)
+        fault = (
+            self.outage
+            or self.model_outages.get(chat.model)
+            or prompt.fault_for(call)
+            or self._random_fault(prompt.sha256, call)
+        )
         port = _client_port(request)
         if fault is not None:
             prompt.faults[fault] = prompt.faults.get(fault, 0) + 1
@@ -361,15 +380,23 @@ class FakeModel:
         return web.json_response({"reset": True})
 
     async def start_outage(self, request: web.Request) -> web.Response:
-        fault = (await request.json()).get("fault", "503") if request.can_read_body else "503"
+        body = await request.json() if request.can_read_body else {}
+        fault, model = body.get("fault", "503"), body.get("model")
         if fault not in _FAULTS:
             return _error(400, f"fault must be one of {sorted(_FAULTS)}", "invalid_request_error")
-        self.outage = fault
-        return web.json_response({"outage": fault})
+        if model is None:
+            self.outage = fault
+        else:
+            self.model_outages[str(model)] = fault
+        return web.json_response({"outage": fault, "model": model})
 
     async def end_outage(self, request: web.Request) -> web.Response:
-        self.outage = None
-        return web.json_response({"outage": None})
+        body = await request.json() if request.can_read_body else {}
+        if body.get("model") is None:
+            self.outage = None
+        else:
+            self.model_outages.pop(str(body["model"]), None)
+        return web.json_response({"outage": None, "model": body.get("model")})
 
 
 def _client_port(request: web.Request) -> int:

@@ -5,6 +5,8 @@
    classified retries under this delivery's deadline; ``emit``).
 3. One statement stores the result, the emitted outbox rows and ``done``,
    only if no other delivery stored a result first.
+4. Only then, shadow work for the job if a shadow variant samples it
+   (``oncely.shadow``): it never delays or fails the job.
 The worker acknowledges afterwards; a duplicate delivery racing this one
 loses at step 3 and writes nothing.
 """
@@ -24,10 +26,11 @@ from oncely.llm.model import Model
 from oncely.outbox.wakeup import OutboxWakeUp
 from oncely.queue.stream import JobMessage
 from oncely.retry import Deadline, RetryPolicy
-from oncely.workflow import Context, Workflow
+from oncely.workflow import Context, Variant, Workflow
 
 if TYPE_CHECKING:
     from oncely.queue.worker import Delivery
+    from oncely.shadow.run import ShadowDispatch
 
 
 @dataclass(frozen=True)
@@ -53,12 +56,19 @@ class WorkflowHandler:
         llm: LLM,
         config: StepConfig,
         wake_relay: OutboxWakeUp,
+        *,
+        variant: Variant | None = None,
+        shadows: ShadowDispatch | None = None,
     ) -> None:
         self.workflow = workflow
         self.jobs = jobs
         self.llm = llm
         self.config = config
         self.wake_relay = wake_relay
+        # The primary variant (ONCELY_PRIMARY); None: the workflow's own step.
+        self.variant = variant
+        # None without shadow variants: the primary path pays nothing for them.
+        self.shadows = shadows
 
     async def __call__(self, message: JobMessage, delivery: Delivery) -> str:
         with tracing.span(
@@ -80,13 +90,21 @@ class WorkflowHandler:
             request = self.workflow.request.model_validate(message.payload)
         except ValidationError as exc:
             raise PermanentError(f"stored request no longer validates: {_short(exc)}") from exc
-        ctx = Context(self.workflow, message.job_id, message.tenant, self._model(), delivery.count)
-        result = self._checked(await self.workflow.step(request, ctx))
+        ctx = Context(
+            self.workflow,
+            message.job_id,
+            message.tenant,
+            self._model(),
+            delivery.count,
+            variant=self.variant,
+        )
+        step = self.variant.step if self.variant and self.variant.step else self.workflow.step
+        result = self._checked(await step(request, ctx)).model_dump(mode="json")
         with tracing.span("oncely.store_result", attributes={"oncely.effects": len(ctx.emitted)}):
             stored = await self.jobs.finish(
                 self.workflow.name,
                 message.job_id,
-                result.model_dump(mode="json"),
+                result,
                 ctx.model.usage.to_json(),
                 ctx.emitted,
             )
@@ -94,6 +112,8 @@ class WorkflowHandler:
             return "duplicate"
         if ctx.emitted:
             self.wake_relay.soon()
+        if self.shadows is not None:
+            await self.shadows.after_commit(message, result)
         return "done"
 
     def _model(self) -> Model:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 
@@ -24,11 +24,13 @@ class ResponseSchema:
 
 @dataclass(frozen=True)
 class Completion:
-    """The answer's text and the tokens the provider reported (0 when it did not)."""
+    """The answer's text and the tokens the provider reported (0 when it did not);
+    ``queued_s``: how long the call waited on the fleet limiter before it went."""
 
     text: str
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    queued_s: float = field(default=0.0, compare=False)
 
 
 class LLM(Protocol):

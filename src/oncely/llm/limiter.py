@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import structlog
 from redis.asyncio import Redis
@@ -31,9 +31,12 @@ from oncely.retry import retry_after_s, status_of
 
 log = structlog.get_logger(__name__)
 
-# KEYS: pause, rpm, tpm. ARGV: rpm interval ms, rpm burst ms, tpm interval ms
-# per token, tpm burst ms, tokens. An interval of 0 means no limit.
-# Returns 0 when the call may go now (and records it), else ms to wait.
+# KEYS: pause, then an (rpm, tpm) pair per bucket: the fleet's, and for a
+# call that takes a share of the fleet's limits (shadow runs), the share's.
+# ARGV: tokens, then per bucket: rpm interval ms, rpm burst ms, tpm interval
+# ms per token, tpm burst ms. An interval of 0 means no limit.
+# Returns 0 when the call may go now (and records it in every bucket), else
+# ms to wait.
 _ACQUIRE = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -51,31 +54,45 @@ local function check(key, interval, burst, cost)
   if wait > 0 then return wait, 0 end
   return 0, new_tat
 end
-local wait_r, tat_r = check(KEYS[2], tonumber(ARGV[1]), tonumber(ARGV[2]), 1)
-local wait_t, tat_t = check(KEYS[3], tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5]))
-local wait = math.max(wait_r, wait_t)
+local tokens = tonumber(ARGV[1])
+local wait = 0
+local tats = {}
+for b = 0, (#KEYS - 1) / 2 - 1 do
+  local a = 2 + b * 4
+  local wait_r, tat_r = check(KEYS[2 + b * 2], tonumber(ARGV[a]), tonumber(ARGV[a + 1]), 1)
+  local wait_t, tat_t = check(KEYS[3 + b * 2], tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3]), tokens)
+  wait = math.max(wait, wait_r, wait_t)
+  tats[#tats + 1] = tat_r
+  tats[#tats + 1] = tat_t
+end
 if wait > 0 then return math.ceil(wait) end
-if tat_r > 0 then redis.call('SET', KEYS[2], tat_r, 'PX', math.ceil(tat_r - now) + 1) end
-if tat_t > 0 then redis.call('SET', KEYS[3], tat_t, 'PX', math.ceil(tat_t - now) + 1) end
+for i, tat in ipairs(tats) do
+  if tat > 0 then redis.call('SET', KEYS[i + 1], tat, 'PX', math.ceil(tat - now) + 1) end
+end
 return 0
 """
 
-# KEYS: tpm. ARGV: tpm interval ms per token, tokens used minus tokens reserved.
-# Moves the theoretical arrival time by the difference, never below now: a
+# KEYS: the tpm key of each bucket. ARGV: tokens used minus tokens reserved,
+# then each key's interval ms per token.
+# Moves each theoretical arrival time by the difference, never below now: a
 # call that used less than it reserved gives the rest back, one that used more
-# pays for it. Returns the new backlog in ms (0: no state left).
+# pays for it. Returns the fleet bucket's new backlog in ms (0: no state left).
 _SETTLE = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local tat = tonumber(redis.call('GET', KEYS[1]) or '0')
-if tat < now then tat = now end
-local new_tat = tat + tonumber(ARGV[1]) * tonumber(ARGV[2])
-if new_tat <= now then
-  redis.call('DEL', KEYS[1])
-  return 0
+local backlog = 0
+for i, key in ipairs(KEYS) do
+  local tat = tonumber(redis.call('GET', key) or '0')
+  if tat < now then tat = now end
+  local new_tat = tat + tonumber(ARGV[i + 1]) * tonumber(ARGV[1])
+  if new_tat <= now then
+    redis.call('DEL', key)
+  else
+    redis.call('SET', key, new_tat, 'PX', math.ceil(new_tat - now) + 1)
+    if i == 1 then backlog = math.ceil(new_tat - now) end
+  end
 end
-redis.call('SET', KEYS[1], new_tat, 'PX', math.ceil(new_tat - now) + 1)
-return math.ceil(new_tat - now)
+return backlog
 """
 
 # How stale this process's view of a fleet pause may be (no RPM/TPM limits).
@@ -92,15 +109,35 @@ class Limits:
     pause_max_s: float = 30.0
 
 
+def _interval_ms(per_minute: int, fraction: float) -> float:
+    """GCRA emission interval of ``fraction`` of a per-minute limit (0: no limit)."""
+    return _MINUTE_MS / (per_minute * fraction) if per_minute else 0.0
+
+
+def _burst_ms(interval_ms: float) -> float:
+    return _MINUTE_MS * _BURST_SHARE if interval_ms else 0.0
+
+
 def estimate_tokens(messages: Sequence[Message], max_output: int = 256) -> int:
     """About four characters a token over all messages, plus the answer's allowance."""
     return sum(len(message.content) for message in messages) // 4 + max_output
 
 
 class FleetLimiter:
-    def __init__(self, redis: Redis, limits: Limits) -> None:
+    """The fleet's limits, shared by every worker through Redis.
+
+    With ``share`` below 1 (shadow runs: ``ONCELY_SHADOW_RPM_SHARE``) a call
+    counts against the fleet's limits *and* against a bucket of its own at
+    ``share`` of them: such calls never take more than their share, and what
+    they take counts for the fleet, so production keeps the rest even when it
+    runs at the limit."""
+
+    def __init__(self, redis: Redis, limits: Limits, *, share: float = 1.0) -> None:
+        if not 0 < share <= 1:
+            raise ValueError("share must be in (0, 1]")
         self.redis = redis
         self.limits = limits
+        self.share = share
         self._acquire = redis.register_script(_ACQUIRE)
         self._settle = redis.register_script(_SETTLE)
         self.waits = 0
@@ -110,6 +147,10 @@ class FleetLimiter:
         self._paused_until = 0.0
         self._refreshed_at = -_PAUSE_REFRESH_S
         self._refreshing: asyncio.Future[None] | None = None
+        # (rpm key, tpm key, fraction of the limits) per bucket this limiter counts in.
+        self._buckets = [(names.LLM_RPM, names.LLM_TPM, 1.0)]
+        if share < 1:
+            self._buckets.append((names.LLM_SHARE_RPM, names.LLM_SHARE_TPM, share))
 
     async def acquire(self, tokens: int) -> float:
         """0 if a call may go now (and it is counted), else seconds to wait."""
@@ -118,16 +159,13 @@ class FleetLimiter:
             if wait > 0:
                 self.waits += 1
             return wait
-        rpm_ms = _MINUTE_MS / self.limits.rpm if self.limits.rpm else 0.0
-        tpm_ms = self._tpm_ms()
-        args = [
-            rpm_ms,
-            _MINUTE_MS * _BURST_SHARE if rpm_ms else 0,
-            tpm_ms,
-            _MINUTE_MS * _BURST_SHARE if tpm_ms else 0,
-            tokens,
-        ]
-        keys = [names.LLM_PAUSE, names.LLM_RPM, names.LLM_TPM]
+        keys = [names.LLM_PAUSE]
+        args: list[float] = [tokens]
+        for rpm_key, tpm_key, fraction in self._buckets:
+            rpm_ms = _interval_ms(self.limits.rpm, fraction)
+            tpm_ms = _interval_ms(self.limits.tpm, fraction)
+            keys += [rpm_key, tpm_key]
+            args += [rpm_ms, _burst_ms(rpm_ms), tpm_ms, _burst_ms(tpm_ms)]
         wait_ms = int(await self._acquire(keys=keys, args=args))
         if wait_ms > 0:
             self.waits += 1
@@ -138,15 +176,14 @@ class FleetLimiter:
         Nothing to do without a TPM limit, or when the provider reported none."""
         if not self.limits.tpm or used <= 0 or used == reserved:
             return
+        keys = [tpm_key for _, tpm_key, _ in self._buckets]
+        intervals = [_interval_ms(self.limits.tpm, f) for _, _, f in self._buckets]
         try:
-            await self._settle(keys=[names.LLM_TPM], args=[self._tpm_ms(), used - reserved])
+            await self._settle(keys=keys, args=[used - reserved, *intervals])
         except RedisError as exc:
             # The answer is paid for and in hand; losing it over a pacing
             # correction would pay for it again.
             log.warning("limiter.settle_failed", error=type(exc).__name__)
-
-    def _tpm_ms(self) -> float:
-        return _MINUTE_MS / self.limits.tpm if self.limits.tpm else 0.0
 
     async def _pause_left(self) -> float:
         now = time.monotonic()
@@ -211,4 +248,4 @@ class LimitedLLM:
             raise
         used = completion.prompt_tokens + completion.completion_tokens
         await self.limiter.settle(reserved, used)
-        return completion
+        return replace(completion, queued_s=timeout - left)

@@ -14,7 +14,7 @@ import asyncio
 import functools
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import structlog
@@ -44,17 +44,21 @@ _ERROR_CHARS = 300
 
 @dataclass
 class Usage:
-    """What one delivery spent on the model: attempts made and tokens reported."""
+    """What one delivery spent on the model: attempts made, tokens reported,
+    and the wall-clock time spent in model calls (``model_ms``, what shadow
+    reports compare; left out of equality, as no two runs take the same time)."""
 
     prompt_tokens: int = 0
     completion_tokens: int = 0
     model_calls: int = 0
+    model_ms: int = field(default=0, compare=False)
 
     def to_json(self) -> dict[str, int]:
         return {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "model_calls": self.model_calls,
+            "model_ms": self.model_ms,
         }
 
 
@@ -139,9 +143,13 @@ class Model:
                     completion = await self._llm.complete(messages, timeout_s, schema=schema)
                 except (Exception, asyncio.CancelledError) as exc:
                     self._meters.failed(exc).inc()
+                    self.usage.model_ms += round((time.monotonic() - started) * 1000)
                     raise
                 finally:
                     self._meters.seconds.observe(time.monotonic() - started)
+                # Time waiting on the fleet limiter is not the model's.
+                spent = time.monotonic() - started - completion.queued_s
+                self.usage.model_ms += max(0, round(spent * 1000))
                 if span is not None:
                     span.set_attribute("gen_ai.usage.input_tokens", completion.prompt_tokens)
                     span.set_attribute("gen_ai.usage.output_tokens", completion.completion_tokens)

@@ -71,6 +71,11 @@ class OpenAICompatible:
         )
         return cls(client, model)
 
+    def with_model(self, model: str) -> OpenAICompatible:
+        """The same endpoint and connections, asking for another model (a
+        workflow's variant, README: "Trial a model change safely")."""
+        return self if model == self.model else OpenAICompatible(self._client, model)
+
     async def complete(
         self,
         messages: Sequence[Message],

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,13 +34,14 @@ DELAYED = "delayed"
 Entry = tuple[str, dict[str, str]]
 
 # KEYS[1] stream, KEYS[2] index; ARGV: job_id, tenant, payload, enqueued_at,
-# then traceparent (may be empty: not added).
+# then traceparent (may be empty: not added), then any extra field/value pairs.
 _ENQUEUE = """
 local fields = {'job_id', ARGV[1], 'tenant', ARGV[2], 'payload', ARGV[3], 'enqueued_at', ARGV[4]}
 if ARGV[5] ~= '' then
   fields[#fields + 1] = 'traceparent'
   fields[#fields + 1] = ARGV[5]
 end
+for i = 6, #ARGV do fields[#fields + 1] = ARGV[i] end
 local id = redis.call('XADD', KEYS[1], '*', unpack(fields))
 redis.call('HSET', KEYS[2], ARGV[1], id)
 return id
@@ -138,8 +140,9 @@ class Stream:
         self._promote = redis.register_script(scripts.PROMOTE)
         self._delay_keys = [keys.stream, keys.index, keys.delayed, keys.delayed_messages]
 
-    async def enqueue(self, message: JobMessage) -> str:
-        """XADD the message and index it; return the entry id."""
+    async def enqueue(self, message: JobMessage, extra: Mapping[str, str] | None = None) -> str:
+        """XADD the message (with ``extra`` fields, if any) and index it;
+        return the entry id."""
         args = [
             message.job_id,
             message.tenant,
@@ -147,6 +150,8 @@ class Stream:
             f"{message.enqueued_at:.6f}",
             message.traceparent or "",
         ]
+        for name, value in (extra or {}).items():
+            args += [name, value]
         entry_id = await self._enqueue(keys=[self.stream, self.index], args=args)
         return str(entry_id)
 
