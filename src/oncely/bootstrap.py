@@ -12,7 +12,7 @@ import signal
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import structlog
 import uvicorn
@@ -37,6 +37,7 @@ from oncely.outbox.store import OutboxStore
 from oncely.outbox.wakeup import OutboxWakeUp
 from oncely.queue.stream import Stream
 from oncely.queue.worker import Worker, WorkerConfig
+from oncely.redis_client import ClusterClient, RedisClient
 from oncely.retry import RetryPolicy
 from oncely.senders import EffectRouter, SendersConfig, build_router
 from oncely.services import Progress, Service
@@ -145,7 +146,7 @@ def app_from(s: Settings, only: list[str] | None = None) -> App:
 @dataclass(frozen=True)
 class Resources:
     settings: Settings
-    redis: Redis
+    redis: RedisClient
     pool: AsyncConnectionPool
 
 
@@ -183,19 +184,27 @@ def client_bounds(s: Settings) -> ClientBounds:
     return ClientBounds(s.redis_timeout_s, s.connect_timeout_s, s.pg_statement_timeout_s)
 
 
-def make_redis(url: str, *, timeout_s: float = 5.0, connect_timeout_s: float = 5.0) -> Redis:
+def make_redis(
+    url: str, *, cluster: bool = False, timeout_s: float = 5.0, connect_timeout_s: float = 5.0
+) -> RedisClient:
     """A Redis client whose every command answers within ``timeout_s`` (else
     ``redis.exceptions.TimeoutError``). A command that met a broken
     connection (a server restarted under a pooled one) is retried once at
     once on a new connection; a timeout is not retried: that would double
-    the bound."""
+    the bound. With ``cluster``, ``url`` names any node of a Redis Cluster
+    and the client routes each key to the node owning its slot (README:
+    Redis Cluster); the same bounds apply to each node."""
+    options: dict[str, Any] = {
+        "decode_responses": True,
+        "health_check_interval": 30,
+        "socket_timeout": timeout_s,
+        "socket_connect_timeout": connect_timeout_s,
+    }
+    if cluster:
+        # Retried once on the cluster's refreshed layout (ClusterClient).
+        return ClusterClient.from_url(url, retry=Retry(NoBackoff(), 1), **options)
     return Redis.from_url(
-        url,
-        decode_responses=True,
-        health_check_interval=30,
-        socket_timeout=timeout_s,
-        socket_connect_timeout=connect_timeout_s,
-        retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
+        url, retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)), **options
     )
 
 
@@ -233,7 +242,10 @@ async def open_resources(settings: Settings) -> AsyncIterator[Resources]:
     redis_url, database_url = require_urls(settings)
     bounds = client_bounds(settings)
     redis = make_redis(
-        redis_url, timeout_s=bounds.redis_timeout_s, connect_timeout_s=bounds.connect_timeout_s
+        redis_url,
+        cluster=settings.redis_cluster,
+        timeout_s=bounds.redis_timeout_s,
+        connect_timeout_s=bounds.connect_timeout_s,
     )
     pool = postgres_pool(database_url, settings)
     await pool.open(wait=True, timeout=max(10, bounds.connect_timeout_s))

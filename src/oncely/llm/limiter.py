@@ -21,12 +21,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import structlog
-from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from oncely import names
 from oncely.errors import TransientError
 from oncely.llm.base import LLM, Completion, Message, ResponseSchema
+from oncely.redis_client import RedisClient
 from oncely.retry import retry_after_s, status_of
 
 log = structlog.get_logger(__name__)
@@ -98,7 +98,7 @@ def estimate_tokens(messages: Sequence[Message], max_output: int = 256) -> int:
 
 
 class FleetLimiter:
-    def __init__(self, redis: Redis, limits: Limits) -> None:
+    def __init__(self, redis: RedisClient, limits: Limits) -> None:
         self.redis = redis
         self.limits = limits
         self._acquire = redis.register_script(_ACQUIRE)
