@@ -201,8 +201,12 @@ def make_redis(
         "socket_connect_timeout": connect_timeout_s,
     }
     if cluster:
-        # Retried once on the cluster's refreshed layout (ClusterClient).
-        return ClusterClient.from_url(url, retry=Retry(NoBackoff(), 1), **options)
+        # Retried once on the cluster's refreshed layout (ClusterClient). The
+        # servers' own cluster-require-full-coverage decides whether a partly
+        # served cluster answers; the client refuses no more than they do.
+        return ClusterClient.from_url(
+            url, retry=Retry(NoBackoff(), 1), require_full_coverage=False, **options
+        )
     return Redis.from_url(
         url, retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)), **options
     )

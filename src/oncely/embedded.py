@@ -147,11 +147,14 @@ class EmbeddedCluster:
     """A Valkey cluster of ``size`` primaries (no replicas) under ``data_dir``,
     for the tests' cluster mode (README: Tests): each node started with
     ``cluster-enabled yes``, the slots split evenly with ``CLUSTER
-    ADDSLOTSRANGE``, the nodes joined with ``CLUSTER MEET``. Data is not kept."""
+    ADDSLOTSRANGE``, the nodes joined with ``CLUSTER MEET``. Data is not kept.
+    Without ``full_coverage`` a node whose slots are not all served still
+    serves the others (``cluster-require-full-coverage no``)."""
 
-    def __init__(self, data_dir: Path, size: int = 3) -> None:
+    def __init__(self, data_dir: Path, size: int = 3, *, full_coverage: bool = True) -> None:
         self.data_dir = data_dir.resolve()
         self.size = size
+        self.full_coverage = full_coverage
         self._nodes: list[ValkeyServer] = []
         # (first slot, last slot) of each node, in node order.
         self.slot_ranges = [(SLOTS * i // size, SLOTS * (i + 1) // size - 1) for i in range(size)]
@@ -205,6 +208,7 @@ class EmbeddedCluster:
                 "cluster-config-file": "nodes.conf",
                 "cluster-port": bus,
                 "cluster-node-timeout": 5000,
+                "cluster-require-full-coverage": "yes" if self.full_coverage else "no",
             }
             (folder / "nodes.conf").unlink(missing_ok=True)
             server = ValkeyServer(port=port, data_dir=folder, config=config)
