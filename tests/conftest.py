@@ -54,7 +54,30 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ["ONCELY_REDIS_CLUSTER"] = "true"
 
 
+# The modules CI runs again on a cluster (marked ``cluster``): everything that
+# talks to Redis on the request and job paths, the erasure and the console.
+CLUSTER_SUITE = {
+    "test_api_hardening.py",
+    "test_api_intake.py",
+    "test_console.py",
+    "test_dead_letters.py",
+    "test_end_to_end.py",
+    "test_idempotency.py",
+    "test_key_slots.py",
+    "test_lifecycle.py",
+    "test_limiter.py",
+    "test_reconcile.py",
+    "test_redis_cluster.py",
+    "test_tenant_limit.py",
+    "test_withdrawals.py",
+    "test_worker.py",
+}
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.name in CLUSTER_SUITE:
+            item.add_marker(pytest.mark.cluster)
     if not CLUSTER:
         return
     for item in items:

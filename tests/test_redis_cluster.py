@@ -33,8 +33,6 @@ from oncely.settings import Settings
 from tests.helpers import asgi_app, count, drain, job_status, make_worker, submit
 from tests.processes import free_port, oncely, running, start, wait_for, wait_healthy
 
-pytestmark = pytest.mark.cluster
-
 SLOT = key_slot(summaries.keys.stream.encode())
 # A key in a slot of its own, far from every workflow's: a step's Redis call
 # that meets CLUSTERDOWN.
