@@ -226,6 +226,8 @@ async def test_no_reachable_node_is_unavailable_for_clients_and_the_cli(database
     with pytest.raises(ClusterUnavailable):
         await client.ping()
     await client.aclose()
+    with pytest.raises(SystemExit, match="ONCELY_REDIS_CLUSTER: .*must be 0"):
+        make_redis(f"{nowhere}/3", cluster=True)  # a cluster has database 0 only
     env = {
         "ONCELY_REDIS_URL": nowhere,
         "ONCELY_REDIS_CLUSTER": "true",

@@ -22,6 +22,7 @@ from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisClusterException
 
 from oncely.app import App, load_app
 from oncely.health import HealthConfig, HealthServer
@@ -204,9 +205,12 @@ def make_redis(
         # Retried once on the cluster's refreshed layout (ClusterClient). The
         # servers' own cluster-require-full-coverage decides whether a partly
         # served cluster answers; the client refuses no more than they do.
-        return ClusterClient.from_url(
-            url, retry=Retry(NoBackoff(), 1), require_full_coverage=False, **options
-        )
+        try:
+            return ClusterClient.from_url(
+                url, retry=Retry(NoBackoff(), 1), require_full_coverage=False, **options
+            )
+        except RedisClusterException as exc:  # e.g. a database other than 0
+            raise SystemExit(f"ONCELY_REDIS_CLUSTER: {exc}") from None
     return Redis.from_url(
         url, retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)), **options
     )
