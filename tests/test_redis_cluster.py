@@ -203,6 +203,68 @@ async def test_a_step_that_meets_clusterdown_is_deferred_never_dead_lettered(
     assert await job_status(pool, job_id) == "queued"
 
 
+def move_slot(cluster: EmbeddedCluster, slot: int, source: str, target: str) -> None:
+    """Reshard ``slot`` from node ``source`` to node ``target`` as
+    ``valkey-cli --cluster reshard`` does: IMPORTING / MIGRATING, MIGRATE
+    its keys, then every node told the new owner."""
+    nodes = {url: sync_redis.Redis.from_url(url, decode_responses=True) for url in cluster.urls}
+    src, dst = nodes[source], nodes[target]
+    src_id, dst_id = src.cluster("MYID"), dst.cluster("MYID")
+    dst.cluster("SETSLOT", slot, "IMPORTING", src_id)
+    src.cluster("SETSLOT", slot, "MIGRATING", dst_id)
+    host, port = target.removeprefix("redis://").split(":")
+    while keys := src.cluster("GETKEYSINSLOT", slot, 100):
+        src.migrate(host, int(port), keys, 0, 5000)
+    for node in nodes.values():
+        node.cluster("SETSLOT", slot, "NODE", dst_id)
+        node.close()
+
+
+async def test_jobs_keep_flowing_while_the_streams_slot_moves_to_another_node(
+    cluster, redis, jobs, pool, stream, summary_job, fake_llm
+):
+    """Resharding under load: ASK and MOVED followed, a TRYAGAIN is transient;
+    every job ends done with one model call and nothing dead."""
+    await stream.ensure_group()
+    worker = make_worker(stream, summary_job, pool, claim_idle_ms=1000)
+    reconciler = Reconciler(jobs, "summaries", after_s=1.0)
+    owner = cluster.url_of_slot_owner(SLOT)
+    other = next(url for url in cluster.urls if url != owner)
+    running = [asyncio.create_task(worker.run()), asyncio.create_task(reconciler.run())]
+    job_ids: list[str] = []
+
+    async def keep_submitting(n: int) -> None:
+        for i in range(n):
+            job_ids.append(await submit(pool, stream, f"Moving slot, job {len(job_ids)} ({i})."))
+            await asyncio.sleep(0.01)
+
+    try:
+        await keep_submitting(10)
+        await asyncio.gather(
+            keep_submitting(30), asyncio.to_thread(move_slot, cluster, SLOT, owner, other)
+        )
+        old_owner = sync_redis.Redis.from_url(owner)
+        with pytest.raises(sync_redis.exceptions.MovedError):
+            old_owner.xlen(stream.stream)
+        old_owner.close()
+        await keep_submitting(10)
+
+        async def all_done() -> bool:
+            done = "SELECT count(*) FROM jobs WHERE status = 'done'"
+            return await count(pool, done) == len(job_ids)
+
+        await wait_for(all_done, 30, "every job done")
+    finally:
+        worker.stop()
+        reconciler.stop()
+        await asyncio.gather(*running)
+        await asyncio.to_thread(move_slot, cluster, SLOT, other, owner)
+    assert len(job_ids) == 50
+    assert fake_llm.stats().total == len(job_ids)
+    assert await redis_dead_letters(stream) == 0
+    assert await count(pool, "SELECT count(*) FROM outbox") == len(job_ids)
+
+
 async def test_tenant_erasure_reaches_idempotency_records_on_every_primary(redis):
     store = IdempotencyStore(redis, lock_ttl_s=60, result_ttl_s=60)
     for i in range(60):
@@ -226,7 +288,7 @@ async def test_no_reachable_node_is_unavailable_for_clients_and_the_cli(database
     with pytest.raises(ClusterUnavailable):
         await client.ping()
     await client.aclose()
-    with pytest.raises(SystemExit, match="ONCELY_REDIS_CLUSTER: .*must be 0"):
+    with pytest.raises(SystemExit, match=r"ONCELY_REDIS_CLUSTER: .*must be 0"):
         make_redis(f"{nowhere}/3", cluster=True)  # a cluster has database 0 only
     env = {
         "ONCELY_REDIS_URL": nowhere,
