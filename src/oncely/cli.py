@@ -37,7 +37,8 @@ app.add_typer(outbox_app, name="outbox")
 tenants_app = typer.Typer(help="Tenants' data.", no_args_is_help=True)
 app.add_typer(tenants_app, name="tenants")
 
-err = Console(stderr=True)
+# Errors are one line each, however narrow the terminal (or none at all).
+err = Console(stderr=True, soft_wrap=True)
 
 # Exit codes every command keeps (scripts rely on them): 2 is typer's usage
 # error; 69 is sysexits' EX_UNAVAILABLE.
