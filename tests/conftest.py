@@ -3,6 +3,14 @@ ONCELY_TEST_REDIS_URL / ONCELY_TEST_DATABASE_URL.
 
 Isolation: each test gets a fresh database cloned from a migrated template,
 and a flushed Redis database.
+
+Cluster mode (ONCELY_TEST_REDIS_CLUSTER=1): Redis is a three-node Valkey
+cluster started from the embedded binary (or the cluster whose node
+ONCELY_TEST_REDIS_URL names); tests get a cluster client, every process
+they start inherits ONCELY_REDIS_CLUSTER=true, and each test flushes every
+primary. The URL handed out names a node that does not own the summaries
+stream's slot, so every test follows a redirection. Tests marked
+``standalone_redis`` are skipped there.
 """
 
 from __future__ import annotations
@@ -18,30 +26,76 @@ import psycopg
 import pytest
 from psycopg import conninfo
 from psycopg_pool import AsyncConnectionPool
-from redis.asyncio import Redis
+from redis.crc import key_slot
 
 from oncely.api.auth import create_api_key
 from oncely.bootstrap import connect_llm, make_redis, step_config
 from oncely.builtin import app as builtin_app
 from oncely.builtin.summaries import summaries
-from oncely.embedded import EmbeddedServers
+from oncely.embedded import EmbeddedCluster, EmbeddedServers
 from oncely.fakes.llm import FakeLLMServer
 from oncely.jobs.handler import WorkflowHandler
 from oncely.jobs.store import Jobs
 from oncely.outbox.wakeup import OutboxWakeUp
 from oncely.queue.stream import Stream
+from oncely.redis_client import RedisClient
 from oncely.settings import Settings
 from oncely.sql.migrate import migrate
 from tests.helpers import asgi_app
 
 _counter = itertools.count()
 
+CLUSTER = os.environ.get("ONCELY_TEST_REDIS_CLUSTER", "") not in ("", "0", "false")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if CLUSTER:
+        # Settings() in this process and every `oncely` process a test starts.
+        os.environ["ONCELY_REDIS_CLUSTER"] = "true"
+
+
+# The modules CI runs again on a cluster (marked ``cluster``): everything that
+# talks to Redis on the request and job paths, the erasure and the console.
+CLUSTER_SUITE = {
+    "test_api_hardening.py",
+    "test_api_intake.py",
+    "test_console.py",
+    "test_dead_letters.py",
+    "test_end_to_end.py",
+    "test_idempotency.py",
+    "test_key_slots.py",
+    "test_lifecycle.py",
+    "test_limiter.py",
+    "test_reconcile.py",
+    "test_redis_cluster.py",
+    "test_tenant_limit.py",
+    "test_withdrawals.py",
+    "test_worker.py",
+}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.name in CLUSTER_SUITE:
+            item.add_marker(pytest.mark.cluster)
+    if not CLUSTER:
+        return
+    for item in items:
+        mark = item.get_closest_marker("standalone_redis")
+        if mark is not None:
+            reason = mark.args[0] if mark.args else "needs a single Redis server"
+            item.add_marker(pytest.mark.skip(reason=f"not on a Redis Cluster: {reason}"))
+
 
 @pytest.fixture(scope="session")
 def server_urls(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
     redis_url = os.environ.get("ONCELY_TEST_REDIS_URL")
     database_url = os.environ.get("ONCELY_TEST_DATABASE_URL")
-    servers = None
+    servers = cluster = None
+    if CLUSTER and not redis_url:
+        cluster = EmbeddedCluster(tmp_path_factory.mktemp("cluster"))
+        cluster.start()
+        redis_url = cluster.url_not_owning(key_slot(summaries.keys.stream.encode()))
     if not redis_url or not database_url:
         servers = EmbeddedServers(tmp_path_factory.mktemp("servers"))
         urls = servers.start()
@@ -50,6 +104,8 @@ def server_urls(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str,
     yield redis_url, database_url
     if servers is not None:
         servers.stop()
+    if cluster is not None:
+        cluster.stop()
 
 
 def _with_dbname(url: str, dbname: str) -> str:
@@ -89,9 +145,9 @@ def redis_url(server_urls: tuple[str, str]) -> str:
 
 
 @pytest.fixture
-async def redis(redis_url: str) -> AsyncIterator[Redis]:
-    client = make_redis(redis_url)
-    await client.flushdb()
+async def redis(redis_url: str) -> AsyncIterator[RedisClient]:
+    client = make_redis(redis_url, cluster=CLUSTER)
+    await client.flushdb()  # on a cluster: every primary
     yield client
     await client.aclose()
 
@@ -114,12 +170,13 @@ def settings(redis_url: str, database_url: str, tmp_path: Path) -> Settings:
         log_format="console",
         # Short, so that tests of revocation wait a moment, not the default 10 s.
         api_key_cache_s=0.5,
+        redis_cluster=CLUSTER,
     )
 
 
 @pytest.fixture
 async def client(
-    settings: Settings, redis: Redis, pool: AsyncConnectionPool
+    settings: Settings, redis: RedisClient, pool: AsyncConnectionPool
 ) -> AsyncIterator[httpx.AsyncClient]:
     app = asgi_app(settings, redis, pool)
     transport = httpx.ASGITransport(app=app)
@@ -158,7 +215,7 @@ def worker_settings(settings: Settings, fake_llm: FakeLLMServer) -> Settings:
 
 
 @pytest.fixture
-def jobs(pool: AsyncConnectionPool, redis: Redis) -> Jobs:
+def jobs(pool: AsyncConnectionPool, redis: RedisClient) -> Jobs:
     """Jobs of the built-in app's workflows, each with its stream."""
     return Jobs(pool, {w.name: Stream(redis, w.keys) for w in builtin_app})
 

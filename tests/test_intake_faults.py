@@ -38,7 +38,10 @@ from oncely.sql.migrate import migrate
 from tests.helpers import asgi_app
 from tests.processes import free_port, frozen, postgres_pids, wait_for
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [
+    pytest.mark.timeout(120),
+    pytest.mark.standalone_redis("freezes a private single Valkey"),
+]
 
 URL = "/v1/summaries"
 BODY = {"text": "Frozen servers answer nothing.", "notify": "ada@example.com"}

@@ -34,7 +34,11 @@ from tests.processes import (
     wait_healthy,
 )
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.timeout(300),
+    pytest.mark.standalone_redis("restarts and freezes a private single Valkey"),
+]
 
 REQUESTS = 60
 

@@ -22,6 +22,7 @@ from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisClusterException
 
 from oncely import names
 from oncely.app import App, load_app
@@ -38,6 +39,7 @@ from oncely.outbox.store import OutboxStore
 from oncely.outbox.wakeup import OutboxWakeUp
 from oncely.queue.stream import Stream
 from oncely.queue.worker import Worker, WorkerConfig
+from oncely.redis_client import ClusterClient, RedisClient
 from oncely.retry import RetryPolicy
 from oncely.senders import EffectRouter, SendersConfig, build_router
 from oncely.services import Progress, Service
@@ -182,7 +184,7 @@ def app_from(s: Settings, only: list[str] | None = None) -> App:
 @dataclass(frozen=True)
 class Resources:
     settings: Settings
-    redis: Redis
+    redis: RedisClient
     pool: AsyncConnectionPool
 
 
@@ -220,19 +222,34 @@ def client_bounds(s: Settings) -> ClientBounds:
     return ClientBounds(s.redis_timeout_s, s.connect_timeout_s, s.pg_statement_timeout_s)
 
 
-def make_redis(url: str, *, timeout_s: float = 5.0, connect_timeout_s: float = 5.0) -> Redis:
+def make_redis(
+    url: str, *, cluster: bool = False, timeout_s: float = 5.0, connect_timeout_s: float = 5.0
+) -> RedisClient:
     """A Redis client whose every command answers within ``timeout_s`` (else
     ``redis.exceptions.TimeoutError``). A command that met a broken
     connection (a server restarted under a pooled one) is retried once at
     once on a new connection; a timeout is not retried: that would double
-    the bound."""
+    the bound. With ``cluster``, ``url`` names any node of a Redis Cluster
+    and the client routes each key to the node owning its slot (README:
+    Redis Cluster); the same bounds apply to each node."""
+    options: dict[str, Any] = {
+        "decode_responses": True,
+        "health_check_interval": 30,
+        "socket_timeout": timeout_s,
+        "socket_connect_timeout": connect_timeout_s,
+    }
+    if cluster:
+        # Retried once on the cluster's refreshed layout (ClusterClient). The
+        # servers' own cluster-require-full-coverage decides whether a partly
+        # served cluster answers; the client refuses no more than they do.
+        try:
+            return ClusterClient.from_url(
+                url, retry=Retry(NoBackoff(), 1), require_full_coverage=False, **options
+            )
+        except RedisClusterException as exc:  # e.g. a database other than 0
+            raise SystemExit(f"ONCELY_REDIS_CLUSTER: {exc}") from None
     return Redis.from_url(
-        url,
-        decode_responses=True,
-        health_check_interval=30,
-        socket_timeout=timeout_s,
-        socket_connect_timeout=connect_timeout_s,
-        retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
+        url, retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)), **options
     )
 
 
@@ -270,7 +287,10 @@ async def open_resources(settings: Settings) -> AsyncIterator[Resources]:
     redis_url, database_url = require_urls(settings)
     bounds = client_bounds(settings)
     redis = make_redis(
-        redis_url, timeout_s=bounds.redis_timeout_s, connect_timeout_s=bounds.connect_timeout_s
+        redis_url,
+        cluster=settings.redis_cluster,
+        timeout_s=bounds.redis_timeout_s,
+        connect_timeout_s=bounds.connect_timeout_s,
     )
     pool = postgres_pool(database_url, settings)
     await pool.open(wait=True, timeout=max(10, bounds.connect_timeout_s))

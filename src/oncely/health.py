@@ -20,11 +20,11 @@ import structlog
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from psycopg_pool import AsyncConnectionPool
-from redis.asyncio import Redis
 
 from oncely import metrics
 from oncely.outbox.store import OutboxStore
 from oncely.queue.stream import Stream
+from oncely.redis_client import RedisClient
 from oncely.services import Progress
 
 log = structlog.get_logger("oncely.health")
@@ -44,7 +44,7 @@ class HealthServer:
         self,
         config: HealthConfig,
         *,
-        redis: Redis,
+        redis: RedisClient,
         pool: AsyncConnectionPool,
         streams: Sequence[Stream],
         loops: Sequence[Progress],

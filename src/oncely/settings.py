@@ -60,6 +60,8 @@ class Settings(BaseSettings):
 
     # Servers. Unset means "start embedded ones" in `oncely dev` and the tests.
     redis_url: str | None = None
+    # ONCELY_REDIS_URL names any node of a Redis Cluster (README: Redis Cluster).
+    redis_cluster: bool = False
     database_url: str | None = None
     data_dir: Path = Path(".oncely")
 

@@ -19,7 +19,6 @@ from fastapi import APIRouter, FastAPI
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from psycopg_pool import AsyncConnectionPool
-from redis.asyncio import Redis
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -34,6 +33,7 @@ from oncely.app import App
 from oncely.console import console_router
 from oncely.jobs.store import Jobs, run_statement
 from oncely.queue.stream import Stream
+from oncely.redis_client import RedisClient
 
 DESCRIPTION = f"""
 Exactly-once effects for LLM steps. Every POST needs an `Idempotency-Key`.
@@ -76,7 +76,7 @@ class ApiConfig:
 
 class Clients(Protocol):
     @property
-    def redis(self) -> Redis: ...
+    def redis(self) -> RedisClient: ...
     @property
     def pool(self) -> AsyncConnectionPool: ...
 

@@ -14,9 +14,8 @@ import hashlib
 import math
 from dataclasses import dataclass
 
-from redis.asyncio import Redis
-
 from oncely import names
+from oncely.redis_client import RedisClient
 
 # KEYS[1] = the tenant's key; ARGV: interval ms (60000 / rpm), tolerance ms.
 # Returns {wait ms (0: admitted), remaining, reset ms}.
@@ -62,7 +61,7 @@ class Admission:
 
 
 class TenantLimiter:
-    def __init__(self, redis: Redis, rpm: int) -> None:
+    def __init__(self, redis: RedisClient, rpm: int) -> None:
         self.rpm = rpm
         self._admit = redis.register_script(_ADMIT)
         self._interval_ms = 60_000 / rpm

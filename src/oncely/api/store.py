@@ -25,9 +25,9 @@ from typing import Any
 
 import redis.exceptions
 import structlog
-from redis.asyncio import Redis
 
 from oncely import names
+from oncely.redis_client import RedisClient
 
 log = structlog.get_logger("oncely.idempotency")
 
@@ -132,7 +132,7 @@ class _Releases:
 
 
 class IdempotencyStore:
-    def __init__(self, redis: Redis, *, lock_ttl_s: float, result_ttl_s: int) -> None:
+    def __init__(self, redis: RedisClient, *, lock_ttl_s: float, result_ttl_s: int) -> None:
         self._redis = redis
         self.lock_ttl_ms = max(1, int(lock_ttl_s * 1000))
         self.result_ttl_ms = result_ttl_s * 1000
@@ -186,7 +186,12 @@ class IdempotencyStore:
         return erased + (await self._erase_matching(keys, tag) if keys else 0)
 
     async def _erase_matching(self, keys: list[str], tag: str) -> int:
-        values: list[Any] = await self._redis.mget(keys)
+        # One GET per key in one pipeline, not MGET: on a cluster the keys
+        # live in many slots, and the pipeline sends each to its node.
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for key in keys:
+                pipe.get(key)
+            values: list[Any] = await pipe.execute()
         doomed = [
             k for k, v in zip(keys, values, strict=True) if v and json.loads(v).get("t") == tag
         ]

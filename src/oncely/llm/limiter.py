@@ -21,12 +21,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import structlog
-from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from oncely import names
 from oncely.errors import TransientError
 from oncely.llm.base import LLM, Completion, Message, ResponseSchema
+from oncely.redis_client import RedisClient
 from oncely.retry import retry_after_s, status_of
 
 log = structlog.get_logger(__name__)
@@ -132,7 +132,7 @@ class FleetLimiter:
     they take counts for the fleet, so production keeps the rest even when it
     runs at the limit."""
 
-    def __init__(self, redis: Redis, limits: Limits, *, share: float = 1.0) -> None:
+    def __init__(self, redis: RedisClient, limits: Limits, *, share: float = 1.0) -> None:
         if not 0 < share <= 1:
             raise ValueError("share must be in (0, 1]")
         self.redis = redis

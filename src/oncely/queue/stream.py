@@ -20,12 +20,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from oncely import tracing
 from oncely.names import WorkflowKeys
 from oncely.queue import scripts
+from oncely.redis_client import RedisClient
 
 DEAD_STREAM_MAXLEN = 100_000
 # The index's value for a job waiting in the delayed set (see scripts.DEFER).
@@ -125,7 +125,7 @@ class Stream:
     """One workflow's job stream: ``stream`` with its ``dead`` letters,
     ``index`` and consumer ``group``. The only code that talks to them."""
 
-    def __init__(self, redis: Redis, keys: WorkflowKeys) -> None:
+    def __init__(self, redis: RedisClient, keys: WorkflowKeys) -> None:
         self.redis = redis
         self.keys = keys
         self.stream = keys.stream

@@ -1,0 +1,82 @@
+"""The Redis client every Redis-touching module takes: one server, or a cluster.
+
+``ONCELY_REDIS_CLUSTER=true`` makes the composition root build a
+``ClusterClient`` instead of a single-server client (README: Redis Cluster).
+It follows MOVED and ASK itself. The states in which a cluster cannot serve
+a command for now (CLUSTERDOWN, a slot no node serves, no node reachable,
+redirections that never settle) are raised as ``ClusterUnavailable``, a
+``redis.exceptions.ConnectionError``: the API answers 503, workers back off
+and nothing is dead-lettered, exactly as when a single server does not
+answer. Translated here, where they enter, so no other module knows a
+cluster exists.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeAlias
+
+from redis.asyncio import Redis
+from redis.asyncio.cluster import ClusterPipeline, RedisCluster
+from redis.exceptions import (
+    ClusterDownError,
+    ClusterError,
+    RedisClusterException,
+    SlotNotCoveredError,
+    TryAgainError,
+)
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+RedisClient: TypeAlias = Redis | RedisCluster
+
+
+class ClusterUnavailable(RedisConnectionError):
+    """The cluster cannot serve the command now; retrying later may succeed."""
+
+
+# ClusterError covers CLUSTERDOWN, MASTERDOWN and redirections that never
+# settled ("TTL exhausted").
+_UNAVAILABLE = (ClusterError, TryAgainError, SlotNotCoveredError)
+
+
+class ClusterClient(RedisCluster):
+    """``RedisCluster`` whose unavailable states are ``ClusterUnavailable``."""
+
+    # What a command is retried on once, after the client re-reads the
+    # cluster's layout: as the single-server client retries a broken
+    # connection once. A timeout is not retried: that would double the bound.
+    ERRORS_ALLOW_RETRY = (  # type: ignore[assignment]  # the base's type names TimeoutError
+        RedisConnectionError,
+        ClusterDownError,
+        SlotNotCoveredError,
+    )
+
+    async def initialize(self, *args: Any, **kwargs: Any) -> RedisCluster:
+        # Learning the layout fails with a bare RedisClusterException when no
+        # node answers or the answers do not cover every slot.
+        try:
+            return await super().initialize(*args, **kwargs)
+        except RedisClusterException as exc:
+            raise ClusterUnavailable(str(exc)) from exc
+
+    async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await super().execute_command(*args, **kwargs)
+        except _UNAVAILABLE as exc:
+            raise ClusterUnavailable(f"{type(exc).__name__}: {exc}") from exc
+
+    def pipeline(
+        self, transaction: Any | None = None, shard_hint: Any | None = None
+    ) -> ClusterPipeline:
+        if shard_hint:
+            raise RedisClusterException("shard_hint is not supported in cluster mode")
+        # redis' typing declares an attribute abstract that ClusterPipeline
+        # itself leaves to its client; RedisCluster.pipeline builds it the same way.
+        return _Pipeline(self, transaction)  # type: ignore[abstract]
+
+
+class _Pipeline(ClusterPipeline):
+    async def execute(self, raise_on_error: bool = True, allow_redirections: bool = True) -> Any:
+        try:
+            return await super().execute(raise_on_error, allow_redirections)
+        except _UNAVAILABLE as exc:
+            raise ClusterUnavailable(f"{type(exc).__name__}: {exc}") from exc
