@@ -65,6 +65,8 @@ def api_config(s: Settings) -> ApiConfig:
         max_hold_s=s.idempotency_max_hold_s,
         statement_timeout_s=client_bounds(s).statement_timeout_s,
         tenant_rpm=s.tenant_rpm,
+        max_headers=s.http_max_headers,
+        body_timeout_s=s.http_body_timeout_s,
         console_key=s.console_key.get_secret_value() if s.console_key else None,
     )
 
@@ -320,10 +322,14 @@ class _QuietServer(uvicorn.Server):
 class ApiServer:
     def __init__(self, app: App, res: Resources, *, host: str, port: int) -> None:
         from oncely.api.app import create_app
+        from oncely.api.server import head_timeout_protocol
 
         self._api = http_api(app, res.settings, resources=res)
         # With a metrics port, /metrics leaves the public port (health_server).
         public_metrics = res.settings.metrics_port is None
+        s = res.settings
+        # h11 (not httptools) for its cap on the request head; HeadTimeout
+        # bounds the time to send it (README: Settings, HTTP server).
         config = uvicorn.Config(
             create_app(self._api, public_metrics=public_metrics),
             host=host,
@@ -331,6 +337,9 @@ class ApiServer:
             log_config=None,
             access_log=False,
             lifespan="off",
+            http=head_timeout_protocol(s.http_header_timeout_s),
+            h11_max_incomplete_event_size=s.http_max_header_bytes,
+            timeout_keep_alive=s.http_keep_alive_s,
         )
         self._server = _QuietServer(config)
 
