@@ -10,12 +10,9 @@ from __future__ import annotations
 
 import itertools
 import json
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
-import psycopg
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
@@ -24,9 +21,7 @@ from hypothesis.errors import Unsatisfiable
 from schemathesis.config import SchemathesisConfig
 from schemathesis.generation.modes import GenerationMode
 
-from oncely.bootstrap import make_redis
-from tests.conftest import _with_dbname
-from tests.processes import free_port, oncely, running, start, tail
+from tests.processes import flush_redis, oncely, serving_api
 
 pytestmark = pytest.mark.slow
 
@@ -38,57 +33,25 @@ EXAMPLES = 25
 
 @pytest.fixture(scope="module")
 def fuzz_api(
-    server_urls: tuple[str, str], template_db: str, tmp_path_factory: pytest.TempPathFactory
+    server_urls: tuple[str, str],
+    module_database_url: str,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[tuple[str, str, Path]]:
     """A real ``oncely api`` on a database of its own: (base URL, API key, log)."""
-    redis_url, admin_url = server_urls
-    name = f"oncely_fuzz_{int(time.time() * 1000)}"
-    with psycopg.connect(admin_url, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}" TEMPLATE "{template_db}"')
-    database_url = _with_dbname(admin_url, name)
-    _flush(redis_url)
+    redis_url, _ = server_urls
+    flush_redis(redis_url)
+    directory = tmp_path_factory.mktemp("fuzz")
     env = {
         "ONCELY_REDIS_URL": redis_url,
-        "ONCELY_DATABASE_URL": database_url,
+        "ONCELY_DATABASE_URL": module_database_url,
         "ONCELY_LOG_FORMAT": "json",
-        "ONCELY_DATA_DIR": str(tmp_path_factory.mktemp("fuzz")),
+        "ONCELY_DATA_DIR": str(directory),
     }
     created = oncely("keys", "create", "--tenant", "fuzz", env=env)
     assert created.returncode == 0, created.stderr
-    key = created.stdout.strip()
-    port = free_port()
-    log = tmp_path_factory.mktemp("fuzz-log") / "api.log"
-    api = start(["api", "--port", str(port)], env, log)
-    url = f"http://127.0.0.1:{port}"
-    with running(api):
-        _wait_healthy(url, api, log)
-        yield url, key, log
-    with psycopg.connect(admin_url, autocommit=True) as conn:
-        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-
-
-def _flush(redis_url: str) -> None:
-    import asyncio
-
-    async def flush() -> None:
-        client = make_redis(redis_url)
-        await client.flushdb()
-        await client.aclose()
-
-    asyncio.run(flush())
-
-
-def _wait_healthy(url: str, proc, log: Path) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, tail(log)
-        try:
-            if httpx.get(f"{url}/healthz").status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.05)
-    raise AssertionError(f"the API did not start: {tail(log)}")
+    log = directory / "api.log"
+    with serving_api(env, log) as url:
+        yield url, created.stdout.strip(), log
 
 
 @pytest.fixture(scope="module")

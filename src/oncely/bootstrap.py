@@ -66,6 +66,7 @@ def api_config(s: Settings) -> ApiConfig:
         statement_timeout_s=client_bounds(s).statement_timeout_s,
         tenant_rpm=s.tenant_rpm,
         max_headers=s.http_max_headers,
+        max_header_bytes=s.http_max_header_bytes,
         body_timeout_s=s.http_body_timeout_s,
         console_key=s.console_key.get_secret_value() if s.console_key else None,
     )

@@ -75,9 +75,11 @@ class ApiConfig:
     statement_timeout_s: float = 10.0
     # Requests per minute each tenant may send, fleet-wide (0: no limit).
     tenant_rpm: int = 0
-    # More request header fields than this: 431 (their total size is the
-    # server's limit, ONCELY_HTTP_MAX_HEADER_BYTES).
+    # More request header fields than this, or more bytes in them: 431. A
+    # head that arrives in pieces is also capped by the server (h11), before
+    # it is complete.
     max_headers: int = 100
+    max_header_bytes: int = 16_384
     # A request body must arrive in full within this, counted from the first
     # read (a body shorter than its Content-Length would hold the handler).
     body_timeout_s: float = 30.0
@@ -215,7 +217,10 @@ def create_app(api: OncelyAPI, *, public_metrics: bool = True) -> FastAPI:
     # Outermost last: a 500 for anything unhandled, counted; HEAD as GET.
     app.add_middleware(BodyLimit, max_bytes=api.config.max_body_bytes)
     app.add_middleware(
-        RequestLimits, max_headers=api.config.max_headers, body_timeout_s=api.config.body_timeout_s
+        RequestLimits,
+        max_headers=api.config.max_headers,
+        max_header_bytes=api.config.max_header_bytes,
+        body_timeout_s=api.config.body_timeout_s,
     )
     app.add_middleware(HeadAsGet)
     app.add_middleware(CountRequests)
@@ -455,21 +460,26 @@ class HeadAsGet:
 
 
 class RequestLimits:
-    """431 for more than ``max_headers`` header fields; 408 (and the
-    connection closed) for a body that has not arrived in full within
-    ``body_timeout_s`` of the first read."""
+    """431 for more than ``max_headers`` header fields or ``max_header_bytes``
+    in them; 408 (and the connection closed) for a body that has not arrived
+    in full within ``body_timeout_s`` of the first read."""
 
-    def __init__(self, app: ASGIApp, max_headers: int, body_timeout_s: float) -> None:
+    def __init__(
+        self, app: ASGIApp, max_headers: int, max_header_bytes: int, body_timeout_s: float
+    ) -> None:
         self.app = app
         self.max_headers = max_headers
+        self.max_header_bytes = max_header_bytes
         self.body_timeout_s = body_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        if len(scope["headers"]) > self.max_headers:
-            detail = f"at most {self.max_headers} header fields"
+        headers = scope["headers"]
+        size = sum(len(name) + len(value) + 4 for name, value in headers)
+        if len(headers) > self.max_headers or size > self.max_header_bytes:
+            detail = f"at most {self.max_headers} header fields, {self.max_header_bytes} bytes"
             await http_problem(431, detail)(scope, receive, send)
             return
         deadline: float | None = None
