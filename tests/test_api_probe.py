@@ -209,7 +209,9 @@ async def test_the_openapi_document_matches_the_service(client):
 
 def test_every_problem_type_the_api_answers_is_in_the_documented_list():
     documented = set(
-        re.findall(r"`([a-z-]+)`", (ROOT / "README.md").read_text().split("stable `type`:")[1][:600])
+        re.findall(
+            r"`([a-z-]+)`", (ROOT / "README.md").read_text().split("stable `type`:")[1][:600]
+        )
     )
     source = "\n".join(p.read_text() for p in (ROOT / "src/oncely/api").glob("*.py"))
     used = set(re.findall(r'problem\(\s*\d+,\s*"([a-z-]+)"', source))
@@ -226,7 +228,9 @@ async def test_a_dead_job_shows_its_tenant_a_stable_reason_and_operators_the_det
     client, auth, pool, redis, jobs, summary_job, fake_llm
 ):
     text = "Refused by the provider. [[fake:400*1]]"
-    r = await client.post(URL, json={**BODY, "text": text}, headers={**auth, "Idempotency-Key": key()})
+    r = await client.post(
+        URL, json={**BODY, "text": text}, headers={**auth, "Idempotency-Key": key()}
+    )
     stream = jobs.streams["summaries"]
     await stream.ensure_group()
     worker = make_worker(stream, summary_job, pool)
@@ -267,7 +271,9 @@ async def provokers(
         _with_dbname(database_url, "x") + f" port={free_port()}", open=False, timeout=0.5
     )
     await dead_pool.open(wait=False)
-    no_postgres = asgi_app(settings.model_copy(update={"pg_statement_timeout_s": 0.5}), redis, dead_pool)
+    no_postgres = asgi_app(
+        settings.model_copy(update={"pg_statement_timeout_s": 0.5}), redis, dead_pool
+    )
 
     async def via(app: Any, method: str, path: str, **kw: Any) -> httpx.Response:
         transport = httpx.ASGITransport(app=app)
@@ -290,9 +296,9 @@ async def provokers(
         return await c.post(route, json=body, headers={**auth, "Idempotency-Key": key(409)})
 
     table: dict[tuple[str, str], Provoke] = {}
+    h = {**auth, "Idempotency-Key": key()}
     for route, body in ((URL, BODY), ("/v1/triage", TICKET)):
         post, get = f"POST {route}", f"GET {route}/{{job_id}}"
-        h = {**auth, "Idempotency-Key": key()}
 
         def p(b: dict[str, str] = body, r: str = route, headers: dict[str, str] = h) -> Any:
             return lambda c, _: c.post(r, json=b, headers=headers)
@@ -303,7 +309,9 @@ async def provokers(
 
         async def rate_limited(c: Any, _: Any, r: str = route, b: Any = body) -> Any:
             await via(limited, "POST", r, json=b, headers={**auth, "Idempotency-Key": key(1)})
-            return await via(limited, "POST", r, json=b, headers={**auth, "Idempotency-Key": key(2)})
+            return await via(
+                limited, "POST", r, json=b, headers={**auth, "Idempotency-Key": key(2)}
+            )
 
         table |= {
             (post, "202"): p(),
@@ -318,7 +326,9 @@ async def provokers(
             (post, "500"): lambda c, _, r=route, b=body: broken_table(
                 c, lambda: c.post(r, json=b, headers={**auth, "Idempotency-Key": key(500)})
             ),
-            (post, "503"): lambda c, _, r=route, b=body: via(no_redis, "POST", r, json=b, headers=h),
+            (post, "503"): lambda c, _, r=route, b=body: via(
+                no_redis, "POST", r, json=b, headers=h
+            ),
             (get, "200"): created,
             (get, "401"): lambda c, _, r=route: c.get(f"{r}/{uuid.uuid4()}"),
             (get, "404"): lambda c, _, r=route: c.get(f"{r}/{uuid.uuid4()}", headers=auth),

@@ -23,7 +23,8 @@ from schemathesis.generation.modes import GenerationMode
 
 from tests.processes import flush_redis, oncely, serving_api
 
-pytestmark = pytest.mark.slow
+# A real process to start, and (fuzzing) a few hundred requests on a busy machine.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 PROBLEM = "application/problem+json"
 SEED = 20261201
@@ -98,36 +99,40 @@ def _unique_key(case) -> None:  # type: ignore[no-untyped-def]
 
 @pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE])
 def test_every_operation_answers_as_documented(fuzz_schema, fuzz_api, mode) -> None:  # type: ignore[no-untyped-def]
-    url, key, _ = fuzz_api
+    _, key, _ = fuzz_api
     auth = {"Authorization": f"Bearer {key}"}
     operations = [result.ok() for result in fuzz_schema.get_all_operations()]
     assert len(operations) >= 7, "both workflows' POST and GET, health, readiness, metrics"
-    statuses: dict[str, set[int]] = {}
-    for operation in operations:
-        seen = statuses.setdefault(operation.label, set())
-
-        @FUZZ_SETTINGS
-        @given(case=operation.as_strategy(generation_mode=mode))
-        def fuzz(case) -> None:  # type: ignore[no-untyped-def]
-            if mode is GenerationMode.POSITIVE:
-                _unique_key(case)
-            response = case.call_and_validate(headers=auth)
-            seen.add(response.status_code)
-            assert response.status_code < 500, response.text
-            content_type = response.headers.get("content-type", [""])[0]
-            if response.status_code >= 400:
-                assert content_type.startswith(PROBLEM), content_type
-
-        try:
-            fuzz()
-        except Unsatisfiable:
-            # No invalid request exists for it (no body, no parameter to break).
-            assert mode is GenerationMode.NEGATIVE and not seen, operation.label
+    statuses = {operation.label: fuzz(operation, mode, auth) for operation in operations}
     print(json.dumps({label: sorted(s) for label, s in statuses.items()}))
     for method in ("POST", "GET"):
         for route in ("/v1/summaries", "/v1/triage"):
             label = f"{method} {route}" + ("/{job_id}" if method == "GET" else "")
             assert statuses[label], f"{label} was never fuzzed"
+
+
+def fuzz(operation, mode: GenerationMode, auth: dict[str, str]) -> set[int]:  # type: ignore[no-untyped-def]
+    """Send ``operation``'s generated requests; the statuses they were answered."""
+    seen: set[int] = set()
+
+    @FUZZ_SETTINGS
+    @given(case=operation.as_strategy(generation_mode=mode))
+    def one(case) -> None:  # type: ignore[no-untyped-def]
+        if mode is GenerationMode.POSITIVE:
+            _unique_key(case)
+        response = case.call_and_validate(headers=auth)
+        seen.add(response.status_code)
+        assert response.status_code < 500, response.text
+        content_type = response.headers.get("content-type", [""])[0]
+        if response.status_code >= 400:
+            assert content_type.startswith(PROBLEM), content_type
+
+    try:
+        one()
+    except Unsatisfiable:
+        # No invalid request exists for it (no body, no parameter to break).
+        assert mode is GenerationMode.NEGATIVE and not seen, operation.label
+    return seen
 
 
 def test_the_fuzzed_api_logged_no_request_text(fuzz_api) -> None:  # type: ignore[no-untyped-def]

@@ -17,7 +17,8 @@ import pytest
 
 from tests.processes import oncely, serving_api, wait_for
 
-pytestmark = pytest.mark.slow
+# A real process to start, and (fuzzing) a few hundred requests on a busy machine.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 # The bounds the API below runs with: small, so the test is quick.
 HEAD_TIMEOUT_S = 1.0

@@ -33,7 +33,6 @@ from oncely.api.problems import (
     InternalErrors,
     http_problem,
     install_problem_handlers,
-    problem,
     problem_schema,
 )
 from oncely.api.ratelimit import TenantLimiter
@@ -349,7 +348,7 @@ IDEMPOTENCY_KEY_SCHEMA: dict[str, Any] = {
     "type": "string",
     "minLength": MIN_KEY_LEN,
     "maxLength": MAX_KEY_LEN,
-    "pattern": "^[!#-+\\--~][ -+\\--~]{%d,%d}[!-+\\--~]$" % (MIN_KEY_LEN - 2, MAX_KEY_LEN - 2),
+    "pattern": f"^[!#-+\\--~][ -+\\--~]{{{MIN_KEY_LEN - 2},{MAX_KEY_LEN - 2}}}[!-+\\--~]$",
 }
 
 

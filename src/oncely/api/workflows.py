@@ -28,7 +28,6 @@ from oncely.errors import KeyReused
 from oncely.jobs.store import Acceptance, Job, Jobs
 from oncely.workflow import Workflow
 
-
 # What PostgreSQL refuses in JSON text (README: Decisions).
 _UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
 
