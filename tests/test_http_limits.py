@@ -131,25 +131,22 @@ async def test_a_connection_that_never_finishes_its_request_head_is_closed(api, 
 
 
 async def test_a_trickled_request_head_is_closed_at_the_bound_too(api):
-    """One byte at a time resets no timer: the bound is for the whole head."""
+    """A byte every 0.1 s, for ever: the bound is on the whole head, so the
+    trickle does not keep the connection."""
     port, _, _ = api
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    loop = asyncio.get_running_loop()
-    started = loop.time()
+    writer.write(b"GET /healthz HTTP/1.1\r\nX-Slow: ")
     try:
         async with asyncio.timeout(CLOSED_WITHIN_S):
-            for byte in b"GET /healthz HTTP/1.1\r\nHost: tttttttttttttttttttttttttttttttt":
-                if reader.at_eof():
-                    break
-                writer.write(bytes([byte]))
+            while not reader.at_eof():
+                writer.write(b"a")
                 await writer.drain()
                 await asyncio.sleep(0.1)
-            assert await reader.read(-1) == b""
+        assert await reader.read(-1) == b""
     except ConnectionError:
-        pass  # closed while we were still writing
+        pass  # closed while we were writing
     finally:
         writer.close()
-    assert loop.time() - started < 4.5, "closed before the 4.8 s the trickle needed"
 
 
 async def test_a_body_shorter_than_its_content_length_is_a_408_and_closed(api, db, redis):

@@ -213,7 +213,8 @@ def create_app(api: OncelyAPI, *, public_metrics: bool = True) -> FastAPI:
         app.include_router(console_router(api, api.config.console_key))
     _add_operations(app, api, public_metrics=public_metrics)
     _add_problem_schema(app)
-    # Outermost last: a 500 for anything unhandled, counted; HEAD as GET.
+    # Outermost last: a 500 for anything unhandled; HEAD as GET (and so
+    # counted under its GET route).
     app.add_middleware(BodyLimit, max_bytes=api.config.max_body_bytes)
     app.add_middleware(
         RequestLimits,
@@ -221,8 +222,8 @@ def create_app(api: OncelyAPI, *, public_metrics: bool = True) -> FastAPI:
         max_header_bytes=api.config.max_header_bytes,
         body_timeout_s=api.config.body_timeout_s,
     )
-    app.add_middleware(HeadAsGet)
     app.add_middleware(CountRequests)
+    app.add_middleware(HeadAsGet)
     app.add_middleware(InternalErrors)
     return app
 
