@@ -1,12 +1,13 @@
 """The HTTP server's bounds on what a client may hold (README: Settings).
 
-uvicorn's h11 protocol caps the request line and headers together at
+uvicorn's h11 protocol caps a request head that is still incomplete at
 ``h11_max_incomplete_event_size`` bytes (over it: 400 and the connection
-closed) and closes a keep-alive connection idle for ``timeout_keep_alive``.
-It has no bound on how long a client may take to send them: a connection
-that sends nothing, or one header byte at a time, is held forever.
-``HeadTimeout`` adds that bound. The body's is the app's
-(``oncely.api.app.RequestLimits``), so it holds under any server.
+closed; a complete head that came in one read is the app's to refuse, 431
+from ``oncely.api.app.RequestLimits``) and closes a keep-alive connection
+idle for ``timeout_keep_alive``. It has no bound on how long a client may
+take to send the head: a connection that sends nothing, or one header byte
+at a time, is held forever. ``HeadTimeout`` adds that bound. The body's is
+the app's (``RequestLimits``), so it holds under any server.
 """
 
 from __future__ import annotations
