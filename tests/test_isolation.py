@@ -9,11 +9,13 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
+import httpx
 import pytest
 
 from oncely.api.auth import create_api_key
 from oncely.api.store import tenant_tag
 from oncely.builtin import app as builtin_app
+from tests.helpers import asgi_app
 
 WORKFLOWS = {
     "/v1/summaries": {"text": "Acme's private text.", "notify": "ada@acme.example.com"},
@@ -137,3 +139,25 @@ async def test_posts_with_the_other_tenants_keys_are_fresh_and_touch_nothing_of_
         )
         assert replay.headers["idempotent-replayed"] == "true"
         assert replay.json()["job_id"] == job_id, "Acme's key still answers Acme's job"
+
+
+async def test_one_tenants_intake_limit_is_not_the_others(settings, redis, pool):
+    """The per-tenant limit (ONCELY_TENANT_RPM) is the other tenant-scoped
+    state: Globex spending its minute leaves Acme's untouched."""
+    app = asgi_app(settings.model_copy(update={"tenant_rpm": 1}), redis, pool)
+    acme = {"Authorization": f"Bearer {await create_api_key(pool, 'acme')}"}
+    globex = {"Authorization": f"Bearer {await create_api_key(pool, 'globex')}"}
+    body = WORKFLOWS["/v1/summaries"]
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+        for n in range(2):
+            r = await c.post(
+                "/v1/summaries", json=body, headers={**globex, "Idempotency-Key": f"{KEY}-{n}"}
+            )
+        assert r.status_code == 429, "Globex is over its limit"
+        mine = await c.post("/v1/summaries", json=body, headers={**acme, "Idempotency-Key": KEY})
+    assert mine.status_code == 202
+    assert [t for (t,) in await rows(pool, "SELECT tenant FROM jobs ORDER BY tenant")] == [
+        "acme",
+        "globex",
+    ]
