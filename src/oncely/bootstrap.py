@@ -323,14 +323,14 @@ class _QuietServer(uvicorn.Server):
 class ApiServer:
     def __init__(self, app: App, res: Resources, *, host: str, port: int) -> None:
         from oncely.api.app import create_app
-        from oncely.api.server import head_timeout_protocol
+        from oncely.api.server import bounded_protocol
 
         self._api = http_api(app, res.settings, resources=res)
         # With a metrics port, /metrics leaves the public port (health_server).
         public_metrics = res.settings.metrics_port is None
         s = res.settings
-        # h11 (not httptools) for its cap on the request head; HeadTimeout
-        # bounds the time to send it (README: Settings, HTTP server).
+        # httptools with bounds on the request head's size and time
+        # (README: Settings, Decisions).
         config = uvicorn.Config(
             create_app(self._api, public_metrics=public_metrics),
             host=host,
@@ -338,8 +338,9 @@ class ApiServer:
             log_config=None,
             access_log=False,
             lifespan="off",
-            http=head_timeout_protocol(s.http_header_timeout_s),
-            h11_max_incomplete_event_size=s.http_max_header_bytes,
+            http=bounded_protocol(
+                head_timeout_s=s.http_header_timeout_s, max_head_bytes=s.http_max_header_bytes
+            ),
             timeout_keep_alive=s.http_keep_alive_s,
         )
         self._server = _QuietServer(config)

@@ -74,9 +74,8 @@ class ApiConfig:
     statement_timeout_s: float = 10.0
     # Requests per minute each tenant may send, fleet-wide (0: no limit).
     tenant_rpm: int = 0
-    # More request header fields than this, or more bytes in them: 431. A
-    # head that arrives in pieces is also capped by the server (h11), before
-    # it is complete.
+    # More request header fields than this, or more bytes in them: 431.
+    # ``oncely api`` also caps the head's size as it arrives (api/server.py).
     max_headers: int = 100
     max_header_bytes: int = 16_384
     # A request body must arrive in full within this, counted from the first

@@ -1,49 +1,95 @@
 """The HTTP server's bounds on what a client may hold (README: Settings).
 
-uvicorn's h11 protocol caps a request head that is still incomplete at
-``h11_max_incomplete_event_size`` bytes (over it: 400 and the connection
-closed; a complete head that came in one read is the app's to refuse, 431
-from ``oncely.api.app.RequestLimits``) and closes a keep-alive connection
-idle for ``timeout_keep_alive``. It has no bound on how long a client may
-take to send the head: a connection that sends nothing, or one header byte
-at a time, is held forever. ``HeadTimeout`` adds that bound. The body's is
-the app's (``RequestLimits``), so it holds under any server.
+uvicorn's httptools protocol (the fast one) caps neither the size of a
+request head nor the time a client may take to send it: 32 MiB of headers
+were read in full, and a connection that sends nothing, or one header byte
+at a time, was held forever. ``BoundedHead`` adds both bounds: a head over
+``max_head_bytes`` (request line and header fields) is answered 431 and the
+connection closed, as soon as the bytes are seen; a connection whose head
+has not arrived in full ``head_timeout_s`` after it opened (or after the
+request's first byte, on a kept-alive one) is closed. The bounds on the
+body and on the count of header fields are the app's
+(``oncely.api.app.RequestLimits``), so they hold under any server.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
-import h11
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 
-class HeadTimeout(H11Protocol):
-    """h11 that closes a connection whose request line and headers have not
-    arrived in full within ``head_timeout_s`` of its first byte (or of the
-    connection, for the first request)."""
+class HeadTooLarge(Exception):
+    """Raised from the parser's callbacks: the parser stops, uvicorn answers."""
+
+
+class BoundedHead(HttpToolsProtocol):
+    """httptools with a size and a time bound on each request's head."""
 
     head_timeout_s: float = 10.0
+    max_head_bytes: int = 16_384
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._head_timer: asyncio.TimerHandle | None = None
+        self._head_bytes = 0
+        self._too_large = False
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._arm()
 
-    def data_received(self, data: bytes) -> None:
-        if self.conn.their_state is h11.IDLE and self._head_timer is None:
-            self._arm()  # a keep-alive connection's next request begins
-        super().data_received(data)
-        if self.conn.their_state is not h11.IDLE:
-            self._disarm()
-
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
         super().connection_lost(exc)
+
+    # Parser callbacks
+    def on_message_begin(self) -> None:
+        # Its first byte: a kept-alive connection's next request (pipelined
+        # or not) gets the same bound as the first.
+        self._head_bytes = 0
+        if self._head_timer is None:
+            self._arm()
+        super().on_message_begin()
+
+    def on_url(self, url: bytes) -> None:
+        self._count(len(url))
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._count(len(name) + len(value) + 4)
+        super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        self._disarm()
+        super().on_headers_complete()
+
+    def send_400_response(self, msg: str) -> None:
+        if not self._too_large:
+            super().send_400_response(msg)
+            return
+        body = json.dumps(
+            {
+                "type": "https://oncely.dev/problems/headers-too-large",
+                "title": "Request Header Fields Too Large",
+                "status": 431,
+                "detail": f"the request line and headers exceed {self.max_head_bytes} bytes",
+            }
+        ).encode()
+        self.transport.write(
+            b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
+            b"content-type: application/problem+json\r\n"
+            b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body)
+        )
+        self.transport.close()
+
+    def _count(self, size: int) -> None:
+        self._head_bytes += size
+        if self._head_bytes > self.max_head_bytes:
+            self._too_large = True
+            raise HeadTooLarge  # the parser error makes uvicorn answer and close
 
     def _arm(self) -> None:
         self._head_timer = self.loop.call_later(self.head_timeout_s, self._head_timed_out)
@@ -55,10 +101,11 @@ class HeadTimeout(H11Protocol):
 
     def _head_timed_out(self) -> None:
         self._head_timer = None
-        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+        if not self.transport.is_closing():
             self.transport.close()
 
 
-def head_timeout_protocol(head_timeout_s: float) -> type[HeadTimeout]:
-    """The protocol class for ``uvicorn.Config(http=...)`` with this bound."""
-    return type("HeadTimeout", (HeadTimeout,), {"head_timeout_s": head_timeout_s})
+def bounded_protocol(*, head_timeout_s: float, max_head_bytes: int) -> type[BoundedHead]:
+    """The protocol class for ``uvicorn.Config(http=...)`` with these bounds."""
+    bounds = {"head_timeout_s": head_timeout_s, "max_head_bytes": max_head_bytes}
+    return type("BoundedHead", (BoundedHead,), bounds)
