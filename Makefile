@@ -34,4 +34,4 @@ bench: $(STAMP)
 	$(BIN)/python bench/intake_bench.py --out bench/intake-report.json
 
 clean:
-	rm -rf $(VENV) .oncely .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .oncely .pytest_cache .mypy_cache .ruff_cache .hypothesis

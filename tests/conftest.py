@@ -139,6 +139,19 @@ def database_url(server_urls: tuple[str, str], template_db: str) -> Iterator[str
         conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
+@pytest.fixture(scope="module")
+def module_database_url(server_urls: tuple[str, str], template_db: str) -> Iterator[str]:
+    """A database for one module's tests to share, e.g. behind a real process
+    they all talk to (each test still flushes Redis)."""
+    _, admin_url = server_urls
+    name = f"oncely_m_{os.getpid()}_{next(_counter)}"
+    with psycopg.connect(admin_url, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}" TEMPLATE "{template_db}"')
+    yield _with_dbname(admin_url, name)
+    with psycopg.connect(admin_url, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
 @pytest.fixture
 def redis_url(server_urls: tuple[str, str]) -> str:
     return server_urls[0]

@@ -9,11 +9,14 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+
+from oncely.bootstrap import make_redis
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -94,6 +97,41 @@ async def wait_healthy(base_url: str, proc: subprocess.Popen[bytes], log: Path) 
             return False
 
     await wait_for(up, what=f"{base_url}/healthz")
+
+
+@contextmanager
+def serving_api(env: dict[str, str], log: Path) -> Iterator[str]:
+    """A real ``oncely api`` with ``env``, healthy (waited for without an
+    event loop, for module-scoped fixtures): its base URL."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = start(["api", "--port", str(port)], env, log)
+    with running(proc):
+        deadline = time.monotonic() + 30
+        while not _healthy(url):
+            assert proc.poll() is None, f"the API exited {proc.returncode}: {tail(log)}"
+            assert time.monotonic() < deadline, f"the API did not start: {tail(log)}"
+            time.sleep(0.05)
+        yield url
+        assert proc.poll() is None, f"the API exited {proc.returncode}: {tail(log)}"
+
+
+def flush_redis(redis_url: str) -> None:
+    """FLUSHDB without an event loop (for module-scoped fixtures)."""
+
+    async def flush() -> None:
+        client = make_redis(redis_url)
+        await client.flushdb()
+        await client.aclose()
+
+    asyncio.run(flush())
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/healthz").status_code == 200
+    except httpx.TransportError:
+        return False
 
 
 @contextlib.contextmanager

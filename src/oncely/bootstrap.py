@@ -74,6 +74,9 @@ def api_config(s: Settings) -> ApiConfig:
         statement_timeout_s=client_bounds(s).statement_timeout_s,
         tenant_rpm=s.tenant_rpm,
         api_key_cache_s=s.api_key_cache_s,
+        max_headers=s.http_max_headers,
+        max_header_bytes=s.http_max_header_bytes,
+        body_timeout_s=s.http_body_timeout_s,
         console_key=s.console_key.get_secret_value() if s.console_key else None,
     )
 
@@ -377,10 +380,14 @@ class _QuietServer(uvicorn.Server):
 class ApiServer:
     def __init__(self, app: App, res: Resources, *, host: str, port: int) -> None:
         from oncely.api.app import create_app
+        from oncely.api.server import bounded_protocol
 
         self._api = http_api(app, res.settings, resources=res)
         # With a metrics port, /metrics leaves the public port (health_server).
         public_metrics = res.settings.metrics_port is None
+        s = res.settings
+        # httptools with bounds on the request head's size and time
+        # (README: Settings, Decisions).
         config = uvicorn.Config(
             create_app(self._api, public_metrics=public_metrics),
             host=host,
@@ -388,6 +395,10 @@ class ApiServer:
             log_config=None,
             access_log=False,
             lifespan="off",
+            http=bounded_protocol(
+                head_timeout_s=s.http_header_timeout_s, max_head_bytes=s.http_max_header_bytes
+            ),
+            timeout_keep_alive=s.http_keep_alive_s,
         )
         self._server = _QuietServer(config)
 

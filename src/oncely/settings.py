@@ -108,6 +108,14 @@ class Settings(BaseSettings):
     tenant_rpm: int = Field(0, ge=0)
     # How long each API process trusts a key it looked up (0: ask every time).
     api_key_cache_s: float = Field(10.0, ge=0)
+    # The HTTP server's bounds on a client (README: Settings, HTTP server):
+    # request line and headers together, header fields, time to send them,
+    # time to send the body, idle keep-alive.
+    http_max_header_bytes: int = Field(16_384, ge=1024)
+    http_max_headers: int = Field(100, ge=1)
+    http_header_timeout_s: float = Field(10.0, gt=0)
+    http_body_timeout_s: float = Field(30.0, gt=0)
+    http_keep_alive_s: int = Field(5, ge=1)
     # The web console's operator key (/console); unset: no console (404).
     console_key: SecretStr | None = None
     reconcile_after_s: float = Field(300.0, gt=0)

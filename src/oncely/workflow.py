@@ -29,7 +29,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, Generic, Literal, Self, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Literal, Self, TypeVar, cast
 
 from pydantic import BaseModel, ConfigDict
 from pydantic_core import to_jsonable_python
@@ -62,6 +62,28 @@ class UsageView(BaseModel):
     model_calls: int
 
 
+# Why a job is dead, as its tenant sees it (README: HTTP API). The job row
+# keeps the detail (the reason, then the last error, which may quote the
+# provider's answer) for operators: the console and ``oncely dlq list``.
+DEAD_REASONS = {
+    "permanent": "the step failed in a way retrying cannot fix",
+    "max_age": "the step kept failing until the job was too old to retry",
+    "max_deliveries": "deliveries of the job kept stopping before they finished",
+    "malformed": "the queued message could not be read",
+}
+
+
+DeadReason = Literal["permanent", "max_age", "max_deliveries", "malformed", "failed"]
+
+
+def tenant_error(error: str | None) -> DeadReason | None:
+    """The stable reason of a job row's ``error`` (``failed`` if unknown)."""
+    if error is None:
+        return None
+    reason = error.partition(":")[0].strip()
+    return cast(DeadReason, reason) if reason in DEAD_REASONS else "failed"
+
+
 class JobView(BaseModel, Generic[ResultT]):
     """What ``GET <route>/{job_id}`` answers. Subclass it (and pass ``view=``)
     to add fields of your own; override ``from_record`` to fill them."""
@@ -71,7 +93,8 @@ class JobView(BaseModel, Generic[ResultT]):
     job_id: uuid.UUID
     status: Literal["queued", "done", "dead"]
     result: ResultT | None = None
-    error: str | None = None
+    # Set once the job is dead: one of DEAD_REASONS, or "failed".
+    error: DeadReason | None = None
     usage: UsageView | None = None
     created_at: datetime
     updated_at: datetime
@@ -83,7 +106,7 @@ class JobView(BaseModel, Generic[ResultT]):
                 "job_id": record.job_id,
                 "status": record.status,
                 "result": record.result,
-                "error": record.error,
+                "error": tenant_error(record.error),
                 "usage": record.usage,
                 "created_at": record.created_at,
                 "updated_at": record.updated_at,

@@ -25,7 +25,15 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from oncely import __version__, metrics
 from oncely.api.auth import TenantDependency, api_key_tenant
 from oncely.api.idempotency import RETENTION_POLICY, idempotency_dependency
-from oncely.api.problems import PROBLEM_BASE, install_problem_handlers, problem
+from oncely.api.keys import MAX_KEY_LEN, MIN_KEY_LEN
+from oncely.api.problems import (
+    PROBLEM_BASE,
+    PROBLEM_MEDIA_TYPE,
+    InternalErrors,
+    http_problem,
+    install_problem_handlers,
+    problem_schema,
+)
 from oncely.api.ratelimit import TenantLimiter
 from oncely.api.store import IdempotencyStore
 from oncely.api.workflows import workflow_router
@@ -69,6 +77,13 @@ class ApiConfig:
     # How long an API key, once looked up, is trusted without asking
     # PostgreSQL again: the longest a revoked key keeps working (0: no cache).
     api_key_cache_s: float = 10.0
+    # More request header fields than this, or more bytes in them: 431.
+    # ``oncely api`` also caps the head's size as it arrives (api/server.py).
+    max_headers: int = 100
+    max_header_bytes: int = 16_384
+    # A request body must arrive in full within this, counted from the first
+    # read (a body shorter than its Content-Length would hold the handler).
+    body_timeout_s: float = 30.0
     # The operator key of the web console at /console (None: no console).
     # Kept out of repr so that it never reaches a log line.
     console_key: str | None = field(default=None, repr=False)
@@ -186,8 +201,14 @@ def create_app(api: OncelyAPI, *, public_metrics: bool = True) -> FastAPI:
     """A standalone FastAPI app serving ``api``: its routes, health, metrics
     (unless ``public_metrics`` is off: they are served on the metrics port
     instead), problem+json for every error and the body limit."""
+    # No trailing-slash redirects: their Location would be built from the
+    # client's Host header (README: Decisions).
     app = FastAPI(
-        title="oncely", version=__version__, description=DESCRIPTION, lifespan=api.lifespan
+        title="oncely",
+        version=__version__,
+        description=DESCRIPTION,
+        lifespan=api.lifespan,
+        redirect_slashes=False,
     )
     app.state.oncely = api
     install_problem_handlers(app)
@@ -196,8 +217,37 @@ def create_app(api: OncelyAPI, *, public_metrics: bool = True) -> FastAPI:
         app.include_router(console_router(api, api.config.console_key))
     _add_operations(app, api, public_metrics=public_metrics)
     _add_problem_schema(app)
+    # Outermost last: a 500 for anything unhandled; HEAD as GET (and so
+    # counted under its GET route); the request count and the body limit
+    # (one layer: bench/README.md, Intake); header and body-time bounds.
+    app.add_middleware(
+        RequestLimits,
+        max_headers=api.config.max_headers,
+        max_header_bytes=api.config.max_header_bytes,
+        body_timeout_s=api.config.body_timeout_s,
+    )
     app.add_middleware(Edge, max_bytes=api.config.max_body_bytes)
+    app.add_middleware(HeadAsGet)
+    app.add_middleware(InternalErrors)
     return app
+
+
+READINESS: dict[str, Any] = {
+    "description": "Each store's answer.",
+    "content": {
+        "application/json": {
+            "schema": {
+                "type": "object",
+                "properties": {
+                    "ready": {"type": "boolean"},
+                    "redis": {"type": "boolean"},
+                    "postgres": {"type": "boolean"},
+                },
+                "required": ["ready", "redis", "postgres"],
+            }
+        }
+    },
+}
 
 
 def _add_operations(app: FastAPI, api: OncelyAPI, *, public_metrics: bool) -> None:
@@ -205,7 +255,12 @@ def _add_operations(app: FastAPI, api: OncelyAPI, *, public_metrics: bool) -> No
     async def healthz() -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.get("/readyz", tags=["operations"], summary="Redis and PostgreSQL answer")
+    @app.get(
+        "/readyz",
+        tags=["operations"],
+        summary="Redis and PostgreSQL answer",
+        responses={200: READINESS, 503: {**READINESS, "description": "Not ready."}},
+    )
     async def readyz() -> JSONResponse:
         # Side by side: answered within the larger of the two bounds.
         redis_ok, postgres_ok = await asyncio.gather(_redis_ok(api), _postgres_ok(api))
@@ -216,7 +271,18 @@ def _add_operations(app: FastAPI, api: OncelyAPI, *, public_metrics: bool) -> No
     if not public_metrics:
         return
 
-    @app.get("/metrics", tags=["operations"], summary="Prometheus metrics")
+    @app.get(
+        "/metrics",
+        tags=["operations"],
+        summary="Prometheus metrics",
+        response_class=Response,
+        responses={
+            200: {
+                "description": "The Prometheus text format.",
+                "content": {"text/plain": {"schema": {"type": "string"}}},
+            }
+        },
+    )
     async def metrics_endpoint() -> Response:
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
@@ -243,21 +309,80 @@ def _add_problem_schema(app: FastAPI) -> None:
         if app.openapi_schema:
             return app.openapi_schema
         schema = original()
-        schema.setdefault("components", {}).setdefault("schemas", {})["Problem"] = {
-            "type": "object",
-            "description": "RFC 9457 problem details.",
-            "properties": {
-                "type": {"type": "string", "format": "uri"},
-                "title": {"type": "string"},
-                "status": {"type": "integer"},
-                "detail": {"type": "string"},
-            },
-            "required": ["type", "title", "status"],
-        }
+        schema.setdefault("components", {}).setdefault("schemas", {})["Problem"] = PROBLEM_SCHEMA
+        for operation in _operations(schema):
+            _complete_operation(operation)
+        for unused in ("HTTPValidationError", "ValidationError"):
+            schema["components"]["schemas"].pop(unused, None)
         schema["info"]["x-idempotency-retention"] = RETENTION_POLICY
+        app.openapi_schema = schema
         return schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+
+
+PROBLEM_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "description": "RFC 9457 problem details.",
+    "properties": {
+        "type": {"type": "string", "format": "uri"},
+        "title": {"type": "string"},
+        "status": {"type": "integer"},
+        "detail": {"type": "string"},
+        "errors": {
+            "type": "array",
+            "description": "With `validation`: what failed, where.",
+            "items": {
+                "type": "object",
+                "properties": {
+                    "loc": {"type": "array", "items": {"type": ["string", "integer"]}},
+                    "msg": {"type": "string"},
+                    "type": {"type": "string"},
+                },
+                "required": ["loc", "msg", "type"],
+            },
+        },
+    },
+    "required": ["type", "title", "status"],
+}
+
+# The header as the service checks it (``oncely.api.keys.parse_key``): the
+# bare form, 16–255 printable ASCII characters, no comma, no leading quote
+# and no surrounding spaces. The quoted form is in the description.
+IDEMPOTENCY_KEY_SCHEMA: dict[str, Any] = {
+    "type": "string",
+    "minLength": MIN_KEY_LEN,
+    "maxLength": MAX_KEY_LEN,
+    "pattern": f"^[!#-+\\--~][ -+\\--~]{{{MIN_KEY_LEN - 2},{MAX_KEY_LEN - 2}}}[!-+\\--~]$",
+}
+
+
+def _operations(schema: dict[str, Any]) -> list[dict[str, Any]]:
+    return [op for path in schema.get("paths", {}).values() for op in path.values()]
+
+
+def _complete_operation(operation: dict[str, Any]) -> None:
+    """What FastAPI cannot tell from the code: the key is required (a
+    missing one is oncely's 400, not FastAPI's 422), every error is a
+    problem, 401 and 500 wherever a key is needed (the routes that reach
+    the stores)."""
+    for parameter in operation.get("parameters", []):
+        if parameter["in"] == "header" and parameter["name"].lower() == "idempotency-key":
+            parameter["required"] = True
+            parameter["schema"] = {**IDEMPOTENCY_KEY_SCHEMA, "title": "Idempotency-Key"}
+    responses = operation.setdefault("responses", {})
+    validated = "requestBody" in operation or any(
+        p["in"] == "query" for p in operation.get("parameters", [])
+    )
+    if "422" in responses and not validated:
+        del responses["422"]  # a path parameter alone cannot fail validation
+    elif PROBLEM_MEDIA_TYPE not in responses.get("422", {}).get("content", {PROBLEM_MEDIA_TYPE: 0}):
+        responses["422"] = problem_schema("The request failed validation.")
+    if operation.get("security"):
+        responses.setdefault("401", problem_schema("Missing, unknown or revoked API key."))
+        responses.setdefault(
+            "500", problem_schema("An unexpected failure; retrying (with the same key) is safe.")
+        )
 
 
 class Edge:
@@ -308,9 +433,7 @@ class Edge:
         return counting_receive
 
     async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
-        response = problem(
-            413, "payload-too-large", "Payload too large", f"the limit is {self.max_bytes} bytes"
-        )
+        response = http_problem(413, f"the limit is {self.max_bytes} bytes")
         await response(scope, receive, send)
 
 
@@ -319,3 +442,66 @@ def _content_length(scope: Scope) -> int | None:
         if name == b"content-length":
             return int(value) if value.isdigit() else None
     return None
+
+
+class HeadAsGet:
+    """``HEAD`` answered like ``GET`` without the body (uptime checkers use it)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "HEAD":
+            await self.app(scope, receive, send)
+            return
+
+        async def bodiless_send(message: Message) -> None:
+            if message["type"] == "http.response.body":
+                message = {**message, "body": b""}
+            await send(message)
+
+        await self.app({**scope, "method": "GET"}, receive, bodiless_send)
+
+
+class RequestLimits:
+    """431 for more than ``max_headers`` header fields or ``max_header_bytes``
+    in them; 408 (and the connection closed) for a body that has not arrived
+    in full within ``body_timeout_s`` of the first read."""
+
+    def __init__(
+        self, app: ASGIApp, max_headers: int, max_header_bytes: int, body_timeout_s: float
+    ) -> None:
+        self.app = app
+        self.max_headers = max_headers
+        self.max_header_bytes = max_header_bytes
+        self.body_timeout_s = body_timeout_s
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = scope["headers"]
+        size = sum(len(name) + len(value) + 4 for name, value in headers)
+        if len(headers) > self.max_headers or size > self.max_header_bytes:
+            detail = f"at most {self.max_headers} header fields, {self.max_header_bytes} bytes"
+            await http_problem(431, detail)(scope, receive, send)
+            return
+        deadline: float | None = None
+        complete = False
+
+        async def bounded_receive() -> Message:
+            nonlocal deadline, complete
+            if complete:
+                return await receive()
+            loop = asyncio.get_running_loop()
+            deadline = deadline or loop.time() + self.body_timeout_s
+            try:
+                async with asyncio.timeout_at(deadline):
+                    message = await receive()
+            except TimeoutError:
+                detail = f"the body did not arrive within {self.body_timeout_s:g} s"
+                raise HTTPException(408, detail, headers={"Connection": "close"}) from None
+            complete = not message.get("more_body", False)
+            return message
+
+        await self.app(scope, bounded_receive, send)

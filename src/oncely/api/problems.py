@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import traceback
+from collections.abc import Mapping
+from http import HTTPStatus
 from typing import Any
 
 import psycopg
@@ -12,6 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from oncely.errors import (
     KeyMalformed,
@@ -52,14 +56,16 @@ def problem(
     title: str,
     detail: str | None = None,
     *,
-    headers: dict[str, str] | None = None,
+    headers: Mapping[str, str] | None = None,
     **extra: Any,
 ) -> JSONResponse:
     body: dict[str, Any] = {"type": PROBLEM_BASE + slug, "title": title, "status": status}
     if detail:
         body["detail"] = detail
     body.update(extra)
-    return JSONResponse(body, status_code=status, headers=headers, media_type=PROBLEM_MEDIA_TYPE)
+    return JSONResponse(
+        body, status_code=status, headers=dict(headers or {}), media_type=PROBLEM_MEDIA_TYPE
+    )
 
 
 def problem_schema(description: str) -> dict[str, Any]:
@@ -80,8 +86,9 @@ _UNAVAILABLE = (
 
 def install_problem_handlers(app: FastAPI, *, generic: bool = True) -> None:
     """problem+json for oncely's own errors and for unavailable stores; with
-    ``generic``, also for validation, HTTP errors and unhandled exceptions
-    (a host app that mounts oncely's routes keeps its own for those)."""
+    ``generic``, also for validation and HTTP errors (a host app that mounts
+    oncely's routes keeps its own for those). Unhandled exceptions are
+    ``InternalErrors``'s, a middleware of the standalone app."""
 
     @app.exception_handler(Unauthorized)
     async def _unauthorized(_: Request, exc: Unauthorized) -> JSONResponse:
@@ -148,13 +155,45 @@ def _install_generic_handlers(app: FastAPI) -> None:
         return problem(422, "validation", "Invalid request", errors=errors)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        slug = {404: "not-found", 405: "method-not-allowed", 413: "payload-too-large"}
-        return problem(
-            exc.status_code, slug.get(exc.status_code, "http-error"), str(exc.detail), None
-        )
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return http_problem(exc.status_code, exc.detail, headers=exc.headers)
 
-    app.add_exception_handler(Exception, _internal)
+
+# The problem type of each status an HTTP error may carry (README: HTTP API);
+# any other 4xx is ``bad-request``, any other 5xx ``internal``.
+_HTTP_SLUGS = {
+    404: "not-found",
+    405: "method-not-allowed",
+    408: "request-timeout",
+    413: "payload-too-large",
+    431: "headers-too-large",
+}
+# FastAPI's answer to a body it could not decode (invalid UTF-8, say): the
+# same 422 as any other body that is not JSON.
+_UNPARSABLE_BODY = "There was an error parsing the body"
+
+
+def http_problem(
+    status: int, detail: str | None = None, *, headers: Mapping[str, str] | None = None
+) -> JSONResponse:
+    """The problem for an HTTP error of ``status`` (a 405 keeps its ``Allow``)."""
+    if status == 400 and detail == _UNPARSABLE_BODY:
+        errors = [{"loc": ["body"], "msg": "the body is not UTF-8 JSON", "type": "json_invalid"}]
+        return problem(422, "validation", "Invalid request", errors=errors)
+    slug = _HTTP_SLUGS.get(status, "bad-request" if status < 500 else "internal")
+    title = HTTPStatus(status).phrase
+    extra = dict(headers or {})
+    if status == 405 and "allow" in {k.lower() for k in extra}:
+        extra = {k: _with_head(v) if k.lower() == "allow" else v for k, v in extra.items()}
+    return problem(status, slug, title, None if detail == title else detail, headers=extra)
+
+
+def _with_head(allow: str) -> str:
+    """HEAD is answered wherever GET is (``HeadAsGet``)."""
+    methods = [m.strip() for m in allow.split(",") if m.strip()]
+    if "GET" in methods and "HEAD" not in methods:
+        methods.append("HEAD")
+    return ", ".join(methods)
 
 
 async def _unavailable(_: Request, exc: Exception) -> JSONResponse:
@@ -168,6 +207,46 @@ async def _unavailable(_: Request, exc: Exception) -> JSONResponse:
     )
 
 
-async def _internal(_: Request, exc: Exception) -> JSONResponse:
-    log.error("api.unhandled", error=type(exc).__name__, exc_info=exc)
+def internal_problem() -> JSONResponse:
     return problem(500, "internal", "Internal error", "retrying with the same key is safe")
+
+
+def log_unhandled(exc: BaseException) -> None:
+    """One line an operator can act on, without the exception's message or
+    the frames' locals: either may quote the request (a driver's error
+    quotes the SQL parameters it refused)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    log.error(
+        "api.unhandled",
+        error=type(exc).__name__,
+        sqlstate=getattr(exc, "sqlstate", None),
+        where=[f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno} {f.name}" for f in frames[-6:]],
+    )
+
+
+class InternalErrors:
+    """500 problem for an exception no handler took, logged by
+    ``log_unhandled`` and not raised on: the server would log it again,
+    traceback, message and all."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as exc:
+            log_unhandled(exc)
+            if not started:
+                await internal_problem()(scope, receive, send)

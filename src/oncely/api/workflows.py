@@ -5,11 +5,13 @@ No ``from __future__ import annotations`` here: FastAPI reads each route's
 request and response models from annotations built per workflow.
 """
 
+import re
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Annotated, Any, Literal, cast
 
 from fastapi import APIRouter, Depends, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
@@ -25,6 +27,9 @@ from oncely.api.ratelimit import TenantLimiter
 from oncely.errors import KeyReused
 from oncely.jobs.store import Acceptance, Job, Jobs
 from oncely.workflow import Workflow
+
+# What PostgreSQL refuses in JSON text (README: Decisions).
+_UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
 
 
 class Accepted(BaseModel):
@@ -72,6 +77,7 @@ def workflow_router(
         idem: Idempotent,
         request: Request,
     ) -> Response:
+        refuse_unstorable_text(cast(BaseModel, body))
         location = f"{request.url.path.rstrip('/')}/{idem.job_id}"
 
         async def accept() -> Response:
@@ -101,7 +107,10 @@ def workflow_router(
         response_model=view_model,
         summary=f"Read a {workflow.name} job and, once done, its result",
         operation_id=f"get_{workflow.name}",
-        responses={404: problem_schema("No such job for this tenant.")},
+        responses={
+            404: problem_schema("No such job for this tenant."),
+            503: problem_schema("PostgreSQL did not answer in time; retrying is safe."),
+        },
     )
     async def read(job_id: str, tenant_name: Tenant) -> Any:
         try:
@@ -114,6 +123,34 @@ def workflow_router(
         return view_model.from_record(record)
 
     return router
+
+
+def refuse_unstorable_text(body: BaseModel) -> None:
+    """422 (before any key is claimed) for text PostgreSQL cannot store in
+    JSON: NUL, and halves of surrogate pairs. Otherwise every retry would
+    fail the same way, as a 500."""
+    found = _unstorable(body.model_dump(mode="json"), ("body",))
+    if found is not None:
+        msg = "text must not contain NUL (U+0000) or lone surrogates (U+D800–U+DFFF)"
+        raise RequestValidationError([{"loc": found, "msg": msg, "type": "string_unstorable"}])
+
+
+def _unstorable(value: Any, loc: tuple[str | int, ...]) -> tuple[str | int, ...] | None:
+    """The location of the first unstorable string (or key) in ``value``."""
+    if isinstance(value, str):
+        return loc if _UNSTORABLE.search(value) else None
+    if isinstance(value, dict):
+        items: list[tuple[Any, Any]] = list(value.items())
+    elif isinstance(value, list):
+        items = list(enumerate(value))
+    else:
+        return None
+    for key, item in items:
+        if isinstance(key, str) and _UNSTORABLE.search(key):
+            return (*loc, key)
+        if (found := _unstorable(item, (*loc, key))) is not None:
+            return found
+    return None
 
 
 async def accept_job(
