@@ -374,6 +374,7 @@ class WorkerGroup:
                 config,
                 workflow=w.name,
                 on_dead=self.jobs.mark_dead,
+                on_failed=self.jobs.record_deliveries,
             )
             for w in app
         ]

@@ -4,7 +4,9 @@
 2. The step, given the validated request and a context (the model with
    classified retries under this delivery's deadline; ``emit``).
 3. One statement stores the result, the emitted outbox rows and ``done``,
-   only if no other delivery stored a result first.
+   only if no other delivery stored a result first, and this delivery in
+   the job's history (``done``, or ``duplicate`` if it lost the race). A
+   failed delivery is recorded by the worker when it settles it.
 The worker acknowledges afterwards; a duplicate delivery racing this one
 loses at step 3 and writes nothing.
 """
@@ -68,7 +70,7 @@ class WorkflowHandler:
             attributes={
                 "oncely.workflow": self.workflow.name,
                 "oncely.job_id": message.job_id,
-                "oncely.delivery": delivery.count,
+                "oncely.delivery": delivery.number,
             },
         ):
             return await self._run(message, delivery)
@@ -80,15 +82,21 @@ class WorkflowHandler:
             request = self.workflow.request.model_validate(message.payload)
         except ValidationError as exc:
             raise PermanentError(f"stored request no longer validates: {_short(exc)}") from exc
-        ctx = Context(self.workflow, message.job_id, message.tenant, self._model(), delivery.count)
-        result = self._checked(await self.workflow.step(request, ctx))
+        model = self._model()
+        ctx = Context(self.workflow, message.job_id, message.tenant, model, delivery.number)
+        try:
+            result = self._checked(await self.workflow.step(request, ctx))
+        finally:
+            # Also for a failed delivery: the worker records what it spent.
+            delivery.model_calls = model.usage.model_calls
         with tracing.span("oncely.store_result", attributes={"oncely.effects": len(ctx.emitted)}):
             stored = await self.jobs.finish(
                 self.workflow.name,
                 message.job_id,
                 result.model_dump(mode="json"),
-                ctx.model.usage.to_json(),
+                model.usage.to_json(),
                 ctx.emitted,
+                delivery=delivery.report("done"),
             )
         if not stored:
             return "duplicate"
