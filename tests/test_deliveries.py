@@ -12,17 +12,20 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import psycopg
 import pytest
+from structlog.testing import capture_logs
 
 from oncely.bootstrap import connect_llm, step_config
 from oncely.builtin.summaries import summaries
+from oncely.errors import TransientError
 from oncely.jobs.handler import WorkflowHandler
 from oncely.jobs.store import Jobs
 from oncely.outbox.wakeup import OutboxWakeUp
 from oncely.queue.stream import Stream
-from oncely.queue.worker import Worker
+from oncely.queue.worker import DeliveryReport, Worker
 from oncely.settings import Settings
-from tests.helpers import job_status, make_worker, pending, submit
+from tests.helpers import drain, job_status, make_worker, pending, submit
 from tests.processes import oncely, wait_for
 
 # Redelivered within milliseconds, so a test waits on state, not on backoffs.
@@ -215,3 +218,25 @@ async def test_jobs_show_prints_the_deliveries_and_exits_3_for_an_unknown_job(
     assert elsewhere.returncode == 3
     bad = await asyncio.to_thread(oncely, "jobs", "show", "not-a-uuid", env=env)
     assert bad.returncode == 2 and "not a job id" in bad.stderr
+
+
+async def test_a_history_that_cannot_be_written_is_logged_and_the_job_still_redelivered(pool, jobs):
+    stream = jobs.streams["summaries"]
+    await stream.ensure_group()
+    job_id = await submit(pool, stream, "Fails once; its history cannot be written.")
+
+    async def fails(message: Any, delivery: Any) -> str:
+        raise TransientError("provider unavailable")
+
+    async def history_down(reports: list[DeliveryReport]) -> None:
+        raise psycopg.OperationalError("PostgreSQL is away")
+
+    worker = make_worker(stream, fails, pool, **FAST)
+    worker.on_failed = history_down
+    with capture_logs() as logs:
+        await drain(worker)
+
+    assert await stream.redis.hget(stream.index, job_id) == "delayed"
+    [event] = [e for e in logs if e["event"] == "job.delivery_not_recorded"]
+    assert (event["outcome"], event["jobs"]) == ("retry", 1)
+    assert await deliveries(pool, job_id) == []
