@@ -109,7 +109,7 @@ def _run(coro: Coroutine[Any, Any, T]) -> T:
     try:
         return _event_loop_run(coro)
     except SchemaMismatch as exc:
-        err.print(f"[red]{exc}[/red]")
+        err.print(f"[red]{exc}[/red]", soft_wrap=True)
         raise typer.Exit(EXIT_FAILED) from None
     except (psycopg.OperationalError, psycopg_pool.PoolTimeout) as exc:
         err.print(f"[red]PostgreSQL did not answer:[/red] {exc}")
