@@ -84,8 +84,12 @@ async def sequential(pool: AsyncConnectionPool, rounds: int, n: int) -> dict[str
                 started = time.perf_counter()
                 await conn.execute(NEW if new else OLD, params(job_id, new))
                 times[new].append(time.perf_counter() - started)
-    old, new = (statistics.median(times[v]) * 1000 for v in (False, True))
-    return {"old_ms": round(old, 3), "new_ms": round(new, 3), "ratio": round(new / old, 3)}
+    before, after = (statistics.median(times[v]) * 1000 for v in (False, True))
+    return {
+        "old_ms": round(before, 3),
+        "new_ms": round(after, 3),
+        "ratio": round(after / before, 3),
+    }
 
 
 async def _finisher(pool: AsyncConnectionPool, queue: Iterator[str], new: bool) -> None:
@@ -104,11 +108,11 @@ async def concurrent(pool: AsyncConnectionPool, blocks: int, n: int) -> dict[str
         started = time.perf_counter()
         await asyncio.gather(*(_finisher(pool, queue, new) for _ in range(CONNECTIONS)))
         rates[new].append(n / (time.perf_counter() - started))
-    old, new = (statistics.median(rates[v]) for v in (False, True))
+    before, after = (statistics.median(rates[v]) for v in (False, True))
     return {
-        "old_jobs_per_s": round(old),
-        "new_jobs_per_s": round(new),
-        "ratio": round(new / old, 3),
+        "old_jobs_per_s": round(before),
+        "new_jobs_per_s": round(after),
+        "ratio": round(after / before, 3),
         "blocks_old": [round(x) for x in rates[False]],
         "blocks_new": [round(x) for x in rates[True]],
     }
