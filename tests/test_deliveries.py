@@ -29,7 +29,7 @@ from tests.helpers import drain, job_status, make_worker, pending, submit
 from tests.processes import oncely, wait_for
 
 # Redelivered within milliseconds, so a test waits on state, not on backoffs.
-FAST = {"redelivery_base_s": 0.01, "redelivery_max_s": 0.02, "promote_every_s": 0.02}
+FAST = {"redelivery_base_s": 0.01, "redelivery_max_s": 0.02}
 
 
 @asynccontextmanager
@@ -48,17 +48,15 @@ async def one_call_per_delivery(
 
 
 async def run_until(pool: Any, worker: Worker, job_id: str, status: str) -> None:
-    """The worker's real loop until the job has ``status`` and nothing is pending."""
-    task = asyncio.create_task(worker.run())
-    try:
+    """The worker's own rounds (``run_once``), due redeliveries put back
+    between them, until the job has ``status`` and nothing is pending."""
 
-        async def settled() -> bool:
-            return await job_status(pool, job_id) == status and not await pending(worker.stream)
+    async def settled() -> bool:
+        await worker.stream.promote_due()
+        await drain(worker)
+        return await job_status(pool, job_id) == status and not await pending(worker.stream)
 
-        await wait_for(settled, what=f"job {status}")
-    finally:
-        worker.stop()
-        await task
+    await wait_for(settled, what=f"job {status}")
 
 
 async def deliveries(pool: Any, job_id: str) -> list[tuple[Any, ...]]:

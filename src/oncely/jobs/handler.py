@@ -8,7 +8,7 @@
    the job's history (``done``, or ``duplicate`` if it lost the race). A
    failed delivery is recorded by the worker when it settles it.
 The worker acknowledges afterwards; a duplicate delivery racing this one
-loses at step 3 and writes nothing.
+loses at step 3 and writes nothing but its history row.
 """
 
 from __future__ import annotations
