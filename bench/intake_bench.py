@@ -392,7 +392,7 @@ class Bench:
 
     async def fresh_state(self) -> None:
         await self.redis.flushdb()
-        await self.db.execute("TRUNCATE jobs, results, outbox RESTART IDENTITY")
+        await self.db.execute("TRUNCATE jobs, results, outbox, job_deliveries RESTART IDENTITY")
         await self.db.execute("ANALYZE jobs")
 
     async def server_info(self) -> dict[str, Any]:

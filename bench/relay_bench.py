@@ -911,7 +911,7 @@ async def fresh_servers(urls: tuple[str, str]) -> None:
     finally:
         await redis.aclose()
     async with await psycopg.AsyncConnection.connect(urls[1], autocommit=True) as conn:
-        await conn.execute("TRUNCATE jobs, results, outbox RESTART IDENTITY")
+        await conn.execute("TRUNCATE jobs, results, outbox, job_deliveries RESTART IDENTITY")
 
 
 async def warm_up(

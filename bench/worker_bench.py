@@ -554,7 +554,7 @@ class Bench:
 
     async def fresh_state(self) -> None:
         await self.redis.flushdb()
-        await self.db.execute("TRUNCATE jobs, results, outbox RESTART IDENTITY")
+        await self.db.execute("TRUNCATE jobs, results, outbox, job_deliveries RESTART IDENTITY")
         url = f"{self.fake.root_url}/_reset"
         async with aiohttp.ClientSession() as session, session.post(url) as r:
             r.raise_for_status()

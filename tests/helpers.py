@@ -33,7 +33,14 @@ def make_worker(
 ) -> Worker:
     config = WorkerConfig(**{"block_ms": 10, "claim_idle_ms": 60_000, **cfg})
     jobs = Jobs(pool, {})
-    return Worker(stream, handler, config, workflow="summaries", on_dead=jobs.mark_dead)
+    return Worker(
+        stream,
+        handler,
+        config,
+        workflow="summaries",
+        on_dead=jobs.mark_dead,
+        on_failed=jobs.record_deliveries,
+    )
 
 
 async def submit(pool: AsyncConnectionPool, stream: Stream, text: str, job_id: str = "") -> str:

@@ -19,6 +19,7 @@ from oncely.api.auth import create_api_key
 from oncely.jobs import dead_letters
 from tests.helpers import asgi_app, count, drain, job_status, make_worker, submit
 from tests.processes import free_port, running, start, wait_for, wait_healthy
+from tests.test_deliveries import flaky_job_done
 
 KEY = "operator-key-for-tests-only-7f3a"
 ARTIFACTS = Path(__file__).resolve().parent / "artifacts"
@@ -118,6 +119,48 @@ async def test_jobs_list_filters_by_status_and_detail_escapes_the_request(
         await operator.get(f"/console/workflows/summaries/jobs/{uuid.uuid4()}")
     ).status_code == 404
     assert (await operator.get("/console/workflows/nope/jobs")).status_code == 404
+
+
+def delivery_rows(page: str) -> list[tuple[str, str, str]]:
+    """(number, outcome, error) of each row of the page's deliveries table."""
+    table = page.split('<table id="deliveries">', 1)[1].split("</table>", 1)[0]
+    rows = re.findall(r'<tr class="delivery outcome-[a-z]+">(.*?)</tr>', table, re.S)
+    cells = [re.findall(r"<td[^>]*>(.*?)</td>", row, re.S) for row in rows]
+    return [(c[0], c[1], c[6]) for c in cells]
+
+
+async def test_the_job_page_lists_every_delivery_with_its_error(
+    operator, pool, jobs, worker_settings, fake_llm, summary_job
+):
+    job_id, _ = await flaky_job_done(pool, jobs, worker_settings)
+    page = await operator.get(f"/console/workflows/summaries/jobs/{job_id}")
+    assert page.status_code == 200
+    rows = delivery_rows(page.text)
+    assert [(n, outcome) for n, outcome, _ in rows] == [
+        ("1", "retry"),
+        ("2", "retry"),
+        ("3", "done"),
+    ]
+    assert "503" in rows[0][2] and "503" in rows[1][2] and rows[2][2] == ""
+    assert "Now: no message in Redis." in page.text
+    assert "never reports" in page.text  # deliveries killed mid-job are not listed
+
+    dead = await dead_summary(pool, jobs, summary_job, "Refused for good. [[fake:400*1]]")
+    page = await operator.get(f"/console/workflows/summaries/jobs/{dead}")
+    [(number, outcome, error)] = delivery_rows(page.text)
+    assert (number, outcome) == ("1", "dead") and "400" in error
+
+
+async def test_the_job_page_says_where_a_waiting_message_is(operator, pool, jobs):
+    stream = jobs.streams["summaries"]
+    await stream.ensure_group()
+    job_id = await submit(pool, stream, "Not read yet.")
+    page = await operator.get(f"/console/workflows/summaries/jobs/{job_id}")
+    assert 'id="no-deliveries"' in page.text
+    assert "Now: waiting in the stream for delivery #1." in page.text
+    await stream.read_new("worker-a", 10, 10)
+    page = await operator.get(f"/console/workflows/summaries/jobs/{job_id}")
+    assert "Now: delivery #1 in flight on" in page.text and "worker-a" in page.text
 
 
 async def test_replay_needs_the_csrf_token_and_happens_once(operator, pool, jobs, summary_job):
@@ -236,6 +279,8 @@ def _job_page_says_done(driver: Any, base: str, job_id: str) -> None:
     driver.refresh()
     assert driver.find_element(By.ID, "job-status").text == "done"
     assert driver.find_element(By.ID, "result").text
+    outcomes = [e.text for e in driver.find_elements(By.CSS_SELECTOR, "#deliveries td.outcome")]
+    assert outcomes == ["dead", "done"]  # refused once, then replayed
     _shot(driver, "job")
     driver.get(f"{base}/console/workflows/triage/jobs?status=done")
     assert job_id in driver.find_element(By.ID, "jobs").text

@@ -11,22 +11,30 @@ from typing import Any
 from oncely.api.auth import create_api_key
 from oncely.jobs.retention import Retention
 from oncely.jobs.store import Job
+from oncely.queue.worker import DeliveryReport
 from oncely.workflow import Emitted
 from tests.processes import oncely
 
 DAY_S = 86400.0
 
 
+def report(job_id: str, number: int, outcome: str) -> DeliveryReport:
+    return DeliveryReport(job_id, number, "c1", 1.7e9, outcome, "503", 1)
+
+
 async def finished(jobs, pool, tenant: str, *, status: str, age_days: float, sent: bool) -> str:
-    """A job of ``tenant`` finished ``age_days`` ago, with a result and an
-    outbox row (sent or not); a dead job has neither."""
+    """A job of ``tenant`` finished ``age_days`` ago after a failed delivery,
+    with a result and an outbox row (sent or not); a dead job has neither."""
     job_id = str(uuid.uuid4())
     await jobs.accept(Job(job_id, tenant, "triage", {"subject": "s", "body": "b"}))
+    await jobs.record_deliveries([report(job_id, 1, "retry")])
     if status == "done":
         row = Emitted("ticket.triaged", {"job_id": job_id}, f"ticket_triaged:{job_id}")
-        assert await jobs.finish("triage", job_id, {"category": "bug"}, None, [row])
+        done = report(job_id, 2, "done")
+        assert await jobs.finish("triage", job_id, {"category": "bug"}, None, [row], delivery=done)
     else:
         await jobs.mark_dead(job_id, "permanent: 400")
+        await jobs.record_deliveries([report(job_id, 2, "dead")])
     async with pool.connection() as conn:
         await conn.execute(
             "UPDATE jobs SET updated_at = now() - make_interval(days => %s) WHERE job_id = %s",
@@ -60,6 +68,9 @@ async def test_retention_purges_only_old_finished_jobs_whose_effects_left(jobs, 
     assert await ids(pool, "SELECT job_id FROM outbox") == {unsent, recent}
     assert old_done not in await ids(pool, "SELECT job_id FROM outbox")
     assert old_dead not in await ids(pool, "SELECT job_id FROM jobs")
+    # Deliveries go with their jobs: two each for the jobs that stay.
+    assert await ids(pool, "SELECT job_id FROM job_deliveries") == {unsent, recent}
+    assert await ids(pool, "SELECT count(*) FROM job_deliveries") == {"4"}
 
 
 async def test_erasing_a_tenant_leaves_nothing_of_it_and_touches_no_other(
@@ -105,6 +116,7 @@ async def test_erasing_a_tenant_leaves_nothing_of_it_and_touches_no_other(
             "jobs": 5,
             "results": 1,
             "outbox": 1,
+            "deliveries": 2,
             "messages": 7,
             "idempotency_records": 1,
             "api_keys": 2,
@@ -114,6 +126,9 @@ async def test_erasing_a_tenant_leaves_nothing_of_it_and_touches_no_other(
         assert await ids(pool, f"SELECT DISTINCT tenant FROM {table}") == {"globex"}
     assert await ids(pool, "SELECT count(*) FROM results") == {"1"}
     assert await ids(pool, "SELECT count(*) FROM outbox") == {"1"}
+    globex_jobs = await ids(pool, "SELECT job_id FROM jobs WHERE tenant = 'globex'")
+    assert await ids(pool, "SELECT job_id FROM job_deliveries") <= globex_jobs
+    assert await ids(pool, "SELECT count(*) FROM job_deliveries") == {"2"}
     left: list[dict[str, str]] = []
     for key in (stream.stream, stream.dead):
         left += [f for _, f in await redis.xrange(key)]

@@ -476,6 +476,7 @@ class WorkerGroup:
             self._config,
             workflow=w.name,
             on_dead=self.jobs.mark_dead,
+            on_failed=self.jobs.record_deliveries,
         )
 
     def _shadow_worker(self, w: Workflow[Any, Any], spec: ShadowSpec, res: Resources) -> Worker:

@@ -43,6 +43,8 @@ eval_app = typer.Typer(
     no_args_is_help=True,
 )
 app.add_typer(eval_app, name="eval")
+jobs_app = typer.Typer(help="Jobs: one job in detail.", no_args_is_help=True)
+app.add_typer(jobs_app, name="jobs")
 
 # soft_wrap: an error is one line however long, whatever the terminal width.
 err = Console(stderr=True, soft_wrap=True)
@@ -115,7 +117,7 @@ def _run(coro: Coroutine[Any, Any, T]) -> T:
     try:
         return _event_loop_run(coro)
     except SchemaMismatch as exc:
-        err.print(f"[red]{exc}[/red]")
+        err.print(f"[red]{exc}[/red]", soft_wrap=True)
         raise typer.Exit(EXIT_FAILED) from None
     except (psycopg.OperationalError, psycopg_pool.PoolTimeout) as exc:
         err.print(f"[red]PostgreSQL did not answer:[/red] {exc}")
@@ -527,6 +529,29 @@ def outbox_retry(
         for row in ids:
             sys.stdout.write(f"{verb} outbox row {row}\n")
     err.print(f"{verb} {len(ids)} row(s) for sending")
+
+
+@jobs_app.command("show")
+def jobs_show(
+    job_id: Annotated[str, typer.Argument(help="The job's id.")],
+    workflow: Annotated[str | None, typer.Option("--workflow", "-w", help="Only this one.")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """A job: request, result, usage, error, deliveries, its message now, outbox rows."""
+    import uuid
+
+    from oncely.ops import show_job
+
+    try:
+        parsed = uuid.UUID(job_id)
+    except ValueError:
+        err.print(f"[red]not a job id:[/red] {job_id!r}")
+        raise typer.Exit(EXIT_USAGE) from None
+    settings = _settings()
+    _workflows(settings, [workflow] if workflow else None)
+    if not _run(show_job(settings, parsed, workflow=workflow, as_json=as_json)):
+        err.print(f"[red]no job {parsed}[/red]" + (f" in {workflow}" if workflow else ""))
+        raise typer.Exit(EXIT_NOT_FOUND)
 
 
 @tenants_app.command("erase")

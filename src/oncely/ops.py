@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import asdict
@@ -16,6 +17,7 @@ from rich.table import Table
 from oncely.app import App
 from oncely.bootstrap import app_from, jobs_for, open_resources, shadow_streams
 from oncely.jobs import dead_letters
+from oncely.jobs.inspection import UNREPORTED_NOTE, JobView, inspect_job
 from oncely.jobs.store import Jobs
 from oncely.outbox.store import OutboxRow, OutboxStore
 from oncely.settings import Settings
@@ -171,6 +173,55 @@ async def retry_outbox(
                 return [r.id for r in await store.list(failed_only=True, limit=1_000_000)]
             return await store.retry_all_failed()
         return [row_id] if await store.retry(row_id) else []
+
+
+async def show_job(
+    settings: Settings, job_id: uuid.UUID, *, workflow: str | None, as_json: bool
+) -> bool:
+    """One job in detail (of any workflow unless named); False if there is none."""
+    async with _jobs(settings, [workflow] if workflow else None) as jobs:
+        view = await inspect_job(jobs, OutboxStore(jobs.pool), workflow, job_id)
+    if view is None:
+        return False
+    if as_json:
+        print(json.dumps(view.to_json(), indent=2, default=str))
+        return True
+    _print_job(view)
+    return True
+
+
+def _print_job(view: JobView) -> None:
+    j = view.job
+    out.print(f"{j.kind} job {j.job_id}: [bold]{j.status}[/bold] (tenant {j.tenant})")
+    out.print(f"created {_when(j.created_at)}, updated {_when(j.updated_at)}")
+    out.print(f"request: {json.dumps(j.payload, ensure_ascii=False)}", soft_wrap=True)
+    if j.result is not None:
+        out.print(f"result: {json.dumps(j.result, ensure_ascii=False)}", soft_wrap=True)
+    if j.usage is not None:
+        out.print(f"usage: {json.dumps(j.usage)}")
+    if j.error:
+        out.print(f"error: {j.error}", soft_wrap=True)
+    table = Table(title=f"deliveries ({len(view.deliveries)})")
+    _id_columns(table, ("#", "outcome"), [(str(d.delivery), d.outcome) for d in view.deliveries])
+    for column in ("started", "finished", "model calls", "consumer", "error"):
+        table.add_column(column, overflow="fold")
+    for d in view.deliveries:
+        table.add_row(
+            str(d.delivery),
+            d.outcome,
+            _when(d.started_at),
+            _when(d.finished_at),
+            str(d.model_calls),
+            d.consumer,
+            d.error or "",
+        )
+    out.print(table)
+    message = view.to_json()["message"]
+    out.print("message now: " + ("unknown" if message is None else json.dumps(message)))
+    out.print(UNREPORTED_NOTE)
+    for r in view.outbox:
+        state = "sent" if r.sent_at else _state(r)
+        out.print(f"outbox row {r.id} {r.topic} {r.dedupe_key}: {state}, {r.attempts} attempt(s)")
 
 
 async def erase_tenant(settings: Settings, tenant: str) -> dict[str, int]:

@@ -20,6 +20,7 @@ from jinja2 import Environment, PackageLoader, select_autoescape
 
 from oncely.console.session import COOKIE, COOKIE_MAX_AGE_S, ConsoleKey
 from oncely.jobs import dead_letters
+from oncely.jobs.inspection import UNREPORTED_NOTE, inspect_job
 from oncely.jobs.store import Jobs
 from oncely.outbox.store import OutboxStore
 
@@ -191,12 +192,20 @@ def _add_jobs(router: APIRouter, console: Console) -> None:
             parsed = uuid.UUID(job_id)
         except ValueError:
             return console.not_found("job")
-        job = await console.jobs.detail(workflow, parsed) if workflow in console.workflows else None
-        if job is None:
+        if workflow not in console.workflows:
             return console.not_found("job")
-        outbox = await console.outbox.for_job(parsed)
+        view = await inspect_job(console.jobs, console.outbox, workflow, parsed)
+        if view is None:
+            return console.not_found("job")
         return console.page(
-            "job.html", refresh=REFRESH_S, workflow=workflow, job=job, outbox=outbox
+            "job.html",
+            refresh=REFRESH_S,
+            workflow=workflow,
+            job=view.job,
+            deliveries=view.deliveries,
+            whereabouts=view.whereabouts,
+            unreported_note=UNREPORTED_NOTE,
+            outbox=view.outbox,
         )
 
 

@@ -4,11 +4,13 @@
 2. The step, given the validated request and a context (the model with
    classified retries under this delivery's deadline; ``emit``).
 3. One statement stores the result, the emitted outbox rows and ``done``,
-   only if no other delivery stored a result first.
+   only if no other delivery stored a result first, and this delivery in
+   the job's history (``done``, or ``duplicate`` if it lost the race). A
+   failed delivery is recorded by the worker when it settles it.
 4. Only then, shadow work for the job if a shadow variant samples it
    (``oncely.shadow``): it never delays or fails the job.
 The worker acknowledges afterwards; a duplicate delivery racing this one
-loses at step 3 and writes nothing.
+loses at step 3 and writes nothing but its history row.
 """
 
 from __future__ import annotations
@@ -78,7 +80,7 @@ class WorkflowHandler:
             attributes={
                 "oncely.workflow": self.workflow.name,
                 "oncely.job_id": message.job_id,
-                "oncely.delivery": delivery.count,
+                "oncely.delivery": delivery.number,
             },
         ):
             return await self._run(message, delivery)
@@ -90,23 +92,29 @@ class WorkflowHandler:
             request = self.workflow.request.model_validate(message.payload)
         except ValidationError as exc:
             raise PermanentError(f"stored request no longer validates: {_short(exc)}") from exc
+        model = self._model()
         ctx = Context(
             self.workflow,
             message.job_id,
             message.tenant,
-            self._model(),
-            delivery.count,
+            model,
+            delivery.number,
             variant=self.variant,
         )
         step = self.variant.step if self.variant and self.variant.step else self.workflow.step
-        result = self._checked(await step(request, ctx)).model_dump(mode="json")
+        try:
+            result = self._checked(await step(request, ctx)).model_dump(mode="json")
+        finally:
+            # Also for a failed delivery: the worker records what it spent.
+            delivery.model_calls = model.usage.model_calls
         with tracing.span("oncely.store_result", attributes={"oncely.effects": len(ctx.emitted)}):
             stored = await self.jobs.finish(
                 self.workflow.name,
                 message.job_id,
                 result,
-                ctx.model.usage.to_json(),
+                model.usage.to_json(),
                 ctx.emitted,
+                delivery=delivery.report("done"),
             )
         if not stored:
             return "duplicate"

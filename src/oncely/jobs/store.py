@@ -1,4 +1,5 @@
-"""The ``jobs`` and ``results`` tables, and the one way a job gets dispatched.
+"""The ``jobs``, ``results`` and ``job_deliveries`` tables, and the one way a
+job gets dispatched.
 
 Only this module runs SQL on those tables. PostgreSQL is the record of
 acceptance and Redis only the dispatch path, so every way into a stream goes
@@ -18,6 +19,11 @@ once every attempt that touched it (its writer and the retries that adopted
 it) was unanswered; if the insert has not landed yet, a ``withdrawn`` row
 is written first so that the late insert changes nothing. A withdrawn row is
 never dispatched, reads as 404, and a retry with the same key takes it over.
+
+A job's deliveries are recorded without a round trip of their own on the
+happy path: the successful one by the statement that stores the result
+(``finish``), the failed ones by the worker when it settles them
+(``record_deliveries``).
 """
 
 from __future__ import annotations
@@ -26,8 +32,8 @@ import asyncio
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime
-from typing import Any
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 import redis.exceptions
@@ -41,6 +47,9 @@ from oncely.errors import RequestInProgress
 from oncely.queue.stream import JobMessage, Stream
 from oncely.sql import query
 from oncely.workflow import Emitted
+
+if TYPE_CHECKING:
+    from oncely.queue.worker import DeliveryReport
 
 log = structlog.get_logger("oncely.jobs")
 
@@ -187,6 +196,21 @@ class JobDetail(JobRecord):
     payload: dict[str, Any]
 
 
+@dataclass(frozen=True)
+class DeliveryRecord:
+    """One delivery of a job that reported back (``job_deliveries``)."""
+
+    # The job's delivery number since it was last enqueued (1 = the first).
+    delivery: int
+    consumer: str
+    started_at: datetime
+    finished_at: datetime
+    # done, duplicate, retry, dead or cancelled.
+    outcome: str
+    error: str | None
+    model_calls: int
+
+
 class Jobs:
     def __init__(
         self,
@@ -292,10 +316,13 @@ class Jobs:
         result: Mapping[str, Any],
         usage: Mapping[str, int] | None,
         emitted: Sequence[Emitted],
+        *,
+        delivery: DeliveryReport | None = None,
     ) -> bool:
-        """Store the result, the emitted outbox rows and ``done`` atomically.
-        False when another delivery stored this job's result first (then
-        nothing of this delivery is written)."""
+        """Store the result, the emitted outbox rows and ``done`` atomically,
+        with ``delivery`` in the job's history (same statement). False when
+        another delivery stored this job's result first: then nothing of
+        this delivery is written but its history row, as ``duplicate``."""
         params = {
             "job_id": job_id,
             "workflow": workflow,
@@ -306,12 +333,30 @@ class Jobs:
             "payloads": [Jsonb(e.payload) for e in emitted],
             # The relay's send continues the delivery's trace.
             "trace_context": tracing.traceparent(),
+            **_delivery_params(delivery),
         }
         rows = (await self._run("finish_job", params)).rows
         return bool(rows) and bool(rows[0][0])
 
     async def mark_dead(self, job_id: str, reason: str) -> None:
         await self._run("mark_job_dead", (reason[:_ERROR_CHARS], job_id))
+
+    async def record_deliveries(self, reports: Sequence[DeliveryReport]) -> None:
+        """Failed deliveries into their jobs' histories, in one statement.
+        Reports naming no job id (a malformed message) are left out."""
+        reports = [r for r in reports if _is_uuid(r.job_id)]
+        if not reports:
+            return
+        params = {
+            "job_ids": [r.job_id for r in reports],
+            "deliveries": [r.number for r in reports],
+            "consumers": [r.consumer for r in reports],
+            "started_at": [_moment(r.started_at) for r in reports],
+            "outcomes": [r.outcome for r in reports],
+            "errors": [r.error for r in reports],
+            "model_calls": [r.model_calls for r in reports],
+        }
+        await self._run("record_deliveries", params)
 
     # -- readers ---------------------------------------------------------------
 
@@ -338,15 +383,21 @@ class Jobs:
         rows = (await self._run("list_jobs", params)).rows
         return [JobRecord(*row) for row in rows]
 
-    async def detail(self, kind: str, job_id: uuid.UUID) -> JobDetail | None:
-        """The job with its request, whatever its tenant: for operators only."""
-        rows = (await self._run("get_job_for_operator", (job_id, kind))).rows
+    async def detail(self, kind: str | None, job_id: uuid.UUID) -> JobDetail | None:
+        """The job with its request, whatever its tenant: for operators only.
+        Of workflow ``kind``, or of any when None."""
+        rows = (await self._run("get_job_for_operator", {"job_id": job_id, "kind": kind})).rows
         return JobDetail(*rows[0]) if rows else None
+
+    async def deliveries(self, job_id: uuid.UUID) -> list[DeliveryRecord]:
+        """The job's deliveries that reported back, oldest first."""
+        rows = (await self._run("job_deliveries", (job_id,))).rows
+        return [DeliveryRecord(*row) for row in rows]
 
     # -- lifecycle ---------------------------------------------------------------
 
     async def purge_finished(self, older_than_s: float, batch: int = 1000) -> int:
-        """Delete finished jobs (with results and outbox rows) last changed
+        """Delete finished jobs (with results, outbox rows and deliveries) last changed
         more than ``older_than_s`` ago whose effects have all been sent,
         ``batch`` per statement; how many jobs went."""
         total = 0
@@ -359,12 +410,41 @@ class Jobs:
         return total
 
     async def erase_tenant(self, tenant: str) -> dict[str, int]:
-        """Every job, result and outbox row of ``tenant``; the counts deleted."""
+        """Every job, result, outbox row and delivery of ``tenant``; the counts deleted."""
         async with self.pool.connection() as conn, conn.transaction():
             cur = await conn.execute(query("erase_tenant_jobs"), {"tenant": tenant})
             row = await cur.fetchone()
-        jobs, results, outbox = row if row is not None else (0, 0, 0)
-        return {"jobs": int(jobs), "results": int(results), "outbox": int(outbox)}
+        jobs, results, outbox, deliveries = row if row is not None else (0, 0, 0, 0)
+        return {
+            "jobs": int(jobs),
+            "results": int(results),
+            "outbox": int(outbox),
+            "deliveries": int(deliveries),
+        }
+
+
+def _delivery_params(report: DeliveryReport | None) -> dict[str, Any]:
+    """``finish_job``'s delivery parameters (all NULL: no history row)."""
+    if report is None:
+        return dict.fromkeys(("delivery", "consumer", "started_at", "model_calls"))
+    return {
+        "delivery": report.number,
+        "consumer": report.consumer,
+        "started_at": _moment(report.started_at),
+        "model_calls": report.model_calls,
+    }
+
+
+def _moment(unix_s: float) -> datetime:
+    return datetime.fromtimestamp(unix_s, UTC)
+
+
+def _is_uuid(value: str) -> bool:
+    try:
+        uuid.UUID(value)
+    except ValueError:
+        return False
+    return True
 
 
 def _acceptance(result: StatementResult) -> Acceptance:

@@ -16,7 +16,7 @@ import secrets
 import socket
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import psycopg
 import redis.exceptions
@@ -61,16 +61,61 @@ def consumer_name() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
 
 
+@dataclass(frozen=True)
+class DeliveryReport:
+    """What one delivery of a job came to, for the job's history (README:
+    Console, "Deliveries")."""
+
+    job_id: str
+    # The job's delivery number since it was last enqueued (``Delivery.number``).
+    number: int
+    consumer: str
+    # Unix seconds.
+    started_at: float
+    # done, retry (redelivered after a backoff), dead, cancelled (stopped by
+    # the worker: a handler past its bound, or a shutdown; redelivered).
+    outcome: str
+    error: str | None
+    model_calls: int
+
+
 @dataclass
 class Delivery:
     entry_id: str
     fields: dict[str, str]
+    # This entry's deliveries, from XPENDING: it survives crashes.
     count: int
     lease_lost: bool = False
+    consumer: str = ""
+    started_at: float = field(default_factory=time.time)
+    # Model calls the handler made in this delivery (it reports them, also
+    # when it fails).
+    model_calls: int = 0
 
     @property
     def job_id(self) -> str:
         return self.fields.get("job_id", "")
+
+    @property
+    def number(self) -> int:
+        """The job's delivery number: deliveries of its earlier (deferred)
+        messages plus this entry's. A delivery killed mid-job leaves a gap."""
+        return int(self.fields.get("delivered", "0")) + self.count
+
+    def report(self, outcome: str, error: str | None = None) -> DeliveryReport:
+        return DeliveryReport(
+            self.job_id,
+            self.number,
+            self.consumer,
+            self.started_at,
+            outcome,
+            None if error is None else error[:_ERROR_CHARS],
+            self.model_calls,
+        )
+
+
+class _HandlerCancelled(TransientError):
+    """The handler outlived its bound and was cancelled."""
 
 
 @dataclass(frozen=True)
@@ -108,6 +153,7 @@ class Worker:
         workflow: str,
         consumer: str | None = None,
         on_dead: Callable[[str, str], Awaitable[None]] | None = None,
+        on_failed: Callable[[list[DeliveryReport]], Awaitable[None]] | None = None,
         rand: Callable[[], float] = random.random,
     ) -> None:
         self.stream = stream
@@ -116,6 +162,10 @@ class Worker:
         self.log = log.bind(workflow=workflow)
         # Called with (job id, reason) after a message was dead-lettered.
         self.on_dead = on_dead
+        # Called with the failed deliveries this worker settled (redelivered,
+        # dead-lettered, cancelled), for their jobs' histories; the successful
+        # ones are the handler's to record, with the result.
+        self.on_failed = on_failed
         # The backoff's jitter source (tests make it deterministic).
         self.rand = rand
         # Ticks whenever the loop goes round or a handler ends (``/healthz``).
@@ -225,7 +275,10 @@ class Worker:
         if not batch:
             block = 0 if self._stopping.is_set() else self.config.block_ms
             entries = await self.stream.read_new(self.consumer, free, block)
-            batch = [Delivery(entry_id, fields, 1) for entry_id, fields in entries]
+            batch = [
+                Delivery(entry_id, fields, 1, consumer=self.consumer)
+                for entry_id, fields in entries
+            ]
             metrics.DELIVERIES.labels(workflow=self.workflow, kind="new").inc(len(batch))
         for delivery in batch:
             self._start(delivery)
@@ -262,7 +315,7 @@ class Worker:
     async def _admit(self, entries: list[Entry], counts: dict[str, int]) -> list[Delivery]:
         batch = []
         for entry_id, fields in entries:
-            delivery = Delivery(entry_id, fields, counts.get(entry_id, 2))
+            delivery = Delivery(entry_id, fields, counts.get(entry_id, 2), consumer=self.consumer)
             if delivery.count > self.config.max_deliveries:
                 last = fields.get("last_error") or "no handler reported back"
                 error = f"delivered {delivery.count - 1} times, never finished; last error: {last}"
@@ -338,7 +391,7 @@ class Worker:
             async with asyncio.timeout(self.config.handler_timeout_s):
                 return await self.handler(message, delivery)
         except TimeoutError as exc:
-            raise TransientError(
+            raise _HandlerCancelled(
                 f"handler still running after {self.config.handler_timeout_s} s: cancelled"
             ) from exc
         finally:
@@ -377,6 +430,7 @@ class Worker:
         fields = {
             **delivery.fields,
             "failures": str(failures),
+            "delivered": str(delivery.number),
             "accepted_at": f"{accepted_at:.6f}",
             "last_error": error[:_ERROR_CHARS],
         }
@@ -384,6 +438,8 @@ class Worker:
             self.consumer, delivery.entry_id, delivery.job_id, delay_s, fields
         ):
             return  # another worker holds the entry now
+        outcome = "cancelled" if isinstance(exc, _HandlerCancelled) else "retry"
+        await self._report([delivery], outcome, error)
         self.stats["transient"] += 1
         metrics.JOBS.labels(workflow=self.workflow, outcome="transient").inc()
         self.log.warning(
@@ -413,6 +469,24 @@ class Worker:
             self.stats["dead"] += 1
             metrics.DEAD_LETTERS.labels(workflow=self.workflow, reason=reason).inc()
             self.log.error("job.dead_lettered", job_id=delivery.job_id, reason=reason, error=error)
+            await self._report([delivery], "dead", f"{reason}: {error}")
+
+    async def _report(self, deliveries: list[Delivery], outcome: str, error: str) -> None:
+        """Failed deliveries into their jobs' histories, once Redis has settled
+        them. A history that cannot be written is logged: it never keeps an
+        entry from being settled."""
+        reports = [d.report(outcome, error) for d in deliveries if d.job_id and not d.lease_lost]
+        if self.on_failed is None or not reports:
+            return
+        try:
+            await self.on_failed(reports)
+        except Exception as exc:
+            self.log.warning(
+                "job.delivery_not_recorded",
+                jobs=len(reports),
+                outcome=outcome,
+                error=_describe(exc),
+            )
 
     # -- acknowledging, batched -------------------------------------------
 
@@ -494,14 +568,20 @@ class Worker:
         if not self._tasks:
             return
         self.log.info("worker.draining", in_flight=len(self._tasks))
-        _, late = await asyncio.wait(
-            list(self._tasks.values()), timeout=self.config.shutdown_grace_s
-        )
+        grace_s = self.config.shutdown_grace_s
+        _, late = await asyncio.wait(list(self._tasks.values()), timeout=grace_s)
+        # Handlers still running (not merely settling): their deliveries end here.
+        cut = [
+            d
+            for entry_id, d in self._deliveries.items()
+            if self._tasks.get(entry_id) in late and d.job_id in self._running_jobs
+        ]
         for task in late:
             task.cancel()
         if late:
             await asyncio.wait(late)
             self.log.warning("worker.left_pending_on_shutdown", count=len(late))
+            await self._report(cut, "cancelled", f"worker stopped after a {grace_s:g} s grace")
 
 
 def _is_nogroup(exc: redis.exceptions.ResponseError) -> bool:

@@ -100,8 +100,34 @@ WITH result AS (
     UPDATE jobs SET status = 'done', error = NULL, updated_at = now()
      WHERE job_id IN (SELECT job_id FROM result)
     RETURNING job_id
+), delivery AS (
+    -- This delivery in the job's history, in the same round trip: `done`, or
+    -- `duplicate` when another delivery stored the result first (its model
+    -- calls were spent all the same). None when no delivery is named.
+    INSERT INTO job_deliveries (job_id, delivery, consumer, started_at, outcome, model_calls)
+    SELECT %(job_id)s, %(delivery)s, %(consumer)s, %(started_at)s,
+           CASE WHEN EXISTS (SELECT 1 FROM result) THEN 'done' ELSE 'duplicate' END,
+           %(model_calls)s
+     WHERE %(delivery)s::integer IS NOT NULL
+       AND EXISTS (SELECT 1 FROM jobs WHERE job_id = %(job_id)s)
 )
 SELECT count(*) AS stored FROM result
+
+-- name: record_deliveries
+-- Failed deliveries in their jobs' histories (retry, dead, cancelled), one
+-- statement for any number; a job erased meanwhile gets none.
+INSERT INTO job_deliveries (job_id, delivery, consumer, started_at, outcome, error, model_calls)
+SELECT d.job_id, d.delivery, d.consumer, d.started_at, d.outcome, d.error, d.model_calls
+  FROM unnest(%(job_ids)s::uuid[], %(deliveries)s::integer[], %(consumers)s::text[],
+              %(started_at)s::timestamptz[], %(outcomes)s::text[], %(errors)s::text[],
+              %(model_calls)s::integer[])
+       AS d (job_id, delivery, consumer, started_at, outcome, error, model_calls)
+ WHERE EXISTS (SELECT 1 FROM jobs j WHERE j.job_id = d.job_id)
+
+-- name: job_deliveries
+-- A job's history, oldest first.
+SELECT delivery, consumer, started_at, finished_at, outcome, error, model_calls
+  FROM job_deliveries WHERE job_id = %s ORDER BY id
 
 -- name: mark_job_dead
 UPDATE jobs SET status = 'dead', error = %s, updated_at = now()
@@ -124,9 +150,9 @@ SELECT kind, status, count(*) FROM jobs WHERE status <> 'withdrawn' GROUP BY kin
 -- name: purge_finished_jobs
 -- Retention, one bounded batch per statement: finished jobs last changed
 -- before the cut-off whose effects have all left (no unsent outbox row),
--- with their results and outbox rows. SKIP LOCKED: passes running side by
--- side take different rows. The foreign key from results is checked at the
--- end of the statement, after both deletes.
+-- with their results, outbox rows and deliveries. SKIP LOCKED: passes
+-- running side by side take different rows. The foreign keys from results
+-- and deliveries are checked at the end of the statement, after the deletes.
 WITH old AS MATERIALIZED (
     SELECT job_id FROM jobs j
      WHERE status IN ('done', 'dead')
@@ -141,6 +167,8 @@ WITH old AS MATERIALIZED (
     DELETE FROM outbox o USING old WHERE o.job_id = old.job_id
 ), result_rows AS (
     DELETE FROM results r USING old WHERE r.job_id = old.job_id
+), delivery_rows AS (
+    DELETE FROM job_deliveries d USING old WHERE d.job_id = old.job_id
 )
 DELETE FROM jobs j USING old WHERE j.job_id = old.job_id
 
@@ -156,20 +184,23 @@ DELETE FROM jobs WHERE job_id IN (
 )
 
 -- name: erase_tenant_jobs
--- Right to erasure: every job of the tenant, its result and its outbox rows,
--- whatever their state. Returns the counts.
+-- Right to erasure: every job of the tenant, its result, its outbox rows and
+-- its deliveries, whatever their state. Returns the counts.
 WITH gone_jobs AS (
     SELECT job_id FROM jobs WHERE tenant = %(tenant)s FOR UPDATE
 ), outbox_rows AS (
     DELETE FROM outbox o USING gone_jobs g WHERE o.job_id = g.job_id RETURNING o.id
 ), result_rows AS (
     DELETE FROM results r USING gone_jobs g WHERE r.job_id = g.job_id RETURNING r.job_id
+), delivery_rows AS (
+    DELETE FROM job_deliveries d USING gone_jobs g WHERE d.job_id = g.job_id RETURNING d.id
 ), job_rows AS (
     DELETE FROM jobs j USING gone_jobs g WHERE j.job_id = g.job_id RETURNING j.job_id
 )
 SELECT (SELECT count(*) FROM job_rows) AS jobs,
        (SELECT count(*) FROM result_rows) AS results,
-       (SELECT count(*) FROM outbox_rows) AS outbox
+       (SELECT count(*) FROM outbox_rows) AS outbox,
+       (SELECT count(*) FROM delivery_rows) AS deliveries
 
 -- name: list_jobs
 -- The console's listing: one workflow's jobs, newest first, optionally of
@@ -183,8 +214,10 @@ SELECT j.job_id, j.tenant, j.kind, j.status, r.result, r.usage, j.error,
  LIMIT %(limit)s
 
 -- name: get_job_for_operator
--- A job of a workflow whatever its tenant, with its request: for operators only.
+-- A job whatever its tenant, with its request: for operators only. Of one
+-- workflow, or (kind NULL) of any.
 SELECT j.job_id, j.tenant, j.kind, j.status, r.result, r.usage, j.error,
        j.created_at, j.updated_at, j.payload
   FROM jobs j LEFT JOIN results r USING (job_id)
- WHERE j.job_id = %s AND j.kind = %s AND j.status <> 'withdrawn'
+ WHERE j.job_id = %(job_id)s AND (%(kind)s::text IS NULL OR j.kind = %(kind)s::text)
+   AND j.status <> 'withdrawn'

@@ -1,0 +1,107 @@
+"""One job as an operator sees it, for the console's job page and
+``oncely jobs show``: the row with its request and result, its deliveries,
+its outbox rows, and where its message is in Redis now.
+
+The deliveries are the ones that reported back (``job_deliveries``). A
+delivery whose worker was killed mid-job never reports: it has no row, its
+number is skipped, and while its message is pending Redis still counts it
+(``Whereabouts.entry_deliveries``).
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import redis.exceptions
+
+from oncely.jobs.store import DeliveryRecord, JobDetail, Jobs
+from oncely.outbox.store import OutboxRow, OutboxStore
+from oncely.queue.stream import Whereabouts
+
+UNREPORTED_NOTE = (
+    "A delivery whose worker was killed mid-job never reports: it is not listed and its "
+    "number is skipped. Numbers start again at 1 when the job is replayed or restored."
+)
+
+
+@dataclass(frozen=True)
+class JobView:
+    job: JobDetail
+    deliveries: list[DeliveryRecord]
+    outbox: list[OutboxRow]
+    # None: the workflow is not in this app, or Redis did not answer.
+    whereabouts: Whereabouts | None
+
+    def to_json(self) -> dict[str, Any]:
+        j = self.job
+        w = self.whereabouts
+        return {
+            "job_id": str(j.job_id),
+            "workflow": j.kind,
+            "tenant": j.tenant,
+            "status": j.status,
+            "request": j.payload,
+            "result": j.result,
+            "usage": j.usage,
+            "error": j.error,
+            "created_at": j.created_at.isoformat(),
+            "updated_at": j.updated_at.isoformat(),
+            "deliveries": [
+                {
+                    "delivery": d.delivery,
+                    "outcome": d.outcome,
+                    "consumer": d.consumer,
+                    "started_at": d.started_at.isoformat(),
+                    "finished_at": d.finished_at.isoformat(),
+                    "error": d.error,
+                    "model_calls": d.model_calls,
+                }
+                for d in self.deliveries
+            ],
+            "message": None if w is None else _message_json(w),
+            "outbox": [
+                {
+                    "id": r.id,
+                    "topic": r.topic,
+                    "dedupe_key": r.dedupe_key,
+                    "attempts": r.attempts,
+                    "last_error": r.last_error,
+                    "sent_at": None if r.sent_at is None else r.sent_at.isoformat(),
+                    "failed_at": None if r.failed_at is None else r.failed_at.isoformat(),
+                }
+                for r in self.outbox
+            ],
+        }
+
+
+def _message_json(w: Whereabouts) -> dict[str, Any]:
+    return {
+        "state": w.state,
+        "entry_id": w.entry_id,
+        "delivery": w.delivery,
+        "consumer": w.consumer,
+        "idle_ms": w.idle_ms if w.state == "in_flight" else None,
+        "entry_deliveries": w.entry_deliveries if w.state == "in_flight" else None,
+        "due_at": w.due_at,
+        "last_error": w.fields.get("last_error"),
+    }
+
+
+async def inspect_job(
+    jobs: Jobs, outbox: OutboxStore, workflow: str | None, job_id: uuid.UUID
+) -> JobView | None:
+    """The job of ``workflow`` (any when None) with everything known about
+    it; None if there is no such job."""
+    job = await jobs.detail(workflow, job_id)
+    if job is None:
+        return None
+    stream = jobs.streams.get(job.kind)
+    whereabouts = None
+    if stream is not None:
+        try:
+            whereabouts = await stream.whereabouts(str(job_id))
+        except redis.exceptions.RedisError:
+            whereabouts = None  # the rows are worth showing without it
+    return JobView(job, await jobs.deliveries(job_id), await outbox.for_job(job_id), whereabouts)
