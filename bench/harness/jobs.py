@@ -35,10 +35,14 @@ def ticket(i: int) -> str:
 
 
 async def preload(
-    redis: Redis, db: psycopg.AsyncConnection[Any], jobs: int, sleep_s: float = 0.0
+    redis: Redis,
+    db: psycopg.AsyncConnection[Any],
+    jobs: int,
+    sleep_s: float = 0.0,
+    first: int = 0,
 ) -> list[str]:
-    """``jobs`` rows and stream entries (the model takes ``sleep_s`` for each);
-    their job ids."""
+    """``jobs`` rows and stream entries, tickets ``first`` on (the model takes
+    ``sleep_s`` for each); their job ids."""
     directive = f" [[fake:sleep={sleep_s:g}]]" if sleep_s else ""
     messages = [
         JobMessage.new(
@@ -46,7 +50,7 @@ async def preload(
             TENANT,
             {"text": f"{ticket(i)}{directive}", "notify": f"user{i}@example.com"},
         )
-        for i in range(jobs)
+        for i in range(first, first + jobs)
     ]
     async with db.cursor() as cur:
         rows = [(m.job_id, m.tenant, summaries.name, Jsonb(m.payload)) for m in messages]
