@@ -4,13 +4,15 @@ A real ``oncely worker --workflow summaries`` with
 ``ONCELY_WORKER_CONCURRENCY=500`` against the fake model made slow with
 ``[[fake:sleep=S]]`` in every job's text, so that 500 model calls are
 outstanding at once. Its resident set (RSS, and USS: the pages that are
-its alone) is read idle, then every 100 ms while the jobs run; the number
-that counts is the highest RSS while the fake model had all 500 calls in
-flight. Goal: at most 150 MB.
+its alone) is read idle (after one warm-up job), then every 100 ms while
+the jobs run; the number that counts is the highest RSS while the worker
+held 500 deliveries (the group's pending count). Goal: at most 150 MB.
 
 The run ends with its invariants checked: every job done once with one
 result and one outbox row, nothing pending, one model call per job, and
-the fake model saw the full 500 in flight (or the run measured nothing).
+the fake model saw at least 90 % of the 500 calls outstanding at once (the
+worker reads in batches of a sixteenth of its slots, so a few may be
+between reads): otherwise the run measured nothing.
 """
 
 from __future__ import annotations
@@ -53,20 +55,22 @@ def load(smoke: bool) -> Load:
 class Memory:
     idle_rss: int = 0
     idle_uss: int = 0
-    full_rss: int = 0  # the highest while every slot had its model call outstanding
-    full_uss: int = 0
+    full_rss: int | None = None  # the highest while every slot held a delivery
+    full_uss: int | None = None
+    model_in_flight_at_full: int = 0
     peak_rss: int = 0
     samples_at_full: int = 0
     samples: int = 0
 
-    def record(self, proc: psutil.Process, in_flight: int, concurrency: int) -> None:
+    def record(self, proc: psutil.Process, held: int, model_in_flight: int, slots: int) -> None:
         info = proc.memory_full_info()
         self.samples += 1
         self.peak_rss = max(self.peak_rss, info.rss)
-        if in_flight >= concurrency:
+        if held >= slots:
             self.samples_at_full += 1
-            self.full_rss = max(self.full_rss, info.rss)
-            self.full_uss = max(self.full_uss, info.uss)
+            if info.rss > (self.full_rss or 0):
+                self.full_rss, self.model_in_flight_at_full = info.rss, model_in_flight
+            self.full_uss = max(self.full_uss or 0, info.uss)
 
 
 async def bench_main(ctx: Context) -> tuple[list[Headline], dict[str, Any], bool]:
@@ -106,35 +110,37 @@ async def bench_main(ctx: Context) -> tuple[list[Headline], dict[str, Any], bool
         while await count(db, jobs.DONE) < spec.jobs + 1:
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"the worker did not finish: {ctx.children.log_tail('worker')}")
-            calls = await model.calls()
-            memory.record(worker, int(calls["in_flight"]), spec.concurrency)
+            held, calls = await jobs.pending(redis), await model.calls()
+            memory.record(worker, held, int(calls["in_flight"]), spec.concurrency)
             await asyncio.sleep(SAMPLE_S)
         seconds = time.monotonic() - started
         checks = await jobs.checks(redis, db, model, warm + job_ids)
         calls = await model.calls()
         checks["max_in_flight"] = int(calls["max_in_flight"])
         checks["samples_at_full"] = memory.samples_at_full
-        checks["ok"] = bool(checks["ok"]) and checks["max_in_flight"] == spec.concurrency
+        enough = checks["max_in_flight"] >= 0.9 * spec.concurrency
+        checks["ok"] = bool(checks["ok"]) and enough
         checks["ok"] = checks["ok"] and memory.samples_at_full > 0
         Children.stop(proc)
     finally:
         await db.close()
         await redis.aclose()
-    full_mb = round(memory.full_rss / MB, 1)
-    per_job_kb = (memory.full_rss - memory.idle_rss) / 1024 / spec.concurrency
+    full_mb = _mb(memory.full_rss)
+    per_job_kb = ((memory.full_rss or 0) - memory.idle_rss) / 1024 / spec.concurrency
     detail = {
         "load": asdict(spec),
         "goal_mb": GOAL_MB,
         "rss_mb": {
-            "idle": round(memory.idle_rss / MB, 1),
+            "idle": _mb(memory.idle_rss),
             "at_full_concurrency": full_mb,
-            "peak": round(memory.peak_rss / MB, 1),
+            "peak": _mb(memory.peak_rss),
         },
         "uss_mb": {
-            "idle": round(memory.idle_uss / MB, 1),
-            "at_full_concurrency": round(memory.full_uss / MB, 1),
+            "idle": _mb(memory.idle_uss),
+            "at_full_concurrency": _mb(memory.full_uss),
         },
-        "kb_per_job_in_flight": round(per_job_kb, 1),
+        "kb_per_job_in_flight": round(per_job_kb, 1) if memory.full_rss else None,
+        "model_calls_in_flight_at_that_sample": memory.model_in_flight_at_full,
         "samples": memory.samples,
         "seconds": round(seconds, 2),
         "busy_cores_before": busy_before,
@@ -143,6 +149,10 @@ async def bench_main(ctx: Context) -> tuple[list[Headline], dict[str, Any], bool
     what = f"worker memory: RSS with {spec.concurrency} jobs in flight"
     headline = [Headline(what, full_mb, "MB", at_most=GOAL_MB)]
     return headline, detail, bool(checks["ok"])
+
+
+def _mb(n: int | None) -> float | None:
+    return None if n is None else round(n / MB, 1)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
