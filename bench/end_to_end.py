@@ -145,7 +145,9 @@ class Stack:
         self.key = await oncely("keys", "create", "--tenant", jobs.TENANT, env=self.env)
         children = self.ctx.children
         for role, extra in (("api", ["--port", str(self.port)]), ("worker", []), ("relay", [])):
-            self.procs[role] = children.python(f"e2e-{role}", ["-m", "oncely", role, *extra], self.env)
+            self.procs[role] = children.python(
+                f"e2e-{role}", ["-m", "oncely", role, *extra], self.env
+            )
         await wait_http(f"{self.api_url}/readyz", self.procs["api"], "e2e-api", children)
         await self.model.ready()
         await self.mail.ready()
@@ -175,7 +177,9 @@ async def post(session: aiohttp.ClientSession, stack: Stack, i: int, late_s: flo
     return Posted(job_id, status, sent_at, time.time(), late_s)
 
 
-async def warm_up(session: aiohttp.ClientSession, stack: Stack, tail: MailboxTail, n: int) -> list[Posted]:
+async def warm_up(
+    session: aiohttp.ClientSession, stack: Stack, tail: MailboxTail, n: int
+) -> list[Posted]:
     """One request at a time, each waited for: every process is up and has its connections."""
     posted = []
     for i in range(n):
@@ -189,7 +193,9 @@ async def warm_up(session: aiohttp.ClientSession, stack: Stack, tail: MailboxTai
     return posted
 
 
-async def open_loop(session: aiohttp.ClientSession, stack: Stack, spec: Load, first: int) -> list[Posted]:
+async def open_loop(
+    session: aiohttp.ClientSession, stack: Stack, spec: Load, first: int
+) -> list[Posted]:
     """``spec.requests`` POSTs on a fixed schedule, whatever the answers take
     (up to ``in_flight`` outstanding): a late answer cannot slow the load."""
     slots = asyncio.Semaphore(spec.in_flight)
@@ -210,7 +216,9 @@ async def open_loop(session: aiohttp.ClientSession, stack: Stack, spec: Load, fi
     return list(await asyncio.gather(*tasks))
 
 
-async def burst(session: aiohttp.ClientSession, stack: Stack, spec: Load, first: int) -> list[Posted]:
+async def burst(
+    session: aiohttp.ClientSession, stack: Stack, spec: Load, first: int
+) -> list[Posted]:
     """``spec.burst`` POSTs from ``spec.clients`` clients, each sending its next
     as soon as the last is answered (a closed loop)."""
     numbers = iter(range(first, first + spec.burst))
@@ -237,7 +245,9 @@ async def stage_times(database_url: str) -> dict[str, tuple[float, float]]:
     return {str(r[0]): (float(r[1]), float(r[2])) for r in rows}
 
 
-def latency_report(posted: list[Posted], tail: MailboxTail, stages: dict[str, tuple[float, float]]) -> dict[str, Any]:
+def latency_report(
+    posted: list[Posted], tail: MailboxTail, stages: dict[str, tuple[float, float]]
+) -> dict[str, Any]:
     ms: dict[str, list[float]] = collections.defaultdict(list)
     for p in posted:
         if not p.job_id or dedupe_key(p.job_id) not in tail.received:
@@ -311,7 +321,11 @@ async def run_load(stack: Stack, spec: Load, spy_dir: Path | None) -> dict[str, 
         "latency": {
             "requests": n,
             "seconds": round(latency_s, 2),
-            "warmup_latency_ms": [round((tail.received[dedupe_key(p.job_id)] - p.sent_at) * 1000, 1) for p in warm if p.job_id],
+            "warmup_latency_ms": [
+                round((tail.received[dedupe_key(p.job_id)] - p.sent_at) * 1000, 1)
+                for p in warm
+                if p.job_id
+            ],
             **latency_report(timed, tail, stages),
             "goals_ms": LATENCY_GOALS_MS,
             "busy_cores_before": busy_before,
@@ -338,10 +352,15 @@ def start_spies(stack: Stack, out: Path | None) -> dict[str, Any]:
         return {}
     from bench.harness.profile import Spy
 
-    return {r: Spy(stack.ctx.children, f"e2e-{r}", stack.procs[r].pid, out, SPY_RATE) for r in ("api", "worker", "relay")}
+    return {
+        r: Spy(stack.ctx.children, f"e2e-{r}", stack.procs[r].pid, out, SPY_RATE)
+        for r in ("api", "worker", "relay")
+    }
 
 
-async def stop_spies(spies: dict[str, Any], before: dict[str, float], after: dict[str, float], n: int) -> dict[str, Any]:
+async def stop_spies(
+    spies: dict[str, Any], before: dict[str, float], after: dict[str, float], n: int
+) -> dict[str, Any]:
     report = {}
     for name, spy in spies.items():
         folded = await spy.stop()
@@ -391,8 +410,18 @@ async def bench_main(ctx: Context) -> tuple[list[Headline], dict[str, Any], bool
         Children.stop(proc)
     latency = detail["latency"]["latency_ms"]
     headline = [
-        Headline("end to end: POST → email p50", latency.get("p50"), "ms", at_most=LATENCY_GOALS_MS["p50"]),
-        Headline("end to end: POST → email p99", latency.get("p99"), "ms", at_most=LATENCY_GOALS_MS["p99"]),
+        Headline(
+            "end to end: POST → email p50",
+            latency.get("p50"),
+            "ms",
+            at_most=LATENCY_GOALS_MS["p50"],
+        ),
+        Headline(
+            "end to end: POST → email p99",
+            latency.get("p99"),
+            "ms",
+            at_most=LATENCY_GOALS_MS["p99"],
+        ),
         Headline("end to end: throughput, emails/s", detail["throughput"]["emails_per_s"], "/s"),
     ]
     return headline, detail, bool(detail["checks"]["ok"])
@@ -400,9 +429,18 @@ async def bench_main(ctx: Context) -> tuple[list[Headline], dict[str, Any], bool
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = parser("end_to_end", __doc__ or "", rounds=1, noise=Noise(0.3, 15.0, 0, 15.0))
-    p.add_argument("--profile", action="store_true", help="py-spy api, worker and relay during the latency load")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="py-spy api, worker and relay during the latency load",
+    )
     return p.parse_args(argv)
 
 
 if __name__ == "__main__":
-    main("end_to_end", "POST → email through real api, worker and relay processes", parse_args(), bench_main)
+    main(
+        "end_to_end",
+        "POST → email through real api, worker and relay processes",
+        parse_args(),
+        bench_main,
+    )

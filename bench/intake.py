@@ -30,7 +30,6 @@ import resource
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -504,7 +503,9 @@ async def profile_api(bench: Bench, seconds: int, rules: list[profile.Bucket]) -
     """py-spy on ``oncely api`` under the fresh-key load (it slows the API:
     read the shares, not the speed)."""
     await fresh_state(bench.redis, bench.db)
-    spy = profile.Spy(bench.ctx.children, "oncely-api", bench.procs["oncely"].pid, bench.ctx.log_dir)
+    spy = profile.Spy(
+        bench.ctx.children, "oncely-api", bench.procs["oncely"].pid, bench.ctx.log_dir
+    )
     await asyncio.sleep(1.0)  # py-spy attaches
     load = Load(seconds, bench.load.connections, bench.load.threads)
     wrk = await bench.wrk(CONTENDERS[0], load, bench.ctx.log_dir / "profile-wrk")
@@ -551,14 +552,17 @@ async def bench_main(ctx: Context) -> tuple[list[Headline], dict[str, Any], bool
         key: {m: _json(ratio(runs[x], runs[y], m)) for m in ("req_per_s", "p99_ms", "p50_ms")}
         for key, (x, y) in pairs.items()
     }
-    goal = {"at_least": GOAL_THROUGHPUT}
+
+    def of(what: str, ours: str, theirs: str, metric: str, **goal: float) -> Headline:
+        return Headline.of(f"intake: {what}", ratio(runs[ours], runs[theirs], metric), **goal)
+
     headline = [
-        Headline.of("intake: oncely / floor, req/s", ratio(runs["oncely"], runs["floor"], "req_per_s"), **goal),
-        Headline.of("intake: oncely / floor, p99", ratio(runs["oncely"], runs["floor"], "p99_ms"), at_most=GOAL_P99),
-        Headline.of("intake: oncely 30 % duplicates / floor, req/s", ratio(runs["oncely_dup30"], runs["floor"], "req_per_s")),
-        Headline.of("intake: oncely 30 % duplicates / floor, p99", ratio(runs["oncely_dup30"], runs["floor"], "p99_ms")),
-        Headline.of("intake: floor / XADD only, req/s", ratio(runs["floor"], runs["xadd"], "req_per_s")),
-    ]  # fmt: skip
+        of("oncely / floor, req/s", "oncely", "floor", "req_per_s", at_least=GOAL_THROUGHPUT),
+        of("oncely / floor, p99", "oncely", "floor", "p99_ms", at_most=GOAL_P99),
+        of("oncely 30 % duplicates / floor, req/s", "oncely_dup30", "floor", "req_per_s"),
+        of("oncely 30 % duplicates / floor, p99", "oncely_dup30", "floor", "p99_ms"),
+        of("floor / XADD only, req/s", "floor", "xadd", "req_per_s"),
+    ]
     detail = {
         "load": asdict(load) | {"dup_rate": 0.3, "dup_gap": DUP_GAP},
         "goal": {"throughput_min": GOAL_THROUGHPUT, "p99_max": GOAL_P99},

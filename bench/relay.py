@@ -66,21 +66,30 @@ SHOWN = ("rows", "rows_per_s", "cpu_ms_per_row", "provider_cpu_ms_per_row", "mac
 BUCKETS = {
     "oncely": (
         ("claim: OutboxStore.claim", ["oncely.outbox.store:OutboxStore.claim"]),
-        ("mark sent: OutboxStore.mark_sent_many (batched)", ["oncely.outbox.store:OutboxStore.mark_sent_many"]),
+        (
+            "mark sent: OutboxStore.mark_sent_many (batched)",
+            ["oncely.outbox.store:OutboxStore.mark_sent_many"],
+        ),
         ("send: render_email", ["oncely.builtin.summaries:render_email"]),
         ("send: message_id_from", ["oncely.senders.http:message_id_from"]),
         ("send: JsonPoster.post (aiohttp)", ["oncely.senders.http:JsonPoster.post"]),
         ("send: HttpEmailSender.send rest", ["oncely.senders.http:HttpEmailSender.send"]),
         (
             "route: EffectRouter.send / _EmailRoute.deliver",
-            ["oncely.senders.routing:_EmailRoute.deliver", "oncely.senders.routing:EffectRouter.send"],
+            [
+                "oncely.senders.routing:_EmailRoute.deliver",
+                "oncely.senders.routing:EffectRouter.send",
+            ],
         ),
         ("after send: Relay._sent (metrics, log)", ["oncely.outbox.relay:Relay._sent"]),
         ("mark sent: Relay._mark_sent_batch", ["oncely.outbox.relay:Relay._mark_sent_batch"]),
         ("per row: Relay._deliver (lease, timeout)", ["oncely.outbox.relay:Relay._deliver"]),
         ("per row: Relay._relay (slot)", ["oncely.outbox.relay:Relay._relay"]),
         ("wait: Relay._wait_for_work", ["oncely.outbox.relay:Relay._wait_for_work"]),
-        ("batch: Relay._relay_continuously (claims, starting sends)", ["oncely.outbox.relay:Relay._relay_continuously"]),
+        (
+            "batch: Relay._relay_continuously (claims, starting sends)",
+            ["oncely.outbox.relay:Relay._relay_continuously"],
+        ),
         ("batch: Relay.run_once", ["oncely.outbox.relay:Relay.run_once"]),
         ("retention: Relay._clean_up_forever", ["oncely.outbox.relay:Relay._clean_up_forever"]),
         ("listener: Relay._listen", ["oncely.outbox.relay:Relay._listen"]),
@@ -89,7 +98,10 @@ BUCKETS = {
     "minimal": (
         ("read: SELECT batch", ["bench.relay:MinimalRelay._read"]),
         ("send: render_email", ["oncely.builtin.summaries:render_email"]),
-        ("update: one per row / batched", ["bench.relay:MinimalRelay._mark", "bench.relay:MinimalRelay._flush"]),
+        (
+            "update: one per row / batched",
+            ["bench.relay:MinimalRelay._mark", "bench.relay:MinimalRelay._flush"],
+        ),
         ("send: aiohttp POST", ["bench.relay:MinimalRelay._send"]),
         ("per row: MinimalRelay._relay", ["bench.relay:MinimalRelay._relay"]),
         ("loop: MinimalRelay.run", ["bench.relay:MinimalRelay.run"]),
@@ -355,7 +367,9 @@ class Bench:
         c: dict[str, Any] = {
             "rows": rows,
             "sent": await count(self.db, "SELECT count(*) FROM outbox WHERE sent_at IS NOT NULL"),
-            "failed": await count(self.db, "SELECT count(*) FROM outbox WHERE failed_at IS NOT NULL"),
+            "failed": await count(
+                self.db, "SELECT count(*) FROM outbox WHERE failed_at IS NOT NULL"
+            ),
             "provider_effects": int(seen["effects"]),
             "provider_requests": int(seen["requests"]),
             "keys_sent_twice": sum(1 for n in seen["by_key"].values() if n > 1),
@@ -410,7 +424,9 @@ def _timeout_s(scenario: Scenario) -> float:
     return 60 + scenario.rows * (0.01 + scenario.delay_s / CONCURRENCY) * 3
 
 
-async def run_scenario(bench: Bench, scenario: Scenario) -> tuple[dict[str, Any], dict[str, list[Run]]]:
+async def run_scenario(
+    bench: Bench, scenario: Scenario
+) -> tuple[dict[str, Any], dict[str, list[Run]]]:
     async def one(kind: str, round_no: int) -> Run:
         return await bench.run(kind, round_no, scenario)
 
@@ -488,7 +504,9 @@ async def bench_main(ctx: Context) -> tuple[list[Headline], dict[str, Any], bool
             for kind in scenario.kinds[1:]:
                 goal = {"at_least": GOAL} if kind == "minimal" else {}
                 what = f"relay {scenario.name}: oncely / {kind}, rows/s"
-                headline.append(Headline.of(what, ratio(runs["oncely"], runs[kind], "rows_per_s"), **goal))
+                headline.append(
+                    Headline.of(what, ratio(runs["oncely"], runs[kind], "rows_per_s"), **goal)
+                )
         if ctx.args.profile:
             for kind, s in profile_lineup(ctx.smoke):
                 profiles.append(await profile_one(bench, kind, s))

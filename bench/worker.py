@@ -95,7 +95,10 @@ BUCKETS = {
                 "oncely.batching:GroupCommit",
             ],
         ),
-        ("handler: WorkflowHandler (validate, Context, Model)", ["oncely.jobs.handler:WorkflowHandler"]),
+        (
+            "handler: WorkflowHandler (validate, Context, Model)",
+            ["oncely.jobs.handler:WorkflowHandler"],
+        ),
         (
             "handler rest: Worker._handle / _process / _run_handler (metrics, logs)",
             ["oncely.queue.worker:Worker._handle"],

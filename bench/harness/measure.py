@@ -252,7 +252,9 @@ def ratio(ours: list[Run], theirs: list[Run], metric: str) -> Ratio | None:
     ]
     if not per_round:
         return None
-    return Ratio(round(statistics.median(per_round), 3), per_round, (min(per_round), max(per_round)))
+    return Ratio(
+        round(statistics.median(per_round), 3), per_round, (min(per_round), max(per_round))
+    )
 
 
 @dataclass(frozen=True)

@@ -63,7 +63,7 @@ class Children:
         self._procs: list[subprocess.Popen[bytes]] = []
 
     def start(self, name: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
-        """``argv`` from the repository root (so ``-m bench.…`` imports), output to ``<name>.log``."""
+        """``argv`` from the repository root (``-m bench.…`` imports), output to ``<name>.log``."""
         with (self.log_dir / f"{name}.log").open("ab") as log:
             proc = subprocess.Popen(
                 argv,

@@ -74,8 +74,8 @@ def shares(folded: Path, rules: list[Bucket], cpu_ms: float | None = None) -> di
         counts[name] += int(n)
     total = sum(counts.values()) or 1
     table: dict[str, Any] = {}
-    for name, n in counts.most_common():
-        share = round(n / total, 3)
+    for name, samples in counts.most_common():
+        share = round(samples / total, 3)
         table[name] = share if cpu_ms is None else [share, round(share * cpu_ms, 3)]
     return {"main_thread_samples": total, "other_thread_samples": threads, "buckets": table}
 

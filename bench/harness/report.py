@@ -18,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -88,12 +88,14 @@ def _defaults(args: argparse.Namespace) -> None:
     if args.rounds is None:
         args.rounds = 1 if args.smoke else args.full_rounds
     fallback = (0.0, 0, 0.0) if args.smoke else (noise.wait_s, noise.retries, noise.budget_s)
-    for name, value in zip(("quiet_wait_s", "noise_retries", "noise_budget_s"), fallback, strict=True):
+    for name, value in zip(
+        ("quiet_wait_s", "noise_retries", "noise_budget_s"), fallback, strict=True
+    ):
         if getattr(args, name) is None:
             setattr(args, name, value)
 
 
-Body = Callable[[Context], Awaitable[tuple[list[Headline], dict[str, Any], bool]]]
+Body = Callable[[Context], Coroutine[Any, Any, tuple[list[Headline], dict[str, Any], bool]]]
 
 
 def main(name: str, title: str, args: argparse.Namespace, body: Body) -> None:
