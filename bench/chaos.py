@@ -79,7 +79,7 @@ import psycopg
 from redis.asyncio import Redis
 from redis.exceptions import RedisError, ResponseError
 
-from bench.harness.processes import ROOT, die_with_parent, free_port
+from bench.harness.processes import ROOT, die_with_parent, free_port, oncely
 from oncely.builtin import app as builtin_app
 from oncely.builtin.summaries import render_email
 from oncely.embedded import EmbeddedServers
@@ -558,24 +558,6 @@ def _last_line(log: Path) -> str:
     lines = [line for line in lines if line]
     errors = [line for line in lines if re.match(r"[\w.]+(Error|Exception): ", line)]
     return (errors or lines or [""])[-1]
-
-
-async def oncely(*args: str, env: dict[str, str]) -> str:
-    """Run one ``oncely`` command to completion; its stdout."""
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "oncely",
-        *args,
-        env={**os.environ, **env},
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
-    out, err = await proc.communicate()
-    if proc.returncode != 0:
-        raise RuntimeError(f"oncely {' '.join(args)} failed: {err.decode()[-2000:]}")
-    return out.decode()
 
 
 async def wait_http(url: str, what: str, within_s: float = 60.0) -> None:
@@ -1316,9 +1298,10 @@ async def deploy(
     fleet.configure(env, api_port=api_port, model_port=llm_port)
     mailbox = run_dir / "mailbox.jsonl"
     _start_fakes(fleet, options, llm_port, mail_port, mailbox)
-    await oncely("migrate", env=env)
+    full_env = {**os.environ, **env}
+    await oncely("migrate", env=full_env)
     keys = await asyncio.gather(
-        *(oncely("keys", "create", "--tenant", t, env=env) for t in TENANTS)
+        *(oncely("keys", "create", "--tenant", t, env=full_env) for t in TENANTS)
     )
     api_keys = {tenant: key.strip() for tenant, key in zip(TENANTS, keys, strict=True)}
     await wait_http(f"{llm_url}/_calls", "fake-llm")

@@ -38,9 +38,9 @@ from redis.asyncio import Redis
 from bench.harness import jobs
 from bench.harness.fakes import API_KEY, FakeMail, FakeModel
 from bench.harness.measure import Headline, Noise, percentiles
-from bench.harness.processes import Children, clean_env, free_port, oncely, wait_http
+from bench.harness.processes import Children, clean_env, free_port, wait_http
 from bench.harness.report import Context, main, parser
-from bench.harness.servers import count, fresh_state
+from bench.harness.servers import count, fresh_state, migrate_and_key
 from oncely.builtin.summaries import dedupe_key
 
 LATENCY_GOALS_MS = {"p50": 20.0, "p99": 100.0}
@@ -66,7 +66,7 @@ class Load:
 
 
 def load(smoke: bool) -> Load:
-    return Load(3, 20, 20.0, 32, 40, 16) if smoke else Load(20, 300, 20.0, 32, 2000, 64)
+    return Load(2, 10, 20.0, 32, 30, 16) if smoke else Load(20, 300, 20.0, 32, 2000, 64)
 
 
 @dataclass(frozen=True)
@@ -137,12 +137,11 @@ class Stack:
 
     async def start(self) -> None:
         s = self.ctx.servers
+        self.key = await migrate_and_key(s.database_url, jobs.TENANT)
         redis = Redis.from_url(s.redis_url)
         async with await psycopg.AsyncConnection.connect(s.database_url, autocommit=True) as db:
-            await oncely("migrate", env=self.env)
             await fresh_state(redis, db)
         await redis.aclose()
-        self.key = await oncely("keys", "create", "--tenant", jobs.TENANT, env=self.env)
         children = self.ctx.children
         for role, extra in (("api", ["--port", str(self.port)]), ("worker", []), ("relay", [])):
             self.procs[role] = children.python(

@@ -47,9 +47,9 @@ from redis.asyncio import Redis
 
 from bench.harness import profile
 from bench.harness.measure import Headline, Meter, Noise, Run, ratio, round_robin, summary
-from bench.harness.processes import clean_env, free_port, oncely, wait_http
+from bench.harness.processes import clean_env, free_port, wait_http
 from bench.harness.report import Context, main, parser
-from bench.harness.servers import fresh_state
+from bench.harness.servers import fresh_state, migrate_and_key
 
 # Module level: FastAPI resolves the route's (string) annotations from here.
 from oncely.builtin.summaries import SummaryRequest, summaries
@@ -282,9 +282,8 @@ class Bench:
     async def open(self) -> None:
         s = self.ctx.servers
         env = clean_env(redis_url=s.redis_url, database_url=s.database_url, log_level="WARNING")
-        await oncely("migrate", env=env)
+        self.api_key = await migrate_and_key(s.database_url, TENANT)
         self.db = await psycopg.AsyncConnection.connect(s.database_url, autocommit=True)
-        self.api_key = await oncely("keys", "create", "--tenant", TENANT, env=env)
         for name in ("oncely", "floor", "xadd"):
             port = self.ports[name] = free_port()
             if name == "oncely":
@@ -530,7 +529,8 @@ async def bench_main(ctx: Context) -> tuple[list[Headline], dict[str, Any], bool
     bench = Bench(ctx, load)
     try:
         await bench.open()
-        await bench.warm_up(1 if ctx.smoke else 2)
+        if not ctx.smoke:
+            await bench.warm_up(2)
         names = [c.name for c in CONTENDERS]
         by_name = {c.name: c for c in CONTENDERS}
 

@@ -84,3 +84,17 @@ async def server_info(redis: Redis, db: psycopg.AsyncConnection[Any]) -> dict[st
 async def count(db: psycopg.AsyncConnection[Any], sql: str, params: Any = None) -> int:
     row = await (await db.execute(sql, params)).fetchone()
     return int(row[0]) if row else 0
+
+
+async def migrate_and_key(database_url: str, tenant: str) -> str:
+    """The schema (what ``oncely migrate`` runs) and a bearer key for ``tenant``
+    (what ``oncely keys create`` makes), without two more interpreters."""
+    from psycopg_pool import AsyncConnectionPool
+
+    from oncely.api.auth import create_api_key
+    from oncely.sql.migrate import migrate
+
+    await migrate(database_url)
+    async with AsyncConnectionPool(database_url, min_size=1, max_size=1, open=False) as pool:
+        await pool.open(wait=True)
+        return await create_api_key(pool, tenant)
