@@ -578,7 +578,7 @@ def _json(r: Any) -> Any:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = parser("intake", __doc__ or "", rounds=3, noise=Noise(0.3, 5.0, 1, 60.0))
+    p = parser("intake", __doc__ or "", rounds=3, noise=Noise(0.3, 5.0, 1, 40.0))
     p.add_argument("--seconds", type=int, help="wrk duration per run (10; smoke 1)")
     p.add_argument("--connections", type=int, default=32)
     p.add_argument("--threads", type=int, default=2, help="wrk threads")

@@ -524,7 +524,7 @@ async def bench_main(ctx: Context) -> tuple[list[Headline], dict[str, Any], bool
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = parser("relay", __doc__ or "", rounds=3, noise=Noise(0.3, 15.0, 1, 90.0))
+    p = parser("relay", __doc__ or "", rounds=3, noise=Noise(0.3, 15.0, 1, 60.0))
     p.add_argument("--relay-batch", type=int, help="ONCELY_RELAY_BATCH (default: oncely's, 100)")
     p.add_argument(
         "--profile",

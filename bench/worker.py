@@ -510,7 +510,7 @@ async def bench_main(ctx: Context) -> tuple[list[Headline], dict[str, Any], bool
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = parser("worker", __doc__ or "", rounds=3, noise=Noise(0.3, 30.0, 2, 120.0))
+    p = parser("worker", __doc__ or "", rounds=3, noise=Noise(0.3, 30.0, 2, 90.0))
     p.add_argument(
         "--profile",
         action="store_true",
