@@ -11,6 +11,7 @@ ran back to back)."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import statistics
 import sys
@@ -203,7 +204,7 @@ async def round_robin(
     runs: dict[str, list[Run]] = {name: [] for name in names}
     for round_no in range(1, rounds + 1):
         for name in names:
-            run = await noise.run(lambda n=name, r=round_no: run_one(n, r))  # type: ignore[misc]
+            run = await noise.run(functools.partial(run_one, name, round_no))
             runs[name].append(run)
             say(progress(label, run, shown))
     return runs
