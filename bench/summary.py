@@ -88,6 +88,11 @@ def _command_row(r: dict[str, Any], results: str) -> str:
     kept = noise.get("noisy_runs_kept", 0)
     noisy = f"{kept} noisy run(s) kept" if kept else "no noisy run kept"
     waited = f", {noise.get('spent_s', 0):g} s waiting for quiet"
+    if noise.get("foreign_cores_median") is not None:
+        waited += f", other work {noise['foreign_cores_median']:g} cores (median of runs)"
+    before = r.get("busy_cores_before", r.get("latency", {}).get("busy_cores_before"))
+    if before is not None:
+        waited += f", {before:g} cores busy before the load"
     return (
         f"| [{name}]({link}) | `{r['command']}` | {r['total_s'] / 60:.1f} min | {noisy}{waited} |"
     )

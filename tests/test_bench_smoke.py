@@ -160,7 +160,8 @@ def test_a_bucket_naming_a_missing_function_is_an_error():
 def test_a_run_whose_invariants_fail_writes_its_report_and_exits_1(
     tmp_path, redis_url, database_url, monkeypatch
 ):
-    monkeypatch.setattr(report, "sigterm_unwinds", lambda: None)
+    monkeypatch.setattr(report, "sigterm_unwinds", lambda: None)  # the suite's own handlers
+    monkeypatch.setattr("oncely.logs.configure_logging", lambda *a: None)  # and logging
     p = report.parser(
         "fails", "A benchmark whose checks fail.", rounds=1, noise=Noise(0.3, 0, 0, 0)
     )

@@ -141,6 +141,7 @@ class NoiseControl:
         self.noise = noise
         self.spent_s = 0.0
         self.noisy_runs = 0
+        self.foreign: list[float] = []  # per kept run, where known
 
     @property
     def _left_s(self) -> float:
@@ -170,19 +171,21 @@ class NoiseControl:
             run = await once()
             run.noise_retries = attempt
             noisy = run.foreign_cores is not None and run.foreign_cores > self.noise.max_cores
-            if not noisy:
-                return run
-            self.noisy_runs += 1
-            if attempt >= self.noise.retries or self._left_s <= 0:
+            if not noisy or attempt >= self.noise.retries or self._left_s <= 0:
+                self.noisy_runs += noisy
+                if run.foreign_cores is not None:
+                    self.foreign.append(run.foreign_cores)
                 return run
             self.spent_s += time.monotonic() - started
             attempt += 1
             say(f"  noisy run ({run.foreign_cores} foreign cores): again")
 
     def to_json(self) -> dict[str, Any]:
+        foreign = round(statistics.median(self.foreign), 2) if self.foreign else None
         return asdict(self.noise) | {
             "spent_s": round(self.spent_s, 1),
             "noisy_runs_kept": self.noisy_runs,
+            "foreign_cores_median": foreign,
         }
 
 
