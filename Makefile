@@ -2,7 +2,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
-# dev = test tools + the embedded servers; binary = psycopg's compiled build.
+# dev = test tools + the embedded servers + the bench probes; binary = psycopg's compiled build.
 EXTRAS := dev,binary
 
 .PHONY: dev test check fmt bench clean
@@ -29,9 +29,10 @@ fmt: $(STAMP)
 	$(BIN)/ruff format src tests bench
 	$(BIN)/ruff check --fix src tests bench
 
+# Every benchmark (bench/README.md), about 12 min on 2 cores: bench/results/*.json
+# and BENCHMARKS.md. The intake needs wrk (apt-get install wrk).
 bench: $(STAMP)
-	$(BIN)/python bench/worker_bench.py
-	$(BIN)/python bench/intake_bench.py --out bench/intake-report.json
+	$(BIN)/python -m bench
 
 clean:
 	rm -rf $(VENV) .oncely .pytest_cache .mypy_cache .ruff_cache .hypothesis

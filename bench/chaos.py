@@ -27,8 +27,8 @@ PostgreSQL, the fake provider's mailbox and the fake model's call counts,
 and prints one JSON report on stdout (progress goes to stderr). Exit status
 1 on any violation, 2 on a usage error.
 
-    .venv/bin/python bench/chaos.py --requests 2000 --kill-every 2 --scenarios all --seed 1
-    .venv/bin/python bench/chaos.py --requests 200 --scenarios redis-restart --seed 7
+    .venv/bin/python -m bench.chaos --requests 2000 --kill-every 2 --scenarios all --seed 1
+    .venv/bin/python -m bench.chaos --requests 200 --scenarios redis-restart --seed 7
 
 A run is reproducible in what it does, not in how it interleaves: the seed
 fixes every request (workflow, body, key, pattern, scripted fate), the fault
@@ -58,14 +58,12 @@ import asyncio
 import base64
 import collections
 import contextlib
-import ctypes
 import json
 import os
 import random
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -76,17 +74,17 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import psutil  # type: ignore[import-untyped]
+import psutil
 import psycopg
 from redis.asyncio import Redis
 from redis.exceptions import RedisError, ResponseError
 
+from bench.harness.processes import ROOT, die_with_parent, free_port, oncely
 from oncely.builtin import app as builtin_app
 from oncely.builtin.summaries import render_email
 from oncely.embedded import EmbeddedServers
 from oncely.senders.webhook import verify
 
-ROOT = Path(__file__).resolve().parent.parent
 TENANTS = ("acme", "globex")
 ROUTES = {"summaries": "/v1/summaries", "triage": "/v1/triage"}
 SCENARIOS = ("flushall", "redis-restart", "pg-restart", "redis-freeze")
@@ -426,29 +424,6 @@ async def send_all(
 # -- processes --------------------------------------------------------------------
 
 
-def _libc() -> Any:
-    with contextlib.suppress(OSError):
-        return ctypes.CDLL("libc.so.6", use_errno=True)
-    return None
-
-
-# Loaded once here: the child after fork must not dlopen (another thread of
-# ours may hold the loader's lock at that instant).
-_LIBC = _libc()
-
-
-def _die_with_parent() -> None:
-    """PR_SET_PDEATHSIG: a child is SIGKILLed if the runner dies first."""
-    if _LIBC is not None:
-        _LIBC.prctl(1, signal.SIGKILL)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @dataclass
 class Child:
     role: str
@@ -520,7 +495,7 @@ class Fleet:
                 cwd=ROOT,
                 stdout=out,
                 stderr=subprocess.STDOUT,
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,
             )
         child = Child(role, slot, generation, proc, log)
         self.children[role, slot] = child
@@ -583,24 +558,6 @@ def _last_line(log: Path) -> str:
     lines = [line for line in lines if line]
     errors = [line for line in lines if re.match(r"[\w.]+(Error|Exception): ", line)]
     return (errors or lines or [""])[-1]
-
-
-async def oncely(*args: str, env: dict[str, str]) -> str:
-    """Run one ``oncely`` command to completion; its stdout."""
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "oncely",
-        *args,
-        env={**os.environ, **env},
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
-    out, err = await proc.communicate()
-    if proc.returncode != 0:
-        raise RuntimeError(f"oncely {' '.join(args)} failed: {err.decode()[-2000:]}")
-    return out.decode()
 
 
 async def wait_http(url: str, what: str, within_s: float = 60.0) -> None:
@@ -694,8 +651,8 @@ class Servers:
             return int(proc.pid)
         for conn in psutil.net_connections("tcp"):
             listening = conn.status == "LISTEN" and conn.pid is not None
-            if listening and conn.laddr and conn.laddr.port == self.valkey.port:
-                return int(conn.pid)
+            if listening and conn.pid and conn.laddr and conn.laddr.port == self.valkey.port:
+                return conn.pid
         raise RuntimeError("cannot find the Valkey process")
 
 
@@ -1341,9 +1298,10 @@ async def deploy(
     fleet.configure(env, api_port=api_port, model_port=llm_port)
     mailbox = run_dir / "mailbox.jsonl"
     _start_fakes(fleet, options, llm_port, mail_port, mailbox)
-    await oncely("migrate", env=env)
+    full_env = {**os.environ, **env}
+    await oncely("migrate", env=full_env)
     keys = await asyncio.gather(
-        *(oncely("keys", "create", "--tenant", t, env=env) for t in TENANTS)
+        *(oncely("keys", "create", "--tenant", t, env=full_env) for t in TENANTS)
     )
     api_keys = {tenant: key.strip() for tenant, key in zip(TENANTS, keys, strict=True)}
     await wait_http(f"{llm_url}/_calls", "fake-llm")

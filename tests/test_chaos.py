@@ -1,4 +1,4 @@
-"""The chaos soak, small (``bench/chaos.py``): about 200 requests over both
+"""The chaos soak, small (``python -m bench.chaos``): about 200 requests over both
 workflows, sent 1–3 times each, while a worker or relay is SIGKILLed every
 2 s, Redis is restarted empty mid-run and the fake model and provider fail
 at random; afterwards every invariant holds: nothing lost, one effect per
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import importlib.util
 import json
 import signal
 import subprocess
@@ -20,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from bench import chaos
 
 from oncely.builtin.summaries import render_email
 from oncely.senders.webhook import sign
@@ -38,7 +38,7 @@ RUN_TIMEOUT_S = 270
 
 def run_soak(tmp_path: Path) -> tuple[int, dict[str, Any], str]:
     report = tmp_path / "report.json"
-    args = [sys.executable, "bench/chaos.py", *SOAK, "--dir", str(tmp_path / "run")]
+    args = [sys.executable, "-m", "bench.chaos", *SOAK, "--dir", str(tmp_path / "run")]
     with (tmp_path / "chaos.log").open("wb") as log:
         runner = subprocess.Popen(
             [*args, "--out", str(report)], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=log
@@ -77,16 +77,6 @@ def test_small_soak_with_kills_and_redis_restarted_empty_keeps_every_invariant(t
 # --- the checks themselves, on made-up evidence: a soak that cannot fail proves nothing
 
 
-def load_runner() -> Any:
-    spec = importlib.util.spec_from_file_location("chaos_runner", ROOT / "bench" / "chaos.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-chaos = load_runner()
 T0 = 1_700_000_000.0
 JOB_IDS = [str(uuid.UUID(int=n + 1)) for n in range(3)]
 

@@ -1,0 +1,534 @@
+"""The worker against a floor: how much of the machine do oncely's guarantees cost?
+
+Side by side on the same jobs, round-robin:
+
+- ``oncely``: a real ``oncely worker --workflow summaries`` process (pre-check,
+  fleet limiter, classified retries, owner-checked Lua acks, leases, index,
+  NOTIFY, reconciler);
+- ``floor_openai``: the same work with none of the guarantees (this module
+  with ``--floor-consumer``): batched XREADGROUP, one model call per message
+  through the same openai SDK on its aiohttp transport, one statement
+  writing the result and the outbox row and marking the job done, batched XACK;
+- ``floor_aiohttp``: the same floor calling the model with raw aiohttp.
+
+Each is its own process, and so is the fake model, so each one's CPU is its
+own. Every run starts from a flushed Redis and empty tables with the jobs
+already in PostgreSQL and in the stream, and ends with its invariants
+checked: every job done once, one result and one outbox row each, nothing
+pending, one model call per job.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import psutil
+import psycopg
+from psycopg.types.json import Jsonb
+from psycopg_pool import AsyncConnectionPool
+from redis.asyncio import Redis
+
+from bench.harness import jobs, profile
+from bench.harness.fakes import API_KEY, FakeModel
+from bench.harness.measure import Headline, Meter, Noise, Run, ratio, round_robin, summary
+from bench.harness.processes import Children, clean_env
+from bench.harness.report import Context, main, parser
+from bench.harness.servers import fresh_state
+from oncely.builtin.summaries import INSTRUCTION, SUMMARY_READY, dedupe_key, summaries
+
+GOAL = 0.85
+MODEL = "oncely-fake"
+PG_POOL_MIN, PG_POOL_MAX = 2, 20  # oncely's defaults (Settings.pg_pool_min/max)
+HTTP_CONNECTIONS = 1000  # the openai SDK's aiohttp limit; raw aiohttp gets the same
+SHOWN = ("jobs", "jobs_per_s", "cpu_ms_per_job", "machine_busy_cores")
+
+# The floor's own SQL, not oncely's: the same rows as ``finish_job`` in one
+# round trip (no ON CONFLICT, no NOTIFY).
+FLOOR_STORE = """
+WITH result AS (
+    INSERT INTO results (job_id, result) VALUES (%(job_id)s, %(result)s)
+), outbox_row AS (
+    INSERT INTO outbox (topic, dedupe_key, payload, workflow, job_id)
+    VALUES (%(topic)s, %(dedupe_key)s, %(payload)s, %(workflow)s, %(job_id)s)
+)
+UPDATE jobs SET status = 'done', updated_at = now() WHERE job_id = %(job_id)s
+"""
+
+# Where a consumer's CPU goes: inner work first (the limiter runs inside the
+# adapter, the adapter inside the model-call wrappers, those inside the step,
+# the step inside the handler).
+BUCKETS = {
+    "oncely": (
+        ("limiter: FleetLimiter (acquire, settle)", ["oncely.llm.limiter:FleetLimiter"]),
+        (
+            "model call: openai SDK chat.completions.create",
+            ["openai.resources.chat.completions:AsyncCompletions.create"],
+        ),
+        ("model call: OpenAICompatible", ["oncely.llm.openai_compat:OpenAICompatible"]),
+        ("model call: Model._ask (retries, deadline, usage)", ["oncely.llm.model:Model._ask"]),
+        ("step: summarise (prompt, emit)", ["oncely.builtin.summaries:summarise"]),
+        (
+            "Postgres statements: run_statement's own task (pre-check, store)",
+            ["oncely.jobs.store:_execute"],
+        ),
+        (
+            "pre-check: Jobs.result_stored (batched)",
+            ["oncely.jobs.store:Jobs.result_stored", "oncely.jobs.store:Jobs._results_stored"],
+        ),
+        ("store: Jobs.finish", ["oncely.jobs.store:Jobs.finish"]),
+        ("notify: OutboxWakeUp", ["oncely.outbox.wakeup:OutboxWakeUp"]),
+        (
+            "ack: Worker._acknowledge / _ack_batch (Lua ACK, group commit)",
+            [
+                "oncely.queue.worker:Worker._acknowledge",
+                "oncely.queue.worker:Worker._ack_batch",
+                "oncely.batching:GroupCommit",
+            ],
+        ),
+        (
+            "handler: WorkflowHandler (validate, Context, Model)",
+            ["oncely.jobs.handler:WorkflowHandler"],
+        ),
+        (
+            "handler rest: Worker._handle / _process / _run_handler (metrics, logs)",
+            ["oncely.queue.worker:Worker._handle"],
+        ),
+        ("read: XAUTOCLAIM + XREADGROUP + starting tasks", ["oncely.queue.worker:Worker.run_once"]),
+        ("leases", ["oncely.queue.worker:Worker.renew_leases"]),
+        ("reconciler", ["oncely.jobs.reconcile:Reconciler"]),
+        ("trim", ["oncely.queue.stream:Stream.trim"]),
+    ),
+    "floor": (
+        (
+            "model call: openai SDK chat.completions.create",
+            ["openai.resources.chat.completions:AsyncCompletions.create"],
+        ),
+        ("model call: raw aiohttp", ["bench.worker:AiohttpModel"]),
+        ("store: one statement", ["bench.worker:FloorConsumer._store"]),
+        ("ack: XACK batch", ["bench.worker:FloorConsumer._ack_batch"]),
+        ("handler rest: parse", ["bench.worker:FloorConsumer._handle"]),
+        ("read: XREADGROUP + starting tasks", ["bench.worker:FloorConsumer.run_once"]),
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Contender:
+    kind: str  # "oncely" | "floor_openai" | "floor_aiohttp"
+    concurrency: int
+    jobs: int
+
+    @property
+    def key(self) -> str:
+        return f"{self.kind}@{self.concurrency}"
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    model_sleep_s: float
+    contenders: tuple[Contender, ...]
+
+
+def scenarios(smoke: bool) -> list[Scenario]:
+    """Job counts sized so each run takes seconds. The smoke run touches
+    every kind of contender once, with a few jobs each."""
+    if smoke:
+        kinds = ("oncely", "floor_openai", "floor_aiohttp")
+        return [Scenario("instant", 0.0, tuple(Contender(k, 256, 40) for k in kinds))]
+    return [
+        Scenario("instant", 0.0, _lineup(2000, 200)),
+        Scenario("model_200ms", 0.2, _lineup(2000, 30)),
+    ]
+
+
+def _lineup(many: int, one: int) -> tuple[Contender, ...]:
+    """oncely and each floor at 256; oncely and the SDK floor at 1."""
+    at_256 = [Contender(k, 256, many) for k in ("oncely", "floor_openai", "floor_aiohttp")]
+    return (*at_256, Contender("oncely", 1, one), Contender("floor_openai", 1, one))
+
+
+# -- the floor consumer (its own process) -----------------------------------------
+
+
+class OpenAIModel:
+    """The summaries step's model call through the openai SDK, as oncely makes it."""
+
+    def __init__(self, base_url: str) -> None:
+        import openai
+
+        self.client = openai.AsyncOpenAI(
+            base_url=base_url,
+            api_key=API_KEY,
+            max_retries=0,
+            http_client=openai.DefaultAioHttpClient(),
+        )
+
+    async def complete(self, system: str, user: str) -> str:
+        completion = await self.client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "system", "content": system}, {"role": "user", "content": user}],
+        )
+        return completion.choices[0].message.content or ""
+
+    async def aclose(self) -> None:
+        await self.client.close()
+
+
+class AiohttpModel:
+    """The same call with raw aiohttp."""
+
+    def __init__(self, base_url: str) -> None:
+        connector = aiohttp.TCPConnector(limit=HTTP_CONNECTIONS, keepalive_timeout=5)
+        headers = {"Authorization": f"Bearer {API_KEY}"}
+        self.session = aiohttp.ClientSession(connector=connector, headers=headers)
+        self.url = f"{base_url}/chat/completions"
+
+    async def complete(self, system: str, user: str) -> str:
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+        async with self.session.post(self.url, json={"model": MODEL, "messages": messages}) as r:
+            r.raise_for_status()
+            answer = await r.json()
+        return str(answer["choices"][0]["message"]["content"])
+
+    async def aclose(self) -> None:
+        await self.session.close()
+
+
+class FloorConsumer:
+    """oncely's work with none of its guarantees: no pre-check, retries, owner
+    checks, leases, index or NOTIFY; a failed job is simply left pending."""
+
+    def __init__(
+        self,
+        redis: Redis,
+        pool: AsyncConnectionPool,
+        model: OpenAIModel | AiohttpModel,
+        concurrency: int,
+    ) -> None:
+        self.redis = redis
+        self.pool = pool
+        self.model = model
+        self.concurrency = concurrency
+        self.consumer = f"floor-{os.getpid()}"
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._slot_free = asyncio.Event()
+        self._acks: list[str] = []
+        self._ack_wanted = asyncio.Event()
+
+    async def run(self) -> None:
+        acker = asyncio.create_task(self._ack_forever())
+        try:
+            while True:
+                while len(self._tasks) >= self.concurrency:
+                    self._slot_free.clear()
+                    await self._slot_free.wait()
+                await self.run_once()
+        finally:
+            acker.cancel()
+            if self._tasks:
+                await asyncio.wait(self._tasks, timeout=5)
+            await self._ack_batch()
+
+    async def run_once(self) -> int:
+        free = self.concurrency - len(self._tasks)
+        keys = summaries.keys
+        reply: Any = await self.redis.xreadgroup(
+            keys.group, self.consumer, {keys.stream: ">"}, free, 1000
+        )
+        entries = reply[0][1] if reply else []
+        for entry_id, fields in entries:
+            task = asyncio.create_task(self._handle(entry_id, fields))
+            self._tasks.add(task)
+            task.add_done_callback(self._finished)
+        return len(entries)
+
+    def _finished(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        self._slot_free.set()
+        if not task.cancelled() and task.exception() is not None:
+            print(f"floor: job failed: {task.exception()!r}", file=sys.stderr)
+
+    async def _handle(self, entry_id: str, fields: dict[str, str]) -> None:
+        job_id = fields["job_id"]
+        payload = json.loads(fields["payload"])
+        # The summaries step's prompt (oncely.builtin.summaries.summarise).
+        summary = await self.model.complete(INSTRUCTION, f"<text>\n{payload['text']}\n</text>")
+        await self._store(job_id, payload["notify"], summary)
+        self._acks.append(entry_id)
+        self._ack_wanted.set()
+
+    async def _store(self, job_id: str, to: str, summary: str) -> None:
+        row = {
+            "job_id": job_id,
+            "result": Jsonb({"summary": summary}),
+            "topic": SUMMARY_READY,
+            "dedupe_key": dedupe_key(job_id),
+            "payload": Jsonb({"job_id": job_id, "to": to, "summary": summary}),
+            "workflow": summaries.name,
+        }
+        async with self.pool.connection() as conn:
+            await conn.execute(FLOOR_STORE, row)
+
+    async def _ack_forever(self) -> None:
+        while True:
+            await self._ack_wanted.wait()
+            self._ack_wanted.clear()
+            await self._ack_batch()
+
+    async def _ack_batch(self) -> None:
+        ids, self._acks = self._acks, []
+        if ids:
+            await self.redis.xack(summaries.keys.stream, summaries.keys.group, *ids)
+
+
+async def floor_main(args: argparse.Namespace) -> None:
+    model = OpenAIModel(args.llm_url) if args.transport == "openai" else AiohttpModel(args.llm_url)
+    redis = Redis.from_url(args.redis_url, decode_responses=True)
+    pool = AsyncConnectionPool(
+        args.database_url,
+        min_size=PG_POOL_MIN,
+        max_size=PG_POOL_MAX,
+        open=False,
+        kwargs={"autocommit": True},
+    )
+    await pool.open(wait=True)
+    try:
+        task = asyncio.create_task(FloorConsumer(redis, pool, model, args.concurrency).run())
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, task.cancel)
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    finally:
+        await model.aclose()
+        await pool.close()
+        await redis.aclose()
+
+
+# -- one run --------------------------------------------------------------------------
+
+
+class Bench:
+    def __init__(self, ctx: Context, model: FakeModel) -> None:
+        self.ctx = ctx
+        self.model = model
+        self.redis = Redis.from_url(ctx.servers.redis_url, decode_responses=True)
+        self.db: psycopg.AsyncConnection[Any]
+
+    async def open(self) -> None:
+        from oncely.sql.migrate import migrate
+
+        await migrate(self.ctx.servers.database_url)
+        self.db = await psycopg.AsyncConnection.connect(
+            self.ctx.servers.database_url, autocommit=True
+        )
+        await self.model.ready()
+
+    async def close(self) -> None:
+        await self.db.close()
+        await self.redis.aclose()
+
+    def spawn(self, c: Contender) -> subprocess.Popen[bytes]:
+        s = self.ctx.servers
+        if c.kind == "oncely":
+            argv = ["-m", "oncely", "worker", "--workflow", summaries.name]
+            env = clean_env(
+                redis_url=s.redis_url,
+                database_url=s.database_url,
+                llm_base_url=self.model.url,
+                llm_api_key=API_KEY,
+                worker_concurrency=str(c.concurrency),
+                log_level="WARNING",
+            )
+        else:
+            argv = [
+                "-m",
+                "bench.worker",
+                "--floor-consumer",
+                f"--transport={c.kind.removeprefix('floor_')}",
+                f"--concurrency={c.concurrency}",
+                f"--redis-url={s.redis_url}",
+                f"--database-url={s.database_url}",
+                f"--llm-url={self.model.url}",
+            ]
+            env = clean_env()
+        return self.ctx.children.python(c.key, argv, env)
+
+    async def run(self, c: Contender, round_no: int, sleep_s: float) -> Run:
+        await fresh_state(self.redis, self.db)
+        await self.model.reset()
+        job_ids = await jobs.preload(self.redis, self.db, c.jobs, sleep_s)
+        run = Run(c.key, round_no, busy_cores_before=await self.ctx.noise.quiet())
+        spawned = asyncio.get_running_loop().time()
+        proc = self.spawn(c)
+        procs = {"consumer": psutil.Process(proc.pid), "fake_model": self.model.process}
+        meter = Meter(procs, self.ctx.servers.cpu)
+        try:
+            await jobs.first_delivery(self.redis, proc, within_s=60)
+            ready = meter.sample()
+            await jobs.all_done(self.db, proc, c.jobs, _timeout_s(c, sleep_s))
+            done = meter.sample()
+        except RuntimeError as exc:
+            Children.kill(proc)
+            run.error = f"{exc}; log: {self.ctx.children.log_tail(c.key)}"
+            return run
+        use = Meter.usage(ready, done)
+        total_s = done.at - spawned
+        run.metrics = {
+            "jobs": c.jobs,
+            "seconds": round(use.wall_s, 3),
+            "jobs_per_s": round(c.jobs / use.wall_s, 1),
+            "startup_s": round(ready.at - spawned, 3),
+            "jobs_per_s_incl_startup": round(c.jobs / total_s, 1),
+            "cpu_ms_per_job": use.ms_per("consumer", c.jobs),
+            "startup_cpu_ms": round(ready.cpu["consumer"] * 1000, 1),
+            "fake_model_cpu_ms_per_job": use.ms_per("fake_model", c.jobs),
+            "machine_busy_cores": use.busy_cores,
+        }
+        if (servers_ms := use.servers_ms_per(c.jobs)) is not None:
+            run.metrics["servers_cpu_ms_per_job"] = servers_ms
+        run.foreign_cores = use.foreign_cores
+        run.checks = await jobs.checks(self.redis, self.db, self.model, job_ids)
+        run.ok = bool(run.checks["ok"])
+        # Every job is done and acknowledged (checked): a graceful stop would
+        # only cost wall time, and a kill is a stop oncely is built for.
+        Children.kill(proc)
+        return run
+
+
+def _timeout_s(c: Contender, sleep_s: float) -> float:
+    return 120 + c.jobs * (sleep_s + 0.05) * 3 / c.concurrency
+
+
+async def run_scenario(bench: Bench, scenario: Scenario) -> dict[str, Any]:
+    by_key = {c.key: c for c in scenario.contenders}
+
+    async def one(key: str, round_no: int) -> Run:
+        return await bench.run(by_key[key], round_no, scenario.model_sleep_s)
+
+    runs = await round_robin(
+        list(by_key), bench.ctx.rounds, one, bench.ctx.noise, SHOWN, f"{scenario.name} "
+    )
+    ratios = {}
+    for conc in (256, 1):
+        for floor in ("floor_openai", "floor_aiohttp"):
+            ours, theirs = runs.get(f"oncely@{conc}"), runs.get(f"{floor}@{conc}")
+            if ours and theirs:
+                ratios[f"oncely_vs_{floor}@{conc}"] = {
+                    "throughput": _json(ratio(ours, theirs, "jobs_per_s")),
+                    "throughput_incl_startup": _json(
+                        ratio(ours, theirs, "jobs_per_s_incl_startup")
+                    ),
+                    "cpu_per_job": _json(ratio(ours, theirs, "cpu_ms_per_job")),
+                }
+    return {
+        "scenario": scenario.name,
+        "model_sleep_s": scenario.model_sleep_s,
+        "results": {key: summary(rs) for key, rs in runs.items()},
+        "ratios": ratios,
+        "_runs": runs,
+    }
+
+
+def _json(r: Any) -> Any:
+    return None if r is None else r.to_json()
+
+
+# -- the profile -----------------------------------------------------------------------
+
+
+async def profile_one(bench: Bench, c: Contender, rules: list[profile.Bucket]) -> dict[str, Any]:
+    """One run with py-spy on the consumer (which slows it: the shares count, not the speed)."""
+    await fresh_state(bench.redis, bench.db)
+    await bench.model.reset()
+    job_ids = await jobs.preload(bench.redis, bench.db, c.jobs)
+    proc = bench.spawn(c)
+    await jobs.first_delivery(bench.redis, proc, within_s=60)
+    ps = psutil.Process(proc.pid)
+    cpu_before = ps.cpu_times()
+    spy = profile.Spy(bench.ctx.children, c.key, proc.pid, bench.ctx.log_dir)
+    await jobs.all_done(bench.db, proc, c.jobs, _timeout_s(c, 0.0) * 3)
+    after = ps.cpu_times()
+    cpu_ms = (after.user + after.system - cpu_before.user - cpu_before.system) * 1000 / c.jobs
+    folded = await spy.stop()
+    checks = await jobs.checks(bench.redis, bench.db, bench.model, job_ids)
+    Children.kill(proc)
+    return {
+        "contender": c.key,
+        "jobs": c.jobs,
+        "cpu_ms_per_job_under_py_spy": round(cpu_ms, 3),
+        "folded": str(folded),
+        "checks_ok": checks["ok"],
+        **profile.shares(folded, rules, cpu_ms),
+    }
+
+
+# -- the benchmark -------------------------------------------------------------------------
+
+
+async def bench_main(ctx: Context) -> tuple[list[Headline], dict[str, Any], bool]:
+    rules = {kind: profile.buckets(spec) for kind, spec in BUCKETS.items()}  # fail fast
+    bench = Bench(ctx, FakeModel.start(ctx.children))
+    await bench.open()
+    try:
+        results = [await run_scenario(bench, s) for s in scenarios(ctx.smoke)]
+        profiles = []
+        if ctx.args.profile:
+            # A smoke run profiles oncely once.
+            kinds = ("oncely",) if ctx.smoke else ("oncely", "floor_openai")
+            for kind in kinds:
+                rule = rules["oncely" if kind == "oncely" else "floor"]
+                n = 60 if ctx.smoke else 4000
+                profiles.append(await profile_one(bench, Contender(kind, 256, n), rule))
+    finally:
+        await bench.close()
+    ok = all(r.ok for s in results for rs in s["_runs"].values() for r in rs)
+    ok = ok and all(p["checks_ok"] for p in profiles)
+    headline = []
+    for s in results:
+        runs = s.pop("_runs")
+        for floor in ("floor_openai", "floor_aiohttp"):
+            for conc in (256, 1):
+                ours, theirs = runs.get(f"oncely@{conc}"), runs.get(f"{floor}@{conc}")
+                if ours and theirs:
+                    what = f"worker {s['scenario']}: oncely / {floor} @{conc}, jobs/s"
+                    goal = {"at_least": GOAL} if floor == "floor_openai" and conc == 256 else {}
+                    headline.append(Headline.of(what, ratio(ours, theirs, "jobs_per_s"), **goal))
+    detail = {"goal": GOAL, "scenarios": results, "profiles": profiles or None}
+    return headline, detail, ok
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = parser("worker", __doc__ or "", rounds=3, noise=Noise(0.3, 30.0, 2, 90.0))
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="also py-spy oncely@256 and floor_openai@256 (instant model): CPU per bucket",
+    )
+    # The floor consumer, run by the benchmark itself:
+    p.add_argument("--floor-consumer", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--transport", choices=("openai", "aiohttp"), help=argparse.SUPPRESS)
+    p.add_argument("--concurrency", type=int, default=256, help=argparse.SUPPRESS)
+    p.add_argument("--llm-url", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    arguments = parse_args()
+    if arguments.floor_consumer:
+        import uvloop  # what `oncely worker` runs on too
+
+        uvloop.run(floor_main(arguments))
+    else:
+        main("worker", "oncely worker vs floor consumers", arguments, bench_main)

@@ -1,0 +1,182 @@
+"""Every benchmark's smoke run (``python -m bench.<name> --smoke``): tiny
+sizes and one round on the suite's servers, so none can rot. Each must end
+with its invariants holding and write a report whose numbers and checks say
+so; their profile buckets must name functions the code still has. Select
+them with ``-m bench``. The intake needs ``wrk`` (Debian's package; .ci/run
+installs it) and is skipped, saying so, where it is missing."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from bench import intake, relay, worker
+from bench.harness import profile, report
+from bench.harness.measure import Headline, Noise
+from bench.summary import render
+
+from tests.processes import ROOT
+
+pytestmark = [pytest.mark.bench, pytest.mark.slow]
+
+# Each smoke takes 10-25 s on an idle 2-core machine; the bound only keeps a
+# hung one from holding the suite, with wide slack for a busy box.
+SMOKE_TIMEOUT_S = 200
+HAS_PY_SPY = profile.py_spy() is not None
+
+
+def smoke(name: str, tmp_path: Path, urls: tuple[str, str], *extra: str) -> dict[str, Any]:
+    out = tmp_path / f"{name}.json"
+    argv = [sys.executable, "-m", f"bench.{name}", "--smoke", "--out", str(out)]
+    argv += ["--redis-url", urls[0], "--database-url", urls[1], "--log-dir", str(tmp_path)]
+    done = subprocess.run(
+        [*argv, *extra], cwd=ROOT, capture_output=True, text=True, timeout=SMOKE_TIMEOUT_S
+    )
+    assert done.returncode == 0, f"bench.{name} failed:\n{done.stderr[-4000:]}"
+    result: dict[str, Any] = json.loads(out.read_text())
+    assert json.loads(done.stdout) == result, "the report on stdout is the one written"
+    assert result["benchmark"] == name and result["smoke"] is True and result["ok"] is True
+    assert result["headline"] and all(h["value"] is not None for h in result["headline"])
+    summary = render([result], tmp_path / "BENCHMARKS.md", tmp_path, None)
+    assert all(h["what"] in summary for h in result["headline"])
+    return result
+
+
+def runs(results: dict[str, Any]) -> list[dict[str, Any]]:
+    return [run for contender in results.values() for run in contender["runs"]]
+
+
+def profile_args() -> tuple[str, ...]:
+    return ("--profile",) if HAS_PY_SPY else ()
+
+
+def assert_profiled(profiles: list[dict[str, Any]] | None) -> None:
+    if not HAS_PY_SPY:
+        return
+    assert profiles
+    for p in profiles:
+        assert p["main_thread_samples"] > 0 and p["checks_ok"]
+        assert sum(share for share, _ in p["buckets"].values()) == pytest.approx(1, abs=0.02)
+
+
+@pytest.mark.timeout(SMOKE_TIMEOUT_S + 30)
+def test_intake_smoke_checks_every_accepted_job_is_in_jobs_and_the_stream_once(
+    tmp_path, redis_url, database_url
+):
+    if shutil.which("wrk") is None:
+        pytest.skip("SKIPPED: wrk is not installed (apt-get install wrk; .ci/run installs it)")
+    result = smoke(
+        "intake", tmp_path, (redis_url, database_url), *(() if HAS_PY_SPY else ("--no-profile",))
+    )
+
+    every = runs(result["results"])
+    assert {r["contender"] for r in every} == {"oncely", "floor", "xadd", "oncely_dup30"}
+    assert all(r["ok"] and r["metrics"]["req_per_s"] > 0 for r in every)
+    oncely = [r for r in every if r["contender"] == "oncely"]
+    assert all(r["checks"]["every_202_in_jobs_once"] for r in oncely)
+    assert all(r["checks"]["every_202_in_stream_once"] for r in oncely)
+    assert all(r["checks"]["distinct_202_job_ids"] > 0 for r in oncely)
+    if HAS_PY_SPY:
+        buckets = result["profile"]["buckets"]
+        assert result["profile"]["main_thread_samples"] > 0
+        assert sum(buckets.values()) == pytest.approx(1, abs=0.02)
+
+
+@pytest.mark.timeout(SMOKE_TIMEOUT_S + 30)
+def test_worker_smoke_does_every_job_once_for_oncely_and_both_floors(
+    tmp_path, redis_url, database_url
+):
+    result = smoke("worker", tmp_path, (redis_url, database_url), *profile_args())
+
+    every = runs(result["scenarios"][0]["results"])
+    assert {r["contender"] for r in every} == {
+        "oncely@256",
+        "floor_openai@256",
+        "floor_aiohttp@256",
+    }
+    for r in every:
+        c = r["checks"]
+        assert r["ok"] and c["done"] == c["results"] == c["outbox"] == c["jobs"] > 0
+        assert c["model_calls"] == c["jobs"] and c["pending_after_done"] == 0
+    assert_profiled(result["profiles"])
+
+
+@pytest.mark.timeout(SMOKE_TIMEOUT_S + 30)
+def test_relay_smoke_sends_every_row_once_for_oncely_and_both_minimal_relays(
+    tmp_path, redis_url, database_url
+):
+    result = smoke("relay", tmp_path, (redis_url, database_url), *profile_args())
+
+    every = runs(result["scenarios"][0]["results"])
+    assert {r["contender"] for r in every} == {"oncely", "minimal", "minimal_batched"}
+    for r in every:
+        c = r["checks"]
+        assert r["ok"] and c["sent"] == c["provider_effects"] == c["rows"] > 0
+        assert c["effects_are_the_rows"] and c["failed"] == 0
+    assert_profiled(result["profiles"])
+
+
+@pytest.mark.timeout(SMOKE_TIMEOUT_S + 30)
+def test_end_to_end_smoke_delivers_one_email_per_post(tmp_path, redis_url, database_url):
+    result = smoke("end_to_end", tmp_path, (redis_url, database_url))
+
+    c = result["checks"]
+    assert c["posted"] == c["accepted_202"] == c["done"] == c["provider_effects"] > 0
+    assert c["mailbox_lines"] == c["posted"]
+    assert result["latency"]["latency_ms"]["p50"] > 0
+    assert result["throughput"]["emails_per_s"] > 0
+
+
+@pytest.mark.timeout(SMOKE_TIMEOUT_S + 30)
+def test_memory_smoke_reads_the_workers_rss_with_every_slot_held(tmp_path, redis_url, database_url):
+    result = smoke("memory", tmp_path, (redis_url, database_url))
+
+    c = result["checks"]
+    assert c["done"] == c["jobs"] and c["model_calls"] == c["jobs"]
+    assert c["samples_at_full"] > 0
+    assert result["rss_mb"]["at_full_concurrency"] > result["rss_mb"]["idle"] > 0
+
+
+# --- the harness itself
+
+
+def test_every_profile_bucket_names_a_live_function():
+    for spec in (*worker.BUCKETS.values(), *relay.BUCKETS.values(), intake.PROFILE_BUCKETS):
+        assert profile.buckets(spec)
+
+
+def test_a_bucket_naming_a_missing_function_is_an_error():
+    with pytest.raises(profile.MissingFunction, match=r"Worker\._gone"):
+        profile.buckets([("gone", ["oncely.queue.worker:Worker._gone"])])
+    with pytest.raises(profile.MissingFunction, match="no module"):
+        profile.buckets([("gone", ["oncely.no_such_module:f"])])
+
+
+def test_a_run_whose_invariants_fail_writes_its_report_and_exits_1(
+    tmp_path, redis_url, database_url, monkeypatch
+):
+    monkeypatch.setattr(report, "sigterm_unwinds", lambda: None)  # the suite's own handlers
+    monkeypatch.setattr("oncely.logs.configure_logging", lambda *a: None)  # and logging
+    p = report.parser(
+        "fails", "A benchmark whose checks fail.", rounds=1, noise=Noise(0.3, 0, 0, 0)
+    )
+    out = tmp_path / "fails.json"
+    args = p.parse_args(
+        ["--smoke", "--out", str(out), "--redis-url", redis_url, "--database-url", database_url]
+    )
+
+    async def body(ctx: report.Context) -> tuple[list[Headline], dict[str, Any], bool]:
+        return [Headline("fast and wrong", 99.0)], {"checks": {"done": 1, "jobs": 2}}, False
+
+    with pytest.raises(SystemExit) as exit_:
+        report.main("fails", "fails", args, body)
+
+    assert exit_.value.code == 1
+    written = json.loads(out.read_text())
+    assert written["ok"] is False and written["checks"] == {"done": 1, "jobs": 2}
+    assert "FAILED" in render([written], tmp_path / "B.md", tmp_path, None)
