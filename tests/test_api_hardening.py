@@ -162,7 +162,7 @@ async def test_an_insert_without_an_answer_is_503_and_withdrawn_then_the_retry_i
         took = time.monotonic() - started
         assert r.status_code == 503
         assert r.json()["type"].endswith("/problems/unavailable")
-        assert took < 0.5 + 1.0
+        assert took < 0.5 + 5.0  # the bound, not a lock wait of its own (wide slack)
         await blocker.rollback()  # the stall ends: the late insert may land now
         await blocker.close()
 
@@ -279,7 +279,7 @@ async def test_a_handler_past_the_max_hold_is_cancelled_its_key_released_and_503
     assert r.headers["content-type"] == "application/problem+json"
     assert r.json()["type"].endswith("/problems/unavailable")
     assert r.headers["retry-after"] == "1"
-    assert 1.0 <= took < 3.0
+    assert 1.0 <= took < 15.0  # the max hold, 1 s, ends it (wide slack)
     assert handler.cancelled == 1
     assert await running_markers(redis) == []
     handler.hang = False

@@ -342,7 +342,7 @@ async def test_hanging_model_gives_up_within_the_deadline(
     started = time.monotonic()
     with pytest.raises(DeadlineExceeded):
         await complete_with_retries(llm, "Silence. [[fake:hang]]", **options)
-    assert time.monotonic() - started < 3.0, "the 0.5 s deadline ends it (wide slack)"
+    assert time.monotonic() - started < 15.0, "the 0.5 s deadline ends it (wide slack)"
     assert 1 <= fake.stats("Silence").prompts[0].count <= 3
 
 
@@ -356,7 +356,8 @@ async def test_dripping_model_is_cut_off_by_the_wall_clock(
         await complete_with_retries(llm, "Trickle. [[fake:drip]]", **options)
     # asyncio.timeout's own (from the cancellation), not the SDK's read timeout.
     assert isinstance(raised.value.__cause__, asyncio.CancelledError)
-    assert 1.1 <= time.monotonic() - started < 5.0, "cut at 1.1 s, not dripping forever"
+    # The fake drips for minutes: far below that, it was cut (wide slack).
+    assert 1.1 <= time.monotonic() - started < 30.0, "cut at 1.1 s, not dripping forever"
     assert fake.stats("Trickle").prompts[0].count == 1
 
 
@@ -364,11 +365,9 @@ async def test_fifty_concurrent_calls_are_in_flight_together(
     fake: FakeLLMServer, llm: OpenAICompatible
 ) -> None:
     prompts = [f"Request {n}. [[fake:sleep=0.2]]" for n in range(50)]
-    started = time.monotonic()
-    answers = await asyncio.gather(*(llm.complete([Message("user", p)], 5.0) for p in prompts))
+    answers = await asyncio.gather(*(llm.complete([Message("user", p)], 30.0) for p in prompts))
     assert [a.text for a in answers] == [f"Request {n}." for n in range(50)]
-    # One after another would take 10 s: they ran together (wide slack).
-    assert time.monotonic() - started < 5.0
+    # Together, as the fake saw them: not one after another.
     stats = fake.stats()
     assert stats.total == 50
     assert stats.max_in_flight >= 40

@@ -125,25 +125,34 @@ class WorkflowHandler:
         return "done"
 
     def _model(self) -> Model:
-        c = self.config
-        return Model(
-            self.llm,
-            policy=c.policy,
-            deadline=Deadline.after(c.budget_s),
-            workflow=self.workflow.name,
-            model_name=c.model_name,
-            invalid_output_retries=c.invalid_output_retries,
-        )
+        return step_model(self.workflow.name, self.llm, self.config)
 
     def _checked(self, result: Any) -> BaseModel:
-        """The step's answer as the declared result model (a plain dict is validated)."""
-        if isinstance(result, self.workflow.result):
-            return cast(BaseModel, result)
-        try:
-            validated: BaseModel = self.workflow.result.model_validate(result)
-        except ValidationError as exc:
-            raise PermanentError(f"step returned an invalid result: {_short(exc)}") from exc
-        return validated
+        return checked_result(self.workflow, result)
+
+
+def step_model(workflow: str, llm: LLM, config: StepConfig, model_name: str | None = None) -> Model:
+    """The model one delivery's step uses: ``config``'s retries under a fresh
+    budget (shadow runs name their variant's model)."""
+    return Model(
+        llm,
+        policy=config.policy,
+        deadline=Deadline.after(config.budget_s),
+        workflow=workflow,
+        model_name=config.model_name if model_name is None else model_name,
+        invalid_output_retries=config.invalid_output_retries,
+    )
+
+
+def checked_result(workflow: Workflow[Any, Any], result: Any) -> BaseModel:
+    """A step's answer as the declared result model (a plain dict is validated)."""
+    if isinstance(result, workflow.result):
+        return cast(BaseModel, result)
+    try:
+        validated: BaseModel = workflow.result.model_validate(result)
+    except ValidationError as exc:
+        raise PermanentError(f"step returned an invalid result: {_short(exc)}") from exc
+    return validated
 
 
 def _short(exc: ValidationError) -> str:

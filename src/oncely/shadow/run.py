@@ -26,11 +26,11 @@ from pydantic import BaseModel, ValidationError
 
 from oncely import tracing
 from oncely.errors import DeadlineExceeded, PermanentError
-from oncely.jobs.handler import StepConfig
+from oncely.jobs.handler import StepConfig, checked_result, step_model
 from oncely.llm.base import LLM
 from oncely.llm.model import Model
 from oncely.queue.stream import JobMessage, Stream
-from oncely.retry import Deadline, classify
+from oncely.retry import classify
 from oncely.shadow.config import sampled
 from oncely.shadow.evaluate import Evaluation, ModelJudge, evaluate
 from oncely.shadow.store import ShadowResults, ShadowRun
@@ -185,26 +185,10 @@ class ShadowHandler:
         return primary, request
 
     def _model(self, llm: LLM, model_name: str) -> Model:
-        c = self.config
-        return Model(
-            llm,
-            policy=c.policy,
-            deadline=Deadline.after(c.budget_s),
-            workflow=self.workflow.name,
-            model_name=model_name,
-            invalid_output_retries=c.invalid_output_retries,
-        )
+        return step_model(self.workflow.name, llm, self.config, model_name)
 
     def _checked(self, result: Any) -> BaseModel:
-        if isinstance(result, self.workflow.result):
-            return result  # type: ignore[no-any-return]
-        try:
-            validated: BaseModel = self.workflow.result.model_validate(result)
-        except ValidationError as exc:
-            raise PermanentError(
-                f"step returned an invalid result: {exc.error_count()} errors"
-            ) from exc
-        return validated
+        return checked_result(self.workflow, result)
 
 
 def _usage(model: Model, judge: Model | None) -> dict[str, int]:
