@@ -128,28 +128,26 @@ def template_db(server_urls: tuple[str, str]) -> Iterator[str]:
         conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
-@pytest.fixture
-def database_url(server_urls: tuple[str, str], template_db: str) -> Iterator[str]:
-    _, admin_url = server_urls
-    name = f"oncely_t_{os.getpid()}_{next(_counter)}"
+def _cloned_database(admin_url: str, template_db: str, prefix: str) -> Iterator[str]:
+    """A fresh database cloned from the migrated template, dropped afterwards."""
+    name = f"{prefix}_{os.getpid()}_{next(_counter)}"
     with psycopg.connect(admin_url, autocommit=True) as conn:
         conn.execute(f'CREATE DATABASE "{name}" TEMPLATE "{template_db}"')
     yield _with_dbname(admin_url, name)
     with psycopg.connect(admin_url, autocommit=True) as conn:
         conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture
+def database_url(server_urls: tuple[str, str], template_db: str) -> Iterator[str]:
+    yield from _cloned_database(server_urls[1], template_db, "oncely_t")
 
 
 @pytest.fixture(scope="module")
 def module_database_url(server_urls: tuple[str, str], template_db: str) -> Iterator[str]:
     """A database for one module's tests to share, e.g. behind a real process
     they all talk to (each test still flushes Redis)."""
-    _, admin_url = server_urls
-    name = f"oncely_m_{os.getpid()}_{next(_counter)}"
-    with psycopg.connect(admin_url, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}" TEMPLATE "{template_db}"')
-    yield _with_dbname(admin_url, name)
-    with psycopg.connect(admin_url, autocommit=True) as conn:
-        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    yield from _cloned_database(server_urls[1], template_db, "oncely_m")
 
 
 @pytest.fixture
