@@ -498,16 +498,18 @@ PROFILE_BUCKETS: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 
 
-async def profile_api(bench: Bench, seconds: int, rules: list[profile.Bucket]) -> dict[str, Any]:
-    """py-spy on ``oncely api`` under the fresh-key load (it slows the API:
+async def profile_server(
+    bench: Bench, c: Contender, seconds: int, rules: list[profile.Bucket]
+) -> dict[str, Any]:
+    """py-spy on one server under the fresh-key load (it slows the server:
     read the shares, not the speed)."""
     await fresh_state(bench.redis, bench.db)
     spy = profile.Spy(
-        bench.ctx.children, "oncely-api", bench.procs["oncely"].pid, bench.ctx.log_dir
+        bench.ctx.children, f"{c.name}-api", bench.procs[c.server].pid, bench.ctx.log_dir
     )
     await asyncio.sleep(1.0)  # py-spy attaches
     load = Load(seconds, bench.load.connections, bench.load.threads)
-    wrk = await bench.wrk(CONTENDERS[0], load, bench.ctx.log_dir / "profile-wrk")
+    wrk = await bench.wrk(c, load, bench.ctx.log_dir / f"profile-wrk-{c.name}")
     folded = await spy.stop()
     secs = wrk.summary["duration_us"] / 1e6
     return {
@@ -531,16 +533,21 @@ async def bench_main(ctx: Context) -> tuple[list[Headline], dict[str, Any], bool
         await bench.open()
         if not ctx.smoke:
             await bench.warm_up(2)
-        names = [c.name for c in CONTENDERS]
         by_name = {c.name: c for c in CONTENDERS}
+        names = [c.name for c in CONTENDERS if not a.only or c.name in a.only.split(",")]
 
         async def one(name: str, round_no: int) -> Run:
             return await bench.run(by_name[name], round_no)
 
-        runs = await round_robin(names, ctx.rounds, one, ctx.noise, SHOWN)
+        ran = await round_robin(names, ctx.rounds, one, ctx.noise, SHOWN)
+        runs = {name: ran.get(name, []) for name in by_name}
         prof: dict[str, Any] | None = None
+        floor_prof: dict[str, Any] | None = None
         if not a.no_profile:
-            prof = await profile_api(bench, 1 if ctx.smoke else 8, rules)
+            seconds = 1 if ctx.smoke else 8
+            prof = await profile_server(bench, by_name["oncely"], seconds, rules)
+            if a.profile_floor:
+                floor_prof = await profile_server(bench, by_name["floor"], seconds, rules)
     finally:
         await bench.close()
     pairs = {
@@ -566,9 +573,10 @@ async def bench_main(ctx: Context) -> tuple[list[Headline], dict[str, Any], bool
     detail = {
         "load": asdict(load) | {"dup_rate": 0.3, "dup_gap": DUP_GAP},
         "goal": {"throughput_min": GOAL_THROUGHPUT, "p99_max": GOAL_P99},
-        "results": {name: summary(rs) for name, rs in runs.items()},
+        "results": {name: summary(rs) for name, rs in runs.items() if rs},
         "ratios": ratios,
         "profile": prof,
+        "profile_floor": floor_prof,
     }
     return headline, detail, all(r.ok for rs in runs.values() for r in rs)
 
@@ -583,6 +591,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--connections", type=int, default=32)
     p.add_argument("--threads", type=int, default=2, help="wrk threads")
     p.add_argument("--no-profile", action="store_true", help="skip the py-spy profile")
+    p.add_argument(
+        "--profile-floor", action="store_true", help="profile the floor too (same buckets)"
+    )
+    p.add_argument(
+        "--only", help="comma-separated contenders (oncely,floor,xadd,oncely_dup30); all by default"
+    )
     # The floor / XADD-only server, run by the benchmark itself:
     p.add_argument("--serve", choices=("floor", "xadd"), help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, help=argparse.SUPPRESS)

@@ -14,7 +14,9 @@ import pytest
 from psycopg_pool import AsyncConnectionPool
 from redis.asyncio import Redis
 
+from oncely import names
 from oncely.api.auth import create_api_key, revoke_api_key
+from oncely.api.keys import Scope
 from oncely.api.store import IdempotencyStore
 from oncely.builtin.summaries import summaries
 from tests.helpers import asgi_app
@@ -266,13 +268,14 @@ async def test_redis_unreachable_is_503_and_nothing_is_stored(settings, pool, au
     assert await job_count(pool) == 0
 
 
-async def test_crash_between_xadd_and_finalise_replays_the_acceptance_from_the_row(
+async def test_crash_before_the_enqueue_and_finalise_replays_the_acceptance_from_the_row(
     settings, redis, pool, auth, monkeypatch
 ):
-    """The API dies after XADD, before storing the response: the marker
-    expires, and the retry finds the job row with the same body: the same
-    202 bytes, replayed from the row, and no second message (a message lost
-    with a crash between insert and XADD is the reconciler's to restore)."""
+    """The API dies after the insert, before the one write that enqueues the
+    job and stores the response: the marker expires, and the retry finds the
+    job row with the same body: the same 202 bytes, replayed from the row,
+    and no message from the retry (the queued row is the reconciler's to
+    restore, tests/test_reconcile.py)."""
 
     class Crash(BaseException):
         pass
@@ -297,9 +300,46 @@ async def test_crash_between_xadd_and_finalise_replays_the_acceptance_from_the_r
     assert retry.headers["location"] == f"{URL}/{retry.json()['job_id']}"
     assert again.content == retry.content and again.headers["idempotent-replayed"] == "true"
     assert await job_count(pool) == 1
-    entries = await stream_entries(redis)
-    assert len(entries) == 1
-    assert entries[0]["job_id"] == retry.json()["job_id"]
+    assert await stream_entries(redis) == []
+    async with pool.connection() as conn:
+        cur = await conn.execute("SELECT job_id::text, status FROM jobs")
+        assert await cur.fetchall() == [(retry.json()["job_id"], "queued")]
+
+
+async def test_a_failed_enqueue_leaves_the_stored_answer_and_the_row(
+    client, redis, pool, auth, capsys
+):
+    """The enqueue and the stored response go out together, and one failing
+    does not stop the other: with the stream unusable (a string where the
+    stream should be), the POST is still 202, its answer is stored (the
+    retry is replayed from Redis, not from the row), the row is queued for
+    the reconciler, and the failure is logged."""
+    await redis.set(summaries.keys.stream, "not a stream")
+    first = await client.post(URL, json=BODY, headers=headers(auth))
+    assert first.status_code == 202
+    assert "jobs.enqueue_failed" in capsys.readouterr().out
+    record = json.loads(await redis.get(_idem_key(auth)) or "{}")
+    assert record["state"] == "done" and record["status"] == 202
+    retry = await client.post(URL, json=BODY, headers=headers(auth))
+    assert retry.headers["idempotent-replayed"] == "true"
+    assert retry.content == first.content
+    assert await job_count(pool) == 1
+
+
+async def test_scripts_redis_forgot_are_loaded_again(client, redis, pool, auth):
+    """SCRIPT FLUSH (a restarted Redis): the enqueue and the finalise, sent
+    together as EVALSHA, are loaded and sent again; nothing is lost."""
+    await client.post(URL, json=BODY, headers=headers(auth, key="req-warm-abcdefgh"))
+    await redis.script_flush()
+    r = await client.post(URL, json=BODY, headers=headers(auth))
+    assert r.status_code == 202
+    assert [e["job_id"] for e in await stream_entries(redis)][-1] == r.json()["job_id"]
+    record = json.loads(await redis.get(_idem_key(auth)) or "{}")
+    assert record["state"] == "done"
+
+
+def _idem_key(auth: dict[str, str], key: str = "req-0001-abcdefgh") -> str:
+    return names.idempotency_key(Scope("acme", "POST", URL, key).digest)
 
 
 async def test_get_unknown_or_malformed_job_id_is_404(client, auth):

@@ -248,7 +248,10 @@ class Ratio:
 
 
 def ratio(ours: list[Run], theirs: list[Run], metric: str) -> Ratio | None:
-    """The median of per-round ratios, over the rounds where both runs passed."""
+    """The median of per-round ratios, over the rounds where both runs passed
+    (None when either did not run)."""
+    if not ours or not theirs:
+        return None
     per_round = [
         round(o.metrics[metric] / t.metrics[metric], 3)
         for o, t in zip(ours, theirs, strict=True)

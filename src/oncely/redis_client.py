@@ -13,14 +13,19 @@ cluster exists.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeAlias
 
 from redis.asyncio import Redis
 from redis.asyncio.cluster import ClusterPipeline, RedisCluster
+from redis.commands.core import AsyncScript
 from redis.exceptions import (
     ClusterDownError,
     ClusterError,
+    NoScriptError,
     RedisClusterException,
+    RedisError,
     SlotNotCoveredError,
     TryAgainError,
 )
@@ -80,3 +85,43 @@ class _Pipeline(ClusterPipeline):
             return await super().execute(raise_on_error, allow_redirections)
         except _UNAVAILABLE as exc:
             raise ClusterUnavailable(f"{type(exc).__name__}: {exc}") from exc
+
+
+@dataclass(frozen=True)
+class ScriptCall:
+    """One call of a registered Lua script, to send with others in one
+    round trip (``call_together``)."""
+
+    script: AsyncScript
+    keys: Sequence[str]
+    args: Sequence[Any]
+    # Told of this call's failure, so that whoever sends a batch need not
+    # know what each of its calls is for.
+    on_error: Callable[[RedisError], None] | None = None
+
+
+async def call_together(redis: RedisClient, calls: Sequence[ScriptCall]) -> list[Any]:
+    """Every call in one round trip; each result is the script's answer or
+    the ``RedisError`` it met (also given to its ``on_error``). One failing
+    call does not stop the others; a batch Redis did not answer fails them
+    all. A pipeline, not a transaction: on a cluster the calls' keys may
+    live on different nodes, and each call goes to its own. EVALSHA, not
+    the pipeline's script loading (which asks SCRIPT EXISTS first, a round
+    trip of its own); a script the server does not know (restarted,
+    flushed) is loaded and that call sent again."""
+    try:
+        async with redis.pipeline(transaction=False) as pipe:
+            for call in calls:
+                pipe.evalsha(call.script.sha, len(call.keys), *call.keys, *call.args)
+            results: list[Any] = await pipe.execute(raise_on_error=False)
+    except RedisError as exc:
+        results = [exc] * len(calls)
+    for i, call in enumerate(calls):
+        if isinstance(results[i], NoScriptError):
+            try:
+                results[i] = await call.script(keys=call.keys, args=call.args)
+            except RedisError as exc:
+                results[i] = exc
+        if isinstance(results[i], RedisError) and call.on_error is not None:
+            call.on_error(results[i])
+    return results

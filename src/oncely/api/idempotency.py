@@ -12,6 +12,8 @@ The handler holds the key for at most ``max_hold_s``: then it is cancelled,
 the key released and the request answered 503 (``HoldExpired``). A handler
 whose outcome is durable before it returns says so with ``settle``: from
 then on that response is the answer, even if the handler is stopped later.
+``settle`` may bring Redis writes that follow from the outcome (the intake's
+enqueue): they go out in the same round trip as the stored response.
 A claim, finalise or release that Redis did not answer is released again in
 the background (``IdempotencyStore.release_eventually``), so no key stays
 "in progress" for the lock TTL with nothing running.
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 from typing import Annotated, Any
 
@@ -36,6 +38,7 @@ from oncely.api.keys import Scope, fingerprint, parse_key
 from oncely.api.problems import HoldExpired, problem_schema
 from oncely.api.store import Claimed, Finished, IdempotencyStore, StoredResponse, new_token
 from oncely.errors import KeyReused, RequestInProgress
+from oncely.redis_client import ScriptCall, call_together
 
 log = structlog.get_logger("oncely.idempotency")
 
@@ -116,6 +119,7 @@ class IdempotentRequest:
         self._max_hold_s = max_hold_s
         self._fingerprint: str | None = None
         self._settled: Response | None = None
+        self._along: Sequence[ScriptCall] = ()
 
     @property
     def job_id(self) -> str:
@@ -130,10 +134,14 @@ class IdempotentRequest:
             raise RuntimeError("the fingerprint is known once run() has begun")
         return self._fingerprint
 
-    def settle(self, response: Response) -> None:
+    def settle(self, response: Response, *, along: Sequence[ScriptCall] = ()) -> None:
         """The handler's outcome is durable: answer (and store) ``response``
-        even if the handler is stopped or fails after this."""
+        even if the handler is stopped or fails after this. ``along``: Redis
+        writes that follow from the outcome, sent with the stored response in
+        one round trip once the handler is done (each failure goes to its
+        ``on_error``; the response stands)."""
         self._settled = response
+        self._along = along
 
     async def run(self, body: Any, handler: Handler) -> Response:
         fp = self._fingerprint = fingerprint(jsonable_encoder(body))
@@ -176,6 +184,8 @@ class IdempotentRequest:
             keeper.stop()
         if response.status_code >= 500:
             await asyncio.shield(self._release(token))
+            if self._along:
+                await asyncio.shield(call_together(self._store.redis, self._along))
             return response
         await asyncio.shield(self._finalise(fp, token, response))
         return response
@@ -202,9 +212,10 @@ class IdempotentRequest:
         return self._settled
 
     async def _finalise(self, fp: str, token: str, response: Response) -> None:
+        along, self._along = self._along, ()
         try:
             stored = await self._store.finalise(
-                self._digest, token, fp, _capture(response), tenant=self.scope.tenant
+                self._digest, token, fp, _capture(response), tenant=self.scope.tenant, along=along
             )
         except redis.exceptions.RedisError as exc:
             # The response stands (the handler's work is done); the marker

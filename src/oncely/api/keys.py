@@ -10,6 +10,7 @@ import hashlib
 import json
 import uuid
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from oncely.errors import KeyMalformed, KeyMissing
@@ -70,6 +71,8 @@ class Scope:
     """Who asked for what: tenant, method, route template and key.
 
     Each part is length-prefixed, so no two distinct tuples share a text.
+    The derived values are computed once per request (``cached_property``
+    writes the instance's ``__dict__``, which a frozen dataclass allows).
     """
 
     tenant: str
@@ -77,16 +80,16 @@ class Scope:
     route: str
     key: str
 
-    @property
+    @cached_property
     def text(self) -> str:
         parts = (self.tenant, self.method.upper(), self.route, self.key)
         return "|".join(f"{len(p.encode())}:{p}" for p in parts)
 
-    @property
+    @cached_property
     def digest(self) -> str:
         return hashlib.sha256(self.text.encode()).hexdigest()
 
-    @property
+    @cached_property
     def job_id(self) -> uuid.UUID:
         return uuid.uuid5(JOB_NAMESPACE, self.text)
 

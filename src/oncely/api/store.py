@@ -20,6 +20,7 @@ import base64
 import hashlib
 import json
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +28,7 @@ import redis.exceptions
 import structlog
 
 from oncely import names
-from oncely.redis_client import RedisClient
+from oncely.redis_client import RedisClient, ScriptCall, call_together
 
 log = structlog.get_logger("oncely.idempotency")
 
@@ -133,7 +134,7 @@ class _Releases:
 
 class IdempotencyStore:
     def __init__(self, redis: RedisClient, *, lock_ttl_s: float, result_ttl_s: int) -> None:
-        self._redis = redis
+        self.redis = redis
         self.lock_ttl_ms = max(1, int(lock_ttl_s * 1000))
         self.result_ttl_ms = result_ttl_s * 1000
         self._finalise = redis.register_script(_FINALISE)
@@ -146,30 +147,43 @@ class IdempotencyStore:
         finished request)."""
         key = names.idempotency_key(digest)
         marker = json.dumps({"state": "running", "fp": fp, "token": token, "t": tenant_tag(tenant)})
-        while True:
-            if await self._redis.set(key, marker, nx=True, px=self.lock_ttl_ms):
+        # One round trip either way: SET NX GET (Redis 7.0+) sets the marker
+        # and answers nothing, or sets nothing and answers what holds the key.
+        raw: Any = await self.redis.set(key, marker, nx=True, px=self.lock_ttl_ms, get=True)
+        if raw is None:
+            return Claimed(token)
+        record = json.loads(raw)
+        if record["state"] == "running":
+            if record.get("token") == token:
+                # Our own SET, applied although its answer was lost (the
+                # client retried it on a fresh connection).
                 return Claimed(token)
-            raw = await self._redis.get(key)
-            if raw is None:
-                continue  # expired or released between SET and GET: try again
-            record = json.loads(raw)
-            if record["state"] == "running":
-                if record.get("token") == token:
-                    # Our own SET, applied although its answer was lost (the
-                    # client retried it on a fresh connection).
-                    return Claimed(token)
-                return Running(record["fp"])
-            return Finished(record["fp"], StoredResponse.from_record(record))
+            return Running(record["fp"])
+        return Finished(record["fp"], StoredResponse.from_record(record))
 
     async def finalise(
-        self, digest: str, token: str, fp: str, response: StoredResponse, *, tenant: str = ""
+        self,
+        digest: str,
+        token: str,
+        fp: str,
+        response: StoredResponse,
+        *,
+        tenant: str = "",
+        along: Sequence[ScriptCall] = (),
     ) -> bool:
-        """Store the response if we still own the key; False means the lock was lost."""
+        """Store the response if we still own the key; False means the lock
+        was lost. ``along``: writes that follow from the response, sent in
+        the same round trip (each failure goes to its ``on_error``)."""
         key = names.idempotency_key(digest)
-        done = await self._finalise(
-            keys=[key], args=[token, response.to_json(fp, tenant), self.result_ttl_ms]
+        args: list[str | int] = [token, response.to_json(fp, tenant), self.result_ttl_ms]
+        if not along:
+            return bool(await self._finalise(keys=[key], args=args))
+        stored, *_ = await call_together(
+            self.redis, [ScriptCall(self._finalise, [key], args), *along]
         )
-        return bool(done)
+        if isinstance(stored, redis.exceptions.RedisError):
+            raise stored
+        return bool(stored)
 
     async def erase_tenant(self, tenant: str, batch: int = 1000) -> int:
         """Delete every record of ``tenant`` (right to erasure); how many.
@@ -178,7 +192,7 @@ class IdempotencyStore:
         tag = tenant_tag(tenant)
         erased = 0
         keys: list[str] = []
-        async for key in self._redis.scan_iter(match=names.IDEMPOTENCY_PREFIX + "*", count=batch):
+        async for key in self.redis.scan_iter(match=names.IDEMPOTENCY_PREFIX + "*", count=batch):
             keys.append(key)
             if len(keys) >= batch:
                 erased += await self._erase_matching(keys, tag)
@@ -188,7 +202,7 @@ class IdempotencyStore:
     async def _erase_matching(self, keys: list[str], tag: str) -> int:
         # One GET per key in one pipeline, not MGET: on a cluster the keys
         # live in many slots, and the pipeline sends each to its node.
-        async with self._redis.pipeline(transaction=False) as pipe:
+        async with self.redis.pipeline(transaction=False) as pipe:
             for key in keys:
                 pipe.get(key)
             values: list[Any] = await pipe.execute()
@@ -196,7 +210,7 @@ class IdempotencyStore:
             k for k, v in zip(keys, values, strict=True) if v and json.loads(v).get("t") == tag
         ]
         if doomed:
-            await self._redis.delete(*doomed)
+            await self.redis.delete(*doomed)
         return len(doomed)
 
     async def release(self, digest: str, token: str) -> bool:

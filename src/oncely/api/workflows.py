@@ -25,7 +25,7 @@ from oncely.api.idempotency import (
 from oncely.api.problems import RateLimited, problem_schema
 from oncely.api.ratelimit import TenantLimiter
 from oncely.errors import KeyReused
-from oncely.jobs.store import Acceptance, Job, Jobs
+from oncely.jobs.store import Job, Jobs
 from oncely.workflow import Workflow
 
 # What PostgreSQL refuses in JSON text (README: Decisions).
@@ -158,23 +158,19 @@ async def accept_job(
 ) -> tuple[Response, bool]:
     """The intake's handler: 202 once the job row is committed (whatever
     becomes of the enqueue), the same bytes when the row was there before
-    (Redis forgot the key), 422 when that row holds another body."""
-    answers: list[Response] = []
-
-    def recorded(acceptance: Acceptance) -> None:
-        # Rows accepted before fingerprints were kept cannot tell: replayed.
-        if acceptance.fingerprint not in (None, idem.fingerprint):
-            return
-        response = JSONResponse(
-            {"job_id": job.job_id, "status": "queued"},
-            status_code=202,
-            headers={"Location": location},
-        )
-        answers.append(response if acceptance.fresh else mark_replayed(response))
-        # The row is the record of acceptance: from here on, never a 503.
-        idem.settle(answers[0])
-
-    acceptance = await jobs.accept(job, fingerprint=idem.fingerprint, on_recorded=recorded)
-    if not answers:
+    (Redis forgot the key), 422 when that row holds another body. A fresh
+    job's enqueue goes out with the stored response, in one round trip."""
+    acceptance = await jobs.record(job, fingerprint=idem.fingerprint)
+    # Rows accepted before fingerprints were kept cannot tell: replayed.
+    if acceptance.fingerprint not in (None, idem.fingerprint):
         raise KeyReused("this Idempotency-Key was used with a different request body")
-    return answers[0], acceptance.fresh
+    response = JSONResponse(
+        {"job_id": job.job_id, "status": "queued"},
+        status_code=202,
+        headers={"Location": location},
+    )
+    if not acceptance.fresh:
+        mark_replayed(response)
+    # The row is the record of acceptance: from here on, never a 503.
+    idem.settle(response, along=[jobs.enqueue_call(job)] if acceptance.fresh else ())
+    return response, acceptance.fresh

@@ -3,16 +3,17 @@ job gets dispatched.
 
 Only this module runs SQL on those tables. PostgreSQL is the record of
 acceptance and Redis only the dispatch path, so every way into a stream goes
-through ``Jobs``: ``accept`` inserts the row then enqueues (intake),
-``replay`` sets a dead job back to queued then enqueues (operators), and
-``restore`` enqueues a job whose row is still queued but whose message Redis
-lost (the reconciler). A crash between the two steps leaves a queued row
-without a message, which the reconciler puts back; never a message without
-a row.
+through ``Jobs``: ``accept`` inserts the row then enqueues (the intake
+does the two as ``record`` then ``enqueue_call``, the enqueue sent in one
+round trip with the stored response), ``replay`` sets a dead job back to
+queued then enqueues (operators), and ``restore`` enqueues a job whose row
+is still queued but whose message Redis lost (the reconciler). A crash
+between the two steps leaves a queued row without a message, which the
+reconciler puts back; never a message without a row.
 
 Every statement is bounded on the client as well as on the server
 (``statement_timeout``): a frozen server never enforces its own timeout.
-An intake whose insert got no answer is answered 503, so ``accept`` then
+An intake whose insert got no answer is answered 503, so ``record`` then
 *withdraws* it in the background: once PostgreSQL answers again, the
 attempt is recorded as unanswered on its row, which becomes ``withdrawn``
 once every attempt that touched it (its writer and the retries that adopted
@@ -36,15 +37,16 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 import psycopg
-import redis.exceptions
 import structlog
 from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
+from redis.exceptions import RedisError
 
 from oncely import tracing
 from oncely.batching import GroupCommit
 from oncely.errors import RequestInProgress
 from oncely.queue.stream import JobMessage, Stream
+from oncely.redis_client import ScriptCall, call_together
 from oncely.sql import query
 from oncely.workflow import Emitted
 
@@ -235,21 +237,22 @@ class Jobs:
 
     # -- dispatch: the row first, then the stream ------------------------------
 
-    async def accept(
-        self,
-        job: Job,
-        *,
-        fingerprint: str | None = None,
-        on_recorded: Callable[[Acceptance], None] | None = None,
-    ) -> Acceptance:
+    async def accept(self, job: Job, *, fingerprint: str | None = None) -> Acceptance:
         """Intake: record the job, then enqueue it. Idempotent per job id.
+        Once the row is committed the job is accepted: a failed enqueue is
+        logged and left to the reconciler."""
+        acceptance = await self.record(job, fingerprint=fingerprint)
+        if acceptance.fresh:
+            await call_together(self.streams[job.kind].redis, [self.enqueue_call(job)])
+        return acceptance
 
-        One statement inserts the row with the request's ``fingerprint``, or
-        answers the row already there (then nothing is enqueued: a lost
-        message is the reconciler's to restore). ``on_recorded`` hears the
-        outcome as soon as it is durable. Once the row is committed the job
-        is accepted: a failed enqueue is logged and left to the reconciler.
-        An insert whose outcome is unknown is withdrawn (module docstring)."""
+    async def record(self, job: Job, *, fingerprint: str | None = None) -> Acceptance:
+        """The intake's first step: one statement inserts the row with the
+        request's ``fingerprint``, or answers the row already there. A fresh
+        row must then be enqueued (``enqueue_call``, or ``accept`` does
+        both); a row that was there is not (a lost message is the
+        reconciler's to restore). An insert whose outcome is unknown is
+        withdrawn (module docstring)."""
         token = uuid.uuid4()
         params = {
             "job_id": job.job_id,
@@ -265,23 +268,22 @@ class Jobs:
             if outcome_unknown(exc):
                 self._withdrawals.add(job, token)
             raise
-        acceptance = _acceptance(result)
-        if on_recorded is not None:
-            on_recorded(acceptance)
-        if acceptance.fresh:
-            await self._enqueue_recorded(job)
-        return acceptance
+        return _acceptance(result)
+
+    def enqueue_call(self, job: Job) -> ScriptCall:
+        """The enqueue of a recorded job, to send with other writes in one
+        round trip (``redis_client.call_together``). Its failure is logged:
+        the row is the record of acceptance, the reconciler dispatches it."""
+
+        def failed(exc: RedisError) -> None:
+            log.warning("jobs.enqueue_failed", job_id=job.job_id, error=type(exc).__name__)
+
+        message = JobMessage.new(job.job_id, job.tenant, job.payload)
+        return self.streams[job.kind].enqueue_call(message, on_error=failed)
 
     async def finish_withdrawals(self, within_s: float) -> None:
         """Wait up to ``within_s`` for pending withdrawals (shutdown)."""
         await self._withdrawals.finish(within_s)
-
-    async def _enqueue_recorded(self, job: Job) -> None:
-        try:
-            await self._enqueue(job)
-        except redis.exceptions.RedisError as exc:
-            # The row is the record of acceptance: the reconciler dispatches it.
-            log.warning("jobs.enqueue_failed", job_id=job.job_id, error=type(exc).__name__)
 
     async def replay(self, job: Job) -> bool:
         """A dead job back to queued, then enqueued; False if it was not dead."""

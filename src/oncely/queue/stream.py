@@ -16,16 +16,16 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from redis.exceptions import ResponseError
+from redis.exceptions import RedisError, ResponseError
 
 from oncely import tracing
 from oncely.names import WorkflowKeys
 from oncely.queue import scripts
-from oncely.redis_client import RedisClient
+from oncely.redis_client import RedisClient, ScriptCall
 
 DEAD_STREAM_MAXLEN = 100_000
 # The index's value for a job waiting in the delayed set (see scripts.DEFER).
@@ -170,6 +170,17 @@ class Stream:
     async def enqueue(self, message: JobMessage, extra: Mapping[str, str] | None = None) -> str:
         """XADD the message (with ``extra`` fields, if any) and index it;
         return the entry id."""
+        call = self.enqueue_call(message, extra)
+        return str(await self._enqueue(keys=call.keys, args=call.args))
+
+    def enqueue_call(
+        self,
+        message: JobMessage,
+        extra: Mapping[str, str] | None = None,
+        on_error: Callable[[RedisError], None] | None = None,
+    ) -> ScriptCall:
+        """``enqueue`` as a call to send with other writes in one round trip
+        (``redis_client.call_together``)."""
         args = [
             message.job_id,
             message.tenant,
@@ -179,8 +190,7 @@ class Stream:
         ]
         for name, value in (extra or {}).items():
             args += [name, value]
-        entry_id = await self._enqueue(keys=[self.stream, self.index], args=args)
-        return str(entry_id)
+        return ScriptCall(self._enqueue, [self.stream, self.index], args, on_error)
 
     async def ensure_group(self) -> None:
         """Create the consumer group (and the stream) unless it exists."""
