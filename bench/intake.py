@@ -443,22 +443,18 @@ def oncely_checks(
 PROFILE_BUCKETS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("auth lookup on a key-cache miss (Postgres SELECT)", ("oncely.api.auth:_tenant_for_hash",)),
     (
-        "claim: IdempotentRequest._claim (Redis SET NX / GET)",
+        "claim: IdempotentRequest._claim (Redis SET NX GET)",
         ("oncely.api.idempotency:IdempotentRequest._claim",),
     ),
     (
-        "finalise: IdempotentRequest._finalise (Lua, stored response)",
+        "finalise + enqueue: IdempotentRequest._finalise (one pipeline: stored response, XADD)",
         ("oncely.api.idempotency:IdempotentRequest._finalise",),
     ),
     (
-        "XADD: Jobs._enqueue_recorded (Lua XADD + index)",
-        ("oncely.jobs.store:Jobs._enqueue_recorded",),
-    ),
-    (
-        "Postgres statements: run_statement's own task (auth SELECT + accept_job INSERT)",
+        "Postgres statements: run_statement's own task (accept_job INSERT)",
         ("oncely.jobs.store:_execute",),
     ),
-    ("insert: Jobs.accept (accept_job statement)", ("oncely.jobs.store:Jobs.accept",)),
+    ("insert: Jobs.record (accept_job statement)", ("oncely.jobs.store:Jobs.record",)),
     (
         "serialisation: fingerprint, JSONResponse, response capture",
         (

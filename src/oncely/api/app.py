@@ -36,7 +36,7 @@ from oncely.api.problems import (
 )
 from oncely.api.ratelimit import TenantLimiter
 from oncely.api.store import IdempotencyStore
-from oncely.api.workflows import workflow_router
+from oncely.api.workflows import add_workflow_routes
 from oncely.app import App
 from oncely.console import console_router
 from oncely.jobs.store import Jobs, run_statement
@@ -129,16 +129,24 @@ class OncelyAPI:
         self.idempotent = idempotency_dependency(
             lambda: self._idempotency, self.tenant, config.max_hold_s
         )
+        self._intake = idempotency_dependency(
+            lambda: self._idempotency, self.tenant, config.max_hold_s, document_headers=False
+        )
         self.router = APIRouter()
-        for workflow in app:
-            self.router.include_router(
-                workflow_router(
-                    workflow,
-                    jobs=lambda: self._jobs,
-                    tenant=self.tenant,
-                    idempotent=self.idempotent,
-                    limiter=lambda: self._limiter,
-                )
+        self.add_routes(self.router)
+
+    def add_routes(self, router: APIRouter) -> None:
+        """The workflows' routes, added to ``router``. The standalone app adds
+        them to its own router: FastAPI walks an included router on every
+        request (bench/README.md, Intake)."""
+        for workflow in self.app:
+            add_workflow_routes(
+                router,
+                workflow,
+                jobs=lambda: self._jobs,
+                tenant=self.tenant,
+                idempotent=self._intake,
+                limiter=lambda: self._limiter,
             )
 
     @property
@@ -203,16 +211,20 @@ def create_app(api: OncelyAPI, *, public_metrics: bool = True) -> FastAPI:
     instead), problem+json for every error and the body limit."""
     # No trailing-slash redirects: their Location would be built from the
     # client's Host header (README: Decisions).
+    # FastAPI's own OpenTelemetry off: oncely makes the POST's server span
+    # itself (oncely.tracing) and its metrics are Prometheus', and the check
+    # for a configured provider would run on every request.
     app = FastAPI(
         title="oncely",
         version=__version__,
         description=DESCRIPTION,
         lifespan=api.lifespan,
         redirect_slashes=False,
+        telemetry={"tracing": False, "metrics": False, "logs": False},
     )
     app.state.oncely = api
     install_problem_handlers(app)
-    app.include_router(api.router)
+    api.add_routes(app.router)
     if api.config.console_key:
         app.include_router(console_router(api, api.config.console_key))
     _add_operations(app, api, public_metrics=public_metrics)

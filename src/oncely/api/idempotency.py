@@ -294,38 +294,74 @@ def _replay(stored: StoredResponse) -> Response:
     return response
 
 
+KEY_HEADER_DOC = (
+    "16–255 printable ASCII characters, bare or as a quoted structured-field string. "
+    "Required. " + RETENTION_POLICY
+)
+PREFER_HEADER_DOC = "`wait=N` (N ≤ 10): wait for an in-flight duplicate and replay it."
+
+# The two headers as OpenAPI parameters, for routes whose dependency does not
+# declare them (``idempotency_dependency(document_headers=False)``).
+HEADER_PARAMETERS: list[dict[str, Any]] = [
+    {
+        "name": "Idempotency-Key",
+        "in": "header",
+        "required": True,
+        "schema": {"type": "string", "title": "Idempotency-Key"},
+        "description": KEY_HEADER_DOC,
+    },
+    {
+        "name": "prefer",
+        "in": "header",
+        "required": False,
+        "schema": {"type": "string", "title": "Prefer", "description": PREFER_HEADER_DOC},
+        "description": PREFER_HEADER_DOC,
+    },
+]
+
+
 def idempotency_dependency(
     store: Callable[[], IdempotencyStore],
     tenant: Callable[..., Awaitable[str]],
     max_hold_s: float = 120.0,
+    *,
+    document_headers: bool = True,
 ) -> Callable[..., Awaitable[IdempotentRequest]]:
     """A FastAPI dependency giving an ``IdempotentRequest`` for ``store()``'s
     keys and the tenant that ``tenant`` (itself a dependency) resolves; a
-    handler holds its key at most ``max_hold_s``."""
+    handler holds its key at most ``max_hold_s``.
+
+    The headers are read from the request either way. With
+    ``document_headers`` they are also declared as header parameters, so
+    that FastAPI documents them; it then validates each on every request
+    too, which the workflows' own routes skip (they document the headers
+    with ``HEADER_PARAMETERS``: bench/README.md, Intake)."""
 
     # ``tenant`` is a local: a string annotation could not name it, a default can.
     tenant_dependency = Depends(tenant)
 
-    async def idempotent_request(
-        request: Request,
-        tenant_name: str = tenant_dependency,
-        idempotency_key: Annotated[
-            str | None,
-            Header(
-                alias="Idempotency-Key",
-                description="16–255 printable ASCII characters, bare or as a quoted "
-                "structured-field string. Required. " + RETENTION_POLICY,
-            ),
-        ] = None,
-        prefer: Annotated[
-            str | None,
-            Header(description="`wait=N` (N ≤ 10): wait for an in-flight duplicate and replay it."),
-        ] = None,
-    ) -> IdempotentRequest:
+    def request_for(request: Request, tenant_name: str) -> IdempotentRequest:
         key = parse_key(request.headers.getlist("idempotency-key"))
         route = request.scope["route"].path
         scope = Scope(tenant=tenant_name, method=request.method, route=route, key=key)
         wait_s = parse_prefer_wait(request.headers.getlist("prefer"))
         return IdempotentRequest(store(), scope, wait_s, max_hold_s)
+
+    if not document_headers:
+
+        async def idempotent(request: Request, tenant_name: str = tenant_dependency) -> Any:
+            return request_for(request, tenant_name)
+
+        return idempotent
+
+    async def idempotent_request(
+        request: Request,
+        tenant_name: str = tenant_dependency,
+        idempotency_key: Annotated[
+            str | None, Header(alias="Idempotency-Key", description=KEY_HEADER_DOC)
+        ] = None,
+        prefer: Annotated[str | None, Header(description=PREFER_HEADER_DOC)] = None,
+    ) -> IdempotentRequest:
+        return request_for(request, tenant_name)
 
     return idempotent_request

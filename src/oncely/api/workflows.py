@@ -17,6 +17,7 @@ from pydantic import BaseModel
 
 from oncely import metrics, tracing
 from oncely.api.idempotency import (
+    HEADER_PARAMETERS,
     IDEMPOTENCY_RESPONSES,
     IdempotentRequest,
     mark_replayed,
@@ -37,17 +38,18 @@ class Accepted(BaseModel):
     status: Literal["queued"]
 
 
-def workflow_router(
+def add_workflow_routes(
+    router: APIRouter,
     workflow: Workflow[Any, Any],
     *,
     jobs: Callable[[], Jobs],
     tenant: Callable[..., Awaitable[str]],
     idempotent: Callable[..., Awaitable[IdempotentRequest]],
     limiter: Callable[[], TenantLimiter | None] = lambda: None,
-) -> APIRouter:
-    """POST and GET for one workflow. ``jobs`` is called per request, so the
-    router can be built before the lifespan opens the clients."""
-    router = APIRouter(prefix=workflow.route, tags=[workflow.name])
+) -> None:
+    """POST and GET for one workflow, added to ``router``. ``jobs`` is called
+    per request, so the routes can be built before the lifespan opens the
+    clients."""
     request_model = workflow.request
     view_model = workflow.job_view
     accepted_total = metrics.JOBS_ACCEPTED.labels(workflow=workflow.name)
@@ -55,8 +57,9 @@ def workflow_router(
     Idempotent = Annotated[IdempotentRequest, Depends(idempotent)]
 
     @router.post(
-        "",
+        workflow.route,
         status_code=202,
+        tags=[workflow.name],
         response_model=Accepted,
         summary=workflow.summary or f"Accept a {workflow.name} job",
         operation_id=f"create_{workflow.name}",
@@ -70,15 +73,18 @@ def workflow_router(
             },
             **IDEMPOTENCY_RESPONSES,
         },
+        # The dependency reads the headers without declaring them (one
+        # validation less per request): documented here instead.
+        openapi_extra={"parameters": HEADER_PARAMETERS},
     )
     async def create(
         body: request_model,  # type: ignore[valid-type]
-        tenant_name: Tenant,
         idem: Idempotent,
         request: Request,
     ) -> Response:
         refuse_unstorable_text(cast(BaseModel, body))
-        location = f"{request.url.path.rstrip('/')}/{idem.job_id}"
+        tenant_name = idem.scope.tenant
+        location = f"{request.scope['path'].rstrip('/')}/{idem.job_id}"
 
         async def accept() -> Response:
             payload = cast(BaseModel, body).model_dump(mode="json")
@@ -103,7 +109,8 @@ def workflow_router(
             return await idem.run(body, accept)
 
     @router.get(
-        "/{job_id}",
+        workflow.route + "/{job_id}",
+        tags=[workflow.name],
         response_model=view_model,
         summary=f"Read a {workflow.name} job and, once done, its result",
         operation_id=f"get_{workflow.name}",
@@ -121,8 +128,6 @@ def workflow_router(
         if record is None:
             raise HTTPException(404, "job not found")
         return view_model.from_record(record)
-
-    return router
 
 
 def refuse_unstorable_text(body: BaseModel) -> None:
