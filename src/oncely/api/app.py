@@ -19,18 +19,15 @@ from fastapi import APIRouter, FastAPI
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from psycopg_pool import AsyncConnectionPool
-from starlette.exceptions import HTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from oncely import __version__, metrics
+from oncely import __version__
 from oncely.api.auth import TenantDependency, api_key_tenant
+from oncely.api.edge import Edge
 from oncely.api.idempotency import RETENTION_POLICY, idempotency_dependency
 from oncely.api.keys import MAX_KEY_LEN, MIN_KEY_LEN
 from oncely.api.problems import (
     PROBLEM_BASE,
     PROBLEM_MEDIA_TYPE,
-    InternalErrors,
-    http_problem,
     install_problem_handlers,
     problem_schema,
 )
@@ -229,18 +226,15 @@ def create_app(api: OncelyAPI, *, public_metrics: bool = True) -> FastAPI:
         app.include_router(console_router(api, api.config.console_key))
     _add_operations(app, api, public_metrics=public_metrics)
     _add_problem_schema(app)
-    # Outermost last: a 500 for anything unhandled; HEAD as GET (and so
-    # counted under its GET route); the request count and the body limit
-    # (one layer: bench/README.md, Intake); header and body-time bounds.
+    # HEAD as GET, the body and header bounds, the request count and the 500
+    # for anything unhandled: one layer (api/edge.py).
     app.add_middleware(
-        RequestLimits,
+        Edge,
+        max_body_bytes=api.config.max_body_bytes,
         max_headers=api.config.max_headers,
         max_header_bytes=api.config.max_header_bytes,
         body_timeout_s=api.config.body_timeout_s,
     )
-    app.add_middleware(Edge, max_bytes=api.config.max_body_bytes)
-    app.add_middleware(HeadAsGet)
-    app.add_middleware(InternalErrors)
     return app
 
 
@@ -395,125 +389,3 @@ def _complete_operation(operation: dict[str, Any]) -> None:
         responses.setdefault(
             "500", problem_schema("An unexpected failure; retrying (with the same key) is safe.")
         )
-
-
-class Edge:
-    """The one middleware of the standalone API: ``oncely_requests_total``
-    by route template and status class, and 413 for bodies over the limit
-    (by Content-Length, or by counting the stream). One layer, not two: it
-    runs on every request (bench/README.md, Intake)."""
-
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        status = 500
-
-        async def recording_send(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
-        try:
-            declared = _content_length(scope)
-            if declared is not None and declared > self.max_bytes:
-                await self._too_large(scope, receive, recording_send)
-            else:
-                await self.app(scope, self._counting(receive), recording_send)
-        finally:
-            route = scope.get("route")
-            path = getattr(route, "path", "unmatched")
-            metrics.REQUESTS.labels(route=path, outcome=f"{status // 100}xx").inc()
-
-    def _counting(self, receive: Receive) -> Receive:
-        seen = 0
-
-        async def counting_receive() -> Message:
-            nonlocal seen
-            message = await receive()
-            seen += len(message.get("body", b""))
-            if seen > self.max_bytes:
-                # Surfaces through the app's HTTPException handler as a 413 problem.
-                raise HTTPException(413, f"the limit is {self.max_bytes} bytes")
-            return message
-
-        return counting_receive
-
-    async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
-        response = http_problem(413, f"the limit is {self.max_bytes} bytes")
-        await response(scope, receive, send)
-
-
-def _content_length(scope: Scope) -> int | None:
-    for name, value in scope["headers"]:
-        if name == b"content-length":
-            return int(value) if value.isdigit() else None
-    return None
-
-
-class HeadAsGet:
-    """``HEAD`` answered like ``GET`` without the body (uptime checkers use it)."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] != "HEAD":
-            await self.app(scope, receive, send)
-            return
-
-        async def bodiless_send(message: Message) -> None:
-            if message["type"] == "http.response.body":
-                message = {**message, "body": b""}
-            await send(message)
-
-        await self.app({**scope, "method": "GET"}, receive, bodiless_send)
-
-
-class RequestLimits:
-    """431 for more than ``max_headers`` header fields or ``max_header_bytes``
-    in them; 408 (and the connection closed) for a body that has not arrived
-    in full within ``body_timeout_s`` of the first read."""
-
-    def __init__(
-        self, app: ASGIApp, max_headers: int, max_header_bytes: int, body_timeout_s: float
-    ) -> None:
-        self.app = app
-        self.max_headers = max_headers
-        self.max_header_bytes = max_header_bytes
-        self.body_timeout_s = body_timeout_s
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        headers = scope["headers"]
-        size = sum(len(name) + len(value) + 4 for name, value in headers)
-        if len(headers) > self.max_headers or size > self.max_header_bytes:
-            detail = f"at most {self.max_headers} header fields, {self.max_header_bytes} bytes"
-            await http_problem(431, detail)(scope, receive, send)
-            return
-        deadline: float | None = None
-        complete = False
-
-        async def bounded_receive() -> Message:
-            nonlocal deadline, complete
-            if complete:
-                return await receive()
-            loop = asyncio.get_running_loop()
-            deadline = deadline or loop.time() + self.body_timeout_s
-            try:
-                async with asyncio.timeout_at(deadline):
-                    message = await receive()
-            except TimeoutError:
-                detail = f"the body did not arrive within {self.body_timeout_s:g} s"
-                raise HTTPException(408, detail, headers={"Connection": "close"}) from None
-            complete = not message.get("more_body", False)
-            return message
-
-        await self.app(scope, bounded_receive, send)

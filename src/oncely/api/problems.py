@@ -15,7 +15,6 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from oncely.errors import (
     KeyMalformed,
@@ -88,7 +87,7 @@ def install_problem_handlers(app: FastAPI, *, generic: bool = True) -> None:
     """problem+json for oncely's own errors and for unavailable stores; with
     ``generic``, also for validation and HTTP errors (a host app that mounts
     oncely's routes keeps its own for those). Unhandled exceptions are
-    ``InternalErrors``'s, a middleware of the standalone app."""
+    the standalone app's ``Edge``'s (api/edge.py)."""
 
     @app.exception_handler(Unauthorized)
     async def _unauthorized(_: Request, exc: Unauthorized) -> JSONResponse:
@@ -189,7 +188,7 @@ def http_problem(
 
 
 def _with_head(allow: str) -> str:
-    """HEAD is answered wherever GET is (``HeadAsGet``)."""
+    """HEAD is answered wherever GET is (``oncely.api.edge.Edge``)."""
     methods = [m.strip() for m in allow.split(",") if m.strip()]
     if "GET" in methods and "HEAD" not in methods:
         methods.append("HEAD")
@@ -222,31 +221,3 @@ def log_unhandled(exc: BaseException) -> None:
         sqlstate=getattr(exc, "sqlstate", None),
         where=[f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno} {f.name}" for f in frames[-6:]],
     )
-
-
-class InternalErrors:
-    """500 problem for an exception no handler took, logged by
-    ``log_unhandled`` and not raised on: the server would log it again,
-    traceback, message and all."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        started = False
-
-        async def tracking_send(message: Message) -> None:
-            nonlocal started
-            if message["type"] == "http.response.start":
-                started = True
-            await send(message)
-
-        try:
-            await self.app(scope, receive, tracking_send)
-        except Exception as exc:
-            log_unhandled(exc)
-            if not started:
-                await internal_problem()(scope, receive, send)

@@ -9,7 +9,7 @@ connection closed, as soon as the bytes are seen; a connection whose head
 has not arrived in full ``head_timeout_s`` after it opened (or after the
 request's first byte, on a kept-alive one) is closed. The bounds on the
 body and on the count of header fields are the app's
-(``oncely.api.app.RequestLimits``), so they hold under any server.
+(``oncely.api.edge.Edge``), so they hold under any server.
 """
 
 from __future__ import annotations
