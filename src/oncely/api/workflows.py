@@ -82,12 +82,12 @@ def add_workflow_routes(
         idem: Idempotent,
         request: Request,
     ) -> Response:
-        refuse_unstorable_text(cast(BaseModel, body))
+        payload = cast(BaseModel, body).model_dump(mode="json")
+        refuse_unstorable_text(payload)
         tenant_name = idem.scope.tenant
         location = f"{request.scope['path'].rstrip('/')}/{idem.job_id}"
 
         async def accept() -> Response:
-            payload = cast(BaseModel, body).model_dump(mode="json")
             job = Job(idem.job_id, tenant_name, workflow.name, payload)
             response, fresh = await accept_job(jobs(), job, idem, location)
             if fresh:
@@ -130,11 +130,11 @@ def add_workflow_routes(
         return view_model.from_record(record)
 
 
-def refuse_unstorable_text(body: BaseModel) -> None:
+def refuse_unstorable_text(payload: dict[str, Any]) -> None:
     """422 (before any key is claimed) for text PostgreSQL cannot store in
     JSON: NUL, and halves of surrogate pairs. Otherwise every retry would
     fail the same way, as a 500."""
-    found = _unstorable(body.model_dump(mode="json"), ("body",))
+    found = _unstorable(payload, ("body",))
     if found is not None:
         msg = "text must not contain NUL (U+0000) or lone surrogates (U+D800–U+DFFF)"
         raise RequestValidationError([{"loc": found, "msg": msg, "type": "string_unstorable"}])
