@@ -59,6 +59,7 @@ def pytest_configure(config: pytest.Config) -> None:
 CLUSTER_SUITE = {
     "test_api_hardening.py",
     "test_api_intake.py",
+    "test_call_together.py",
     "test_console.py",
     "test_dead_letters.py",
     "test_end_to_end.py",

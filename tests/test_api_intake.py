@@ -326,9 +326,9 @@ async def test_a_failed_enqueue_leaves_the_stored_answer_and_the_row(
     assert await job_count(pool) == 1
 
 
-async def test_scripts_redis_forgot_are_loaded_again(client, redis, pool, auth):
+async def test_scripts_redis_forgot_lose_nothing(client, redis, pool, auth):
     """SCRIPT FLUSH (a restarted Redis): the enqueue and the finalise, sent
-    together as EVALSHA, are loaded and sent again; nothing is lost."""
+    together, still both happen."""
     await client.post(URL, json=BODY, headers=headers(auth, key="req-warm-abcdefgh"))
     await redis.script_flush()
     r = await client.post(URL, json=BODY, headers=headers(auth))

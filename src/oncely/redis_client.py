@@ -23,7 +23,6 @@ from redis.commands.core import AsyncScript
 from redis.exceptions import (
     ClusterDownError,
     ClusterError,
-    NoScriptError,
     RedisClusterException,
     RedisError,
     SlotNotCoveredError,
@@ -105,23 +104,21 @@ async def call_together(redis: RedisClient, calls: Sequence[ScriptCall]) -> list
     the ``RedisError`` it met (also given to its ``on_error``). One failing
     call does not stop the others; a batch Redis did not answer fails them
     all. A pipeline, not a transaction: on a cluster the calls' keys may
-    live on different nodes, and each call goes to its own. EVALSHA, not
-    the pipeline's script loading (which asks SCRIPT EXISTS first, a round
-    trip of its own); a script the server does not know (restarted,
-    flushed) is loaded and that call sent again."""
+    live on different nodes, and each call goes to its own. Sent as EVAL
+    with the script's text, so that no node can answer NOSCRIPT (redis-py's
+    cluster pipelines refuse EVALSHA, and its single-server ones would ask
+    SCRIPT EXISTS first, a round trip of its own); the server caches each
+    script by its digest."""
     try:
         async with redis.pipeline(transaction=False) as pipe:
             for call in calls:
-                pipe.evalsha(call.script.sha, len(call.keys), *call.keys, *call.args)
+                pipe.execute_command(
+                    "EVAL", call.script.script, len(call.keys), *call.keys, *call.args
+                )
             results: list[Any] = await pipe.execute(raise_on_error=False)
     except RedisError as exc:
         results = [exc] * len(calls)
-    for i, call in enumerate(calls):
-        if isinstance(results[i], NoScriptError):
-            try:
-                results[i] = await call.script(keys=call.keys, args=call.args)
-            except RedisError as exc:
-                results[i] = exc
-        if isinstance(results[i], RedisError) and call.on_error is not None:
-            call.on_error(results[i])
+    for call, result in zip(calls, results, strict=True):
+        if isinstance(result, RedisError) and call.on_error is not None:
+            call.on_error(result)
     return results
