@@ -434,3 +434,35 @@ async def test_a_worker_started_while_redis_is_away_waits_for_it(pool):
         await running
         await redis_client.aclose()
         await asyncio.to_thread(server.stop)
+
+
+async def test_a_background_loop_that_lost_its_cancellation_does_not_hold_the_shutdown(
+    pool, stream, monkeypatch
+):
+    """redis-py can swallow a cancellation that arrives while a command is in
+    flight. A loop that never heard its cancellation still ends once the
+    worker has drained, so stopping the worker returns (wide slack: this
+    proves it does not hang, not how fast it stops)."""
+    calls = 0
+    deaf = 0
+
+    async def swallowing_promote() -> int:
+        nonlocal calls, deaf
+        calls += 1
+        try:
+            await asyncio.sleep(0.2)
+        except asyncio.CancelledError:
+            deaf += 1  # swallowed, as a lost cancellation would be
+        return 0
+
+    async def ok(message: JobMessage, delivery: Delivery) -> str:
+        return "done"
+
+    monkeypatch.setattr(stream, "promote_due", swallowing_promote)
+    worker = make_worker(stream, ok, pool, promote_every_s=0.01)
+    run = asyncio.create_task(worker.run())
+    while calls == 0:
+        await asyncio.sleep(0.01)
+    worker.stop()
+    await asyncio.wait_for(run, timeout=30)
+    assert deaf >= 1

@@ -15,7 +15,7 @@ import random
 import secrets
 import socket
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 import psycopg
@@ -55,6 +55,8 @@ _CONNECTION_LOST = (
 )
 _FORGET_CONSUMER_AFTER_MS = 3_600_000
 _MAX_PAUSE_S = 5.0
+# How long cancelled handlers get to end at shutdown, after the grace period.
+_CANCELLED_WAIT_S = 5.0
 
 
 def consumer_name() -> str:
@@ -179,6 +181,8 @@ class Worker:
         self._cursor = "0-0"
         self._next_claim = 0.0
         self._stopping = asyncio.Event()
+        # Set once in-flight handlers are drained: the background loops end.
+        self._halted = asyncio.Event()
         self._slot_free = asyncio.Event()
         self._ack: GroupCommit[Delivery, str] = GroupCommit(
             self._ack_batch, key=lambda d: d.entry_id
@@ -210,6 +214,7 @@ class Worker:
                 ]
                 await self._loop()
                 await self._drain()
+                self._halted.set()
                 for task in background:
                     task.cancel()
         finally:
@@ -504,10 +509,21 @@ class Worker:
 
     # -- leases ---------------------------------------------------------------
 
+    async def _every(self, interval_s: float) -> AsyncIterator[None]:
+        """Every ``interval_s`` until the worker has drained. The loop ends on
+        that even if its cancellation was lost: redis-py can swallow a
+        cancellation that arrives while a command is in flight, and shutdown
+        must not wait on a loop that never heard it."""
+        while not self._halted.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._halted.wait(), interval_s)
+            if self._halted.is_set():
+                return
+            yield
+
     async def _renew_forever(self) -> None:
         interval = max(self.config.claim_idle_ms / 3000, 0.05)
-        while True:
-            await asyncio.sleep(interval)
+        async for _ in self._every(interval):
             try:
                 await self.renew_leases()
             except redis.exceptions.RedisError as exc:
@@ -534,8 +550,7 @@ class Worker:
     async def _promote_forever(self) -> None:
         """Put jobs whose backoff has passed back into the stream. Every worker
         does it; the Lua call is atomic, so a job moves once."""
-        while True:
-            await asyncio.sleep(self.config.promote_every_s)
+        async for _ in self._every(self.config.promote_every_s):
             try:
                 await self.stream.promote_due()
             except redis.exceptions.RedisError as exc:
@@ -544,8 +559,7 @@ class Worker:
     # -- trimming and shutdown --------------------------------------------------
 
     async def _trim_forever(self) -> None:
-        while True:
-            await asyncio.sleep(self.config.trim_every_s)
+        async for _ in self._every(self.config.trim_every_s):
             try:
                 await self.stream.trim()
                 await self.stream.forget_consumers(idle_ms=_FORGET_CONSUMER_AFTER_MS)
@@ -579,7 +593,11 @@ class Worker:
         for task in late:
             task.cancel()
         if late:
-            await asyncio.wait(late)
+            # Bounded: a handler whose cancellation was lost (``_every``) ends
+            # on its own deadline, not the shutdown's; its entry stays pending.
+            _, deaf = await asyncio.wait(late, timeout=_CANCELLED_WAIT_S)
+            if deaf:
+                self.log.warning("worker.handlers_ignored_cancellation", count=len(deaf))
             self.log.warning("worker.left_pending_on_shutdown", count=len(late))
             await self._report(cut, "cancelled", f"worker stopped after a {grace_s:g} s grace")
 
