@@ -427,11 +427,12 @@ async def bench_main(ctx: Context) -> tuple[list[Headline], dict[str, Any], bool
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = parser("end_to_end", __doc__ or "", rounds=1, noise=Noise(0.3, 10.0, 0, 10.0))
-    p.add_argument(
-        "--profile",
-        action="store_true",
-        help="py-spy api, worker and relay during the latency load",
+    p = parser(
+        "end_to_end",
+        __doc__ or "",
+        rounds=1,
+        noise=Noise(0.3, 10.0, 0, 10.0),
+        profile="py-spy api, worker and relay during the latency load",
     )
     return p.parse_args(argv)
 

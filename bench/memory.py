@@ -24,7 +24,6 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import psutil
-import psycopg
 from redis.asyncio import Redis
 
 from bench.harness import jobs
@@ -32,7 +31,7 @@ from bench.harness.fakes import API_KEY, FakeModel
 from bench.harness.measure import Headline, Noise
 from bench.harness.processes import Children, clean_env
 from bench.harness.report import Context, main, parser
-from bench.harness.servers import count, fresh_state
+from bench.harness.servers import count, fresh_state, migrated
 from oncely.builtin.summaries import summaries
 
 GOAL_MB = 150.0
@@ -78,10 +77,7 @@ async def bench_main(ctx: Context) -> tuple[list[Headline], dict[str, Any], bool
     s = ctx.servers
     model = FakeModel.start(ctx.children)
     redis = Redis.from_url(s.redis_url, decode_responses=True)
-    from oncely.sql.migrate import migrate
-
-    await migrate(s.database_url)
-    db = await psycopg.AsyncConnection.connect(s.database_url, autocommit=True)
+    db = await migrated(s.database_url)
     try:
         await model.ready()
         await fresh_state(redis, db)

@@ -23,7 +23,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import signal
 import subprocess
 import sys
 import time
@@ -32,15 +31,16 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import aiohttp
-import psutil
 import psycopg
 from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
 from bench.harness import profile
+from bench.harness.drain import Drain
 from bench.harness.fakes import FakeMail
-from bench.harness.measure import Headline, Meter, Noise, Run, ratio, round_robin, summary
-from bench.harness.processes import Children, clean_env
+from bench.harness.floor import pg_pool, until_stopped, whenever_set
+from bench.harness.measure import Headline, Noise, Run, ratio, ratio_json, summary
+from bench.harness.processes import clean_env
 from bench.harness.report import Context, main, parser
 from bench.harness.servers import TABLES, count
 from oncely.builtin.summaries import SUMMARY_READY, dedupe_key, render_email
@@ -49,11 +49,10 @@ from oncely.sql import query
 
 GOAL = 0.85
 # oncely's defaults, which the minimal relays get too: relay concurrency and
-# batch (Settings.relay_*), Postgres pool (pg_pool_min/max), HTTP connections
-# and timeout (HttpEmailSender, sender_timeout_s).
+# batch (Settings.relay_*), HTTP connections and timeout (HttpEmailSender,
+# sender_timeout_s); the Postgres pool's are in bench.harness.floor.
 CONCURRENCY = 64
 BATCH = 100
-PG_POOL_MIN, PG_POOL_MAX = 2, 20
 HTTP_CONNECTIONS = 128
 SEND_TIMEOUT_S = 10.0
 POLL_S = 0.02
@@ -123,6 +122,26 @@ def scenarios(smoke: bool) -> list[Scenario]:
     return [Scenario("instant", 0.0, 3000, KINDS), Scenario("provider_50ms", 0.05, 3000, KINDS)]
 
 
+@dataclass(frozen=True)
+class Trial:
+    """One relay (``kind``) draining a scenario's rows."""
+
+    kind: str
+    scenario: Scenario
+
+    @property
+    def name(self) -> str:
+        return self.kind
+
+    @property
+    def items(self) -> int:
+        return self.scenario.rows
+
+    @property
+    def timeout_s(self) -> float:
+        return 60 + self.scenario.rows * (0.01 + self.scenario.delay_s / CONCURRENCY) * 3
+
+
 # -- the minimal relay (its own process) --------------------------------------------
 
 # The minimal relay's own SQL, not oncely's: no lease, no owner, no attempts.
@@ -168,7 +187,7 @@ class MinimalRelay:
         self._flush_wanted = asyncio.Event()
 
     async def run(self) -> None:
-        flusher = asyncio.create_task(self._flush_forever())
+        flusher = asyncio.create_task(whenever_set(self._flush_wanted, self._flush))
         last_id = 0
         try:
             while True:
@@ -225,12 +244,6 @@ class MinimalRelay:
         if not task.cancelled() and task.exception() is not None:
             print(f"minimal relay: send failed: {task.exception()!r}", file=sys.stderr)
 
-    async def _flush_forever(self) -> None:
-        while True:
-            await self._flush_wanted.wait()
-            self._flush_wanted.clear()
-            await self._flush()
-
     async def _flush(self) -> None:
         sent, self._sent = self._sent, []
         if sent:
@@ -240,34 +253,21 @@ class MinimalRelay:
 
 
 async def minimal_main(args: argparse.Namespace) -> None:
-    pool = AsyncConnectionPool(
-        args.database_url,
-        min_size=PG_POOL_MIN,
-        max_size=PG_POOL_MAX,
-        open=False,
-        kwargs={"autocommit": True},
-    )
-    await pool.open(wait=True)
     connector = aiohttp.TCPConnector(limit=HTTP_CONNECTIONS)
     timeout = aiohttp.ClientTimeout(total=SEND_TIMEOUT_S)
-    try:
-        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-            relay = MinimalRelay(
-                pool,
-                session,
-                args.sender_url,
-                batch=args.batch,
-                concurrency=CONCURRENCY,
-                batched_updates=args.batched_updates,
-            )
-            task = asyncio.create_task(relay.run())
-            loop = asyncio.get_running_loop()
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.add_signal_handler(sig, task.cancel)
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-    finally:
-        await pool.close()
+    async with (
+        pg_pool(args.database_url) as pool,
+        aiohttp.ClientSession(connector=connector, timeout=timeout) as session,
+    ):
+        relay = MinimalRelay(
+            pool,
+            session,
+            args.sender_url,
+            batch=args.batch,
+            concurrency=CONCURRENCY,
+            batched_updates=args.batched_updates,
+        )
+        await until_stopped(relay.run())
 
 
 # -- one run ------------------------------------------------------------------------------
@@ -280,30 +280,21 @@ def _summary(i: int) -> str:
     )
 
 
-class Bench:
+class Bench(Drain[Trial, FakeMail]):
     """The outbox and the provider per run: reset, load, drain, check."""
 
+    item = "row"
+    fake_name = "provider"
+    shown = SHOWN
+
     def __init__(self, ctx: Context, mail: FakeMail, batch: int | None) -> None:
-        self.ctx = ctx
-        self.mail = mail
+        super().__init__(ctx, mail)
         self.batch = batch  # None: oncely's default
-        self.db: psycopg.AsyncConnection[Any]
 
-    async def open(self) -> None:
-        from oncely.sql.migrate import migrate
-
-        await migrate(self.ctx.servers.database_url)
-        self.db = await psycopg.AsyncConnection.connect(
-            self.ctx.servers.database_url, autocommit=True
-        )
-        await self.mail.ready()
-
-    async def close(self) -> None:
-        await self.db.close()
-
-    async def fresh_state(self, delay_s: float) -> None:
+    async def load(self, trial: Trial) -> None:
         await self.db.execute(f"TRUNCATE {TABLES} RESTART IDENTITY")
-        await self.mail.reset(delay_s)
+        await self.fake.reset(trial.scenario.delay_s)
+        await self.preload(trial.items)
 
     async def preload(self, rows: int) -> None:
         """Rows the way the worker leaves them (``insert_outbox``), then analysed."""
@@ -318,13 +309,13 @@ class Bench:
         with contextlib.suppress(psycopg.Error):
             await self.db.execute("CHECKPOINT")
 
-    def spawn(self, kind: str) -> subprocess.Popen[bytes]:
-        s = self.ctx.servers
+    def spawn(self, trial: Trial) -> subprocess.Popen[bytes]:
+        s, kind = self.ctx.servers, trial.kind
         if kind == "oncely":
             settings = {
                 "redis_url": s.redis_url,
                 "database_url": s.database_url,
-                "sender_url": self.mail.messages_url,
+                "sender_url": self.fake.messages_url,
                 "relay_concurrency": str(CONCURRENCY),
                 "log_level": "WARNING",
             }
@@ -336,22 +327,22 @@ class Bench:
             "bench.relay",
             "--minimal-relay",
             f"--database-url={s.database_url}",
-            f"--sender-url={self.mail.messages_url}",
+            f"--sender-url={self.fake.messages_url}",
             f"--batch={self.batch or BATCH}",
             *(["--batched-updates"] if kind == "minimal_batched" else []),
         ]
         return self.ctx.children.python(kind, argv, clean_env())
 
-    async def first_send(self, proc: subprocess.Popen[bytes], within_s: float) -> None:
+    async def started(self, proc: subprocess.Popen[bytes], within_s: float) -> None:
         """Until the provider saw a request: the relay is up and sending."""
         deadline = time.monotonic() + within_s
         while time.monotonic() < deadline and proc.poll() is None:
-            if (await self.mail.deliveries())["requests"] > 0:
+            if (await self.fake.deliveries())["requests"] > 0:
                 return
             await asyncio.sleep(READY_POLL_S)
         raise RuntimeError("the relay never sent")
 
-    async def all_sent(self, proc: subprocess.Popen[bytes], within_s: float) -> None:
+    async def drained(self, proc: subprocess.Popen[bytes], trial: Trial, within_s: float) -> None:
         deadline = time.monotonic() + within_s
         unsent = "SELECT count(*) FROM outbox WHERE sent_at IS NULL AND failed_at IS NULL"
         while time.monotonic() < deadline and proc.poll() is None:
@@ -360,8 +351,9 @@ class Bench:
             await asyncio.sleep(POLL_S)
         raise RuntimeError(f"{await count(self.db, unsent)} rows unsent when the wait ended")
 
-    async def checks(self, rows: int) -> dict[str, Any]:
-        seen = await self.mail.deliveries()
+    async def checks(self, trial: Trial) -> dict[str, Any]:
+        rows = trial.items
+        seen = await self.fake.deliveries()
         cur = await self.db.execute("SELECT dedupe_key FROM outbox")
         keys = {str(row[0]) for row in await cur.fetchall()}
         c: dict[str, Any] = {
@@ -382,61 +374,17 @@ class Bench:
         )
         return c
 
-    async def run(self, kind: str, round_no: int, scenario: Scenario) -> Run:
-        await self.fresh_state(scenario.delay_s)
-        await self.preload(scenario.rows)
-        run = Run(kind, round_no, busy_cores_before=await self.ctx.noise.quiet())
-        spawned = time.monotonic()
-        proc = self.spawn(kind)
-        procs = {"relay": psutil.Process(proc.pid), "provider": self.mail.process}
-        meter = Meter(procs, self.ctx.servers.cpu)
-        try:
-            await self.first_send(proc, within_s=60)
-            ready = meter.sample()
-            await self.all_sent(proc, _timeout_s(scenario))
-            done = meter.sample()
-        except RuntimeError as exc:
-            Children.kill(proc)
-            run.error = f"{exc}; log: {self.ctx.children.log_tail(kind)}"
-            return run
-        use, n = Meter.usage(ready, done), scenario.rows
-        run.metrics = {
-            "rows": n,
-            "seconds": round(use.wall_s, 3),
-            "rows_per_s": round(n / use.wall_s, 1),
-            "startup_s": round(ready.at - spawned, 3),
-            "rows_per_s_incl_startup": round(n / (done.at - spawned), 1),
-            "cpu_ms_per_row": use.ms_per("relay", n),
-            "startup_cpu_ms": round(ready.cpu["relay"] * 1000, 1),
-            "provider_cpu_ms_per_row": use.ms_per("provider", n),
-            "machine_busy_cores": use.busy_cores,
-        }
-        if (servers_ms := use.servers_ms_per(n)) is not None:
-            run.metrics["servers_cpu_ms_per_row"] = servers_ms
-        run.foreign_cores = use.foreign_cores
-        run.checks = await self.checks(n)
-        run.ok = bool(run.checks["ok"])
-        Children.kill(proc)  # every row is sent and recorded (checked)
-        return run
-
-
-def _timeout_s(scenario: Scenario) -> float:
-    return 60 + scenario.rows * (0.01 + scenario.delay_s / CONCURRENCY) * 3
-
 
 async def run_scenario(
     bench: Bench, scenario: Scenario
 ) -> tuple[dict[str, Any], dict[str, list[Run]]]:
-    async def one(kind: str, round_no: int) -> Run:
-        return await bench.run(kind, round_no, scenario)
-
-    runs = await round_robin(
-        scenario.kinds, bench.ctx.rounds, one, bench.ctx.noise, SHOWN, f"{scenario.name} "
-    )
-    ratios = {}
-    for kind in scenario.kinds[1:]:
-        r = {m: ratio(runs["oncely"], runs[kind], m) for m in ("rows_per_s", "cpu_ms_per_row")}
-        ratios[f"oncely_vs_{kind}"] = {m: None if v is None else v.to_json() for m, v in r.items()}
+    runs = await bench.run_rounds([Trial(kind, scenario) for kind in scenario.kinds], scenario.name)
+    ratios = {
+        f"oncely_vs_{kind}": {
+            m: ratio_json(runs["oncely"], runs[kind], m) for m in ("rows_per_s", "cpu_ms_per_row")
+        }
+        for kind in scenario.kinds[1:]
+    }
     detail = {
         "scenario": scenario.name,
         "provider_delay_s": scenario.delay_s,
@@ -450,39 +398,19 @@ async def run_scenario(
 # -- the profile ----------------------------------------------------------------------------
 
 
-def profile_lineup(smoke: bool) -> list[tuple[str, Scenario]]:
+def profile_lineup(smoke: bool) -> list[Trial]:
     """Both relays with both providers; a smoke run profiles oncely once."""
     if smoke:
-        return [("oncely", Scenario("instant", 0.0, 300, KINDS))]
+        return [Trial("oncely", Scenario("instant", 0.0, 300, KINDS))]
     both = (Scenario("instant", 0.0, 6000, KINDS), Scenario("provider_50ms", 0.05, 6000, KINDS))
-    return [(kind, s) for s in both for kind in ("oncely", "minimal")]
+    return [Trial(kind, s) for s in both for kind in ("oncely", "minimal")]
 
 
-async def profile_one(bench: Bench, kind: str, scenario: Scenario) -> dict[str, Any]:
-    """One run with py-spy on the relay (which slows it: the shares count, not the speed)."""
-    rules = profile.buckets(BUCKETS["oncely" if kind == "oncely" else "minimal"])
-    await bench.fresh_state(scenario.delay_s)
-    await bench.preload(scenario.rows)
-    proc = bench.spawn(kind)
-    await bench.first_send(proc, within_s=60)
-    ps = psutil.Process(proc.pid)
-    before = ps.cpu_times()
-    spy = profile.Spy(bench.ctx.children, f"{kind}-{scenario.name}", proc.pid, bench.ctx.log_dir)
-    await bench.all_sent(proc, _timeout_s(scenario) * 3)
-    after = ps.cpu_times()
-    cpu_ms = (after.user + after.system - before.user - before.system) * 1000 / scenario.rows
-    folded = await spy.stop()
-    checks = await bench.checks(scenario.rows)
-    Children.kill(proc)
-    return {
-        "contender": kind,
-        "scenario": scenario.name,
-        "rows": scenario.rows,
-        "cpu_ms_per_row_under_py_spy": round(cpu_ms, 3),
-        "folded": str(folded),
-        "checks_ok": checks["ok"],
-        **profile.shares(folded, rules, cpu_ms),
-    }
+async def profile_one(bench: Bench, trial: Trial) -> dict[str, Any]:
+    """py-spy on one relay, its samples in its kind's buckets."""
+    rules = profile.buckets(BUCKETS["oncely" if trial.kind == "oncely" else "minimal"])
+    scenario = trial.scenario.name
+    return await bench.profile(trial, rules, f"{trial.kind}-{scenario}", scenario=scenario)
 
 
 # -- the benchmark ----------------------------------------------------------------------------
@@ -508,8 +436,8 @@ async def bench_main(ctx: Context) -> tuple[list[Headline], dict[str, Any], bool
                     Headline.of(what, ratio(runs["oncely"], runs[kind], "rows_per_s"), **goal)
                 )
         if ctx.args.profile:
-            for kind, s in profile_lineup(ctx.smoke):
-                profiles.append(await profile_one(bench, kind, s))
+            for trial in profile_lineup(ctx.smoke):
+                profiles.append(await profile_one(bench, trial))
     finally:
         await bench.close()
     ok = ok and all(p["checks_ok"] for p in profiles)
@@ -524,13 +452,14 @@ async def bench_main(ctx: Context) -> tuple[list[Headline], dict[str, Any], bool
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = parser("relay", __doc__ or "", rounds=3, noise=Noise(0.3, 15.0, 1, 60.0))
-    p.add_argument("--relay-batch", type=int, help="ONCELY_RELAY_BATCH (default: oncely's, 100)")
-    p.add_argument(
-        "--profile",
-        action="store_true",
-        help="also py-spy the oncely and minimal relays (both providers): CPU per bucket",
+    p = parser(
+        "relay",
+        __doc__ or "",
+        rounds=3,
+        noise=Noise(0.3, 15.0, 1, 60.0),
+        profile="also py-spy the oncely and minimal relays (both providers): CPU per bucket",
     )
+    p.add_argument("--relay-batch", type=int, help="ONCELY_RELAY_BATCH (default: oncely's, 100)")
     # The minimal relay, run by the benchmark itself:
     p.add_argument("--minimal-relay", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--sender-url", help=argparse.SUPPRESS)

@@ -22,33 +22,30 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
-import psutil
-import psycopg
 from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 from redis.asyncio import Redis
 
 from bench.harness import jobs, profile
+from bench.harness.drain import Drain
 from bench.harness.fakes import API_KEY, FakeModel
-from bench.harness.measure import Headline, Meter, Noise, Run, ratio, round_robin, summary
-from bench.harness.processes import Children, clean_env
+from bench.harness.floor import pg_pool, until_stopped, whenever_set
+from bench.harness.measure import Headline, Noise, ratio, ratio_json, summary
+from bench.harness.processes import clean_env
 from bench.harness.report import Context, main, parser
 from bench.harness.servers import fresh_state
 from oncely.builtin.summaries import INSTRUCTION, SUMMARY_READY, dedupe_key, summaries
 
 GOAL = 0.85
 MODEL = "oncely-fake"
-PG_POOL_MIN, PG_POOL_MAX = 2, 20  # oncely's defaults (Settings.pg_pool_min/max)
 HTTP_CONNECTIONS = 1000  # the openai SDK's aiohttp limit; raw aiohttp gets the same
 SHOWN = ("jobs", "jobs_per_s", "cpu_ms_per_job", "machine_busy_cores")
 
@@ -131,6 +128,27 @@ class Contender:
     @property
     def key(self) -> str:
         return f"{self.kind}@{self.concurrency}"
+
+
+@dataclass(frozen=True)
+class Trial:
+    """A contender on its jobs, the model taking ``model_sleep_s`` per call."""
+
+    contender: Contender
+    model_sleep_s: float
+
+    @property
+    def name(self) -> str:
+        return self.contender.key
+
+    @property
+    def items(self) -> int:
+        return self.contender.jobs
+
+    @property
+    def timeout_s(self) -> float:
+        c = self.contender
+        return 120 + c.jobs * (self.model_sleep_s + 0.05) * 3 / c.concurrency
 
 
 @dataclass(frozen=True)
@@ -227,7 +245,7 @@ class FloorConsumer:
         self._ack_wanted = asyncio.Event()
 
     async def run(self) -> None:
-        acker = asyncio.create_task(self._ack_forever())
+        acker = asyncio.create_task(whenever_set(self._ack_wanted, self._ack_batch))
         try:
             while True:
                 while len(self._tasks) >= self.concurrency:
@@ -280,12 +298,6 @@ class FloorConsumer:
         async with self.pool.connection() as conn:
             await conn.execute(FLOOR_STORE, row)
 
-    async def _ack_forever(self) -> None:
-        while True:
-            await self._ack_wanted.wait()
-            self._ack_wanted.clear()
-            await self._ack_batch()
-
     async def _ack_batch(self) -> None:
         ids, self._acks = self._acks, []
         if ids:
@@ -295,58 +307,46 @@ class FloorConsumer:
 async def floor_main(args: argparse.Namespace) -> None:
     model = OpenAIModel(args.llm_url) if args.transport == "openai" else AiohttpModel(args.llm_url)
     redis = Redis.from_url(args.redis_url, decode_responses=True)
-    pool = AsyncConnectionPool(
-        args.database_url,
-        min_size=PG_POOL_MIN,
-        max_size=PG_POOL_MAX,
-        open=False,
-        kwargs={"autocommit": True},
-    )
-    await pool.open(wait=True)
     try:
-        task = asyncio.create_task(FloorConsumer(redis, pool, model, args.concurrency).run())
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, task.cancel)
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        async with pg_pool(args.database_url) as pool:
+            await until_stopped(FloorConsumer(redis, pool, model, args.concurrency).run())
     finally:
         await model.aclose()
-        await pool.close()
         await redis.aclose()
 
 
 # -- one run --------------------------------------------------------------------------
 
 
-class Bench:
+class Bench(Drain[Trial, FakeModel]):
+    """Jobs in PostgreSQL and the stream, a consumer draining them."""
+
+    item = "job"
+    fake_name = "fake_model"
+    shown = SHOWN
+
     def __init__(self, ctx: Context, model: FakeModel) -> None:
-        self.ctx = ctx
-        self.model = model
+        super().__init__(ctx, model)
         self.redis = Redis.from_url(ctx.servers.redis_url, decode_responses=True)
-        self.db: psycopg.AsyncConnection[Any]
-
-    async def open(self) -> None:
-        from oncely.sql.migrate import migrate
-
-        await migrate(self.ctx.servers.database_url)
-        self.db = await psycopg.AsyncConnection.connect(
-            self.ctx.servers.database_url, autocommit=True
-        )
-        await self.model.ready()
+        self.job_ids: list[str] = []  # the run's, for its checks
 
     async def close(self) -> None:
-        await self.db.close()
+        await super().close()
         await self.redis.aclose()
 
-    def spawn(self, c: Contender) -> subprocess.Popen[bytes]:
-        s = self.ctx.servers
+    async def load(self, trial: Trial) -> None:
+        await fresh_state(self.redis, self.db)
+        await self.fake.reset()
+        self.job_ids = await jobs.preload(self.redis, self.db, trial.items, trial.model_sleep_s)
+
+    def spawn(self, trial: Trial) -> subprocess.Popen[bytes]:
+        s, c = self.ctx.servers, trial.contender
         if c.kind == "oncely":
             argv = ["-m", "oncely", "worker", "--workflow", summaries.name]
             env = clean_env(
                 redis_url=s.redis_url,
                 database_url=s.database_url,
-                llm_base_url=self.model.url,
+                llm_base_url=self.fake.url,
                 llm_api_key=API_KEY,
                 worker_concurrency=str(c.concurrency),
                 log_level="WARNING",
@@ -360,77 +360,33 @@ class Bench:
                 f"--concurrency={c.concurrency}",
                 f"--redis-url={s.redis_url}",
                 f"--database-url={s.database_url}",
-                f"--llm-url={self.model.url}",
+                f"--llm-url={self.fake.url}",
             ]
             env = clean_env()
         return self.ctx.children.python(c.key, argv, env)
 
-    async def run(self, c: Contender, round_no: int, sleep_s: float) -> Run:
-        await fresh_state(self.redis, self.db)
-        await self.model.reset()
-        job_ids = await jobs.preload(self.redis, self.db, c.jobs, sleep_s)
-        run = Run(c.key, round_no, busy_cores_before=await self.ctx.noise.quiet())
-        spawned = asyncio.get_running_loop().time()
-        proc = self.spawn(c)
-        procs = {"consumer": psutil.Process(proc.pid), "fake_model": self.model.process}
-        meter = Meter(procs, self.ctx.servers.cpu)
-        try:
-            await jobs.first_delivery(self.redis, proc, within_s=60)
-            ready = meter.sample()
-            await jobs.all_done(self.db, proc, c.jobs, _timeout_s(c, sleep_s))
-            done = meter.sample()
-        except RuntimeError as exc:
-            Children.kill(proc)
-            run.error = f"{exc}; log: {self.ctx.children.log_tail(c.key)}"
-            return run
-        use = Meter.usage(ready, done)
-        total_s = done.at - spawned
-        run.metrics = {
-            "jobs": c.jobs,
-            "seconds": round(use.wall_s, 3),
-            "jobs_per_s": round(c.jobs / use.wall_s, 1),
-            "startup_s": round(ready.at - spawned, 3),
-            "jobs_per_s_incl_startup": round(c.jobs / total_s, 1),
-            "cpu_ms_per_job": use.ms_per("consumer", c.jobs),
-            "startup_cpu_ms": round(ready.cpu["consumer"] * 1000, 1),
-            "fake_model_cpu_ms_per_job": use.ms_per("fake_model", c.jobs),
-            "machine_busy_cores": use.busy_cores,
-        }
-        if (servers_ms := use.servers_ms_per(c.jobs)) is not None:
-            run.metrics["servers_cpu_ms_per_job"] = servers_ms
-        run.foreign_cores = use.foreign_cores
-        run.checks = await jobs.checks(self.redis, self.db, self.model, job_ids)
-        run.ok = bool(run.checks["ok"])
-        # Every job is done and acknowledged (checked): a graceful stop would
-        # only cost wall time, and a kill is a stop oncely is built for.
-        Children.kill(proc)
-        return run
+    async def started(self, proc: subprocess.Popen[bytes], within_s: float) -> None:
+        await jobs.first_delivery(self.redis, proc, within_s)
 
+    async def drained(self, proc: subprocess.Popen[bytes], trial: Trial, within_s: float) -> None:
+        await jobs.all_done(self.db, proc, trial.items, within_s)
 
-def _timeout_s(c: Contender, sleep_s: float) -> float:
-    return 120 + c.jobs * (sleep_s + 0.05) * 3 / c.concurrency
+    async def checks(self, trial: Trial) -> dict[str, Any]:
+        return await jobs.checks(self.redis, self.db, self.fake, self.job_ids)
 
 
 async def run_scenario(bench: Bench, scenario: Scenario) -> dict[str, Any]:
-    by_key = {c.key: c for c in scenario.contenders}
-
-    async def one(key: str, round_no: int) -> Run:
-        return await bench.run(by_key[key], round_no, scenario.model_sleep_s)
-
-    runs = await round_robin(
-        list(by_key), bench.ctx.rounds, one, bench.ctx.noise, SHOWN, f"{scenario.name} "
-    )
+    trials = [Trial(c, scenario.model_sleep_s) for c in scenario.contenders]
+    runs = await bench.run_rounds(trials, scenario.name)
     ratios = {}
     for conc in (256, 1):
         for floor in ("floor_openai", "floor_aiohttp"):
             ours, theirs = runs.get(f"oncely@{conc}"), runs.get(f"{floor}@{conc}")
             if ours and theirs:
                 ratios[f"oncely_vs_{floor}@{conc}"] = {
-                    "throughput": _json(ratio(ours, theirs, "jobs_per_s")),
-                    "throughput_incl_startup": _json(
-                        ratio(ours, theirs, "jobs_per_s_incl_startup")
-                    ),
-                    "cpu_per_job": _json(ratio(ours, theirs, "cpu_ms_per_job")),
+                    "throughput": ratio_json(ours, theirs, "jobs_per_s"),
+                    "throughput_incl_startup": ratio_json(ours, theirs, "jobs_per_s_incl_startup"),
+                    "cpu_per_job": ratio_json(ours, theirs, "cpu_ms_per_job"),
                 }
     return {
         "scenario": scenario.name,
@@ -438,39 +394,6 @@ async def run_scenario(bench: Bench, scenario: Scenario) -> dict[str, Any]:
         "results": {key: summary(rs) for key, rs in runs.items()},
         "ratios": ratios,
         "_runs": runs,
-    }
-
-
-def _json(r: Any) -> Any:
-    return None if r is None else r.to_json()
-
-
-# -- the profile -----------------------------------------------------------------------
-
-
-async def profile_one(bench: Bench, c: Contender, rules: list[profile.Bucket]) -> dict[str, Any]:
-    """One run with py-spy on the consumer (which slows it: the shares count, not the speed)."""
-    await fresh_state(bench.redis, bench.db)
-    await bench.model.reset()
-    job_ids = await jobs.preload(bench.redis, bench.db, c.jobs)
-    proc = bench.spawn(c)
-    await jobs.first_delivery(bench.redis, proc, within_s=60)
-    ps = psutil.Process(proc.pid)
-    cpu_before = ps.cpu_times()
-    spy = profile.Spy(bench.ctx.children, c.key, proc.pid, bench.ctx.log_dir)
-    await jobs.all_done(bench.db, proc, c.jobs, _timeout_s(c, 0.0) * 3)
-    after = ps.cpu_times()
-    cpu_ms = (after.user + after.system - cpu_before.user - cpu_before.system) * 1000 / c.jobs
-    folded = await spy.stop()
-    checks = await jobs.checks(bench.redis, bench.db, bench.model, job_ids)
-    Children.kill(proc)
-    return {
-        "contender": c.key,
-        "jobs": c.jobs,
-        "cpu_ms_per_job_under_py_spy": round(cpu_ms, 3),
-        "folded": str(folded),
-        "checks_ok": checks["ok"],
-        **profile.shares(folded, rules, cpu_ms),
     }
 
 
@@ -490,7 +413,7 @@ async def bench_main(ctx: Context) -> tuple[list[Headline], dict[str, Any], bool
             for kind in kinds:
                 rule = rules["oncely" if kind == "oncely" else "floor"]
                 n = 60 if ctx.smoke else 4000
-                profiles.append(await profile_one(bench, Contender(kind, 256, n), rule))
+                profiles.append(await bench.profile(Trial(Contender(kind, 256, n), 0.0), rule))
     finally:
         await bench.close()
     ok = all(r.ok for s in results for rs in s["_runs"].values() for r in rs)
@@ -510,11 +433,12 @@ async def bench_main(ctx: Context) -> tuple[list[Headline], dict[str, Any], bool
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = parser("worker", __doc__ or "", rounds=3, noise=Noise(0.3, 30.0, 2, 90.0))
-    p.add_argument(
-        "--profile",
-        action="store_true",
-        help="also py-spy oncely@256 and floor_openai@256 (instant model): CPU per bucket",
+    p = parser(
+        "worker",
+        __doc__ or "",
+        rounds=3,
+        noise=Noise(0.3, 30.0, 2, 90.0),
+        profile="also py-spy oncely@256 and floor_openai@256 (instant model): CPU per bucket",
     )
     # The floor consumer, run by the benchmark itself:
     p.add_argument("--floor-consumer", action="store_true", help=argparse.SUPPRESS)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 import psutil
@@ -15,6 +15,15 @@ from bench.harness.processes import Children, clean_env, free_port, wait_http
 from oncely.fakes.mail import MESSAGES_PATH
 
 API_KEY = "oncely-bench"  # what every contender sends the fake model
+
+
+class Fake(Protocol):
+    """What a benchmark needs of either fake: to wait for it, and its CPU."""
+
+    async def ready(self) -> None: ...
+
+    @property
+    def process(self) -> psutil.Process: ...
 
 
 async def _get(url: str) -> Any:

@@ -264,6 +264,12 @@ def ratio(ours: list[Run], theirs: list[Run], metric: str) -> Ratio | None:
     )
 
 
+def ratio_json(ours: list[Run], theirs: list[Run], metric: str) -> dict[str, Any] | None:
+    """``ratio`` as a report writes it."""
+    r = ratio(ours, theirs, metric)
+    return None if r is None else r.to_json()
+
+
 @dataclass(frozen=True)
 class Headline:
     """One line of BENCHMARKS.md: what is compared, the value, its spread,

@@ -33,8 +33,12 @@ from bench.harness.servers import Servers, server_info, servers
 RESULTS = ROOT / "bench" / "results"
 
 
-def parser(name: str, doc: str, *, rounds: int, noise: Noise) -> argparse.ArgumentParser:
-    """The options every benchmark takes; full-run defaults given here."""
+def parser(
+    name: str, doc: str, *, rounds: int, noise: Noise, profile: str | None = None
+) -> argparse.ArgumentParser:
+    """The options every benchmark takes; full-run defaults given here.
+    ``profile``: the help of ``--profile``, for a benchmark that can py-spy
+    its processes."""
     p = argparse.ArgumentParser(prog=f"python -m bench.{name}", description=doc.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="tiny sizes, one round: a CI check")
     p.add_argument("--rounds", type=int, help=f"rounds, each contender once per round ({rounds})")
@@ -60,6 +64,8 @@ def parser(name: str, doc: str, *, rounds: int, noise: Noise) -> argparse.Argume
     p.add_argument("--quiet-wait-s", type=float, help=f"per run ({noise.wait_s:g})")
     p.add_argument("--noise-retries", type=int, help=f"runs again when noisy ({noise.retries})")
     p.add_argument("--noise-budget-s", type=float, help=f"in all ({noise.budget_s:g})")
+    if profile is not None:
+        p.add_argument("--profile", action="store_true", help=profile)
     p.set_defaults(full_rounds=rounds, full_noise=noise)
     return p
 

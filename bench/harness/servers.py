@@ -86,6 +86,15 @@ async def count(db: psycopg.AsyncConnection[Any], sql: str, params: Any = None) 
     return int(row[0]) if row else 0
 
 
+async def migrated(database_url: str) -> psycopg.AsyncConnection[Any]:
+    """The schema (what ``oncely migrate`` runs), and an autocommit
+    connection for loading, waiting and checking."""
+    from oncely.sql.migrate import migrate
+
+    await migrate(database_url)
+    return await psycopg.AsyncConnection.connect(database_url, autocommit=True)
+
+
 async def migrate_and_key(database_url: str, tenant: str) -> str:
     """The schema (what ``oncely migrate`` runs) and a bearer key for ``tenant``
     (what ``oncely keys create`` makes), without two more interpreters."""
