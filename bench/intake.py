@@ -45,7 +45,7 @@ from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 from redis.asyncio import Redis
 
-from bench.harness import profile
+from bench.harness import floor, profile
 from bench.harness.measure import Headline, Meter, Noise, Run, ratio, round_robin, summary
 from bench.harness.processes import clean_env, free_port, wait_http
 from bench.harness.report import Context, main, parser
@@ -58,7 +58,6 @@ TENANT = "bench"
 ROUTE = "/v1/summaries"
 FLOOR_STREAM = "bench:intake:floor"
 XADD_STREAM = "bench:intake:xadd"
-PG_POOL_MIN, PG_POOL_MAX = 2, 20  # oncely's defaults (Settings.pg_pool_min/max)
 GOAL_THROUGHPUT, GOAL_P99 = 0.8, 1.5
 DUP_GAP = 64  # a duplicate repeats a key sent at least this many requests earlier
 SHOWN = ("req_per_s", "p50_ms", "p99_ms", "server_busy_cores", "wrk_cores")
@@ -98,23 +97,17 @@ def floor_app(mode: str, redis_url: str, database_url: str) -> FastAPI:
     """The durable floor (``floor``) or the XADD alone (``xadd``): the same
     request model as oncely's route, no auth, no idempotency."""
     redis = Redis.from_url(redis_url)
-    pool = AsyncConnectionPool(
-        database_url,
-        min_size=PG_POOL_MIN,
-        max_size=PG_POOL_MAX,
-        open=False,
-        kwargs={"autocommit": True},
-    )
+    pools: list[AsyncConnectionPool] = []  # the one pool, once the lifespan opened it
     stream = FLOOR_STREAM if mode == "floor" else XADD_STREAM
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        await pool.open(wait=True)
-        try:
-            yield
-        finally:
-            await pool.close()
-            await redis.aclose()
+        async with floor.pg_pool(database_url) as pool:
+            pools.append(pool)
+            try:
+                yield
+            finally:
+                await redis.aclose()
 
     app = FastAPI(lifespan=lifespan)
 
@@ -123,7 +116,7 @@ def floor_app(mode: str, redis_url: str, database_url: str) -> FastAPI:
         job_id = str(uuid.uuid4())
         payload = body.model_dump(mode="json")
         if mode == "floor":
-            async with pool.connection() as conn:
+            async with pools[0].connection() as conn:
                 await conn.execute(FLOOR_INSERT, (job_id, TENANT, summaries.name, Jsonb(payload)))
         fields = {"job_id": job_id, "tenant": TENANT, "payload": json.dumps(payload)}
         await redis.xadd(stream, fields)  # type: ignore[arg-type]
