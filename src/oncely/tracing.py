@@ -36,8 +36,10 @@ def span(
     attributes: Mapping[str, Any] | None = None,
 ) -> Iterator[Any]:
     """A span named ``name`` (child of ``parent``, a ``traceparent``, when
-    given; else of the current span). Yields the span, or None without otel."""
-    if _TRACER is None:
+    given; else of the current span). Yields the span, or None without otel
+    or while no tracer provider is configured (a span then records nothing
+    and carries no context: skipping it saves every request its cost)."""
+    if _TRACER is None or isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider):
         yield None
         return
     ctx = propagate.extract({"traceparent": parent}) if parent else None
