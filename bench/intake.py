@@ -491,7 +491,10 @@ async def profile_server(
     bench: Bench, c: Contender, seconds: int, rules: list[profile.Bucket]
 ) -> dict[str, Any]:
     """py-spy on one server under the fresh-key load (it slows the server:
-    read the shares, not the speed)."""
+    compare the shares, and the two servers' milliseconds side by side, not
+    the speed). Each bucket is [share, main-thread ms per request]: the
+    server is busy on its core, so samples / rate / requests is its time
+    per request under py-spy."""
     await fresh_state(bench.redis, bench.db)
     spy = profile.Spy(
         bench.ctx.children, f"{c.name}-api", bench.procs[c.server].pid, bench.ctx.log_dir
@@ -501,12 +504,16 @@ async def profile_server(
     wrk = await bench.wrk(c, load, bench.ctx.log_dir / f"profile-wrk-{c.name}")
     folded = await spy.stop()
     secs = wrk.summary["duration_us"] / 1e6
+    requests = max(wrk.summary["requests"], 1)
+    samples = profile.shares(folded, rules)["main_thread_samples"]
+    ms_per_request = samples / 100 / requests * 1000
     return {
         "rate_hz": 100,
         "seconds": seconds,
-        "req_per_s_under_py_spy": round(wrk.summary["requests"] / secs, 1),
+        "req_per_s_under_py_spy": round(requests / secs, 1),
+        "main_thread_ms_per_request": round(ms_per_request, 3),
         "folded": str(folded),
-        **profile.shares(folded, rules),
+        **profile.shares(folded, rules, cpu_ms=ms_per_request),
     }
 
 
@@ -535,8 +542,7 @@ async def bench_main(ctx: Context) -> tuple[list[Headline], dict[str, Any], bool
         if not a.no_profile:
             seconds = 1 if ctx.smoke else 8
             prof = await profile_server(bench, by_name["oncely"], seconds, rules)
-            if a.profile_floor:
-                floor_prof = await profile_server(bench, by_name["floor"], seconds, rules)
+            floor_prof = await profile_server(bench, by_name["floor"], seconds, rules)
     finally:
         await bench.close()
     pairs = {
@@ -579,9 +585,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seconds", type=int, help="wrk duration per run (10; smoke 1)")
     p.add_argument("--connections", type=int, default=32)
     p.add_argument("--threads", type=int, default=2, help="wrk threads")
-    p.add_argument("--no-profile", action="store_true", help="skip the py-spy profile")
     p.add_argument(
-        "--profile-floor", action="store_true", help="profile the floor too (same buckets)"
+        "--no-profile", action="store_true", help="skip the py-spy profiles (oncely, floor)"
     )
     p.add_argument(
         "--only", help="comma-separated contenders (oncely,floor,xadd,oncely_dup30); all by default"

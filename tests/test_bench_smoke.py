@@ -82,9 +82,13 @@ def test_intake_smoke_checks_every_accepted_job_is_in_jobs_and_the_stream_once(
     assert all(r["checks"]["every_202_in_stream_once"] for r in oncely)
     assert all(r["checks"]["distinct_202_job_ids"] > 0 for r in oncely)
     if HAS_PY_SPY:
-        buckets = result["profile"]["buckets"]
-        assert result["profile"]["main_thread_samples"] > 0
-        assert sum(buckets.values()) == pytest.approx(1, abs=0.02)
+        for name in ("profile", "profile_floor"):
+            prof = result[name]
+            assert prof["main_thread_samples"] > 0
+            shares = [share for share, _ in prof["buckets"].values()]
+            ms = [ms for _, ms in prof["buckets"].values()]
+            assert sum(shares) == pytest.approx(1, abs=0.02)
+            assert sum(ms) == pytest.approx(prof["main_thread_ms_per_request"], rel=0.05)
 
 
 @pytest.mark.timeout(SMOKE_TIMEOUT_S + 30)

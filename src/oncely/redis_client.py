@@ -66,7 +66,7 @@ class ClusterClient(RedisCluster):
         try:
             return await super().execute_command(*args, **kwargs)
         except _UNAVAILABLE as exc:
-            raise ClusterUnavailable(f"{type(exc).__name__}: {exc}") from exc
+            raise _unavailable(exc) from exc
 
     def pipeline(
         self, transaction: Any | None = None, shard_hint: Any | None = None
@@ -81,9 +81,17 @@ class ClusterClient(RedisCluster):
 class _Pipeline(ClusterPipeline):
     async def execute(self, raise_on_error: bool = True, allow_redirections: bool = True) -> Any:
         try:
-            return await super().execute(raise_on_error, allow_redirections)
+            results = await super().execute(raise_on_error, allow_redirections)
         except _UNAVAILABLE as exc:
-            raise ClusterUnavailable(f"{type(exc).__name__}: {exc}") from exc
+            raise _unavailable(exc) from exc
+        # Without raise_on_error, a command's error is its result: the same.
+        return [_unavailable(r) if isinstance(r, _UNAVAILABLE) else r for r in results]
+
+
+def _unavailable(exc: BaseException) -> ClusterUnavailable:
+    unavailable = ClusterUnavailable(f"{type(exc).__name__}: {exc}")
+    unavailable.__cause__ = exc
+    return unavailable
 
 
 @dataclass(frozen=True)
