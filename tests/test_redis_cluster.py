@@ -11,6 +11,7 @@ import asyncio
 import json
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -365,3 +366,24 @@ async def post_twice_each(base: str, api_key: str, jobs: int) -> list[str]:
 
 async def redis_dead_letters(stream: Stream) -> int:
     return int(await stream.redis.xlen(stream.dead))
+
+
+async def test_readiness_asks_every_primary(cluster, client, redis):
+    """A primary that does not answer makes /readyz 503 even when the node
+    the client asks by default answers: every key of its slots would fail."""
+    assert (await client.get("/readyz")).json()["redis"] is True
+    default = redis.get_default_node()
+    other = next(url for url in cluster.urls if urlsplit(url).port != default.port)
+    frozen = sync_redis.Redis.from_url(other)
+    frozen.execute_command("CLIENT", "PAUSE", 4000, "ALL")  # answers nobody for 4 s
+    try:
+        ready = await client.get("/readyz")
+        assert ready.status_code == 503
+        assert ready.json() == {"ready": False, "redis": False, "postgres": True}
+    finally:
+        frozen.close()
+
+    async def ready_again() -> bool:
+        return (await client.get("/readyz")).status_code == 200
+
+    await wait_for(ready_again, 30, "/readyz once the primary answers again")

@@ -21,7 +21,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from psycopg_pool import AsyncConnectionPool
 
-from oncely import metrics
+from oncely import metrics, redis_client
 from oncely.outbox.store import OutboxStore
 from oncely.queue.stream import Stream
 from oncely.redis_client import RedisClient
@@ -121,7 +121,8 @@ class HealthServer:
         return True
 
     async def _ping_redis(self) -> None:
-        await self.redis.ping()
+        if not await redis_client.ping(self.redis):
+            raise RuntimeError("Redis answered the ping with something else")
 
     async def _ping_postgres(self) -> None:
         async with self.pool.connection(timeout=self.config.timeout_s) as conn:

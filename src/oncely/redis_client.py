@@ -94,6 +94,15 @@ def _unavailable(exc: BaseException) -> ClusterUnavailable:
     return unavailable
 
 
+async def ping(redis: RedisClient) -> bool:
+    """Whether Redis answers; on a cluster, whether every primary does (a
+    readiness check asking one node would call a cluster with a frozen
+    primary ready, while every key of that primary's slots fails)."""
+    if isinstance(redis, RedisCluster):
+        return bool(await redis.ping(target_nodes=RedisCluster.PRIMARIES))
+    return bool(await redis.ping())
+
+
 @dataclass(frozen=True)
 class ScriptCall:
     """One call of a registered Lua script, to send with others in one

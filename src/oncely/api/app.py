@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from psycopg_pool import AsyncConnectionPool
 
-from oncely import __version__
+from oncely import __version__, redis_client
 from oncely.api.auth import TenantDependency, api_key_tenant
 from oncely.api.edge import Edge
 from oncely.api.idempotency import RETENTION_POLICY, idempotency_dependency
@@ -295,7 +295,7 @@ def _add_operations(app: FastAPI, api: OncelyAPI, *, public_metrics: bool) -> No
 
 async def _redis_ok(api: OncelyAPI) -> bool:
     try:
-        return bool(await api.clients.redis.ping())
+        return await redis_client.ping(api.clients.redis)
     except Exception:
         return False
 
