@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import time
 import uuid
 from datetime import UTC, datetime
@@ -21,7 +22,7 @@ from oncely.builtin.triage import Triage, triage
 from oncely.jobs.store import Job
 from oncely.llm.base import Message
 from oncely.llm.limiter import FleetLimiter, LimitedLLM, Limits
-from oncely.queue.stream import JobMessage
+from oncely.queue.stream import JobMessage, Stream
 from oncely.queue.worker import Worker
 from oncely.shadow.config import parse_primary, parse_shadow, sampled
 from oncely.shadow.evaluate import Evaluation, evaluate, field_agreement
@@ -29,6 +30,7 @@ from oncely.shadow.report import Thresholds, build_report, gate
 from oncely.shadow.run import PRIMARY_FIELD
 from oncely.shadow.store import ShadowResults
 from tests.helpers import count, drain
+from tests.processes import oncely
 
 # -- pure logic ----------------------------------------------------------------------
 
@@ -379,3 +381,26 @@ async def test_a_model_judge_scores_with_its_own_counted_calls(
     assert fake_llm.stats().models == {"oncely-fake": 6, "oncely-fake-v2": 3}
     judge_prompts = fake_llm.stats(contains="Candidate:").prompts
     assert len(judge_prompts) == 3 and all(p.count == 1 for p in judge_prompts)
+
+
+async def test_status_shows_each_shadow_variants_stream(redis, redis_url, database_url, pool):
+    """`oncely status` reports a shadow variant's stream beside its
+    workflow's: what waits there, and its dead letters."""
+    shadow = Stream(redis, names.shadow_keys("triage", "fake-v2"))
+    await shadow.ensure_group()
+    await shadow.enqueue(JobMessage.new(str(uuid.uuid4()), "acme", {"subject": "s", "body": "b"}))
+    env = {
+        "ONCELY_REDIS_URL": redis_url,
+        "ONCELY_DATABASE_URL": database_url,
+        "ONCELY_SHADOW": "triage=fake-v2:1.0",
+        "COLUMNS": "200",
+    }
+    report = await asyncio.to_thread(oncely, "status", "--json", env=env)
+    assert report.returncode == 0, report.stderr
+    shadows = json.loads(report.stdout)["shadows"]
+    assert list(shadows) == ["triage:shadow:fake-v2"]
+    assert shadows["triage:shadow:fake-v2"]["stream_length"] == 1
+    assert shadows["triage:shadow:fake-v2"]["dead_letters"] == 0
+    table = await asyncio.to_thread(oncely, "status", env=env)
+    assert table.returncode == 0, table.stderr
+    assert "triage:shadow:fake-v2" in table.stdout

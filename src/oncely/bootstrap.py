@@ -167,14 +167,17 @@ def shadow_plan(s: Settings, app: App | None = None) -> ShadowPlan:
     return plan
 
 
-def shadow_streams(app: App, res: Resources) -> list[Stream]:
-    """The streams of every configured shadow variant of ``app``'s workflows."""
+def shadow_streams(app: App, res: Resources) -> dict[str, Stream]:
+    """The stream of every configured shadow variant of ``app``'s workflows,
+    by ``<workflow>:shadow:<variant>`` (the name its worker logs under)."""
     plan = shadow_plan(res.settings)
-    return [
-        Stream(res.redis, names.shadow_keys(spec.workflow, spec.variant))
+    return {
+        f"{spec.workflow}:shadow:{spec.variant}": Stream(
+            res.redis, names.shadow_keys(spec.workflow, spec.variant)
+        )
         for spec in plan.shadows
         if spec.workflow in app.names
-    ]
+    }
 
 
 def app_from(s: Settings, only: list[str] | None = None) -> App:

@@ -36,8 +36,10 @@ async def _jobs(settings: Settings, workflows: list[str] | None = None) -> Async
 
 
 async def show_status(settings: Settings, *, as_json: bool) -> None:
-    async with _jobs(settings) as jobs:
-        status = await read_status(jobs, OutboxStore(jobs.pool))
+    app = app_from(settings)
+    async with open_resources(settings) as res:
+        jobs = jobs_for(app, res)
+        status = await read_status(jobs, OutboxStore(jobs.pool), shadow_streams(app, res))
     if as_json:
         print(json.dumps(status.to_json(), indent=2))
         return
@@ -52,6 +54,10 @@ async def show_status(settings: Settings, *, as_json: bool) -> None:
             *(str(n) for n in (s.length, s.pending, s.delayed, s.dead_letters)),
             *(str(j.get(k, 0)) for k in ("queued", "done", "dead")),
         )
+    for name, s in status.shadows.items():
+        # Shadow runs have no job rows of their own (their results: `oncely eval report`).
+        counts = (s.length, s.pending, s.delayed, s.dead_letters)
+        table.add_row(name, *(str(n) for n in counts), "-", "-", "-")
     out.print(table)
     o = status.outbox
     oldest = "-" if o.oldest_unsent_age_s is None else f"{o.oldest_unsent_age_s:.1f} s"
@@ -59,9 +65,10 @@ async def show_status(settings: Settings, *, as_json: bool) -> None:
         f"outbox: {o.unsent} unsent ({o.in_flight} in flight), {o.failed} failed, "
         f"oldest unsent {oldest}"
     )
-    for w in status.workflows:
-        for c in w.stream.consumers:
-            out.print(f"consumer {w.workflow}/{c.name}: {c.pending} pending, idle {c.idle_ms} ms")
+    streams = [(w.workflow, w.stream) for w in status.workflows] + list(status.shadows.items())
+    for name, stats in streams:
+        for c in stats.consumers:
+            out.print(f"consumer {name}/{c.name}: {c.pending} pending, idle {c.idle_ms} ms")
 
 
 async def show_dead_letters(
@@ -236,7 +243,7 @@ async def erase_tenant(settings: Settings, tenant: str) -> dict[str, int]:
         jobs = jobs_for(app_from(settings), res)
         counts = await jobs.erase_tenant(tenant)
         # Shadow streams too: their messages carry the tenant's requests.
-        streams = [*jobs.streams.values(), *shadow_streams(app_from(settings), res)]
+        streams = [*jobs.streams.values(), *shadow_streams(app_from(settings), res).values()]
         counts["messages"] = sum([await s.erase_tenant(tenant) for s in streams])
         records = IdempotencyStore(res.redis, lock_ttl_s=1, result_ttl_s=1)
         counts["idempotency_records"] = await records.erase_tenant(tenant)
