@@ -263,7 +263,8 @@ async def test_wait_gives_up_on_a_job_still_queued(api, api_key):
         started = time.monotonic()
         with pytest.raises(WaitTimedOut) as timed_out:
             await client.wait("/v1/summaries", accepted.job_id, timeout_s=0.3)
-    assert 0.2 < time.monotonic() - started < 5
+    # Waited out its 0.3 s, and did not hang (wide slack).
+    assert 0.2 < time.monotonic() - started < 30
     assert timed_out.value.job.status == "queued"
     assert isinstance(timed_out.value, DeadlineExceeded)
 

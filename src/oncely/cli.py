@@ -14,7 +14,7 @@ import sys
 from collections.abc import Coroutine
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 from pydantic import ValidationError
@@ -22,6 +22,9 @@ from rich.console import Console
 
 from oncely.logs import configure_logging
 from oncely.settings import Settings
+
+if TYPE_CHECKING:
+    from oncely.shadow.report import VariantReport
 
 T = TypeVar("T")
 
@@ -600,6 +603,15 @@ def _since(value: str | None) -> datetime:
     return when if when.tzinfo else when.replace(tzinfo=UTC)
 
 
+def _eval_reports(workflow: str, variant: str | None, since: str | None) -> list[VariantReport]:
+    """The variants' reports for ``eval report`` and ``eval gate``."""
+    from oncely.ops import eval_reports
+
+    settings = _settings()
+    _workflows(settings, [workflow])
+    return _run(eval_reports(settings, workflow, variant, _since(since)))
+
+
 @eval_app.command("report")
 def eval_report(
     workflow: EvalWorkflowOpt,
@@ -608,11 +620,9 @@ def eval_report(
     as_json: JsonOpt = False,
 ) -> None:
     """Shadow variants against the primary: agreement, scores, errors, cost and latency."""
-    from oncely.ops import eval_reports, print_eval_report
+    from oncely.ops import print_eval_report
 
-    settings = _settings()
-    _workflows(settings, [workflow])
-    reports = _run(eval_reports(settings, workflow, variant, _since(since)))
+    reports = _eval_reports(workflow, variant, since)
     print_eval_report(reports, workflow=workflow, as_json=as_json)
 
 
@@ -635,12 +645,9 @@ def eval_gate(
     as_json: JsonOpt = False,
 ) -> None:
     """Exit 0 if the variant meets every threshold, else 1: for deploy pipelines."""
-    from oncely.ops import eval_reports
     from oncely.shadow.report import Thresholds, gate
 
-    settings = _settings()
-    _workflows(settings, [workflow])
-    reports = _run(eval_reports(settings, workflow, variant, _since(since)))
+    reports = _eval_reports(workflow, variant, since)
     thresholds = Thresholds(min_agreement, min_pairs, max_error_rate, max_cost_ratio)
     verdict = gate(reports[0] if reports else None, thresholds)
     word = "pass" if verdict.passed else "fail"
