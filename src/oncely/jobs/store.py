@@ -238,9 +238,10 @@ class Jobs:
     # -- dispatch: the row first, then the stream ------------------------------
 
     async def accept(self, job: Job, *, fingerprint: str | None = None) -> Acceptance:
-        """Intake: record the job, then enqueue it. Idempotent per job id.
-        Once the row is committed the job is accepted: a failed enqueue is
-        logged and left to the reconciler."""
+        """Record the job, then enqueue it. Idempotent per job id. Once the
+        row is committed the job is accepted: a failed enqueue is logged and
+        left to the reconciler. (The intake does the two steps itself, to
+        send the enqueue with its stored response: ``api/workflows.py``.)"""
         acceptance = await self.record(job, fingerprint=fingerprint)
         if acceptance.fresh:
             await call_together(self.streams[job.kind].redis, [self.enqueue_call(job)])
