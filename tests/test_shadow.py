@@ -308,26 +308,33 @@ async def test_shadow_calls_stay_within_their_share_while_production_runs_at_its
     )
     ask = [Message("user", "One sentence. Another one.")]
 
+    stop = asyncio.Event()
+
     async def keep_calling(limited: LimitedLLM) -> None:
-        while True:
+        # Ends on the event as well as on cancellation: a cancellation that a
+        # client library swallows mid-request must not keep the loop going.
+        while not stop.is_set():
             await limited.complete(ask, timeout=30)
 
     started = time.monotonic()
     tasks = [asyncio.create_task(keep_calling(production)) for _ in range(16)]
     tasks += [asyncio.create_task(keep_calling(shadow)) for _ in range(16)]
 
-    async def production_past_its_burst() -> bool:
+    def production_past_its_burst() -> bool:
         return fake_llm.stats().models.get("oncely-fake", 0) >= 80
 
     try:
-        deadline = time.monotonic() + 60
-        while not await production_past_its_burst():
+        # Under the test's own timeout, so that a stall reports the counts.
+        deadline = time.monotonic() + 40
+        while not production_past_its_burst():
             assert time.monotonic() < deadline, fake_llm.stats().models
+            assert not any(t.done() for t in tasks), [t for t in tasks if t.done()]
             await asyncio.sleep(0.05)
     finally:
+        stop.set()
         for task in tasks:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.wait(tasks, timeout=10)
         await llm.aclose()
     elapsed_min = (time.monotonic() - started) / 60
     models = fake_llm.stats().models
