@@ -71,7 +71,7 @@ FLOOR_INSERT = (
 @dataclass(frozen=True)
 class Contender:
     name: str  # the row in the report
-    server: str  # "oncely" | "floor" | "xadd"
+    server: str  # "oncely" | "floor" | "xadd" | "against"
     dup_rate: float
 
 
@@ -81,6 +81,9 @@ CONTENDERS = (
     Contender("xadd", "xadd", 0.0),
     Contender("oncely_dup30", "oncely", 0.3),
 )
+# With --against: oncely from another checkout (say, a worktree of an
+# earlier revision), under the same load in the same rounds.
+AGAINST = Contender("against", "against", 0.0)
 
 
 @dataclass(frozen=True)
@@ -277,14 +280,18 @@ class Bench:
         env = clean_env(redis_url=s.redis_url, database_url=s.database_url, log_level="WARNING")
         self.api_key = await migrate_and_key(s.database_url, TENANT)
         self.db = await psycopg.AsyncConnection.connect(s.database_url, autocommit=True)
-        for name in ("oncely", "floor", "xadd"):
+        servers = ["oncely", "floor", "xadd"] + (["against"] if self.ctx.args.against else [])
+        for name in servers:
             port = self.ports[name] = free_port()
-            if name == "oncely":
-                argv = ["-m", "oncely", "api", "--port", str(port)]
-            else:
+            argv = ["-m", "oncely", "api", "--port", str(port)]
+            server_env = env
+            if name == "against":
+                # Its oncely package comes first on the path: the other checkout's.
+                server_env = env | {"PYTHONPATH": f"{self.ctx.args.against}/src"}
+            elif name != "oncely":
                 argv = ["-m", "bench.intake", f"--serve={name}", f"--port={port}"]
                 argv += [f"--redis-url={s.redis_url}", f"--database-url={s.database_url}"]
-            self.procs[name] = self.ctx.children.python(f"server-{name}", argv, env)
+            self.procs[name] = self.ctx.children.python(f"server-{name}", argv, server_env)
         for name, proc in self.procs.items():
             await wait_http(f"{self.url(name)}/readyz", proc, f"server-{name}", self.ctx.children)
 
@@ -369,7 +376,8 @@ class Bench:
             last = batch[-1][0]
 
     async def checks(self, c: Contender, wrk: WrkOutput) -> dict[str, Any]:
-        streams = {"oncely": summaries.keys.stream, "floor": FLOOR_STREAM, "xadd": XADD_STREAM}
+        streams = {"floor": FLOOR_STREAM, "xadd": XADD_STREAM}
+        streams |= dict.fromkeys(("oncely", "against"), summaries.keys.stream)
         await self.settle(streams[c.server])
         cur = await self.db.execute("SELECT job_id FROM jobs WHERE kind = %s", (summaries.name,))
         rows = [str(r[0]) for r in await cur.fetchall()]
@@ -529,8 +537,9 @@ async def bench_main(ctx: Context) -> tuple[list[Headline], dict[str, Any], bool
         await bench.open()
         if not ctx.smoke:
             await bench.warm_up(2)
-        by_name = {c.name: c for c in CONTENDERS}
-        names = [c.name for c in CONTENDERS if not a.only or c.name in a.only.split(",")]
+        contenders = CONTENDERS + ((AGAINST,) if a.against else ())
+        by_name = {c.name: c for c in contenders}
+        names = [c.name for c in contenders if not a.only or c.name in a.only.split(",")]
 
         async def one(name: str, round_no: int) -> Run:
             return await bench.run(by_name[name], round_no)
@@ -565,6 +574,11 @@ async def bench_main(ctx: Context) -> tuple[list[Headline], dict[str, Any], bool
         of("oncely 30 % duplicates / floor, p99", "oncely_dup30", "floor", "p99_ms"),
         of("floor / XADD only, req/s", "floor", "xadd", "req_per_s"),
     ]
+    if a.against:
+        headline += [
+            of("oncely / --against, req/s", "oncely", "against", "req_per_s"),
+            of("CPU per request, oncely / --against", "oncely", "against", "server_cpu_ms_per_req"),
+        ]
     detail = {
         "load": asdict(load) | {"dup_rate": 0.3, "dup_gap": DUP_GAP},
         "goal": {"throughput_min": GOAL_THROUGHPUT, "p99_max": GOAL_P99},
@@ -590,6 +604,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--only", help="comma-separated contenders (oncely,floor,xadd,oncely_dup30); all by default"
+    )
+    p.add_argument(
+        "--against",
+        metavar="CHECKOUT",
+        type=lambda path: str(Path(path).resolve()),
+        help="also run oncely from this checkout (e.g. a git worktree of an earlier "
+        "revision) in every round, as the contender 'against'",
     )
     # The floor / XADD-only server, run by the benchmark itself:
     p.add_argument("--serve", choices=("floor", "xadd"), help=argparse.SUPPRESS)

@@ -26,6 +26,23 @@ async def test_every_call_answers_in_order(redis: RedisClient) -> None:
     assert [await redis.get(key) for key in KEYS] == ["v0", "v1", "v2"]
 
 
+async def test_each_call_gets_its_own_keys_and_arguments(redis: RedisClient) -> None:
+    """Calls of different shapes in one batch (on one server: one script made
+    of theirs), one answering nothing."""
+    count_args = redis.register_script("return {#KEYS, #ARGV, ARGV[#ARGV]}")
+    nothing = redis.register_script("redis.call('SET', KEYS[1], ARGV[1])")
+    results = await call_together(
+        redis,
+        [
+            ScriptCall(count_args, [], ["a", "b", "c"]),
+            ScriptCall(nothing, [KEYS[0]], ["set"]),
+            ScriptCall(count_args, [KEYS[1]], ["only"]),
+        ],
+    )
+    assert results == [[0, 3, "c"], None, [1, 1, "only"]]
+    assert await redis.get(KEYS[0]) == "set"
+
+
 async def test_a_failing_call_does_not_stop_the_others(redis: RedisClient) -> None:
     await redis.set(KEYS[0], "a string, not a stream")
     stream = redis.register_script(APPEND_TO_STREAM)

@@ -13,6 +13,7 @@ cluster exists.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias
@@ -25,6 +26,7 @@ from redis.exceptions import (
     ClusterError,
     RedisClusterException,
     RedisError,
+    ResponseError,
     SlotNotCoveredError,
     TryAgainError,
 )
@@ -120,22 +122,75 @@ async def call_together(redis: RedisClient, calls: Sequence[ScriptCall]) -> list
     """Every call in one round trip; each result is the script's answer or
     the ``RedisError`` it met (also given to its ``on_error``). One failing
     call does not stop the others; a batch Redis did not answer fails them
-    all. A pipeline, not a transaction: on a cluster the calls' keys may
-    live on different nodes, and each call goes to its own. Sent as EVAL
-    with the script's text, so that no node can answer NOSCRIPT (redis-py's
-    cluster pipelines refuse EVALSHA, and its single-server ones would ask
-    SCRIPT EXISTS first, a round trip of its own); the server caches each
-    script by its digest."""
+    all.
+
+    On one server the calls run as one script made of theirs (each under
+    ``pcall``), a single command: a pipeline of two costs this process
+    about half again as much CPU (bench/README.md, Intake). On a cluster the
+    calls' keys may live on different nodes, so they go as a pipeline, each
+    to its own node. Either way each is sent with its script's text, as
+    EVAL, so that no node can answer NOSCRIPT (redis-py's cluster pipelines
+    refuse EVALSHA); the server caches each script by its digest."""
     try:
-        async with redis.pipeline(transaction=False) as pipe:
-            for call in calls:
-                pipe.execute_command(
-                    "EVAL", call.script.script, len(call.keys), *call.keys, *call.args
-                )
-            results: list[Any] = await pipe.execute(raise_on_error=False)
+        if isinstance(redis, RedisCluster) or len(calls) == 1:
+            results = await _pipelined(redis, calls)
+        else:
+            results = await _as_one_script(redis, calls)
     except RedisError as exc:
         results = [exc] * len(calls)
     for call, result in zip(calls, results, strict=True):
         if isinstance(result, RedisError) and call.on_error is not None:
             call.on_error(result)
     return results
+
+
+async def _pipelined(redis: RedisClient, calls: Sequence[ScriptCall]) -> list[Any]:
+    async with redis.pipeline(transaction=False) as pipe:
+        for call in calls:
+            pipe.execute_command("EVAL", _text(call), len(call.keys), *call.keys, *call.args)
+        return list(await pipe.execute(raise_on_error=False))
+
+
+async def _as_one_script(redis: RedisClient, calls: Sequence[ScriptCall]) -> list[Any]:
+    script = _composed(tuple(_text(call) for call in calls))
+    keys = [key for call in calls for key in call.keys]
+    counts = [n for call in calls for n in (len(call.keys), len(call.args))]
+    args = [arg for call in calls for arg in call.args]
+    reply: list[list[Any]] = await redis.execute_command(
+        "EVAL", script, len(keys), *keys, *counts, *args
+    )
+    return [answer if ok == 1 else ResponseError(answer) for ok, answer in reply]
+
+
+def _text(call: ScriptCall) -> str:
+    script = call.script.script
+    return script.decode() if isinstance(script, bytes) else script
+
+
+# Each call's script becomes a function of its own KEYS and ARGV, called
+# under pcall: its answer or its error, in order. ARGV starts with each
+# call's number of keys and of arguments.
+_COMPOSED = """
+local calls = {%s}
+local answers, key, arg = {}, 0, 2 * #calls
+for i, call in ipairs(calls) do
+  local nkeys, nargs = tonumber(ARGV[2 * i - 1]), tonumber(ARGV[2 * i])
+  local keys, args = {}, {}
+  for j = 1, nkeys do keys[j] = KEYS[key + j] end
+  for j = 1, nargs do args[j] = ARGV[arg + j] end
+  key, arg = key + nkeys, arg + nargs
+  local ok, answer = pcall(call, keys, args)
+  if ok then
+    if answer == nil then answer = false end
+    answers[i] = {1, answer}
+  else
+    answers[i] = {0, type(answer) == 'table' and answer.err or tostring(answer)}
+  end
+end
+return answers
+"""
+
+
+@functools.lru_cache(maxsize=64)
+def _composed(scripts: tuple[str, ...]) -> str:
+    return _COMPOSED % ",\n".join(f"function(KEYS, ARGV)\n{s}\nend" for s in scripts)
