@@ -164,7 +164,7 @@ async def _as_one_script(redis: RedisClient, calls: Sequence[ScriptCall]) -> lis
 
 def _text(call: ScriptCall) -> str:
     script = call.script.script
-    return script.decode() if isinstance(script, bytes) else script
+    return script if isinstance(script, str) else bytes(script).decode()
 
 
 # Each call's script becomes a function of its own KEYS and ARGV, called
