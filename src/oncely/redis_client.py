@@ -18,9 +18,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
-from redis.asyncio import Redis
+from redis.asyncio import Connection, Redis
 from redis.asyncio.cluster import ClusterPipeline, RedisCluster
 from redis.commands.core import AsyncScript
+from redis.connection import HiredisRespSerializer
 from redis.exceptions import (
     ClusterDownError,
     ClusterError,
@@ -33,6 +34,19 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 RedisClient: TypeAlias = Redis | RedisCluster
+
+
+class HiredisPacked(Connection):
+    """A TCP connection that packs its commands with hiredis, as redis-py's
+    synchronous client does; its asyncio client packs them in Python, about
+    8 µs for the intake's claim and 20 for its enqueue, against 1 and 3
+    (bench/README.md, Intake). The bytes on the wire are the same."""
+
+    _packer = HiredisRespSerializer()
+
+    def pack_command(self, *args: Any) -> list[bytes]:
+        packed: list[bytes] = self._packer.pack(*args)
+        return packed
 
 
 class ClusterUnavailable(RedisConnectionError):
