@@ -21,9 +21,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from psycopg_pool import AsyncConnectionPool
 
 from oncely import __version__, redis_client
-from oncely.api.auth import TenantDependency, api_key_tenant
+from oncely.api.auth import ApiKeyAuth, TenantDependency
 from oncely.api.edge import Edge
-from oncely.api.idempotency import RETENTION_POLICY, idempotency_dependency
+from oncely.api.idempotency import (
+    RETENTION_POLICY,
+    idempotency_dependency,
+    idempotent_request_for,
+)
 from oncely.api.keys import MAX_KEY_LEN, MIN_KEY_LEN
 from oncely.api.problems import (
     PROBLEM_BASE,
@@ -33,7 +37,7 @@ from oncely.api.problems import (
 )
 from oncely.api.ratelimit import TenantLimiter
 from oncely.api.store import IdempotencyStore
-from oncely.api.workflows import add_workflow_routes
+from oncely.api.workflows import DirectIntake, add_workflow_routes
 from oncely.app import App
 from oncely.console import console_router
 from oncely.jobs.store import Jobs, run_statement
@@ -118,11 +122,20 @@ class OncelyAPI:
             self._open = clients
         else:
             self._bind(clients)
-        self.tenant = auth or api_key_tenant(
-            lambda: self.clients.pool,
-            timeout_s=config.statement_timeout_s,
-            cache_s=config.api_key_cache_s,
-        )
+        # With oncely's own API keys, the intake resolves its requests itself
+        # (workflows.DirectIntake); with an app's own auth, FastAPI does.
+        self._direct: DirectIntake | None = None
+        if auth is None:
+            keys = ApiKeyAuth(
+                lambda: self.clients.pool,
+                timeout_s=config.statement_timeout_s,
+                cache_s=config.api_key_cache_s,
+            )
+            auth = keys.dependency
+            self._direct = DirectIntake(
+                keys.tenant_of, idempotent_request_for(lambda: self._idempotency, config.max_hold_s)
+            )
+        self.tenant = auth
         self.idempotent = idempotency_dependency(
             lambda: self._idempotency, self.tenant, config.max_hold_s
         )
@@ -144,6 +157,7 @@ class OncelyAPI:
                 tenant=self.tenant,
                 idempotent=self._intake,
                 limiter=lambda: self._limiter,
+                direct=self._direct,
             )
 
     @property

@@ -13,8 +13,9 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Annotated
 
-from fastapi import Depends
+from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.security.utils import get_authorization_scheme_param
 from psycopg.rows import class_row
 from psycopg_pool import AsyncConnectionPool
 
@@ -144,30 +145,48 @@ class KeyCache:
         self._entries[key_hash] = (tenant, time.monotonic() + self.ttl_s)
 
 
-def api_key_tenant(
-    pool: Callable[[], AsyncConnectionPool],
-    *,
-    timeout_s: float = 10.0,
-    cache_s: float = 0.0,
-) -> TenantDependency:
+class ApiKeyAuth:
     """The default auth: ``Authorization: Bearer <api key>`` → its tenant
     (the lookup bounded by ``timeout_s``; active keys cached ``cache_s``,
-    see ``KeyCache``)."""
-    cache = KeyCache(cache_s)
+    see ``KeyCache``). ``dependency`` is it as a FastAPI dependency, which
+    documents the bearer scheme in OpenAPI; the workflows' intake calls
+    ``tenant_of`` directly (``oncely.api.workflows``)."""
 
-    async def current_tenant(
-        credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
-    ) -> str:
-        if credentials is None or credentials.scheme.lower() != "bearer":
-            raise Unauthorized("send Authorization: Bearer <api key>")
-        key_hash = hash_api_key(credentials.credentials)
-        tenant = cache.get(key_hash)
+    def __init__(
+        self, pool: Callable[[], AsyncConnectionPool], *, timeout_s: float, cache_s: float
+    ) -> None:
+        self._pool = pool
+        self._timeout_s = timeout_s
+        self._cache = KeyCache(cache_s)
+
+        async def current_tenant(
+            credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+        ) -> str:
+            if credentials is None:
+                raise Unauthorized(_SEND_A_KEY)
+            return await self._tenant(credentials.scheme, credentials.credentials)
+
+        self.dependency: TenantDependency = current_tenant
+
+    async def tenant_of(self, request: Request) -> str:
+        """The request's tenant, read as the dependency reads it."""
+        scheme, key = get_authorization_scheme_param(request.headers.get("authorization"))
+        if not (scheme and key):
+            raise Unauthorized(_SEND_A_KEY)
+        return await self._tenant(scheme, key)
+
+    async def _tenant(self, scheme: str, key: str) -> str:
+        if scheme.lower() != "bearer":
+            raise Unauthorized(_SEND_A_KEY)
+        key_hash = hash_api_key(key)
+        tenant = self._cache.get(key_hash)
         if tenant is not None:
             return tenant
-        tenant = await _tenant_for_hash(pool(), key_hash, timeout_s=timeout_s)
+        tenant = await _tenant_for_hash(self._pool(), key_hash, timeout_s=self._timeout_s)
         if tenant is None:
             raise Unauthorized("unknown or revoked API key")
-        cache.put(key_hash, tenant)
+        self._cache.put(key_hash, tenant)
         return tenant
 
-    return current_tenant
+
+_SEND_A_KEY = "send Authorization: Bearer <api key>"

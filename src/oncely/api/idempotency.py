@@ -320,6 +320,24 @@ HEADER_PARAMETERS: list[dict[str, Any]] = [
 ]
 
 
+def idempotent_request_for(
+    store: Callable[[], IdempotencyStore], max_hold_s: float = 120.0
+) -> Callable[[Request, str], IdempotentRequest]:
+    """``(request, tenant) → IdempotentRequest`` for ``store()``'s keys: the
+    dependency's work, for a route that resolves the tenant itself (the
+    workflows' intake, ``oncely.api.workflows``). Raises for a missing,
+    malformed or repeated ``Idempotency-Key``."""
+
+    def request_for(request: Request, tenant_name: str) -> IdempotentRequest:
+        key = parse_key(request.headers.getlist("idempotency-key"))
+        route = request.scope["route"].path
+        scope = Scope(tenant=tenant_name, method=request.method, route=route, key=key)
+        wait_s = parse_prefer_wait(request.headers.getlist("prefer"))
+        return IdempotentRequest(store(), scope, wait_s, max_hold_s)
+
+    return request_for
+
+
 def idempotency_dependency(
     store: Callable[[], IdempotencyStore],
     tenant: Callable[..., Awaitable[str]],
@@ -339,13 +357,7 @@ def idempotency_dependency(
 
     # ``tenant`` is a local: a string annotation could not name it, a default can.
     tenant_dependency = Depends(tenant)
-
-    def request_for(request: Request, tenant_name: str) -> IdempotentRequest:
-        key = parse_key(request.headers.getlist("idempotency-key"))
-        route = request.scope["route"].path
-        scope = Scope(tenant=tenant_name, method=request.method, route=route, key=key)
-        wait_s = parse_prefer_wait(request.headers.getlist("prefer"))
-        return IdempotentRequest(store(), scope, wait_s, max_hold_s)
+    request_for = idempotent_request_for(store, max_hold_s)
 
     if not document_headers:
 

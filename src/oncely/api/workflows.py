@@ -5,15 +5,18 @@ No ``from __future__ import annotations`` here: FastAPI reads each route's
 request and response models from annotations built per workflow.
 """
 
+import json
 import re
 import uuid
-from collections.abc import Awaitable, Callable
-from typing import Annotated, Any, Literal, cast
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel
+from fastapi.routing import APIRoute
+from pydantic import BaseModel, ValidationError
 
 from oncely import metrics, tracing
 from oncely.api.idempotency import (
@@ -38,6 +41,16 @@ class Accepted(BaseModel):
     status: Literal["queued"]
 
 
+@dataclass(frozen=True)
+class DirectIntake:
+    """How the intake resolves a request without FastAPI's dependencies: its
+    tenant (the built-in API keys' ``ApiKeyAuth.tenant_of``) and its claim
+    on its key (``idempotent_request_for``)."""
+
+    tenant: Callable[[Request], Awaitable[str]]
+    idempotent: Callable[[Request, str], IdempotentRequest]
+
+
 def add_workflow_routes(
     router: APIRouter,
     workflow: Workflow[Any, Any],
@@ -46,43 +59,43 @@ def add_workflow_routes(
     tenant: Callable[..., Awaitable[str]],
     idempotent: Callable[..., Awaitable[IdempotentRequest]],
     limiter: Callable[[], TenantLimiter | None] = lambda: None,
+    direct: DirectIntake | None = None,
 ) -> None:
     """POST and GET for one workflow, added to ``router``. ``jobs`` is called
     per request, so the routes can be built before the lifespan opens the
-    clients."""
+    clients.
+
+    The POST is documented from its endpoint's signature (the body model,
+    the tenant and idempotency dependencies). With ``direct``, a request
+    does not go through FastAPI's dependency solving but through
+    ``direct_intake``, which reads and checks it in the same order with the
+    same answers, for a fraction of the cost (bench/README.md, Intake);
+    without (an app's own ``auth``), FastAPI solves the dependencies."""
+    _add_intake(router, workflow, jobs, idempotent, limiter, direct)
+    _add_read(router, workflow, jobs, tenant)
+
+
+def _add_intake(
+    router: APIRouter,
+    workflow: Workflow[Any, Any],
+    jobs: Callable[[], Jobs],
+    idempotent: Callable[..., Awaitable[IdempotentRequest]],
+    limiter: Callable[[], TenantLimiter | None],
+    direct: DirectIntake | None,
+) -> None:
     request_model = workflow.request
-    view_model = workflow.job_view
     accepted_total = metrics.JOBS_ACCEPTED.labels(workflow=workflow.name)
-    Tenant = Annotated[str, Depends(tenant)]
     Idempotent = Annotated[IdempotentRequest, Depends(idempotent)]
 
-    @router.post(
-        workflow.route,
-        status_code=202,
-        tags=[workflow.name],
-        response_model=Accepted,
-        summary=workflow.summary or f"Accept a {workflow.name} job",
-        operation_id=f"create_{workflow.name}",
-        responses={
-            202: {
-                "description": "Accepted (or, with `Idempotent-Replayed`, the stored original).",
-                "headers": {
-                    "Location": {"schema": {"type": "string"}, "description": "The job's URL."},
-                    **replay_header_doc(),
-                },
-            },
-            **IDEMPOTENCY_RESPONSES,
-        },
-        # The dependency reads the headers without declaring them (one
-        # validation less per request): documented here instead.
-        openapi_extra={"parameters": HEADER_PARAMETERS},
-    )
     async def create(
         body: request_model,  # type: ignore[valid-type]
         idem: Idempotent,
         request: Request,
     ) -> Response:
-        payload = cast(BaseModel, body).model_dump(mode="json")
+        return await intake(body, idem, request)
+
+    async def intake(body: BaseModel, idem: IdempotentRequest, request: Request) -> Response:
+        payload = body.model_dump(mode="json")
         refuse_unstorable_text(payload)
         tenant_name = idem.scope.tenant
         location = f"{request.scope['path'].rstrip('/')}/{idem.job_id}"
@@ -107,6 +120,44 @@ def add_workflow_routes(
             attributes={"http.request.method": "POST", "http.route": workflow.route},
         ):
             return await idem.run(body, accept)
+
+    route_class = APIRoute
+    if direct is not None:
+        route_class = _direct_route(direct_intake(request_model, direct, intake))
+    router.add_api_route(
+        workflow.route,
+        create,
+        methods=["POST"],
+        route_class_override=route_class,
+        status_code=202,
+        tags=[workflow.name],
+        response_model=Accepted,
+        summary=workflow.summary or f"Accept a {workflow.name} job",
+        operation_id=f"create_{workflow.name}",
+        responses={
+            202: {
+                "description": "Accepted (or, with `Idempotent-Replayed`, the stored original).",
+                "headers": {
+                    "Location": {"schema": {"type": "string"}, "description": "The job's URL."},
+                    **replay_header_doc(),
+                },
+            },
+            **IDEMPOTENCY_RESPONSES,
+        },
+        # The dependency reads the headers without declaring them (one
+        # validation less per request): documented here instead.
+        openapi_extra={"parameters": HEADER_PARAMETERS},
+    )
+
+
+def _add_read(
+    router: APIRouter,
+    workflow: Workflow[Any, Any],
+    jobs: Callable[[], Jobs],
+    tenant: Callable[..., Awaitable[str]],
+) -> None:
+    view_model = workflow.job_view
+    Tenant = Annotated[str, Depends(tenant)]
 
     @router.get(
         workflow.route + "/{job_id}",
@@ -179,3 +230,78 @@ async def accept_job(
     # The row is the record of acceptance: from here on, never a 503.
     idem.settle(response, along=[jobs.enqueue_call(job)] if acceptance.fresh else ())
     return response, acceptance.fresh
+
+
+# -- the intake without FastAPI's dependency solving -------------------------------
+
+Intake = Callable[[BaseModel, IdempotentRequest, Request], Awaitable[Response]]
+_NO_BODY = object()
+
+
+def direct_intake(
+    request_model: type[BaseModel], direct: DirectIntake, intake: Intake
+) -> Callable[[Request], Awaitable[Response]]:
+    """The POST's handler as FastAPI would run it, in its order and with its
+    answers: a body that is not JSON (422), then the tenant (401), the key
+    (400), the body's validation (422), then ``intake``."""
+
+    async def handle(request: Request) -> Response:
+        data = await _json_body(request)
+        tenant_name = await direct.tenant(request)
+        idem = direct.idempotent(request, tenant_name)
+        if data is _NO_BODY:
+            missing = {"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}
+            raise RequestValidationError([missing])
+        try:
+            body = request_model.model_validate(data, from_attributes=True)
+        except ValidationError as exc:
+            errors = exc.errors(include_url=False)
+            raise RequestValidationError(
+                [{**e, "loc": ("body", *e["loc"])} for e in errors]
+            ) from None
+        return await intake(body, idem, request)
+
+    return handle
+
+
+async def _json_body(request: Request) -> Any:
+    """The body as FastAPI reads a JSON body parameter: ``_NO_BODY`` when
+    empty, parsed when its content type is JSON, else its bytes (which then
+    fail validation)."""
+    raw = await request.body()
+    if not raw:
+        return _NO_BODY
+    media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    if not (
+        media_type == "application/json"
+        or (media_type.startswith("application/") and media_type.endswith("+json"))
+    ):
+        return raw
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError as exc:
+        error = {
+            "type": "json_invalid",
+            "loc": ("body", exc.pos),
+            "msg": "JSON decode error",
+            "input": {},
+            "ctx": {"error": exc.msg},
+        }
+        raise RequestValidationError([error], body=exc.doc) from exc
+    except ValueError as exc:  # not UTF-8, say
+        raise HTTPException(400, "There was an error parsing the body") from exc
+
+
+def _direct_route(handler: Callable[[Request], Awaitable[Response]]) -> type[APIRoute]:
+    """An ``APIRoute`` that runs ``handler`` for every request: FastAPI still
+    documents the route from its endpoint, and wraps the handler as it wraps
+    its own (exception handlers, the request's exit stacks)."""
+
+    class DirectRoute(APIRoute):
+        def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+            async def run(request: Request) -> Response:
+                return await handler(request)
+
+            return run
+
+    return DirectRoute
