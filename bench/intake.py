@@ -448,7 +448,7 @@ PROFILE_BUCKETS: tuple[tuple[str, tuple[str, ...]], ...] = (
         ("oncely.api.idempotency:IdempotentRequest._claim",),
     ),
     (
-        "finalise + enqueue: IdempotentRequest._finalise (one pipeline: stored response, XADD)",
+        "finalise + enqueue: IdempotentRequest._finalise (one script: stored response, XADD)",
         ("oncely.api.idempotency:IdempotentRequest._finalise",),
     ),
     (
@@ -476,8 +476,14 @@ PROFILE_BUCKETS: tuple[tuple[str, tuple[str, ...]], ...] = (
         ),
     ),
     (
-        "dependency solving: solve_dependencies (body validation, bearer, idempotency dep)",
-        ("fastapi.dependencies.utils:solve_dependencies",),
+        "reading the request: FastAPI's solve_dependencies (the floor's body), oncely's "
+        "direct intake (body, bearer key, validation)",
+        (
+            "fastapi.dependencies.utils:solve_dependencies",
+            "oncely.api.workflows:_json_body",
+            "oncely.api.workflows:_validated",
+            "oncely.api.auth:ApiKeyAuth",
+        ),
     ),
     ("thread pool hop: run_in_threadpool", ("starlette.concurrency:run_in_threadpool",)),
     (

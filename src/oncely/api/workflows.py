@@ -249,17 +249,7 @@ def direct_intake(
         data = await _json_body(request)
         tenant_name = await direct.tenant(request)
         idem = direct.idempotent(request, tenant_name)
-        if data is _NO_BODY:
-            missing = {"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}
-            raise RequestValidationError([missing])
-        try:
-            body = request_model.model_validate(data, from_attributes=True)
-        except ValidationError as exc:
-            errors = exc.errors(include_url=False)
-            raise RequestValidationError(
-                [{**e, "loc": ("body", *e["loc"])} for e in errors]
-            ) from None
-        return await intake(body, idem, request)
+        return await intake(_validated(request_model, data), idem, request)
 
     return handle
 
@@ -290,6 +280,19 @@ async def _json_body(request: Request) -> Any:
         raise RequestValidationError([error], body=exc.doc) from exc
     except ValueError as exc:  # not UTF-8, say
         raise HTTPException(400, "There was an error parsing the body") from exc
+
+
+def _validated(request_model: type[BaseModel], data: Any) -> BaseModel:
+    """``data`` validated as FastAPI validates a body parameter, its errors'
+    locations under ``body``."""
+    if data is _NO_BODY:
+        missing = {"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}
+        raise RequestValidationError([missing])
+    try:
+        return request_model.model_validate(data, from_attributes=True)
+    except ValidationError as exc:
+        errors = exc.errors(include_url=False)
+        raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in errors]) from None
 
 
 def _direct_route(handler: Callable[[Request], Awaitable[Response]]) -> type[APIRoute]:
