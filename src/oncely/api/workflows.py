@@ -235,12 +235,11 @@ async def accept_job(
 # -- the intake without FastAPI's dependency solving -------------------------------
 
 Intake = Callable[[BaseModel, IdempotentRequest, Request], Awaitable[Response]]
+Handler = Callable[[Request], Coroutine[Any, Any, Response]]
 _NO_BODY = object()
 
 
-def direct_intake(
-    request_model: type[BaseModel], direct: DirectIntake, intake: Intake
-) -> Callable[[Request], Awaitable[Response]]:
+def direct_intake(request_model: type[BaseModel], direct: DirectIntake, intake: Intake) -> Handler:
     """The POST's handler as FastAPI would run it, in its order and with its
     answers: a body that is not JSON (422), then the tenant (401), the key
     (400), the body's validation (422), then ``intake``."""
@@ -295,16 +294,13 @@ def _validated(request_model: type[BaseModel], data: Any) -> BaseModel:
         raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in errors]) from None
 
 
-def _direct_route(handler: Callable[[Request], Awaitable[Response]]) -> type[APIRoute]:
+def _direct_route(handler: Handler) -> type[APIRoute]:
     """An ``APIRoute`` that runs ``handler`` for every request: FastAPI still
     documents the route from its endpoint, and wraps the handler as it wraps
     its own (exception handlers, the request's exit stacks)."""
 
     class DirectRoute(APIRoute):
         def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
-            async def run(request: Request) -> Response:
-                return await handler(request)
-
-            return run
+            return handler
 
     return DirectRoute
