@@ -151,3 +151,44 @@ async def test_the_direct_path_is_the_one_oncelys_own_keys_take(
         return type(route).__name__
 
     assert (intake_route(own), intake_route(theirs)) == ("DirectRoute", "APIRoute")
+
+
+async def test_a_client_gone_mid_body_is_answered_alike(
+    both: dict[str, httpx.AsyncClient], api_key: str
+) -> None:
+    """The body never arrives: the server hears the client disconnect."""
+    statuses: dict[str, list[int]] = {}
+    for path, client in both.items():
+        app = client._transport.app  # type: ignore[attr-defined]
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0"},
+            "http_version": "1.1",
+            "method": "POST",
+            "scheme": "http",
+            "path": URL,
+            "raw_path": URL.encode(),
+            "query_string": b"",
+            "root_path": "",
+            "headers": [
+                (b"host", b"t"),
+                (b"content-type", JSON.encode()),
+                (b"content-length", b"60"),
+                (b"authorization", f"Bearer {api_key}".encode()),
+                (b"idempotency-key", f"gone-{path}-{uuid.uuid4().hex}".encode()),
+            ],
+            "client": ("127.0.0.1", 1),
+            "server": ("t", 80),
+        }
+        sent: list[int] = []
+
+        async def receive() -> dict[str, Any]:
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict[str, Any], sent: list[int] = sent) -> None:
+            if message["type"] == "http.response.start":
+                sent.append(message["status"])
+
+        await app(scope, receive, send)
+        statuses[path] = sent
+    assert statuses["direct"] == statuses["solved"] == [422], statuses

@@ -237,6 +237,8 @@ async def accept_job(
 Intake = Callable[[BaseModel, IdempotentRequest, Request], Awaitable[Response]]
 Handler = Callable[[Request], Coroutine[Any, Any, Response]]
 _NO_BODY = object()
+# FastAPI's answer to a body it could not read (the problem handlers answer it 422).
+_UNPARSABLE = "There was an error parsing the body"
 
 
 def direct_intake(request_model: type[BaseModel], direct: DirectIntake, intake: Intake) -> Handler:
@@ -257,7 +259,12 @@ async def _json_body(request: Request) -> Any:
     """The body as FastAPI reads a JSON body parameter: ``_NO_BODY`` when
     empty, parsed when its content type is JSON, else its bytes (which then
     fail validation)."""
-    raw = await request.body()
+    try:
+        raw = await request.body()
+    except HTTPException:  # the edge's 408 and 413
+        raise
+    except Exception as exc:  # the client gone mid-body, say
+        raise HTTPException(400, _UNPARSABLE) from exc
     if not raw:
         return _NO_BODY
     media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
@@ -278,7 +285,7 @@ async def _json_body(request: Request) -> Any:
         }
         raise RequestValidationError([error], body=exc.doc) from exc
     except ValueError as exc:  # not UTF-8, say
-        raise HTTPException(400, "There was an error parsing the body") from exc
+        raise HTTPException(400, _UNPARSABLE) from exc
 
 
 def _validated(request_model: type[BaseModel], data: Any) -> BaseModel:
