@@ -17,6 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from oncely import metrics, tracing
 from oncely.api.idempotency import (
@@ -261,7 +262,7 @@ async def _json_body(request: Request) -> Any:
     fail validation)."""
     try:
         raw = await request.body()
-    except HTTPException:  # the edge's 408 and 413
+    except StarletteHTTPException:  # the edge's 408 and 413
         raise
     except Exception as exc:  # the client gone mid-body, say
         raise HTTPException(400, _UNPARSABLE) from exc
