@@ -192,3 +192,31 @@ async def test_a_client_gone_mid_body_is_answered_alike(
         await app(scope, receive, send)
         statuses[path] = sent
     assert statuses["direct"] == statuses["solved"] == [422], statuses
+
+
+async def test_a_streamed_body_over_the_limit_is_answered_alike(
+    both: dict[str, httpx.AsyncClient], api_key: str, settings: Settings, pool: AsyncConnectionPool
+) -> None:
+    """No Content-Length: the edge counts the body as the route reads it
+    and refuses it there, inside either path."""
+    limit = settings.max_body_bytes
+
+    async def chunks() -> AsyncIterator[bytes]:
+        yield b'{"text": "'
+        for _ in range(limit // 65536 + 2):
+            yield b"x" * 65536
+        yield b'", "notify": "ada@example.com"}'
+
+    answers = {}
+    for path, client in both.items():
+        headers = {
+            "authorization": f"Bearer {api_key}",
+            "idempotency-key": f"stream-{path}-{uuid.uuid4().hex}",
+            "content-type": JSON,
+        }
+        answers[path] = await client.post(URL, content=chunks(), headers=headers)
+    assert answers["direct"].status_code == answers["solved"].status_code == 413
+    assert answers["direct"].json() == answers["solved"].json()
+    async with pool.connection() as conn:
+        cur = await conn.execute("SELECT count(*) FROM jobs")
+        assert (await cur.fetchone()) == (0,)
