@@ -20,6 +20,7 @@ from structlog.testing import capture_logs
 
 from oncely import names
 from oncely.api.idempotency import IdempotentRequest
+from oncely.redis_client import ScriptCall
 from tests.helpers import asgi_app
 
 KEY = "echo-key-0001-abcdef"
@@ -33,10 +34,12 @@ class Echo(BaseModel):
 class Behaviour:
     """What the echo handler does next; tests flip these between requests."""
 
-    mode: str = "ok"  # ok | raise | 500
+    mode: str = "ok"  # ok | raise | 500 | settle-then-500
     calls: int = 0
     entered: asyncio.Event = field(default_factory=asyncio.Event)
     gate: asyncio.Event | None = None
+    # With settle-then-500: the write that follows from the settled outcome.
+    along: ScriptCall | None = None
 
 
 @pytest.fixture
@@ -60,6 +63,10 @@ def echo_router(behaviour: Behaviour, idempotent: Any) -> APIRouter:
                 raise RuntimeError("handler failed")
             if behaviour.mode == "500":
                 return JSONResponse({"error": "boom"}, status_code=500)
+            if behaviour.mode == "settle-then-500":
+                settled = JSONResponse({"value": body.value, "call": call}, status_code=201)
+                idem.settle(settled, along=[behaviour.along] if behaviour.along else [])
+                return JSONResponse({"error": "boom after the outcome"}, status_code=500)
             return JSONResponse({"value": body.value, "call": call}, status_code=201)
 
         return await idem.run(body, handler)
@@ -127,6 +134,27 @@ async def test_handler_5xx_is_not_stored_and_the_retry_runs(echo, behaviour, red
     retry = await echo.post("/v1/echo", json={"value": 1}, headers=hdrs())
     assert retry.status_code == 201
     assert behaviour.calls == 2
+
+
+async def test_a_5xx_after_settling_releases_the_key_and_still_sends_the_writes_along(
+    echo, behaviour, redis
+):
+    """The handler's outcome was durable (settled) with writes that follow
+    from it, then it answered 5xx: the 5xx is not stored, the key is released
+    so the retry runs, and the writes still go out, once per run."""
+    incr = redis.register_script("return redis.call('INCR', KEYS[1])")
+    behaviour.mode = "settle-then-500"
+    behaviour.along = ScriptCall(incr, ["echo:along"], [])
+    failed = await echo.post("/v1/echo", json={"value": 1}, headers=hdrs())
+    assert failed.status_code == 500
+    assert await idem_keys(redis) == []
+    assert await redis.get("echo:along") == "1"
+    behaviour.mode = "ok"
+    retry = await echo.post("/v1/echo", json={"value": 1}, headers=hdrs())
+    assert retry.status_code == 201
+    assert "idempotent-replayed" not in retry.headers
+    assert behaviour.calls == 2
+    assert await redis.get("echo:along") == "1", "the retry's outcome sent nothing along"
 
 
 async def test_cancelled_request_releases_the_key(echo, behaviour, redis):
