@@ -40,7 +40,7 @@ from oncely.outbox.store import OutboxStore
 from oncely.outbox.wakeup import OutboxWakeUp
 from oncely.queue.stream import Stream
 from oncely.queue.worker import Worker, WorkerConfig
-from oncely.redis_client import ClusterClient, HiredisPacked, RedisClient
+from oncely.redis_client import ClusterClient, HiredisPacked, RedisClient, SharedConnectionRedis
 from oncely.retry import RetryPolicy
 from oncely.senders import EffectRouter, SendersConfig, build_router
 from oncely.services import Progress, Service
@@ -255,11 +255,14 @@ def make_redis(
             )
         except RedisClusterException as exc:  # e.g. a database other than 0
             raise SystemExit(f"ONCELY_REDIS_CLUSTER: {exc}") from None
+    client_class = Redis
     if url.startswith("redis://"):
-        # Plain TCP; rediss:// and unix:// keep redis-py's own connections,
-        # as a cluster's nodes do.
+        # Plain TCP: short commands share one connection, the pool's pack
+        # with hiredis. rediss:// and unix:// keep redis-py's own
+        # connections, as a cluster's nodes do.
         options["connection_class"] = HiredisPacked
-    return Redis.from_url(
+        client_class = SharedConnectionRedis
+    return client_class.from_url(
         url, retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)), **options
     )
 

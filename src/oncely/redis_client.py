@@ -2,7 +2,10 @@
 
 ``ONCELY_REDIS_CLUSTER=true`` makes the composition root build a
 ``ClusterClient`` instead of a single-server client (README: Redis Cluster).
-It follows MOVED and ASK itself. The states in which a cluster cannot serve
+It follows MOVED and ASK itself. On one server over TCP the client is a
+``SharedConnectionRedis``: its short commands (scripts, ``SET``, ``XADD``…)
+from every task go over one connection at once (``SharedConnection``), the
+rest over redis-py's pool. The states in which a cluster cannot serve
 a command for now (CLUSTERDOWN, a slot no node serves, no node reachable,
 redirections that never settle) are raised as ``ClusterUnavailable``, a
 ``redis.exceptions.ConnectionError``: the API answers 503, workers back off
@@ -13,18 +16,25 @@ cluster exists.
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import functools
+import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeAlias
+from typing import Any, TypeAlias, cast
 
-from redis.asyncio import Connection, Redis
+import hiredis
+from redis._parsers.base import BaseParser
+from redis.asyncio import Connection, ConnectionPool, Redis
 from redis.asyncio.cluster import ClusterPipeline, RedisCluster
+from redis.client import EMPTY_RESPONSE, NEVER_DECODE
 from redis.commands.core import AsyncScript
 from redis.connection import HiredisRespSerializer
 from redis.exceptions import (
     ClusterDownError,
     ClusterError,
+    InvalidResponse,
     RedisClusterException,
     RedisError,
     ResponseError,
@@ -32,6 +42,7 @@ from redis.exceptions import (
     TryAgainError,
 )
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 RedisClient: TypeAlias = Redis | RedisCluster
 
@@ -47,6 +58,237 @@ class HiredisPacked(Connection):
     def pack_command(self, *args: Any) -> list[bytes]:
         packed: list[bytes] = self._packer.pack(*args)
         return packed
+
+
+# Short and never blocking on the server: these go over the shared
+# connection. Blocking reads, scans, pipelines and transactions keep a
+# pooled connection of their own.
+_SHARED_COMMANDS = frozenset({"EVAL", "EVALSHA", "SET", "GET", "DEL", "PEXPIRE", "XADD", "XACK"})
+
+
+class SharedConnectionRedis(Redis):
+    """A single-server client that sends its short commands (``_SHARED_COMMANDS``)
+    over one connection shared by every task (``SharedConnection``), with
+    the same answers, errors and bounds as redis-py's pooled path: each
+    command answered within the socket timeout or ``TimeoutError``, retried
+    once on a fresh connection after a broken one. redis-py gives each
+    command a pooled connection of its own, and its machinery costs this
+    process about 45 µs a command against 6 (bench/README.md, Intake)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.shared = SharedConnection.like(self.connection_pool)
+
+    async def execute_command(self, *args: Any, **options: Any) -> Any:
+        name = args[0]
+        if name not in _SHARED_COMMANDS or NEVER_DECODE in options:
+            return await super().execute_command(*args, **options)  # type: ignore[no-untyped-call]
+        # What redis-py's parse_response does with an answer.
+        try:
+            response = await self.shared.execute(args)
+        except ResponseError:
+            if EMPTY_RESPONSE in options:
+                return options[EMPTY_RESPONSE]
+            raise
+        options.pop(EMPTY_RESPONSE, None)
+        options.pop("keys", None)
+        callback = self.response_callbacks.get(name)
+        if callback is None:
+            return response
+        result = callback(response, **options)
+        return await result if inspect.isawaitable(result) else result
+
+    async def aclose(self, close_connection_pool: bool | None = None) -> None:
+        await self.shared.aclose()
+        await super().aclose(close_connection_pool)
+
+
+class SharedConnection:
+    """One TCP connection to Redis on which any number of tasks send commands
+    at once: each command is written as it comes, and the answers, which
+    Redis sends in order, resolve the callers' futures in that order.
+
+    A command not answered within ``timeout_s`` fails with ``TimeoutError``
+    and closes the connection: every command sent after it is stuck behind
+    it and fails with it. A closed connection (the server restarted, say)
+    fails its commands with ``ConnectionError``; each is sent once more on
+    a new connection, as redis-py retries one. A caller that stops waiting
+    (cancelled) keeps its place in the order, and its answer is dropped."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        db: int = 0,
+        username: str | None = None,
+        password: str | None = None,
+        timeout_s: float | None = None,
+        connect_timeout_s: float | None = None,
+        encoding: str | None = None,
+        client_name: str | None = None,
+    ) -> None:
+        self.address = f"{host}:{port}"
+        self._host, self._port = host, port
+        self._setup: list[tuple[Any, ...]] = []
+        if password is not None:
+            self._setup.append(
+                ("AUTH", password) if username is None else ("AUTH", username, password)
+            )
+        if db:
+            self._setup.append(("SELECT", db))
+        if client_name:
+            self._setup.append(("CLIENT SETNAME", client_name))
+        self._timeout_s = timeout_s
+        self._connect_timeout_s = connect_timeout_s
+        self._encoding = encoding
+        self._wire: _Wire | None = None
+        self._connecting: asyncio.Future[_Wire] | None = None
+
+    @classmethod
+    def like(cls, pool: ConnectionPool) -> SharedConnection:
+        """A shared connection to the server of ``pool``'s connections, with
+        their credentials, database, timeouts and decoding."""
+        kw = pool.connection_kwargs
+        return cls(
+            kw.get("host", "localhost"),
+            int(kw.get("port", 6379)),
+            db=int(kw.get("db") or 0),
+            username=kw.get("username"),
+            password=kw.get("password"),
+            timeout_s=kw.get("socket_timeout"),
+            connect_timeout_s=kw.get("socket_connect_timeout"),
+            encoding=kw.get("encoding", "utf-8") if kw.get("decode_responses") else None,
+            client_name=kw.get("client_name"),
+        )
+
+    async def execute(self, args: Sequence[Any]) -> Any:
+        """``args`` as one command; its answer (an error answer raised)."""
+        packed = _PACKER.pack(*args)
+        try:
+            return await (await self._connection()).call(packed, self._timeout_s)
+        except RedisConnectionError:
+            return await (await self._connection()).call(packed, self._timeout_s)
+
+    async def _connection(self) -> _Wire:
+        wire = self._wire
+        if wire is not None and wire.open and wire.loop is asyncio.get_running_loop():
+            return wire
+        if self._connecting is None:
+            self._connecting = connecting = asyncio.ensure_future(self._connect())
+            connecting.add_done_callback(self._connected)
+        # Shielded: one caller giving up does not stop the others' connect.
+        return await asyncio.shield(self._connecting)
+
+    def _connected(self, connecting: asyncio.Future[_Wire]) -> None:
+        self._connecting = None
+        if not connecting.cancelled() and connecting.exception() is None:
+            self._wire = connecting.result()
+
+    async def _connect(self) -> _Wire:
+        loop = asyncio.get_running_loop()
+        wire: _Wire | None = None
+        try:
+            async with asyncio.timeout(self._connect_timeout_s):
+                _, wire = await loop.create_connection(
+                    lambda: _Wire(loop, self.address, self._encoding), self._host, self._port
+                )
+                for command in self._setup:
+                    await wire.call(_PACKER.pack(*command), None)
+        except TimeoutError:
+            if wire is not None:
+                wire.close()
+            raise RedisTimeoutError(f"Timeout connecting to {self.address}") from None
+        except OSError as exc:
+            raise RedisConnectionError(f"Error connecting to {self.address}: {exc}") from exc
+        except BaseException:
+            if wire is not None:
+                wire.close()
+            raise
+        return wire
+
+    async def aclose(self) -> None:
+        if self._connecting is not None:
+            self._connecting.cancel()
+        if self._wire is not None:
+            self._wire.close()
+            self._wire = None
+
+
+_PACKER = HiredisRespSerializer()
+
+
+class _Wire(asyncio.Protocol):
+    """The shared connection's transport, parser and callers in order."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, address: str, encoding: str | None):
+        self.loop = loop
+        self.open = True
+        self._address = address
+        self._transport: asyncio.Transport | None = None
+        self._waiting: collections.deque[asyncio.Future[Any]] = collections.deque()
+        # Error answers become redis-py's own exception classes.
+        options: dict[str, Any] = {
+            "protocolError": InvalidResponse,
+            "replyError": BaseParser.parse_error,
+        }
+        if encoding is not None:
+            options["encoding"] = encoding
+        self._reader = hiredis.Reader(**options)
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports do not derive from asyncio's.
+        self._transport = cast(asyncio.Transport, transport)
+
+    async def call(self, packed: list[bytes], timeout_s: float | None) -> Any:
+        if not self.open or self._transport is None:
+            raise RedisConnectionError(f"Connection to {self._address} closed")
+        answer = self.loop.create_future()
+        self._transport.writelines(packed)
+        self._waiting.append(answer)
+        timer = None if timeout_s is None else self.loop.call_later(timeout_s, self._expire, answer)
+        try:
+            reply = await answer
+        finally:
+            if timer is not None:
+                timer.cancel()
+        if isinstance(reply, RedisError):
+            raise reply
+        return reply
+
+    def data_received(self, data: bytes) -> None:
+        if not self.open:
+            return
+        self._reader.feed(data)
+        try:
+            while (reply := self._reader.gets()) is not False:
+                if not self._waiting:
+                    raise InvalidResponse("an answer nobody asked for")
+                answer = self._waiting.popleft()
+                if not answer.done():
+                    answer.set_result(reply)
+        except InvalidResponse as exc:
+            message = f"{self._address}: {exc}"
+            self._fail(lambda: RedisConnectionError(message))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._fail(lambda: RedisConnectionError(f"Connection to {self._address} lost"))
+
+    def _expire(self, answer: asyncio.Future[Any]) -> None:
+        if not answer.done():
+            self._fail(lambda: RedisTimeoutError(f"Timeout reading from {self._address}"))
+
+    def close(self) -> None:
+        self._fail(lambda: RedisConnectionError(f"Connection to {self._address} closed"))
+
+    def _fail(self, error: Callable[[], RedisError]) -> None:
+        self.open = False
+        while self._waiting:
+            answer = self._waiting.popleft()
+            if not answer.done():
+                answer.set_exception(error())
+        if self._transport is not None:
+            self._transport.abort()
 
 
 class ClusterUnavailable(RedisConnectionError):
