@@ -73,7 +73,7 @@ class SharedConnectionRedis(Redis):
     command answered within the socket timeout or ``TimeoutError``, retried
     once on a fresh connection after a broken one. redis-py gives each
     command a pooled connection of its own, and its machinery costs this
-    process about 45 µs a command against 6 (bench/README.md, Intake)."""
+    process about 45 µs a command against 14 (bench/README.md, Intake)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
