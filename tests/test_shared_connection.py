@@ -68,7 +68,8 @@ async def test_answers_and_errors_are_the_pooled_paths_own(
     shared = await run(redis, "shared")
     assert shared == await run(pooled, "pooled")
     assert shared[:2] == [None, "é—✓"]
-    assert (NoScriptError, "No matching script. Please use EVAL.") in shared
+    assert [type(e) for e in shared[-3:]] == [tuple] * 3
+    assert [e[0] for e in shared[-3:]] == [ResponseError, NoScriptError, ResponseError]  # type: ignore[index]
     # The shared path wrote to the URL's database, where the pool reads.
     assert await redis.exists("shared:k") == 1
     assert await pooled.get("shared:k") == "é—✓"
@@ -81,9 +82,7 @@ async def test_a_registered_script_is_loaded_on_noscript(redis: RedisClient) -> 
     assert await redis.script_exists(script.sha) == [True]
 
 
-async def test_commands_of_many_tasks_share_one_connection(
-    redis_url: str, pooled: Redis
-) -> None:
+async def test_commands_of_many_tasks_share_one_connection(redis_url: str, pooled: Redis) -> None:
     name = f"shared-{uuid.uuid4().hex[:8]}"
     client = make_redis(f"{redis_url}?client_name={name}")
     try:
