@@ -14,8 +14,8 @@ from collections.abc import AsyncIterator, Callable
 import hiredis
 import pytest
 from redis.asyncio import Redis
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import AuthenticationError, NoScriptError, ResponseError
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from oncely.bootstrap import make_redis
@@ -40,7 +40,10 @@ async def test_answers_and_errors_are_the_pooled_paths_own(
     redis: RedisClient, pooled: Redis
 ) -> None:
     assert isinstance(redis, SharedConnectionRedis)
-    script = "if ARGV[1] == 'fail' then return redis.error_reply('BAD nope') end return {1, ARGV[1], false}"
+    script = (
+        "if ARGV[1] == 'fail' then return redis.error_reply('BAD nope') end "
+        "return {1, ARGV[1], false}"
+    )
 
     async def run(client: Redis, prefix: str) -> list[object]:
         answers: list[object] = [
