@@ -498,6 +498,10 @@ PROFILE_BUCKETS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "redis-py writes outside a request frame",
         ("redis.asyncio.connection:AbstractConnection._send_packed_command",),
     ),
+    (
+        "Redis answers arriving on the shared connection (outside a request frame)",
+        ("oncely.redis_client:_Wire.data_received",),
+    ),
 )
 
 
