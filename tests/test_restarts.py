@@ -5,7 +5,6 @@ work. Nothing is lost, nothing is duplicated, nobody restarts a process."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -26,9 +25,11 @@ from oncely.sql.migrate import migrate
 from tests.processes import (
     free_port,
     frozen,
+    later,
     postgres_pids,
     running,
     start,
+    submit_until_accepted,
     tail,
     wait_for,
     wait_healthy,
@@ -57,20 +58,6 @@ async def private_servers(
     finally:
         await asyncio.to_thread(valkey.stop)
         await asyncio.to_thread(servers.stop)
-
-
-async def submit_until_accepted(client: httpx.AsyncClient, i: int) -> str:
-    """A well-behaved client: the same key until the request is accepted."""
-    body = {"text": f"Request {i} survives restarts. [[fake:sleep=0.2]]", "notify": "a@x.io"}
-    headers = {"Idempotency-Key": f"restart-load-{i:04d}"}
-    for _ in range(600):
-        with contextlib.suppress(httpx.TransportError):
-            r = await client.post("/v1/summaries", json=body, headers=headers)
-            if r.status_code == 202:
-                return str(r.json()["job_id"])
-            assert r.status_code in (409, 500, 503), r.text
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"request {i} never accepted")
 
 
 async def scalar(url: str, sql: str) -> Any:
@@ -151,7 +138,9 @@ async def _survives(
                 base_url=base, headers={"Authorization": f"Bearer {key}"}, timeout=30
             ) as client:
                 load = [
-                    asyncio.create_task(_later(i * 0.1, submit_until_accepted(client, i)))
+                    asyncio.create_task(
+                        later(i * 0.1, submit_until_accepted(client, i, "restart-load"))
+                    )
                     for i in range(REQUESTS)
                 ]
                 await asyncio.sleep(2)
@@ -177,11 +166,6 @@ async def _survives(
     # A disruption may cost a job a second model call (its delivery was lost
     # mid-call), never more than a few.
     assert REQUESTS <= model_calls <= REQUESTS * 2
-
-
-async def _later(delay_s: float, coro: Any) -> Any:
-    await asyncio.sleep(delay_s)
-    return await coro
 
 
 async def _restart_empty(valkey: ValkeyServer) -> None:

