@@ -280,3 +280,72 @@ async def test_a_server_that_is_down_is_a_connection_error() -> None:
     with pytest.raises(RedisConnectionError):
         await shared.execute(("PING",))
     await shared.aclose()
+
+
+async def test_an_answer_that_does_not_decode_fails_its_caller_alone(
+    redis_url: str, pooled: Redis
+) -> None:
+    """As on the pooled path: that caller gets the decoding error; the
+    commands around it are answered, once each, on the same connection."""
+    name = f"shared-{uuid.uuid4().hex[:8]}"
+    client = make_redis(f"{redis_url}?client_name={name}")
+    raw = Redis.from_url(redis_url)
+    try:
+        await raw.set("not-utf8", b"\xff\xfe")
+        calls = [
+            client.xadd("undecodable:s", {"n": "1"}),
+            client.get("not-utf8"),
+            client.xadd("undecodable:s", {"n": "2"}),
+        ]
+        first, bad, second = await asyncio.gather(*calls, return_exceptions=True)
+        assert isinstance(bad, UnicodeDecodeError)
+        assert not isinstance(first, BaseException) and not isinstance(second, BaseException)
+        assert await pooled.xlen("undecodable:s") == 2
+        assert len(await _shared_connections(pooled, name)) == 1
+    finally:
+        await client.aclose()
+        await raw.aclose()
+
+
+async def test_closing_the_client_sends_nothing_again(puppet: Puppet) -> None:
+    """A command still waiting when the client closes fails; it is not sent
+    once more on a new connection (one that would outlive the client)."""
+    shared = _shared(puppet)
+    waiting = asyncio.create_task(shared.execute(("ECHO", "in-flight")))
+    await _wait_for(lambda: len(puppet.received) == 1)
+    await shared.aclose()
+    with pytest.raises(RedisConnectionError):
+        await waiting
+    assert puppet.connections == 1
+    assert puppet.received == [[b"ECHO", b"in-flight"]]
+
+
+async def test_closing_the_client_while_it_connects_is_a_connection_error(
+    puppet: Puppet,
+) -> None:
+    """Not a cancellation of callers nobody cancelled."""
+    assert puppet.server is not None
+    port = int(puppet.server.sockets[0].getsockname()[1])
+    shared = SharedConnection("127.0.0.1", port, db=1, timeout_s=5.0, connect_timeout_s=5.0)
+    waiting = asyncio.create_task(shared.execute(("ECHO", "x")))
+    await _wait_for(lambda: puppet.received == [[b"SELECT", b"1"]])  # connecting
+    await shared.aclose()
+    with pytest.raises(RedisConnectionError):
+        await waiting
+    assert not waiting.cancelled()
+
+
+async def test_without_a_connect_timeout_the_socket_timeout_bounds_connecting(
+    puppet: Puppet,
+) -> None:
+    """As redis-py: a server that never answers the setup (here ``SELECT``)
+    fails the command within the socket timeout."""
+    assert puppet.server is not None
+    port = int(puppet.server.sockets[0].getsockname()[1])
+    client = SharedConnectionRedis.from_url(f"redis://127.0.0.1:{port}/1", socket_timeout=0.5)
+    try:
+        # Does not hang (wide slack): the bound is half a second.
+        with pytest.raises(RedisTimeoutError):
+            await asyncio.wait_for(client.get("k"), 15)
+    finally:
+        await client.aclose()

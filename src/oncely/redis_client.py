@@ -112,8 +112,10 @@ class SharedConnection:
     and closes the connection: every command sent after it is stuck behind
     it and fails with it. A closed connection (the server restarted, say)
     fails its commands with ``ConnectionError``; each is sent once more on
-    a new connection, as redis-py retries one. A caller that stops waiting
-    (cancelled) keeps its place in the order, and its answer is dropped."""
+    a new connection, as redis-py retries one; not after ``aclose``, which
+    fails them for good. A caller that stops waiting (cancelled) keeps its
+    place in the order, and its answer is dropped; an answer that does not
+    decode fails its own caller only."""
 
     def __init__(
         self,
@@ -126,6 +128,7 @@ class SharedConnection:
         timeout_s: float | None = None,
         connect_timeout_s: float | None = None,
         encoding: str | None = None,
+        encoding_errors: str = "strict",
         client_name: str | None = None,
     ) -> None:
         self.address = f"{host}:{port}"
@@ -142,6 +145,7 @@ class SharedConnection:
         self._timeout_s = timeout_s
         self._connect_timeout_s = connect_timeout_s
         self._encoding = encoding
+        self._encoding_errors = encoding_errors
         self._wire: _Wire | None = None
         self._connecting: asyncio.Future[_Wire] | None = None
 
@@ -157,8 +161,10 @@ class SharedConnection:
             username=kw.get("username"),
             password=kw.get("password"),
             timeout_s=kw.get("socket_timeout"),
-            connect_timeout_s=kw.get("socket_connect_timeout"),
+            # redis-py bounds a connect by the socket timeout when no other is set.
+            connect_timeout_s=kw.get("socket_connect_timeout") or kw.get("socket_timeout"),
             encoding=kw.get("encoding", "utf-8") if kw.get("decode_responses") else None,
+            encoding_errors=kw.get("encoding_errors", "strict"),
             client_name=kw.get("client_name"),
         )
 
@@ -167,6 +173,8 @@ class SharedConnection:
         packed = _PACKER.pack(*args)
         try:
             return await (await self._connection()).call(packed, self._timeout_s)
+        except _ClosedByClient:
+            raise
         except RedisConnectionError:
             return await (await self._connection()).call(packed, self._timeout_s)
 
@@ -174,11 +182,19 @@ class SharedConnection:
         wire = self._wire
         if wire is not None and wire.open and wire.loop is asyncio.get_running_loop():
             return wire
-        if self._connecting is None:
-            self._connecting = connecting = asyncio.ensure_future(self._connect())
+        connecting = self._connecting
+        if connecting is None:
+            connecting = self._connecting = asyncio.ensure_future(self._connect())
             connecting.add_done_callback(self._connected)
-        # Shielded: one caller giving up does not stop the others' connect.
-        return await asyncio.shield(self._connecting)
+        try:
+            # Shielded: one caller giving up does not stop the others' connect.
+            return await asyncio.shield(connecting)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if connecting.cancelled() and task is not None and not task.cancelling():
+                # ``aclose`` stopped the connect, not this caller's canceller.
+                raise _ClosedByClient(f"{self.address}: closed while connecting") from None
+            raise
 
     def _connected(self, connecting: asyncio.Future[_Wire]) -> None:
         self._connecting = None
@@ -191,7 +207,9 @@ class SharedConnection:
         try:
             async with asyncio.timeout(self._connect_timeout_s):
                 _, wire = await loop.create_connection(
-                    lambda: _Wire(loop, self.address, self._encoding), self._host, self._port
+                    lambda: _Wire(loop, self.address, self._encoding, self._encoding_errors),
+                    self._host,
+                    self._port,
                 )
                 for command in self._setup:
                     await wire.call(_PACKER.pack(*command), None)
@@ -218,10 +236,25 @@ class SharedConnection:
 _PACKER = HiredisRespSerializer()
 
 
+class _ClosedByClient(RedisConnectionError):
+    """The client closed the connection (``aclose``): not sent again."""
+
+
+@dataclass(frozen=True)
+class _Undecodable:
+    error: Exception
+
+
 class _Wire(asyncio.Protocol):
     """The shared connection's transport, parser and callers in order."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, address: str, encoding: str | None):
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        address: str,
+        encoding: str | None,
+        encoding_errors: str = "strict",
+    ) -> None:
         self.loop = loop
         self.open = True
         self._address = address
@@ -234,6 +267,7 @@ class _Wire(asyncio.Protocol):
         }
         if encoding is not None:
             options["encoding"] = encoding
+            options["errors"] = encoding_errors
         self._reader = hiredis.Reader(**options)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -252,24 +286,38 @@ class _Wire(asyncio.Protocol):
         finally:
             if timer is not None:
                 timer.cancel()
+        # As redis-py's hiredis parser: an error answer, or an array led by
+        # a connection error, is raised.
         if isinstance(reply, RedisError):
             raise reply
+        if isinstance(reply, _Undecodable):
+            raise reply.error
+        if isinstance(reply, list) and reply and isinstance(reply[0], RedisConnectionError):
+            raise reply[0]
         return reply
 
     def data_received(self, data: bytes) -> None:
         if not self.open:
             return
         self._reader.feed(data)
-        try:
-            while (reply := self._reader.gets()) is not False:
-                if not self._waiting:
-                    raise InvalidResponse("an answer nobody asked for")
-                answer = self._waiting.popleft()
-                if not answer.done():
-                    answer.set_result(reply)
-        except InvalidResponse as exc:
-            message = f"{self._address}: {exc}"
-            self._fail(lambda: RedisConnectionError(message))
+        while True:
+            try:
+                reply = self._reader.gets()
+            except InvalidResponse as exc:
+                self._fail(functools.partial(RedisConnectionError, f"{self._address}: {exc}"))
+                return
+            except Exception as exc:
+                # An answer that does not decode (not UTF-8, say): the
+                # reader has consumed it, so only its caller hears of it.
+                reply = _Undecodable(exc)
+            if reply is False:
+                return
+            if not self._waiting:
+                self._fail(lambda: RedisConnectionError(f"{self._address}: an unasked answer"))
+                return
+            answer = self._waiting.popleft()
+            if not answer.done():
+                answer.set_result(reply)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._fail(lambda: RedisConnectionError(f"Connection to {self._address} lost"))
@@ -279,7 +327,7 @@ class _Wire(asyncio.Protocol):
             self._fail(lambda: RedisTimeoutError(f"Timeout reading from {self._address}"))
 
     def close(self) -> None:
-        self._fail(lambda: RedisConnectionError(f"Connection to {self._address} closed"))
+        self._fail(lambda: _ClosedByClient(f"Connection to {self._address} closed by the client"))
 
     def _fail(self, error: Callable[[], RedisError]) -> None:
         self.open = False
