@@ -13,14 +13,12 @@ import time
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TypeVar
 
 import httpx
 
 from oncely.bootstrap import make_redis
 
 ROOT = Path(__file__).resolve().parent.parent
-T = TypeVar("T")
 
 
 def free_port() -> int:
@@ -160,23 +158,3 @@ def postgres_pids(pgdata: Path) -> list[int]:
             if int(stat.rsplit(")", 1)[1].split()[1]) == postmaster:
                 pids.append(int(proc.name))
     return pids
-
-
-async def submit_until_accepted(client: httpx.AsyncClient, i: int, label: str) -> str:
-    """A well-behaved client: the same key until the request is accepted;
-    its job id."""
-    body = {"text": f"Request {i} survives {label}. [[fake:sleep=0.2]]", "notify": "a@x.io"}
-    headers = {"Idempotency-Key": f"{label}-{i:04d}"}
-    for _ in range(600):
-        with contextlib.suppress(httpx.TransportError):
-            r = await client.post("/v1/summaries", json=body, headers=headers)
-            if r.status_code == 202:
-                return str(r.json()["job_id"])
-            assert r.status_code in (409, 500, 503), r.text
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"request {i} never accepted")
-
-
-async def later(delay_s: float, coro: Awaitable[T]) -> T:
-    await asyncio.sleep(delay_s)
-    return await coro
