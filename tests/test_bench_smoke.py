@@ -146,6 +146,23 @@ def test_memory_smoke_reads_the_workers_rss_with_every_slot_held(tmp_path, redis
     assert result["rss_mb"]["at_full_concurrency"] > result["rss_mb"]["idle"] > 0
 
 
+@pytest.mark.standalone_redis("compares single-server clients")
+def test_redis_commands_compares_both_paths(redis_url):
+    argv = [sys.executable, "-m", "bench.redis_commands", "--redis-url", redis_url]
+    done = subprocess.run(
+        [*argv, "--commands", "300", "--rounds", "1"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=SMOKE_TIMEOUT_S,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(done.stdout)
+    for path in ("pooled", "shared"):
+        for command in ("set_nx_px_get", "evalsha"):
+            assert result["cpu_us_per_command"][path][command]["median"] > 0
+
+
 # --- the harness itself
 
 
