@@ -10,9 +10,8 @@ held 500 deliveries (the group's pending count). Goal: at most 150 MB.
 
 The run ends with its invariants checked: every job done once with one
 result and one outbox row, nothing pending, one model call per job, and
-the fake model saw at least 90 % of the 500 calls outstanding at once (the
-worker reads in batches of a sixteenth of its slots, so a few may be
-between reads): otherwise the run measured nothing.
+the fake model saw at least 90 % of the 500 calls outstanding at once (a
+few slots may be between reads): otherwise the run measured nothing.
 """
 
 from __future__ import annotations
