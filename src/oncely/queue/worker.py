@@ -570,8 +570,8 @@ class Worker:
         """Wait for a free slot, then read at once: the read takes every
         slot free by the time it goes, so bursts still read in batches, and
         no slot idles waiting for others. Waiting for a sixteenth of the
-        slots instead cost no less CPU per job and a tenth of the throughput
-        with a slow model (bench/README.md, Worker)."""
+        slots instead saved no measurable CPU per job (bench/README.md,
+        Worker)."""
         while len(self._tasks) >= self.config.concurrency and not self._stopping.is_set():
             self._slot_free.clear()
             await self._slot_free.wait()
