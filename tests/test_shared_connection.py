@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import hiredis
 import pytest
@@ -20,6 +20,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from oncely.bootstrap import make_redis
 from oncely.redis_client import RedisClient, SharedConnection, SharedConnectionRedis
+from tests.processes import wait_for
 
 pytestmark = pytest.mark.standalone_redis("a cluster's nodes keep redis-py's own connections")
 
@@ -203,6 +204,13 @@ async def puppet() -> AsyncIterator[Puppet]:
     await server.stop()
 
 
+def _received(puppet: Puppet, n: int) -> Callable[[], Awaitable[bool]]:
+    async def received() -> bool:
+        return len(puppet.received) >= n
+
+    return received
+
+
 def _shared(puppet: Puppet, timeout_s: float = 5.0) -> SharedConnection:
     assert puppet.server is not None
     port = int(puppet.server.sockets[0].getsockname()[1])
@@ -211,20 +219,12 @@ def _shared(puppet: Puppet, timeout_s: float = 5.0) -> SharedConnection:
     )
 
 
-async def _wait_for(condition: Callable[[], bool], deadline_s: float = 10.0) -> None:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + deadline_s
-    while not condition():
-        assert loop.time() < end, "condition not met in time"
-        await asyncio.sleep(0.01)
-
-
 async def test_a_caller_that_gives_up_does_not_shift_the_others(puppet: Puppet) -> None:
     shared = _shared(puppet)
     try:
         first = asyncio.create_task(shared.execute(("ECHO", "1")))
         second = asyncio.create_task(shared.execute(("ECHO", "2")))
-        await _wait_for(lambda: len(puppet.received) == 2)
+        await wait_for(_received(puppet, 2), what="both commands at the server")
         first.cancel()
         puppet.released.set()
         assert await second == "2"
@@ -312,7 +312,7 @@ async def test_closing_the_client_sends_nothing_again(puppet: Puppet) -> None:
     once more on a new connection (one that would outlive the client)."""
     shared = _shared(puppet)
     waiting = asyncio.create_task(shared.execute(("ECHO", "in-flight")))
-    await _wait_for(lambda: len(puppet.received) == 1)
+    await wait_for(_received(puppet, 1), what="the command at the server")
     await shared.aclose()
     with pytest.raises(RedisConnectionError):
         await waiting
@@ -328,7 +328,8 @@ async def test_closing_the_client_while_it_connects_is_a_connection_error(
     port = int(puppet.server.sockets[0].getsockname()[1])
     shared = SharedConnection("127.0.0.1", port, db=1, timeout_s=5.0, connect_timeout_s=5.0)
     waiting = asyncio.create_task(shared.execute(("ECHO", "x")))
-    await _wait_for(lambda: puppet.received == [[b"SELECT", b"1"]])  # connecting
+    await wait_for(_received(puppet, 1), what="the SELECT of the connect")
+    assert puppet.received == [[b"SELECT", b"1"]]
     await shared.aclose()
     with pytest.raises(RedisConnectionError):
         await waiting

@@ -185,7 +185,7 @@ class EmbeddedCluster:
         buses = [self._start_node(i) for i in range(self.size * (1 + self.replicas))]
         clients = [self._client(url) for url in self.urls]
         try:
-            for client, (first, last) in zip(clients, self.slot_ranges, strict=False):
+            for client, (first, last) in zip(clients[: self.size], self.slot_ranges, strict=True):
                 client.cluster("ADDSLOTSRANGE", first, last)
             for node, bus in zip(self._nodes[1:], buses[1:], strict=True):
                 clients[0].cluster("MEET", node.host, node.port, bus)

@@ -47,16 +47,19 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 RedisClient: TypeAlias = Redis | RedisCluster
 
 
+# hiredis packing, as redis-py's synchronous client does: the pooled
+# connections' and the shared connection's.
+_PACKER = HiredisRespSerializer()
+
+
 class HiredisPacked(Connection):
     """A TCP connection that packs its commands with hiredis, as redis-py's
     synchronous client does; its asyncio client packs them in Python, about
     7.5 µs for the intake's claim and 17 for its enqueue script, against 1
     and 6 (bench/README.md, Intake). The bytes on the wire are the same."""
 
-    _packer = HiredisRespSerializer()
-
     def pack_command(self, *args: Any) -> list[bytes]:
-        packed: list[bytes] = self._packer.pack(*args)
+        packed: list[bytes] = _PACKER.pack(*args)
         return packed
 
 
@@ -231,9 +234,6 @@ class SharedConnection:
         if self._wire is not None:
             self._wire.close()
             self._wire = None
-
-
-_PACKER = HiredisRespSerializer()
 
 
 class _ClosedByClient(RedisConnectionError):
