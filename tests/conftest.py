@@ -34,6 +34,7 @@ from oncely.builtin import app as builtin_app
 from oncely.builtin.summaries import summaries
 from oncely.embedded import EmbeddedCluster, EmbeddedServers
 from oncely.fakes.llm import FakeLLMServer
+from oncely.jobs.checkpoints import Checkpoints
 from oncely.jobs.handler import WorkflowHandler
 from oncely.jobs.store import Jobs
 from oncely.outbox.wakeup import OutboxWakeUp
@@ -230,6 +231,12 @@ def worker_settings(settings: Settings, fake_llm: FakeLLMServer) -> Settings:
 def jobs(pool: AsyncConnectionPool, redis: RedisClient) -> Jobs:
     """Jobs of the built-in app's workflows, each with its stream."""
     return Jobs(pool, {w.name: Stream(redis, w.keys) for w in builtin_app})
+
+
+@pytest.fixture
+def checkpoints(jobs: Jobs) -> Checkpoints:
+    """The checkpoints of the built-in app's jobs."""
+    return Checkpoints(jobs)
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ from oncely.api.auth import create_api_key
 from oncely.jobs.retention import Retention
 from oncely.jobs.store import Job
 from oncely.queue.worker import DeliveryReport
-from oncely.workflow import Emitted
+from oncely.journal import Emitted, NewCheckpoint, Writes
 from tests.processes import oncely
 
 DAY_S = 86400.0
@@ -31,7 +31,9 @@ async def finished(jobs, pool, tenant: str, *, status: str, age_days: float, sen
     if status == "done":
         row = Emitted("ticket.triaged", {"job_id": job_id}, f"ticket_triaged:{job_id}")
         done = report(job_id, 2, "done")
-        assert await jobs.finish("triage", job_id, {"category": "bug"}, None, [row], delivery=done)
+        assert await jobs.finish(
+            "triage", job_id, {"category": "bug"}, None, Writes(emitted=(row,)), delivery=done
+        )
     else:
         await jobs.mark_dead(job_id, "permanent: 400")
         await jobs.record_deliveries([report(job_id, 2, "dead")])
@@ -74,7 +76,7 @@ async def test_retention_purges_only_old_finished_jobs_whose_effects_left(jobs, 
 
 
 async def test_erasing_a_tenant_leaves_nothing_of_it_and_touches_no_other(
-    jobs, pool, redis, redis_url, database_url, client
+    jobs, checkpoints, pool, redis, redis_url, database_url, client
 ):
     stream = jobs.streams["triage"]
     await stream.ensure_group()
@@ -91,6 +93,13 @@ async def test_erasing_a_tenant_leaves_nothing_of_it_and_touches_no_other(
         await create_api_key(pool, tenant)
         queued = str(uuid.uuid4())
         await jobs.accept(Job(queued, tenant, "triage", {"subject": tenant, "body": "waits"}))
+        # It reached a checkpoint, and was sent an event.
+        lookup = NewCheckpoint("lookup", 1, "step", {"found": tenant}, None)
+        await checkpoints.write("triage", queued, 0, Writes((lookup,)))
+        received = await checkpoints.receive_event(
+            "triage", uuid.UUID(queued), tenant, "approval", {"ok": True}, "fp"
+        )
+        assert received.outcome == "received"
         dead = str(uuid.uuid4())
         await jobs.accept(Job(dead, tenant, "triage", {"subject": tenant, "body": "dies"}))
         delayed = str(uuid.uuid4())
@@ -117,6 +126,8 @@ async def test_erasing_a_tenant_leaves_nothing_of_it_and_touches_no_other(
             "results": 1,
             "outbox": 1,
             "deliveries": 2,
+            "checkpoints": 1,
+            "events": 1,
             "messages": 7,
             "idempotency_records": 1,
             "api_keys": 2,
@@ -129,6 +140,9 @@ async def test_erasing_a_tenant_leaves_nothing_of_it_and_touches_no_other(
     globex_jobs = await ids(pool, "SELECT job_id FROM jobs WHERE tenant = 'globex'")
     assert await ids(pool, "SELECT job_id FROM job_deliveries") <= globex_jobs
     assert await ids(pool, "SELECT count(*) FROM job_deliveries") == {"2"}
+    for table in ("checkpoints", "job_events"):
+        assert await ids(pool, f"SELECT job_id FROM {table}") <= globex_jobs
+        assert await ids(pool, f"SELECT count(*) FROM {table}") == {"1"}
     left: list[dict[str, str]] = []
     for key in (stream.stream, stream.dead):
         left += [f for _, f in await redis.xrange(key)]

@@ -12,6 +12,7 @@ from oncely import App, Context, PermanentError, Workflow, email, webhook
 from oncely.app import load_app
 from oncely.effects import Email
 from oncely.jobs.store import Job
+from oncely.journal import Writes
 
 
 class Req(BaseModel):
@@ -30,19 +31,20 @@ def declare(name: str = "echo", route: str = "/v1/echo", **extra) -> Workflow[Re
     return Workflow(name=name, route=route, request=Req, result=Res, step=step, **extra)
 
 
-async def test_pre_checks_asked_together_share_one_query(jobs):
+async def test_runs_asked_together_share_one_query(jobs, checkpoints):
+    """Deliveries load their jobs' runs in batches: one query for a burst."""
     stored_ids = [str(uuid.uuid4()) for _ in range(5)]
     for job_id in stored_ids:
         await jobs.accept(Job(job_id, "acme", "summaries", {"text": "t", "notify": "a@x.io"}))
-        assert await jobs.finish("summaries", job_id, {"summary": "s"}, None, [])
+        assert await jobs.finish("summaries", job_id, {"summary": "s"}, None)
     missing_ids = [str(uuid.uuid4()) for _ in range(45)]
     asked = stored_ids + missing_ids + stored_ids[:1]  # a job asked about twice
-    before = jobs.pre_check_queries
-    answers = await asyncio.gather(*(jobs.result_stored(job_id) for job_id in asked))
-    assert answers == [True] * 5 + [False] * 45 + [True]
-    assert jobs.pre_check_queries == before + 1
-    assert await jobs.result_stored(missing_ids[0]) is False
-    assert jobs.pre_check_queries == before + 2
+    before = checkpoints._runs.flushes
+    runs = await asyncio.gather(*(checkpoints.run_of(job_id) for job_id in asked))
+    assert [None if r is None else r.status for r in runs] == ["done"] * 5 + [None] * 45 + ["done"]
+    assert checkpoints._runs.flushes == before + 1
+    assert await checkpoints.run_of(missing_ids[0]) is None
+    assert checkpoints._runs.flushes == before + 2
 
 
 async def test_finish_writes_result_rows_and_done_once(jobs, pool):
@@ -53,8 +55,9 @@ async def test_finish_writes_result_rows_and_done_once(jobs, pool):
     ctx = Context(wf, job_id, "acme", model=None, delivery=1)  # type: ignore[arg-type]
     ctx.emit("ticket.triaged", {"n": 1}, dedupe_key=f"ticket_triaged:{job_id}")
     usage = {"prompt_tokens": 3, "completion_tokens": 2, "model_calls": 1}
-    assert await jobs.finish("triage", job_id, {"n": 1}, usage, ctx.emitted) is True
-    assert await jobs.finish("triage", job_id, {"n": 2}, usage, ctx.emitted) is False
+    emitted = Writes(emitted=ctx.emitted)
+    assert await jobs.finish("triage", job_id, {"n": 1}, usage, emitted) is True
+    assert await jobs.finish("triage", job_id, {"n": 2}, usage, emitted) is False
     async with pool.connection() as conn:
         rows = await (await conn.execute("SELECT result, usage FROM results")).fetchall()
         outbox = await (

@@ -3,37 +3,38 @@
 The first caller starts a flush; callers arriving while it runs queue up and
 go together in the next one. Nothing waits on a timer, so a lone caller pays
 no latency, and under load one Redis or Postgres call serves many jobs. The
-worker's acknowledgements, the relay's "sent" marks and the pre-checks of
-stored summaries all use it.
+worker's acknowledgements, the relay's "sent" marks (``GroupCommit``) and
+the loads of the runs deliveries resume from (``GroupRead``) all use it.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Hashable
+from collections.abc import Awaitable, Callable, Hashable, Mapping
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
 K = TypeVar("K", bound=Hashable)
+V = TypeVar("V")
 
 
-class GroupCommit(Generic[T, K]):
-    """``await commit(item)`` is True when the batch ``flush`` reported the
-    item's key among the ones it succeeded for."""
+class GroupRead(Generic[T, K, V]):
+    """``await read(item)`` is the value the batch ``flush`` answered for the
+    item's key, or None when it answered none."""
 
     def __init__(
-        self, flush: Callable[[list[T]], Awaitable[set[K]]], key: Callable[[T], K]
+        self, flush: Callable[[list[T]], Awaitable[Mapping[K, V]]], key: Callable[[T], K]
     ) -> None:
         self._flush = flush
         self._key = key
-        self._queued: list[tuple[T, asyncio.Future[bool]]] = []
+        self._queued: list[tuple[T, asyncio.Future[V | None]]] = []
         # A task, not the first caller: a caller cancelled mid-flush must not
         # strand the others queued behind it.
         self._flusher: asyncio.Task[None] | None = None
         self.flushes = 0
 
-    async def __call__(self, item: T) -> bool:
-        answer: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+    async def read(self, item: T) -> V | None:
+        answer: asyncio.Future[V | None] = asyncio.get_running_loop().create_future()
         self._queued.append((item, answer))
         if self._flusher is None or self._flusher.done():
             self._flusher = asyncio.ensure_future(self._flush_queued())
@@ -49,7 +50,7 @@ class GroupCommit(Generic[T, K]):
             batch, self._queued = self._queued, []
             self.flushes += 1
             try:
-                succeeded = await self._flush([item for item, _ in batch])
+                answers = await self._flush([item for item, _ in batch])
             except Exception as exc:
                 for _, answer in batch:
                     if not answer.done():
@@ -57,4 +58,20 @@ class GroupCommit(Generic[T, K]):
                 continue
             for item, answer in batch:
                 if not answer.done():
-                    answer.set_result(self._key(item) in succeeded)
+                    answer.set_result(answers.get(self._key(item)))
+
+
+class GroupCommit(GroupRead[T, K, bool]):
+    """``await commit(item)`` is True when the batch ``flush`` reported the
+    item's key among the ones it succeeded for."""
+
+    def __init__(
+        self, flush: Callable[[list[T]], Awaitable[set[K]]], key: Callable[[T], K]
+    ) -> None:
+        async def succeeded(items: list[T]) -> Mapping[K, bool]:
+            return dict.fromkeys(await flush(items), True)
+
+        super().__init__(succeeded, key)
+
+    async def __call__(self, item: T) -> bool:
+        return await self.read(item) is True

@@ -28,10 +28,12 @@ from redis.exceptions import RedisClusterException
 from oncely import names
 from oncely.app import App, load_app
 from oncely.health import HealthConfig, HealthServer
+from oncely.jobs.checkpoints import Checkpoints
 from oncely.jobs.handler import StepConfig, WorkflowHandler
 from oncely.jobs.reconcile import Reconciler
 from oncely.jobs.retention import Retention
 from oncely.jobs.store import Jobs
+from oncely.jobs.timers import Timers
 from oncely.llm.base import LLM
 from oncely.llm.limiter import FleetLimiter, LimitedLLM, Limits
 from oncely.llm.openai_compat import OpenAICompatible
@@ -113,6 +115,7 @@ def step_config(s: Settings) -> StepConfig:
         budget_s=s.job_budget_s,
         invalid_output_retries=s.llm_invalid_output_retries,
         model_name=s.llm_model,
+        wait_max_s=s.wait_max_s,
     )
 
 
@@ -437,9 +440,10 @@ async def serve_api(settings: Settings, *, host: str, port: int) -> None:
 
 class WorkerGroup:
     """One ``Worker`` and one ``Reconciler`` per workflow of the app, one
-    ``Worker`` per shadow variant (ONCELY_SHADOW), and the job retention, in
-    one process under one task group: if any of them fails, the others stop
-    and the process exits with the error.
+    ``Worker`` per shadow variant (ONCELY_SHADOW), the timers that resume
+    waiting jobs, and the job retention, in one process under one task
+    group: if any of them fails, the others stop and the process exits with
+    the error.
 
     ``models`` gives the adapter for another model name (a variant's); by
     default the OpenAI-compatible adapter's ``with_model``."""
@@ -449,6 +453,7 @@ class WorkerGroup:
     ) -> None:
         s = res.settings
         self.jobs = jobs_for(app, res)
+        self.checkpoints = Checkpoints(self.jobs)
         self._models = models or _model_switch(llm)
         self._fleet = FleetLimiter(res.redis, limits(s))
         self._wake_relay = OutboxWakeUp(res.pool)
@@ -462,6 +467,7 @@ class WorkerGroup:
         self.workers = [self._worker(w, plan, res) for w in app]
         self.reconcilers = [Reconciler(self.jobs, w.name, after_s=s.reconcile_after_s) for w in app]
         self.retention = Retention(self.jobs, retention_s=s.job_retention_s)
+        self.timers = Timers(self.checkpoints)
 
     def _worker(self, w: Workflow[Any, Any], plan: ShadowPlan, res: Resources) -> Worker:
         name = plan.primary.get(w.name)
@@ -480,6 +486,7 @@ class WorkerGroup:
             self._wake_relay,
             variant=variant,
             shadows=ShadowDispatch(shadows) if shadows else None,
+            checkpoints=self.checkpoints,
         )
         return Worker(
             self.jobs.streams[w.name],
@@ -509,6 +516,7 @@ class WorkerGroup:
                 if judge is not None
                 else None
             ),
+            events=self.checkpoints.events,
         )
         concurrency = max(1, round(self._config.concurrency * s.shadow_rpm_share))
         return Worker(
@@ -534,7 +542,13 @@ class WorkerGroup:
 
     @property
     def services(self) -> list[Service]:
-        return [*self.workers, *self.shadow_workers, *self.reconcilers, self.retention]
+        return [
+            *self.workers,
+            *self.shadow_workers,
+            *self.reconcilers,
+            self.retention,
+            self.timers,
+        ]
 
     async def run(self) -> None:
         async with asyncio.TaskGroup() as group:
@@ -560,7 +574,9 @@ async def run_worker(settings: Settings, workflows: list[str] | None = None) -> 
         await require_current_schema(res)
         group = WorkerGroup(app, res, llm)
         health = health_server(
-            res, list(group.jobs.streams.values()), [w.progress for w in group.loops]
+            res,
+            list(group.jobs.streams.values()),
+            [*(w.progress for w in group.loops), group.timers.progress],
         )
         await run_services(group, *([health] if health else []))
 

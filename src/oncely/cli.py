@@ -11,6 +11,7 @@ import contextlib
 import json
 import re
 import sys
+import uuid
 from collections.abc import Coroutine
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -46,7 +47,9 @@ eval_app = typer.Typer(
     no_args_is_help=True,
 )
 app.add_typer(eval_app, name="eval")
-jobs_app = typer.Typer(help="Jobs: one job in detail.", no_args_is_help=True)
+jobs_app = typer.Typer(
+    help="Jobs: one in detail, cancel one, rerun one from a checkpoint.", no_args_is_help=True
+)
 app.add_typer(jobs_app, name="jobs")
 
 # soft_wrap: an error is one line however long, whatever the terminal width.
@@ -540,21 +543,89 @@ def jobs_show(
     workflow: Annotated[str | None, typer.Option("--workflow", "-w", help="Only this one.")] = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """A job: request, result, usage, error, deliveries, its message now, outbox rows."""
-    import uuid
-
+    """A job: request, result, usage, error, checkpoints (with values), what it
+    waits for, deliveries, its message now, outbox rows."""
     from oncely.ops import show_job
 
-    try:
-        parsed = uuid.UUID(job_id)
-    except ValueError:
-        err.print(f"[red]not a job id:[/red] {job_id!r}")
-        raise typer.Exit(EXIT_USAGE) from None
+    parsed = _job_id(job_id)
     settings = _settings()
     _workflows(settings, [workflow] if workflow else None)
     if not _run(show_job(settings, parsed, workflow=workflow, as_json=as_json)):
         err.print(f"[red]no job {parsed}[/red]" + (f" in {workflow}" if workflow else ""))
         raise typer.Exit(EXIT_NOT_FOUND)
+
+
+def _job_id(text: str) -> uuid.UUID:
+    """A job id argument, or a usage error (exit 2)."""
+    try:
+        return uuid.UUID(text)
+    except ValueError:
+        err.print(f"[red]not a job id:[/red] {text!r}")
+        raise typer.Exit(EXIT_USAGE) from None
+
+
+@jobs_app.command("cancel")
+def jobs_cancel(
+    job_id: Annotated[str, typer.Argument(help="The job's id.")],
+    workflow: Annotated[str | None, typer.Option("--workflow", "-w", help="Only this one.")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Cancel a queued, running or waiting job: nothing more is written for it.
+    Exit 1 if it is already done or dead, 3 if there is no such job."""
+    from oncely.ops import cancel_job
+
+    parsed = _job_id(job_id)
+    settings = _settings()
+    _workflows(settings, [workflow] if workflow else None)
+    found = _run(cancel_job(settings, parsed, workflow=workflow))
+    if found is None:
+        err.print(f"[red]no job {parsed}[/red]" + (f" in {workflow}" if workflow else ""))
+        raise typer.Exit(EXIT_NOT_FOUND)
+    status = found.status if found.finished else "cancelled"
+    if as_json:
+        _print_json({"job_id": str(parsed), "workflow": found.kind, "status": status})
+    else:
+        sys.stdout.write(f"{parsed} {status}\n")
+    if found.finished:
+        err.print(f"[red]the job is {found.status}: nothing to cancel[/red]")
+        raise typer.Exit(EXIT_FAILED)
+
+
+@jobs_app.command("rewind")
+def jobs_rewind(
+    job_id: Annotated[str, typer.Argument(help="The job's id (dead or cancelled).")],
+    to: Annotated[
+        str,
+        typer.Option(
+            "--to",
+            help="The checkpoint to run again from (jobs show lists them): it and "
+            "every later one are deleted.",
+        ),
+    ],
+    as_json: JsonOpt = False,
+) -> None:
+    """Rerun a dead or cancelled job from a checkpoint. Effects it emits again
+    keep their dedupe keys, so one already sent is not sent again. Exit 1 if
+    the job is not dead or cancelled, 3 if the job or the checkpoint is unknown."""
+    from oncely.ops import checkpoint_keys, rewind_job
+
+    parsed = _job_id(job_id)
+    settings = _settings()
+    rewound = _run(rewind_job(settings, parsed, to))
+    if rewound is None:
+        err.print(f"[red]no job {parsed}[/red]")
+        raise typer.Exit(EXIT_NOT_FOUND)
+    if rewound.status not in ("dead", "cancelled"):
+        err.print(f"[red]the job is {rewound.status}: only dead or cancelled jobs rewind[/red]")
+        raise typer.Exit(EXIT_FAILED)
+    if not rewound.deleted:
+        keys = _run(checkpoint_keys(settings, parsed))
+        err.print(f"no checkpoint {to!r}; the job has {keys}", markup=False, style="red")
+        raise typer.Exit(EXIT_NOT_FOUND)
+    if as_json:
+        _print_json({"job_id": str(parsed), "status": "queued", "deleted": rewound.deleted})
+    else:
+        sys.stdout.write(f"{parsed} queued; deleted {', '.join(rewound.deleted)}\n")
 
 
 @tenants_app.command("erase")

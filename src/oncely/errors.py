@@ -55,3 +55,21 @@ class KeyReused(IdempotencyError):
 
 class RequestInProgress(IdempotencyError):
     """Same key, same body, the first request has not finished."""
+
+
+class Nondeterministic(PermanentError):
+    """A run of a multi-step job reached a stored checkpoint's ordinal asking
+    for another key: the step function no longer runs the way it ran when
+    the checkpoints were stored. The job is dead with the reason
+    ``nondeterministic``; the message names both keys for operators."""
+
+    reason = "nondeterministic"
+
+    def __init__(self, ordinal: int, *, stored: str, asked: str) -> None:
+        super().__init__(
+            f"at checkpoint {ordinal} this run asked for {asked!r} "
+            f"where the stored run has {stored!r}"
+        )
+        self.ordinal = ordinal
+        self.stored = stored
+        self.asked = asked

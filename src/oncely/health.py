@@ -22,6 +22,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from psycopg_pool import AsyncConnectionPool
 
 from oncely import metrics, redis_client
+from oncely.jobs.checkpoints import Checkpoints
+from oncely.jobs.store import Jobs
 from oncely.outbox.store import OutboxStore
 from oncely.queue.stream import Stream
 from oncely.redis_client import RedisClient
@@ -107,6 +109,10 @@ class HealthServer:
             metrics.STREAM_OLDEST_PENDING_AGE.labels(workflow=name).set(s.oldest_pending_age_s)
             metrics.DELAYED_JOBS.labels(workflow=name).set(s.delayed)
             metrics.DEAD_LETTER_BACKLOG.labels(workflow=name).set(s.dead_letters)
+        waiting = await Checkpoints(Jobs(self.pool, {})).waiting_counts()
+        for stream in self.streams:
+            name = stream.keys.workflow
+            metrics.JOBS_WAITING.labels(workflow=name).set(waiting.get(name, 0))
         outbox = await OutboxStore(self.pool).counts()
         metrics.OUTBOX_UNSENT.set(outbox.unsent)
         metrics.OUTBOX_FAILED.set(outbox.failed)

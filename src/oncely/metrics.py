@@ -49,6 +49,21 @@ MODEL_INVALID_OUTPUTS = Counter(
     "Answers that did not validate against the workflow's result model",
     ["workflow", "model"],
 )
+CHECKPOINTS_WRITTEN = Counter(
+    "oncely_checkpoints_written_total",
+    "Checkpoints of multi-step runs written (steps, model calls, waits, sleeps)",
+    ["workflow"],
+)
+CHECKPOINT_REPLAYS = Counter(
+    "oncely_checkpoint_replays_total",
+    "Checkpoints a run found stored and did not run again",
+    ["workflow", "kind"],
+)
+NONDETERMINISTIC = Counter(
+    "oncely_jobs_nondeterministic_total",
+    "Runs that asked for another checkpoint than the one stored (the job is dead)",
+    ["workflow"],
+)
 OUTBOX_SENDS = Counter("oncely_outbox_sends_total", "Relay sends by outcome", ["outcome"])
 OUTBOX_LAG = Histogram(
     "oncely_outbox_lag_seconds",
@@ -82,6 +97,7 @@ STREAM_OLDEST_PENDING_AGE = Gauge(
     ["workflow"],
 )
 DELAYED_JOBS = Gauge("oncely_delayed_jobs", "Jobs waiting out a redelivery backoff", ["workflow"])
+JOBS_WAITING = Gauge("oncely_jobs_waiting", "Jobs waiting for an event or a time", ["workflow"])
 DEAD_LETTER_BACKLOG = Gauge(
     "oncely_dead_letter_entries", "Entries in the dead-letter stream", ["workflow"]
 )

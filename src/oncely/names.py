@@ -42,6 +42,9 @@ class WorkflowKeys:
     # and job_id -> the message to put back then (a hash).
     delayed: str
     delayed_messages: str
+    # Jobs cancelled lately: job_id -> when (a sorted set, trimmed to a day),
+    # so that workers running them stop at their next lease renewal.
+    cancelled: str
 
 
 def workflow_keys(workflow: str, group: str) -> WorkflowKeys:
@@ -55,6 +58,7 @@ def workflow_keys(workflow: str, group: str) -> WorkflowKeys:
         reconcile_lock=f"{tag}:reconcile-lock",
         delayed=f"{tag}:delayed",
         delayed_messages=f"{tag}:delayed-messages",
+        cancelled=f"{tag}:cancelled",
     )
 
 
@@ -73,6 +77,7 @@ def shadow_keys(workflow: str, variant: str) -> WorkflowKeys:
         reconcile_lock=f"{tag}:reconcile-lock",
         delayed=f"{tag}:delayed",
         delayed_messages=f"{tag}:delayed-messages",
+        cancelled=f"{tag}:cancelled",
     )
 
 

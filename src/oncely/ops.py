@@ -17,6 +17,7 @@ from rich.table import Table
 from oncely.app import App
 from oncely.bootstrap import app_from, jobs_for, open_resources, shadow_streams
 from oncely.jobs import dead_letters
+from oncely.jobs.checkpoints import Cancelled, Checkpoints, Rewound
 from oncely.jobs.inspection import UNREPORTED_NOTE, JobView, inspect_job
 from oncely.jobs.store import Jobs
 from oncely.outbox.store import OutboxRow, OutboxStore
@@ -44,7 +45,8 @@ async def show_status(settings: Settings, *, as_json: bool) -> None:
         print(json.dumps(status.to_json(), indent=2))
         return
     table = Table(title="oncely status")
-    columns = ("workflow", "stream", "pending", "delayed", "dead letters", "queued", "done", "dead")
+    statuses = ("queued", "waiting", "done", "dead", "cancelled")
+    columns = ("workflow", "stream", "pending", "delayed", "dead letters", *statuses)
     for column in columns:
         table.add_column(column)
     for w in status.workflows:
@@ -52,12 +54,12 @@ async def show_status(settings: Settings, *, as_json: bool) -> None:
         table.add_row(
             w.workflow,
             *(str(n) for n in (s.length, s.pending, s.delayed, s.dead_letters)),
-            *(str(j.get(k, 0)) for k in ("queued", "done", "dead")),
+            *(str(j.get(k, 0)) for k in statuses),
         )
     for name, s in status.shadows.items():
         # Shadow runs have no job rows of their own (their results: `oncely eval report`).
         counts = (s.length, s.pending, s.delayed, s.dead_letters)
-        table.add_row(name, *(str(n) for n in counts), "-", "-", "-")
+        table.add_row(name, *(str(n) for n in counts), *("-" for _ in statuses))
     out.print(table)
     o = status.outbox
     oldest = "-" if o.oldest_unsent_age_s is None else f"{o.oldest_unsent_age_s:.1f} s"
@@ -207,7 +209,11 @@ def _print_job(view: JobView) -> None:
     if j.usage is not None:
         out.print(f"usage: {json.dumps(j.usage)}")
     if j.error:
-        out.print(f"error: {j.error}", soft_wrap=True)
+        out.print(f"error: {j.error}", soft_wrap=True, markup=False)
+    if j.status == "waiting" and j.wait_until is not None:
+        what = f"event {j.waiting_for!r}" if j.waiting_for else "its sleep to end"
+        out.print(f"waiting for {what} until {_when(j.wait_until)}", markup=False)
+    _print_checkpoints(view)
     table = Table(title=f"deliveries ({len(view.deliveries)})")
     _id_columns(table, ("#", "outcome"), [(str(d.delivery), d.outcome) for d in view.deliveries])
     for column in ("started", "finished", "model calls", "consumer", "error"):
@@ -229,6 +235,40 @@ def _print_job(view: JobView) -> None:
     for r in view.outbox:
         state = "sent" if r.sent_at else _state(r)
         out.print(f"outbox row {r.id} {r.topic} {r.dedupe_key}: {state}, {r.attempts} attempt(s)")
+
+
+def _print_checkpoints(view: JobView) -> None:
+    """Each checkpoint on its own lines (values can be long): ordinal, key,
+    kind and status, when it finished, what it spent, then its value."""
+    out.print(f"checkpoints ({len(view.checkpoints)}):")
+    for c in view.checkpoints:
+        when = _when(c.finished_at) if c.finished_at else f"until {_when(c.until)}"
+        spent = f", usage {json.dumps(c.usage)}" if c.usage else ""
+        out.print(f"  {c.ordinal}. {c.key} ({c.kind}, {c.status}, {when}{spent})", markup=False)
+        if c.status == "done":
+            value = json.dumps(c.value, ensure_ascii=False)
+            out.print(f"     {value}", soft_wrap=True, markup=False, highlight=False)
+
+
+async def cancel_job(
+    settings: Settings, job_id: uuid.UUID, *, workflow: str | None
+) -> Cancelled | None:
+    """Cancel a queued, running or waiting job (of any workflow unless
+    named); what it was, or None if there is no such job."""
+    async with _jobs(settings, [workflow] if workflow else None) as jobs:
+        return await Checkpoints(jobs).cancel(job_id, kind=workflow)
+
+
+async def rewind_job(settings: Settings, job_id: uuid.UUID, key: str) -> Rewound | None:
+    """Run a dead or cancelled job again from checkpoint ``key``; None if
+    there is no such job."""
+    async with _jobs(settings) as jobs:
+        return await Checkpoints(jobs).rewind(job_id, key)
+
+
+async def checkpoint_keys(settings: Settings, job_id: uuid.UUID) -> list[str]:
+    async with _jobs(settings) as jobs:
+        return [c.key for c in await Checkpoints(jobs).of_job(job_id, values=False)]
 
 
 async def erase_tenant(settings: Settings, tenant: str) -> dict[str, int]:

@@ -131,8 +131,11 @@ class Settings(BaseSettings):
     # Redelivery after a transient failure: exponential, jittered backoff.
     redelivery_base_s: float = Field(15.0, gt=0)
     redelivery_max_s: float = Field(900.0, gt=0)
-    # Transient failures dead-letter a job only once it is this old.
+    # Transient failures dead-letter a job only once it is this old (counted
+    # from its last resume, for a job that waited).
     job_max_age_s: float = Field(86400.0, gt=0)
+    # The longest ctx.wait_for_event, and its default timeout (30 days).
+    wait_max_s: float = Field(30 * 86400.0, gt=0)
     block_ms: int = Field(1000, ge=1)
     shutdown_grace_s: float = Field(25.0, ge=0)
     stream_trim_every_s: float = Field(30.0, gt=0)

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from oncely.jobs.store import Jobs
+from oncely.jobs.store import JOB_STATUSES, Jobs
 from oncely.outbox.store import OutboxCounts, OutboxStore
 from oncely.queue.stream import Stream, StreamStats
 
@@ -55,7 +55,7 @@ async def read_status(
         WorkflowStatus(
             name,
             await stream.stats(),
-            counts.get(name, {"queued": 0, "done": 0, "dead": 0}),
+            counts.get(name, dict.fromkeys(JOB_STATUSES, 0)),
         )
         for name, stream in jobs.streams.items()
     ]

@@ -40,6 +40,7 @@ from oncely.api.store import IdempotencyStore
 from oncely.api.workflows import DirectIntake, add_workflow_routes
 from oncely.app import App
 from oncely.console import console_router
+from oncely.jobs.checkpoints import Checkpoints
 from oncely.jobs.store import Jobs, run_statement
 from oncely.queue.stream import Stream
 from oncely.redis_client import RedisClient
@@ -158,6 +159,8 @@ class OncelyAPI:
                 idempotent=self._intake,
                 limiter=lambda: self._limiter,
                 direct=self._direct,
+                checkpoints=lambda: self._checkpoints,
+                event_idempotent=self.idempotent,
             )
 
     @property
@@ -178,6 +181,7 @@ class OncelyAPI:
         self._jobs = Jobs(
             clients.pool, streams, statement_timeout_s=self.config.statement_timeout_s
         )
+        self._checkpoints = Checkpoints(self._jobs)
         self._idempotency = IdempotencyStore(
             clients.redis,
             lock_ttl_s=self.config.lock_ttl_s,

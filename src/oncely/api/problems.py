@@ -67,6 +67,31 @@ def problem(
     )
 
 
+def job_finished(job_id: str, status: str) -> JSONResponse:
+    """409: the job is done, dead or cancelled; nothing more can change it.
+    (``job_status``: the problem's own ``status`` is the HTTP one.)"""
+    return problem(
+        409,
+        "job-finished",
+        "Job finished",
+        f"the job is {status}",
+        job_id=job_id,
+        job_status=status,
+    )
+
+
+def event_already_received(job_id: str, event: str) -> JSONResponse:
+    """409: another event of that name was received for the job before."""
+    return problem(
+        409,
+        "event-already-received",
+        "Event already received",
+        f"the job already received another {event!r} event",
+        job_id=job_id,
+        event=event,
+    )
+
+
 def problem_schema(description: str) -> dict[str, Any]:
     """An OpenAPI ``responses`` entry for a problem+json answer."""
     return {

@@ -1,5 +1,7 @@
 """The HTTP routes every registered workflow gets: ``POST <route>`` (the
-idempotent intake) and ``GET <route>/{job_id}`` (the job and its result).
+idempotent intake), ``GET <route>/{job_id}`` (the job and its result),
+``POST <route>/{job_id}/cancel``, and ``POST <route>/{job_id}/events/<name>``
+for each event it declares (docs/durable-steps.md).
 
 No ``from __future__ import annotations`` here: FastAPI reads each route's
 request and response models from annotations built per workflow.
@@ -10,7 +12,7 @@ import re
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, cast
 
 from fastapi import APIRouter, Depends, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
@@ -27,9 +29,16 @@ from oncely.api.idempotency import (
     mark_replayed,
     replay_header_doc,
 )
-from oncely.api.problems import RateLimited, problem_schema
+from oncely.api.keys import fingerprint
+from oncely.api.problems import (
+    RateLimited,
+    event_already_received,
+    job_finished,
+    problem_schema,
+)
 from oncely.api.ratelimit import TenantLimiter
 from oncely.errors import KeyReused
+from oncely.jobs.checkpoints import Checkpoints, EventOutcome
 from oncely.jobs.store import Job, Jobs
 from oncely.workflow import Workflow
 
@@ -40,6 +49,22 @@ _UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
 class Accepted(BaseModel):
     job_id: uuid.UUID
     status: Literal["queued"]
+
+
+class EventReceived(BaseModel):
+    """An event stored for a job: it resumes the job if the job waits for
+    it, or is kept for the wait to come."""
+
+    job_id: uuid.UUID
+    event: str
+    status: Literal["received"]
+
+
+class CancelAccepted(BaseModel):
+    """A job cancelled: nothing more is written for it."""
+
+    job_id: uuid.UUID
+    status: Literal["cancelled"]
 
 
 @dataclass(frozen=True)
@@ -61,10 +86,12 @@ def add_workflow_routes(
     idempotent: Callable[..., Awaitable[IdempotentRequest]],
     limiter: Callable[[], TenantLimiter | None] = lambda: None,
     direct: DirectIntake | None = None,
+    checkpoints: Callable[[], Checkpoints] | None = None,
+    event_idempotent: Callable[..., Awaitable[IdempotentRequest]] | None = None,
 ) -> None:
-    """POST and GET for one workflow, added to ``router``. ``jobs`` is called
-    per request, so the routes can be built before the lifespan opens the
-    clients.
+    """POST and GET for one workflow, its cancel and its events, added to
+    ``router``. ``jobs`` and ``checkpoints`` are called per request, so the
+    routes can be built before the lifespan opens the clients.
 
     The POST is documented from its endpoint's signature (the body model,
     the tenant and idempotency dependencies). With ``direct``, a request
@@ -74,6 +101,10 @@ def add_workflow_routes(
     without (an app's own ``auth``), FastAPI solves the dependencies."""
     _add_intake(router, workflow, jobs, idempotent, limiter, direct)
     _add_read(router, workflow, jobs, tenant)
+    control = checkpoints or (lambda: Checkpoints(jobs()))
+    _add_cancel(router, workflow, control, tenant)
+    for event, model in workflow.events.items():
+        _add_event(router, workflow, event, model, jobs, control, event_idempotent or idempotent)
 
 
 def _add_intake(
@@ -172,14 +203,132 @@ def _add_read(
         },
     )
     async def read(job_id: str, tenant_name: Tenant) -> Any:
-        try:
-            parsed = uuid.UUID(job_id)
-        except ValueError:
-            raise HTTPException(404, "job not found") from None
-        record = await jobs().get(workflow.name, parsed, tenant_name)
+        record = await jobs().get(workflow.name, _job_uuid(job_id), tenant_name)
         if record is None:
             raise HTTPException(404, "job not found")
         return view_model.from_record(record)
+
+
+def _job_uuid(job_id: str) -> uuid.UUID:
+    """A job id from the path; 404 (never 422) for one that is no job id."""
+    try:
+        return uuid.UUID(job_id)
+    except ValueError:
+        raise HTTPException(404, "job not found") from None
+
+
+_FINISHED_DOC: dict[int | str, dict[str, Any]] = {
+    409: problem_schema("The job is done, dead or cancelled (`job-finished`, with its `status`)."),
+}
+
+
+def _add_cancel(
+    router: APIRouter,
+    workflow: Workflow[Any, Any],
+    checkpoints: Callable[[], Checkpoints],
+    tenant: Callable[..., Awaitable[str]],
+) -> None:
+    Tenant = Annotated[str, Depends(tenant)]
+
+    @router.post(
+        workflow.route + "/{job_id}/cancel",
+        status_code=202,
+        tags=[workflow.name],
+        response_model=CancelAccepted,
+        summary=f"Cancel a {workflow.name} job",
+        description=(
+            "From now on nothing more is written for the job: a running delivery stops "
+            "at its next checkpoint (or within the lease renewal interval, its model "
+            "call cancelled), a waiting job never resumes. Effects that committed "
+            "before stay. Idempotent: no `Idempotency-Key` needed; cancelling twice "
+            "answers the same."
+        ),
+        operation_id=f"cancel_{workflow.name}",
+        responses={
+            404: problem_schema("No such job for this tenant."),
+            **_FINISHED_DOC,
+            503: problem_schema("PostgreSQL did not answer in time; retrying is safe."),
+        },
+    )
+    async def cancel(job_id: str, tenant_name: Tenant) -> Any:
+        parsed = _job_uuid(job_id)
+        found = await checkpoints().cancel(parsed, tenant=tenant_name, kind=workflow.name)
+        if found is None:
+            raise HTTPException(404, "job not found")
+        if found.finished:
+            return job_finished(str(parsed), found.status)
+        return JSONResponse({"job_id": str(parsed), "status": "cancelled"}, status_code=202)
+
+
+def _add_event(
+    router: APIRouter,
+    workflow: Workflow[Any, Any],
+    event: str,
+    event_model: type[BaseModel],
+    jobs: Callable[[], Jobs],
+    checkpoints: Callable[[], Checkpoints],
+    idempotent: Callable[..., Awaitable[IdempotentRequest]],
+) -> None:
+    Idempotent = Annotated[IdempotentRequest, Depends(idempotent)]
+
+    async def send(
+        job_id: str,
+        body: event_model,  # type: ignore[valid-type]
+        idem: Idempotent,
+    ) -> Response:
+        parsed = _job_uuid(job_id)
+        payload = cast(BaseModel, body).model_dump(mode="json")
+        refuse_unstorable_text(payload)
+
+        async def receive() -> Response:
+            outcome = await checkpoints().receive_event(
+                workflow.name, parsed, idem.scope.tenant, event, payload, fingerprint(payload)
+            )
+            response = _event_response(str(parsed), event, outcome)
+            if outcome.resumed is not None:
+                # Queued again: enqueued with the stored response, in one round trip.
+                idem.settle(response, along=[jobs().enqueue_call(outcome.resumed)])
+            return response
+
+        # The key covers which job and which event, not only the body: the
+        # same key sent to another job is a reused key.
+        return await idem.run({"job_id": str(parsed), "event": event, "body": payload}, receive)
+
+    router.add_api_route(
+        f"{workflow.route}/{{job_id}}/events/{event}",
+        send,
+        methods=["POST"],
+        status_code=202,
+        tags=[workflow.name],
+        response_model=EventReceived,
+        summary=f"Send the {event!r} event to a {workflow.name} job",
+        description=(
+            f"Stores the event; a job waiting for `{event}` resumes, and one that has "
+            "not reached its wait yet finds it there. Same idempotency contract as the "
+            "intake."
+        ),
+        operation_id=f"send_{workflow.name}_{event.replace('-', '_').replace('.', '_')}",
+        responses={
+            **IDEMPOTENCY_RESPONSES,
+            404: problem_schema("No such job for this tenant."),
+            409: problem_schema(
+                "Another event of that name was received (`event-already-received`), "
+                "the job is done, dead or cancelled (`job-finished`), or a request with "
+                "this key is still running (`idempotency-key-in-progress`)."
+            ),
+        },
+    )
+
+
+def _event_response(job_id: str, event: str, outcome: EventOutcome) -> Response:
+    if outcome.outcome == "missing":
+        raise HTTPException(404, "job not found")
+    if outcome.outcome == "conflict":
+        return event_already_received(job_id, event)
+    if outcome.outcome == "finished":
+        return job_finished(job_id, outcome.status or "finished")
+    body = {"job_id": job_id, "event": event, "status": "received"}
+    return JSONResponse(body, status_code=202)
 
 
 def refuse_unstorable_text(payload: dict[str, Any]) -> None:

@@ -41,10 +41,12 @@ for that prompt (``oncely.fakes.faults``), so a rerun gives each job the same
 fate. A scripted fault wins over a random one on the same call; an outage
 over both. ``--fault-rate F`` is ``429=F/2,503=F/2``.
 
-``GET /_calls`` counts calls per model name (``models``), and per prompt the
-calls, the ones ``billed`` (the real answer was generated, whether or not
-the client stayed to read it: what a provider bills) with the client port
-each came from (which process paid), and the faults met, by kind, with
+``GET /_calls`` counts calls per model name (``models``), the calls whose
+client went away before the answer (``abandoned``: a cancelled call, in all
+and per prompt), and per prompt the calls, the ones ``billed`` (the real
+answer was generated, whether or not the client stayed to read it: what a
+provider bills) with the client port each came from (which process paid),
+and the faults met, by kind, with
 their client ports too; with random faults on, ``random_faults`` totals them.
 
 It must never be a benchmark's bottleneck: no middleware, no access log,
@@ -149,6 +151,7 @@ class _Prompt:
     billed_ports: list[int] = field(default_factory=list)
     faults: dict[str, int] = field(default_factory=dict)
     fault_ports: dict[str, list[int]] = field(default_factory=dict)
+    abandoned: int = 0
     _answers: dict[tuple[bool, str], str] = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -195,6 +198,8 @@ class PromptCalls:
     billed_ports: list[int] = field(default_factory=list)
     faults: dict[str, int] = field(default_factory=dict)
     fault_ports: dict[str, list[int]] = field(default_factory=dict)
+    # Calls whose client went away before the answer (a cancelled call).
+    abandoned: int = 0
 
 
 @dataclass(frozen=True)
@@ -207,6 +212,8 @@ class CallStats:
     prompts: list[PromptCalls]
     # Calls per requested model name (refused ones included).
     models: dict[str, int] = field(default_factory=dict)
+    # Calls whose client went away before the answer.
+    abandoned: int = 0
     rate_limited: int | None = None  # only when an rpm/tpm limit is on
     random_faults: dict[str, int] | None = None  # only when random faults are on
 
@@ -267,6 +274,7 @@ class FakeModel:
 
     def reset(self) -> None:
         self.total = 0
+        self.abandoned = 0
         self.max_in_flight = self.in_flight
         self.rate_limited = 0
         self.random_faults: dict[str, int] = {}
@@ -284,6 +292,7 @@ class FakeModel:
                 list(p.billed_ports),
                 dict(p.faults),
                 {kind: list(ports) for kind, ports in p.fault_ports.items()},
+                p.abandoned,
             )
             for p in self._prompts.values()
             if contains is None or contains in p.text
@@ -296,6 +305,7 @@ class FakeModel:
             self.max_in_flight,
             prompts,
             dict(self.models),
+            self.abandoned,
             rate_limited,
             random_faults,
         )
@@ -304,12 +314,19 @@ class FakeModel:
         self.total += 1
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        prompt: list[_Prompt] = []
         try:
-            return await self._complete(request)
+            return await self._complete(request, prompt)
+        except asyncio.CancelledError:
+            # The client went away first (its call was cancelled or cut off).
+            self.abandoned += 1
+            for p in prompt:
+                p.abandoned += 1
+            raise
         finally:
             self.in_flight -= 1
 
-    async def _complete(self, request: web.Request) -> web.StreamResponse:
+    async def _complete(self, request: web.Request, called: list[_Prompt]) -> web.StreamResponse:
         chat = _parse_request(await request.read())
         if isinstance(chat, web.Response):
             return chat
@@ -318,6 +335,7 @@ class FakeModel:
         if refused is not None:
             return refused
         prompt = self._prompt(chat.text)
+        called.append(prompt)
         prompt.count += 1
         call = prompt.count  # read before sleeping: concurrent calls each get their number
         if prompt.sleep_s:

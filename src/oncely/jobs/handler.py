@@ -1,38 +1,59 @@
 """Running a workflow's step for one delivery of a job.
 
-1. A result already stored for this job → nothing to do, no model call.
-2. The step, given the validated request and a context (the model with
-   classified retries under this delivery's deadline; ``emit``).
-3. One statement stores the result, the emitted outbox rows and ``done``,
-   only if no other delivery stored a result first, and this delivery in
-   the job's history (``done``, or ``duplicate`` if it lost the race). A
-   failed delivery is recorded by the worker when it settles it.
+1. The job's run, loaded (batched across handlers): its status, generation
+   and checkpoints. A job that is no longer running (done, dead, cancelled,
+   waiting) → nothing to do, no model call.
+2. The step, given the validated request and a context over a ``Journal``
+   of those checkpoints (oncely/journal.py): each checkpoint it reaches that
+   is stored returns its value without running again; the others run (the
+   model with classified retries under this delivery's deadline) and are
+   written before the next one is paid for, with the effects emitted before
+   them.
+3. One statement stores the run's last checkpoints, the result, the
+   emitted outbox rows and ``done``, only while the job still runs in this
+   generation and no other delivery stored a result first, and this
+   delivery in the job's history (``done``, or ``duplicate``). A failed
+   delivery keeps the checkpoints it reached and is recorded by the worker
+   when it settles it.
 4. Only then, shadow work for the job if a shadow variant samples it
    (``oncely.shadow``): it never delays or fails the job.
-The worker acknowledges afterwards; a duplicate delivery racing this one
-loses at step 3 and writes nothing but its history row.
+
+A run that reaches a wait or a sleep ends there: the job waits holding
+nothing, and the worker acknowledges its entry. A run that loses a race for
+a checkpoint replays from the top over the winner's value. The worker
+acknowledges afterwards; a duplicate delivery racing this one writes
+nothing but its history row.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, cast
 
+import structlog
 from pydantic import BaseModel, ValidationError
 
 from oncely import tracing
-from oncely.errors import PermanentError
+from oncely.errors import PermanentError, TransientError
+from oncely.jobs.checkpoints import Checkpoints, JobRun
 from oncely.jobs.store import Jobs
+from oncely.journal import Checkpoint, Journal, Replay, RunStopped, Suspended, Wait, Writes
 from oncely.llm.base import LLM
 from oncely.llm.model import Model
 from oncely.outbox.wakeup import OutboxWakeUp
 from oncely.queue.stream import JobMessage
 from oncely.retry import Deadline, RetryPolicy
-from oncely.workflow import Context, Variant, Workflow
+from oncely.workflow import WAIT_MAX_S, Context, Variant, Workflow
 
 if TYPE_CHECKING:
     from oncely.queue.worker import Delivery
     from oncely.shadow.run import ShadowDispatch
+
+log = structlog.get_logger("oncely.handler")
+
+# Runs of one delivery that lost a race for a checkpoint and replayed; each
+# replay starts with more stored, so this many means something is wrong.
+_MAX_REPLAYS = 20
 
 
 @dataclass(frozen=True)
@@ -46,6 +67,8 @@ class StepConfig:
     invalid_output_retries: int = 2
     # The model's name, for metrics.
     model_name: str = ""
+    # The longest ``ctx.wait_for_event`` (and its default timeout).
+    wait_max_s: float = WAIT_MAX_S
 
 
 class WorkflowHandler:
@@ -61,9 +84,11 @@ class WorkflowHandler:
         *,
         variant: Variant | None = None,
         shadows: ShadowDispatch | None = None,
+        checkpoints: Checkpoints | None = None,
     ) -> None:
         self.workflow = workflow
         self.jobs = jobs
+        self.checkpoints = checkpoints or Checkpoints(jobs)
         self.llm = llm
         self.config = config
         self.wake_relay = wake_relay
@@ -86,13 +111,31 @@ class WorkflowHandler:
             return await self._run(message, delivery)
 
     async def _run(self, message: JobMessage, delivery: Delivery) -> str:
-        if await self.jobs.result_stored(message.job_id):
-            return "duplicate"
+        run = await self.checkpoints.run_of(message.job_id)
+        if (stopped := _not_running(run)) is not None:
+            return stopped
         try:
             request = self.workflow.request.model_validate(message.payload)
         except ValidationError as exc:
             raise PermanentError(f"stored request no longer validates: {_short(exc)}") from exc
-        model = self._model()
+        for _ in range(_MAX_REPLAYS):
+            assert run is not None
+            outcome = await self._attempt(message, delivery, request, run)
+            if outcome is not None:
+                return outcome
+            run = await self.checkpoints.run_of(message.job_id)
+            if (stopped := _not_running(run)) is not None:
+                return stopped
+        raise TransientError(f"checkpoints changed under {_MAX_REPLAYS} replays of one delivery")
+
+    async def _attempt(
+        self, message: JobMessage, delivery: Delivery, request: BaseModel, run: JobRun
+    ) -> str | None:
+        """One run of the step over ``run``'s checkpoints: its outcome, or
+        None when it lost a race for a checkpoint and must replay."""
+        store = _JobStore(self, message.job_id, run.generation, delivery)
+        journal = Journal(run.checkpoints, store, workflow=self.workflow.name)
+        model = store.model = self._model(journal)
         ctx = Context(
             self.workflow,
             message.job_id,
@@ -100,40 +143,115 @@ class WorkflowHandler:
             model,
             delivery.number,
             variant=self.variant,
+            journal=journal,
+            wait_max_s=self.config.wait_max_s,
         )
         step = self.variant.step if self.variant and self.variant.step else self.workflow.step
         try:
-            result = self._checked(await step(request, ctx)).model_dump(mode="json")
-        finally:
-            # Also for a failed delivery: the worker records what it spent.
-            delivery.model_calls = model.usage.model_calls
-        with tracing.span("oncely.store_result", attributes={"oncely.effects": len(ctx.emitted)}):
-            stored = await self.jobs.finish(
-                self.workflow.name,
-                message.job_id,
-                result,
-                model.usage.to_json(),
-                ctx.emitted,
-                delivery=delivery.report("done"),
-            )
+            try:
+                result = self._checked(await step(request, ctx)).model_dump(mode="json")
+            finally:
+                # Also for a failed delivery: the worker records what it spent.
+                delivery.model_calls += model.usage.model_calls
+            stored = await self._finish(message, delivery, journal, result, run.generation)
+        except Suspended:
+            return "waiting"
+        except RunStopped:
+            return "stopped"
+        except Replay:
+            return None
+        except BaseException:
+            await journal.keep_after_failure()
+            raise
         if not stored:
             return "duplicate"
-        if ctx.emitted:
-            self.wake_relay.soon()
         if self.shadows is not None:
             await self.shadows.after_commit(message, result)
         return "done"
 
-    def _model(self) -> Model:
-        return step_model(self.workflow.name, self.llm, self.config)
+    async def _finish(
+        self,
+        message: JobMessage,
+        delivery: Delivery,
+        journal: Journal,
+        result: dict[str, Any],
+        generation: int,
+    ) -> bool:
+        writes = journal.unwritten()
+        effects = len(writes.effects)
+        with tracing.span("oncely.store_result", attributes={"oncely.effects": effects}):
+            stored = await self.jobs.finish(
+                self.workflow.name,
+                message.job_id,
+                result,
+                journal.usage(),
+                writes,
+                generation=generation,
+                delivery=delivery.report("done"),
+            )
+        if stored and writes.effects:
+            self.wake_relay.soon()
+        return stored
+
+    def _model(self, journal: Journal) -> Model:
+        return step_model(self.workflow.name, self.llm, self.config, journal=journal)
 
     def _checked(self, result: Any) -> BaseModel:
         return checked_result(self.workflow, result)
 
 
-def step_model(workflow: str, llm: LLM, config: StepConfig, model_name: str | None = None) -> Model:
+def _not_running(run: JobRun | None) -> str | None:
+    """What a delivery of a job that no longer runs comes to (None: it runs).
+    Done or gone (erased): a duplicate; else its status (waiting, cancelled,
+    dead)."""
+    if run is None or run.status == "done":
+        return "duplicate"
+    return None if run.status == "queued" else run.status
+
+
+@dataclass
+class _JobStore:
+    """A delivery's journal store: the job's checkpoints in PostgreSQL, for
+    this run's generation; the relay woken for what they emitted."""
+
+    handler: WorkflowHandler
+    job_id: str
+    generation: int
+    delivery: Delivery
+    # The run's model, for what the delivery spent before it waits.
+    model: Model | None = None
+
+    async def write(self, writes: Writes) -> None:
+        h = self.handler
+        await h.checkpoints.write(h.workflow.name, self.job_id, self.generation, writes)
+        if writes.effects:
+            h.wake_relay.soon()
+
+    async def wait(self, writes: Writes, wait: Wait) -> Checkpoint | None:
+        h = self.handler
+        spent = self.model.usage.model_calls if self.model is not None else 0
+        report = replace(
+            self.delivery.report("waiting"), model_calls=self.delivery.model_calls + spent
+        )
+        outcome = await h.checkpoints.start_wait(
+            h.workflow.name, self.job_id, self.generation, writes, wait, report
+        )
+        if writes.effects:
+            h.wake_relay.soon()
+        return outcome
+
+
+def step_model(
+    workflow: str,
+    llm: LLM,
+    config: StepConfig,
+    model_name: str | None = None,
+    *,
+    journal: Journal | None = None,
+) -> Model:
     """The model one delivery's step uses: ``config``'s retries under a fresh
-    budget (shadow runs name their variant's model)."""
+    budget, its calls checkpoints of ``journal`` (shadow runs name their
+    variant's model, and keep no checkpoints)."""
     return Model(
         llm,
         policy=config.policy,
@@ -141,6 +259,7 @@ def step_model(workflow: str, llm: LLM, config: StepConfig, model_name: str | No
         workflow=workflow,
         model_name=config.model_name if model_name is None else model_name,
         invalid_output_retries=config.invalid_output_retries,
+        journal=journal,
     )
 
 

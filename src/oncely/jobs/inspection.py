@@ -1,6 +1,7 @@
 """One job as an operator sees it, for the console's job page and
-``oncely jobs show``: the row with its request and result, its deliveries,
-its outbox rows, and where its message is in Redis now.
+``oncely jobs show``: the row with its request and result, its checkpoints
+(with their values) and what it waits for, its deliveries, its outbox rows,
+and where its message is in Redis now.
 
 The deliveries are the ones that reported back (``job_deliveries``). A
 delivery whose worker was killed mid-job never reports: it has no row, its
@@ -16,7 +17,9 @@ from typing import Any
 
 import redis.exceptions
 
+from oncely.jobs.checkpoints import Checkpoints
 from oncely.jobs.store import DeliveryRecord, JobDetail, Jobs
+from oncely.journal import Checkpoint
 from oncely.outbox.store import OutboxRow, OutboxStore
 from oncely.queue.stream import Whereabouts
 
@@ -33,6 +36,8 @@ class JobView:
     outbox: list[OutboxRow]
     # None: the workflow is not in this app, or Redis did not answer.
     whereabouts: Whereabouts | None
+    # In the order the run reached them, with their values.
+    checkpoints: list[Checkpoint]
 
     def to_json(self) -> dict[str, Any]:
         j = self.job
@@ -48,6 +53,12 @@ class JobView:
             "error": j.error,
             "created_at": j.created_at.isoformat(),
             "updated_at": j.updated_at.isoformat(),
+            "waiting": (
+                {"event": j.waiting_for, "until": j.wait_until.isoformat()}
+                if j.status == "waiting" and j.wait_until is not None
+                else None
+            ),
+            "checkpoints": [_checkpoint_json(c) for c in self.checkpoints],
             "deliveries": [
                 {
                     "delivery": d.delivery,
@@ -74,6 +85,19 @@ class JobView:
                 for r in self.outbox
             ],
         }
+
+
+def _checkpoint_json(c: Checkpoint) -> dict[str, Any]:
+    return {
+        "key": c.key,
+        "ordinal": c.ordinal,
+        "kind": c.kind,
+        "status": c.status,
+        "value": c.value,
+        "usage": c.usage,
+        "until": None if c.until is None else c.until.isoformat(),
+        "finished_at": None if c.finished_at is None else c.finished_at.isoformat(),
+    }
 
 
 def _message_json(w: Whereabouts) -> dict[str, Any]:
@@ -104,4 +128,6 @@ async def inspect_job(
             whereabouts = await stream.whereabouts(str(job_id))
         except redis.exceptions.RedisError:
             whereabouts = None  # the rows are worth showing without it
-    return JobView(job, await jobs.deliveries(job_id), await outbox.for_job(job_id), whereabouts)
+    checkpoints = await Checkpoints(jobs).of_job(job_id)
+    deliveries, rows = await jobs.deliveries(job_id), await outbox.for_job(job_id)
+    return JobView(job, deliveries, rows, whereabouts, checkpoints)

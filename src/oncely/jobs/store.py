@@ -31,10 +31,10 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import psycopg
 import structlog
@@ -43,12 +43,11 @@ from psycopg_pool import AsyncConnectionPool, PoolTimeout
 from redis.exceptions import RedisError
 
 from oncely import tracing
-from oncely.batching import GroupCommit
 from oncely.errors import RequestInProgress
+from oncely.journal import Replay, Writes
 from oncely.queue.stream import JobMessage, Stream
 from oncely.redis_client import ScriptCall, call_together
 from oncely.sql import query
-from oncely.workflow import Emitted
 
 if TYPE_CHECKING:
     from oncely.queue.worker import DeliveryReport
@@ -56,6 +55,11 @@ if TYPE_CHECKING:
 log = structlog.get_logger("oncely.jobs")
 
 _ERROR_CHARS = 2000
+NOTHING = Writes()
+# What a job row's status may be, withdrawn intakes aside (they are not jobs).
+JOB_STATUSES = ("queued", "waiting", "done", "dead", "cancelled")
+# The constraints whose violation means another delivery stored a checkpoint first.
+CHECKPOINT_KEYS = frozenset({"checkpoints_pkey", "checkpoints_ordinal_key"})
 # Withdrawals retry while PostgreSQL does not answer: first after this long,
 # doubling up to the cap.
 _WITHDRAW_RETRY_S = (0.2, 2.0)
@@ -85,7 +89,9 @@ class _Sent:
 
 
 # Statements given up on by their callers, finishing in the background.
-_abandoned: set[asyncio.Task[StatementResult]] = set()
+_abandoned: set[asyncio.Task[Any]] = set()
+
+T = TypeVar("T")
 
 
 async def run_statement(
@@ -102,7 +108,31 @@ async def run_statement(
     psycopg closed it (a cancelled query that the server acknowledged leaves
     a healthy one)."""
     sent = _Sent()
-    task = asyncio.create_task(_execute(pool, sql, params, sent))
+    return await _bounded(_execute(pool, sql, params, sent), sent, timeout_s)
+
+
+async def run_transaction(
+    pool: AsyncConnectionPool,
+    work: Callable[[psycopg.AsyncConnection[Any]], Awaitable[T]],
+    *,
+    timeout_s: float,
+) -> T:
+    """``work`` in one transaction on a pooled connection, within
+    ``timeout_s`` as ``run_statement`` (the whole transaction: a caller past
+    it stops waiting, and the transaction ends in the background)."""
+    sent = _Sent()
+
+    async def execute() -> T:
+        async with pool.connection() as conn:
+            sent.value = True
+            async with conn.transaction():
+                return await work(conn)
+
+    return await _bounded(execute(), sent, timeout_s)
+
+
+async def _bounded(work: Coroutine[Any, Any, T], sent: _Sent, timeout_s: float) -> T:
+    task = asyncio.create_task(work)
     try:
         done, _ = await asyncio.wait({task}, timeout=timeout_s)
     except asyncio.CancelledError:
@@ -124,7 +154,7 @@ async def _execute(
         return StatementResult(rows, cur.rowcount)
 
 
-def _abandon(task: asyncio.Task[StatementResult]) -> None:
+def _abandon(task: asyncio.Task[Any]) -> None:
     task.cancel()
     _abandoned.add(task)
     task.add_done_callback(_forget)
@@ -136,7 +166,7 @@ def abandoned_statements() -> int:
     return len(_abandoned)
 
 
-def _forget(task: asyncio.Task[StatementResult]) -> None:
+def _forget(task: asyncio.Task[Any]) -> None:
     _abandoned.discard(task)
     if not task.cancelled() and task.exception() is not None:
         log.debug("jobs.abandoned_statement_failed", error=repr(task.exception()))
@@ -189,6 +219,12 @@ class JobRecord:
     error: str | None
     created_at: datetime
     updated_at: datetime
+    # While waiting: the event it waits for (None: a sleep), and until when.
+    waiting_for: str | None
+    wait_until: datetime | None
+    # Its checkpoints in the order the run reached them, without their
+    # values: {"key", "kind", "status", "finished_at", "usage"}.
+    steps: list[dict[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -226,8 +262,6 @@ class Jobs:
         self.streams = streams
         # The client-side bound on every statement (ONCELY_PG_STATEMENT_TIMEOUT_S).
         self.statement_timeout_s = statement_timeout_s
-        # Pre-checks asked while one query runs share the next one.
-        self._stored: GroupCommit[str, str] = GroupCommit(self._results_stored, key=str)
         self._withdrawals = _Withdrawals(self._run)
 
     async def _run(self, name: str, params: Any = None) -> StatementResult:
@@ -301,44 +335,40 @@ class Jobs:
 
     # -- the worker's side -----------------------------------------------------
 
-    async def result_stored(self, job_id: str) -> bool:
-        return await self._stored(job_id)
-
-    @property
-    def pre_check_queries(self) -> int:
-        return self._stored.flushes
-
-    async def _results_stored(self, job_ids: list[str]) -> set[str]:
-        result = await self._run("results_stored", (job_ids,))
-        return {str(row[0]) for row in result.rows}
-
     async def finish(
         self,
         workflow: str,
         job_id: str,
         result: Mapping[str, Any],
         usage: Mapping[str, int] | None,
-        emitted: Sequence[Emitted],
+        writes: Writes = NOTHING,
         *,
+        generation: int = 0,
         delivery: DeliveryReport | None = None,
     ) -> bool:
-        """Store the result, the emitted outbox rows and ``done`` atomically,
-        with ``delivery`` in the job's history (same statement). False when
-        another delivery stored this job's result first: then nothing of
-        this delivery is written but its history row, as ``duplicate``."""
+        """Store ``done``, the run's unwritten checkpoints, the result and
+        the emitted outbox rows atomically, with ``delivery`` in the job's
+        history (same statement). False when nothing was stored: another
+        delivery stored this job's result first, or the job no longer runs
+        in this ``generation`` (cancelled, dead, rerun); then nothing of this
+        delivery is written but its history row, as ``duplicate``.
+        ``journal.Replay`` when another delivery stored one of the
+        checkpoints first (the run replays over it)."""
         params = {
             "job_id": job_id,
             "workflow": workflow,
+            "generation": generation,
             "result": Jsonb(result),
             "usage": None if usage is None else Jsonb(usage),
-            "topics": [e.topic for e in emitted],
-            "dedupe_keys": [e.dedupe_key for e in emitted],
-            "payloads": [Jsonb(e.payload) for e in emitted],
             # The relay's send continues the delivery's trace.
             "trace_context": tracing.traceparent(),
-            **_delivery_params(delivery),
+            **writes_params(writes),
+            **delivery_params(delivery),
         }
-        rows = (await self._run("finish_job", params)).rows
+        try:
+            rows = (await self._run("finish_job", params)).rows
+        except psycopg.errors.UniqueViolation as exc:
+            raise raced(exc) from exc
         return bool(rows) and bool(rows[0][0])
 
     async def mark_dead(self, job_id: str, reason: str) -> None:
@@ -369,7 +399,8 @@ class Jobs:
         return JobRecord(*rows[0]) if rows else None
 
     async def stale_queued(self, kind: str, older_than_s: float, limit: int) -> list[Job]:
-        rows = (await self._run("queued_jobs_older_than", (kind, older_than_s, limit))).rows
+        params = {"kind": kind, "age_s": older_than_s, "limit": limit}
+        rows = (await self._run("queued_jobs_older_than", params)).rows
         return [Job(str(job_id), tenant, k, payload) for job_id, tenant, k, payload in rows]
 
     async def counts(self) -> dict[str, dict[str, int]]:
@@ -377,7 +408,7 @@ class Jobs:
         rows = (await self._run("jobs_by_kind_and_status")).rows
         counts: dict[str, dict[str, int]] = {}
         for kind, status, n in rows:
-            counts.setdefault(kind, {"queued": 0, "done": 0, "dead": 0})[status] = int(n)
+            counts.setdefault(kind, dict.fromkeys(JOB_STATUSES, 0))[status] = int(n)
         return counts
 
     async def recent(self, kind: str, status: str | None, limit: int) -> list[JobRecord]:
@@ -413,21 +444,43 @@ class Jobs:
         return total
 
     async def erase_tenant(self, tenant: str) -> dict[str, int]:
-        """Every job, result, outbox row and delivery of ``tenant``; the counts deleted."""
+        """Every job, result, outbox row, delivery, checkpoint and event of
+        ``tenant``; the counts deleted."""
         async with self.pool.connection() as conn, conn.transaction():
             cur = await conn.execute(query("erase_tenant_jobs"), {"tenant": tenant})
             row = await cur.fetchone()
-        jobs, results, outbox, deliveries = row if row is not None else (0, 0, 0, 0)
-        return {
-            "jobs": int(jobs),
-            "results": int(results),
-            "outbox": int(outbox),
-            "deliveries": int(deliveries),
-        }
+        names = ("jobs", "results", "outbox", "deliveries", "checkpoints", "events")
+        return dict(zip(names, (int(n) for n in row or (0,) * len(names)), strict=True))
 
 
-def _delivery_params(report: DeliveryReport | None) -> dict[str, Any]:
-    """``finish_job``'s delivery parameters (all NULL: no history row)."""
+def raced(exc: psycopg.errors.UniqueViolation) -> BaseException:
+    """A unique violation on a checkpoint: another delivery stored it first,
+    so the run replays over it (``Replay``). Any other, as it is."""
+    if exc.diag.constraint_name in CHECKPOINT_KEYS:
+        return Replay(exc.diag.constraint_name)
+    return exc
+
+
+def writes_params(writes: Writes) -> dict[str, Any]:
+    """The checkpoint and outbox parameters of a statement that stores
+    ``writes`` (``finish_job`` here; the checkpoints' own statements)."""
+    checkpoints = writes.checkpoints
+    effects = writes.effects
+    return {
+        "keys": [c.key for c in checkpoints],
+        "ordinals": [c.ordinal for c in checkpoints],
+        "kinds": [c.kind for c in checkpoints],
+        "values": [Jsonb(c.value) for c in checkpoints],
+        "usages": [None if c.usage is None else Jsonb(c.usage) for c in checkpoints],
+        "topics": [e.topic for e in effects],
+        "dedupe_keys": [e.dedupe_key for e in effects],
+        "payloads": [Jsonb(e.payload) for e in effects],
+    }
+
+
+def delivery_params(report: DeliveryReport | None) -> dict[str, Any]:
+    """A statement's delivery parameters, for the job's history (all NULL:
+    no history row)."""
     if report is None:
         return dict.fromkeys(("delivery", "consumer", "started_at", "model_calls"))
     return {

@@ -1,6 +1,11 @@
 """What a workflow step gets as ``ctx.model``: the model under the delivery's
 deadline and retry policy, counted per workflow.
 
+Every call is a checkpoint of the job's run (``oncely.journal``): key
+``model`` (then ``model#2``, …) or the ``step=`` name given. A call that
+answered is stored with the job and never paid for again: a replay gets the
+stored answer.
+
 Every attempt counts: in ``Model.usage`` (what this delivery spent) and in the
 model metrics labelled by workflow and model. ``structured`` asks for JSON
 valid for a pydantic model and asks again when the answer does not validate;
@@ -23,6 +28,7 @@ from pydantic import BaseModel, ValidationError
 
 from oncely import tracing
 from oncely.errors import PermanentError
+from oncely.journal import Journal, Recorded, check_name
 from oncely.llm.base import LLM, Completion, Message, ResponseSchema
 from oncely.metrics import (
     MODEL_CALL_SECONDS,
@@ -61,6 +67,12 @@ class Usage:
             "model_ms": self.model_ms,
         }
 
+    def add(self, other: Usage) -> None:
+        self.prompt_tokens += other.prompt_tokens
+        self.completion_tokens += other.completion_tokens
+        self.model_calls += other.model_calls
+        self.model_ms += other.model_ms
+
 
 class InvalidOutput(PermanentError):
     """Every answer failed validation against the step's result model.
@@ -73,7 +85,9 @@ class InvalidOutput(PermanentError):
 
 class Model:
     """The model for one delivery. Not shared between deliveries: ``usage``
-    and the deadline are the delivery's own."""
+    (everything this delivery spent) and the deadline are the delivery's own.
+    ``journal``: the job's run, whose checkpoints the calls are (by default
+    one that keeps nothing)."""
 
     def __init__(
         self,
@@ -84,10 +98,12 @@ class Model:
         workflow: str,
         model_name: str,
         invalid_output_retries: int = 2,
+        journal: Journal | None = None,
     ) -> None:
         if invalid_output_retries < 0:
             raise ValueError("invalid_output_retries must not be negative")
         self.usage = Usage()
+        self.journal = journal if journal is not None else Journal(workflow=workflow)
         self._llm = llm
         self._policy = policy
         self._deadline = deadline
@@ -95,20 +111,51 @@ class Model:
         self._meters = _meters(workflow, model_name)
         self._model_name = model_name
 
-    async def complete(self, user: str, *, system: str | None = None) -> str:
-        """The model's answer to ``user`` (after ``system``, when given)."""
-        completion = await self._ask(_messages(user, system), None)
-        return completion.text
+    @property
+    def deadline(self) -> Deadline:
+        """The delivery's deadline, which every call and step runs under."""
+        return self._deadline
 
-    async def structured(self, result: type[M], user: str, *, system: str | None = None) -> M:
+    @property
+    def policy(self) -> RetryPolicy:
+        """The retry policy of this delivery's calls."""
+        return self._policy
+
+    async def complete(
+        self, user: str, *, system: str | None = None, step: str | None = None
+    ) -> str:
+        """The model's answer to ``user`` (after ``system``, when given): the
+        checkpoint ``step`` (default ``model``, ``model#2``, …)."""
+        messages = _messages(user, system)
+
+        async def work() -> Recorded[str]:
+            spent = Usage()
+            completion = await self._ask(messages, None, spent)
+            return Recorded(completion.text, completion.text, spent.to_json())
+
+        return await self.journal.record(_checkpoint(step), "model", work, str)
+
+    async def structured(
+        self, result: type[M], user: str, *, system: str | None = None, step: str | None = None
+    ) -> M:
         """The answer as ``result``: asked for as JSON of its schema, validated,
         and asked again up to ``invalid_output_retries`` times when invalid.
-        Raises ``InvalidOutput`` (permanent) when no answer validates."""
-        schema = response_schema(result)
+        Raises ``InvalidOutput`` (permanent) when no answer validates. The
+        checkpoint ``step`` (default ``model``, ``model#2``, …)."""
         messages = _messages(user, system)
+
+        async def work() -> Recorded[M]:
+            spent = Usage()
+            value = await self._structured(result, messages, spent)
+            return Recorded(value.model_dump(mode="json"), value, spent.to_json())
+
+        return await self.journal.record(_checkpoint(step), "model", work, result.model_validate)
+
+    async def _structured(self, result: type[M], messages: list[Message], spent: Usage) -> M:
+        schema = response_schema(result)
         asks = self._invalid_output_retries + 1
         for ask in range(1, asks + 1):
-            completion = await self._ask(messages, schema)
+            completion = await self._ask(messages, schema, spent)
             try:
                 return result.model_validate_json(completion.text)
             except ValidationError as exc:
@@ -123,11 +170,14 @@ class Model:
             )
         raise InvalidOutput(result.__name__, errors, asks=asks)
 
-    async def _ask(self, messages: Sequence[Message], schema: ResponseSchema | None) -> Completion:
-        """One answer, with transient retries under the delivery's deadline."""
+    async def _ask(
+        self, messages: Sequence[Message], schema: ResponseSchema | None, spent: Usage
+    ) -> Completion:
+        """One answer, with transient retries under the delivery's deadline;
+        what it costs goes into ``spent`` (the checkpoint's) and ``usage``."""
 
         async def attempt(timeout_s: float) -> Completion:
-            self.usage.model_calls += 1
+            spent.model_calls += 1
             started = time.monotonic()
             # GenAI semantic conventions: one client span per attempt.
             with tracing.span(
@@ -143,27 +193,33 @@ class Model:
                     completion = await self._llm.complete(messages, timeout_s, schema=schema)
                 except (Exception, asyncio.CancelledError) as exc:
                     self._meters.failed(exc).inc()
-                    self.usage.model_ms += round((time.monotonic() - started) * 1000)
+                    spent.model_ms += round((time.monotonic() - started) * 1000)
                     raise
                 finally:
                     self._meters.seconds.observe(time.monotonic() - started)
                 # Time waiting on the fleet limiter is not the model's.
-                spent = time.monotonic() - started - completion.queued_s
-                self.usage.model_ms += max(0, round(spent * 1000))
+                took = time.monotonic() - started - completion.queued_s
+                spent.model_ms += max(0, round(took * 1000))
                 if span is not None:
                     span.set_attribute("gen_ai.usage.input_tokens", completion.prompt_tokens)
                     span.set_attribute("gen_ai.usage.output_tokens", completion.completion_tokens)
             self._meters.calls_ok.inc()
-            self._add_usage(completion)
+            self._add_usage(completion, spent)
             return completion
 
-        return await call_with_retries(
-            attempt, policy=self._policy, deadline=self._deadline, on_retry=self._on_retry
-        )
+        before = Usage()
+        before.add(spent)
+        try:
+            return await call_with_retries(
+                attempt, policy=self._policy, deadline=self._deadline, on_retry=self._on_retry
+            )
+        finally:
+            # The delivery spent what this call spent, answered or not.
+            self.usage.add(_minus(spent, before))
 
-    def _add_usage(self, completion: Completion) -> None:
-        self.usage.prompt_tokens += completion.prompt_tokens
-        self.usage.completion_tokens += completion.completion_tokens
+    def _add_usage(self, completion: Completion, spent: Usage) -> None:
+        spent.prompt_tokens += completion.prompt_tokens
+        spent.completion_tokens += completion.completion_tokens
         if completion.prompt_tokens:
             self._meters.prompt_tokens.inc(completion.prompt_tokens)
         if completion.completion_tokens:
@@ -172,6 +228,19 @@ class Model:
     async def _on_retry(self, event: RetryEvent) -> None:
         # Off the hot path (a failure and a backoff came first): labels() is fine.
         MODEL_RETRIES.labels(workflow=self._meters.workflow, reason=event.reason).inc()
+
+
+def _minus(after: Usage, before: Usage) -> Usage:
+    return Usage(
+        after.prompt_tokens - before.prompt_tokens,
+        after.completion_tokens - before.completion_tokens,
+        after.model_calls - before.model_calls,
+        after.model_ms - before.model_ms,
+    )
+
+
+def _checkpoint(step: str | None) -> str:
+    return "model" if step is None else check_name(step)
 
 
 def _messages(user: str, system: str | None) -> list[Message]:

@@ -39,19 +39,32 @@ if job ~= '' and redis.call('HGET', KEYS[3], job) == id then redis.call('HDEL', 
 return 1
 """
 
-# KEYS: stream. ARGV: group, consumer, entry ids. XCLAIM … JUSTID with
-# min-idle 0 resets the idle time without counting a delivery; only for
-# entries this consumer still owns. Returns the ids renewed.
+# KEYS: stream, cancelled. ARGV: group, consumer, then (entry id, job id)
+# pairs. XCLAIM … JUSTID with min-idle 0 resets the idle time without
+# counting a delivery; only for entries this consumer still owns. Returns
+# the ids renewed, and the job ids among them that were cancelled.
 RENEW = """
-local renewed = {}
-for i = 3, #ARGV do
-  local id = ARGV[i]
+local renewed, cancelled = {}, {}
+for i = 3, #ARGV, 2 do
+  local id, job = ARGV[i], ARGV[i + 1]
   if #redis.call('XPENDING', KEYS[1], ARGV[1], id, id, 1, ARGV[2]) > 0 then
     redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, id, 'JUSTID')
     renewed[#renewed + 1] = id
+    if job ~= '' and redis.call('ZSCORE', KEYS[2], job) then cancelled[#cancelled + 1] = job end
   end
 end
-return renewed
+return {renewed, cancelled}
+"""
+
+# KEYS: cancelled. ARGV: job id, how long a cancel is remembered (ms).
+# Running deliveries hear of a cancel at their next lease renewal; older
+# cancels are forgotten (PostgreSQL keeps the record).
+ANNOUNCE_CANCEL = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('ZADD', KEYS[1], now, ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - tonumber(ARGV[2]))
+return 1
 """
 
 # KEYS: stream, index, delayed, delayed messages. ARGV: group, consumer,

@@ -28,6 +28,9 @@ from oncely.queue import scripts
 from oncely.redis_client import RedisClient, ScriptCall
 
 DEAD_STREAM_MAXLEN = 100_000
+# How long a cancel stays announced to running deliveries (they hear of it
+# at their next lease renewal, seconds later).
+CANCEL_MEMORY_MS = 86_400_000
 # The index's value for a job waiting in the delayed set (see scripts.DEFER).
 DELAYED = "delayed"
 
@@ -165,6 +168,7 @@ class Stream:
         self._renew = redis.register_script(scripts.RENEW)
         self._defer = redis.register_script(scripts.DEFER)
         self._promote = redis.register_script(scripts.PROMOTE)
+        self._announce_cancel = redis.register_script(scripts.ANNOUNCE_CANCEL)
         self._delay_keys = [keys.stream, keys.index, keys.delayed, keys.delayed_messages]
 
     async def enqueue(self, message: JobMessage, extra: Mapping[str, str] | None = None) -> str:
@@ -298,11 +302,21 @@ class Stream:
                 pipe.zscore(self.keys.delayed, job_id)
             return [score is not None for score in await pipe.execute()]
 
-    async def renew(self, consumer: str, ids: list[str]) -> set[str]:
-        if not ids:
-            return set()
-        renewed = await self._renew(keys=[self.stream], args=[self.group, consumer, *ids])
-        return {str(i) for i in renewed}
+    async def renew(self, consumer: str, items: list[tuple[str, str]]) -> tuple[set[str], set[str]]:
+        """Renew the leases of (entry id, job id) pairs this consumer still
+        owns: the entry ids renewed, and the job ids among them cancelled."""
+        if not items:
+            return set(), set()
+        args: list[str] = [self.group, consumer]
+        for entry_id, job_id in items:
+            args += [entry_id, job_id]
+        renewed, cancelled = await self._renew(keys=[self.stream, self.keys.cancelled], args=args)
+        return {str(i) for i in renewed}, {str(j) for j in cancelled}
+
+    async def announce_cancel(self, job_id: str) -> None:
+        """Tell the workers running ``job_id`` (at their next lease renewal)
+        that it was cancelled. PostgreSQL is the record; this only hurries."""
+        await self._announce_cancel(keys=[self.keys.cancelled], args=[job_id, CANCEL_MEMORY_MS])
 
     async def forget_consumers(self, idle_ms: int, only: str | None = None) -> list[str]:
         """Delete consumers with nothing pending that have been idle for ``idle_ms``

@@ -93,6 +93,10 @@ class Delivery:
     # Model calls the handler made in this delivery (it reports them, also
     # when it fails).
     model_calls: int = 0
+    # The job was cancelled while this delivery ran: its handler was stopped.
+    job_cancelled: bool = False
+    # The handler's time bound, which a cancel of its job cuts short.
+    bound: asyncio.Timeout | None = None
 
     @property
     def job_id(self) -> str:
@@ -393,9 +397,13 @@ class Worker:
             await running.wait()
         done = self._running_jobs[message.job_id] = asyncio.Event()
         try:
-            async with asyncio.timeout(self.config.handler_timeout_s):
+            async with asyncio.timeout(self.config.handler_timeout_s) as delivery.bound:
                 return await self.handler(message, delivery)
         except TimeoutError as exc:
+            if delivery.job_cancelled:
+                # Its job was cancelled (``renew_leases``): nothing more to do.
+                await self._report([delivery], "cancelled", "the job was cancelled")
+                return "cancelled"
             raise _HandlerCancelled(
                 f"handler still running after {self.config.handler_timeout_s} s: cancelled"
             ) from exc
@@ -412,7 +420,11 @@ class Worker:
             return
         if not isinstance(exc, PermanentError | TransientError):
             self.log.warning("job.unclassified_error", job_id=delivery.job_id, error=_describe(exc))
-        await self._dead_letter(delivery, "permanent", _describe(exc))
+        # A stable reason of its own (``nondeterministic``), else ``permanent``.
+        reason = getattr(exc, "reason", None)
+        await self._dead_letter(
+            delivery, reason if isinstance(reason, str) else "permanent", _describe(exc)
+        )
 
     async def _defer(self, delivery: Delivery, exc: BaseException) -> None:
         """Out of the stream until a backoff has passed, counted per job across
@@ -533,17 +545,24 @@ class Worker:
 
     async def renew_leases(self) -> None:
         """Reset the idle time of our in-flight entries; mark the ones another
-        worker took over, whose results this worker must not acknowledge."""
-        ids = [d.entry_id for d in self._deliveries.values() if not d.lease_lost]
-        if not ids:
+        worker took over, whose results this worker must not acknowledge;
+        stop the handlers of jobs that were cancelled (their model calls
+        with them)."""
+        items = [(d.entry_id, d.job_id) for d in self._deliveries.values() if not d.lease_lost]
+        if not items:
             return
-        renewed = await self.stream.renew(self.consumer, ids)
-        for entry_id in ids:
+        renewed, cancelled = await self.stream.renew(self.consumer, items)
+        for entry_id, _ in items:
             delivery = self._deliveries.get(entry_id)
             if entry_id not in renewed and delivery is not None:
                 delivery.lease_lost = True
                 metrics.LEASES_LOST.labels(workflow=self.workflow).inc()
                 self.log.warning("worker.lease_lost", job_id=delivery.job_id, entry_id=entry_id)
+        for delivery in list(self._deliveries.values()):
+            if delivery.job_id in cancelled and delivery.bound is not None:
+                delivery.job_cancelled = True
+                delivery.bound.reschedule(asyncio.get_running_loop().time())
+                self.log.info("job.cancel_heard", job_id=delivery.job_id)
 
     # -- redelivery ----------------------------------------------------------------
 

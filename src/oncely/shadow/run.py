@@ -11,14 +11,17 @@ reconciler only restores jobs (README: "Trial a model change safely").
 ``ShadowHandler`` is the handler of that stream's ``Worker``: the variant's
 step on the same input, under the shadow share of the fleet limiter; what it
 emits is recorded with its result, never written to the outbox; then its
-score against the primary. A permanent failure is stored as the run's error;
-a transient one is redelivered later like any job's.
+score against the primary. A multi-step step function runs whole: a shadow
+run keeps no checkpoints of its own and never reads the primary's, its
+sleeps end at once, and its waits get what the primary received (or None).
+A permanent failure is stored as the run's error; a transient one is
+redelivered later like any job's.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -27,6 +30,7 @@ from pydantic import BaseModel, ValidationError
 from oncely import tracing
 from oncely.errors import DeadlineExceeded, PermanentError
 from oncely.jobs.handler import StepConfig, checked_result, step_model
+from oncely.journal import Ephemeral, Journal
 from oncely.llm.base import LLM
 from oncely.llm.model import Model
 from oncely.queue.stream import JobMessage, Stream
@@ -84,8 +88,11 @@ class ShadowHandler:
         config: StepConfig,
         *,
         judge_llm: LLM | None = None,
+        events: Callable[[str], Awaitable[Mapping[str, Any]]] | None = None,
     ) -> None:
         self.workflow = workflow
+        # The events the primary's job received (for a workflow that declares some).
+        self.events = events
         self.variant = variant
         self.store = store
         # The variant's model, behind the shadow share of the fleet limiter.
@@ -110,7 +117,8 @@ class ShadowHandler:
     async def _run(self, message: JobMessage, delivery: Delivery) -> str:
         if await self.store.stored(message.job_id, self.variant.name):
             return "duplicate"
-        model = self._model(self.llm, self.variant.model or self.config.model_name)
+        journal = Journal(store=Ephemeral(await self._events(message.job_id)), sleeps=False)
+        model = self._model(self.llm, self.variant.model or self.config.model_name, journal)
         judge = self._judge()
         try:
             primary, request = self._inputs(message, delivery)
@@ -122,6 +130,7 @@ class ShadowHandler:
                 delivery.count,
                 variant=self.variant,
                 shadow=True,
+                journal=journal,
             )
             step = self.variant.step or self.workflow.step
             result = self._checked(await step(request, ctx))
@@ -184,8 +193,13 @@ class ShadowHandler:
             raise PermanentError(f"shadow message unusable: {type(exc).__name__}") from exc
         return primary, request
 
-    def _model(self, llm: LLM, model_name: str) -> Model:
-        return step_model(self.workflow.name, llm, self.config, model_name)
+    async def _events(self, job_id: str) -> Mapping[str, Any]:
+        if not self.workflow.events or self.events is None:
+            return {}
+        return await self.events(job_id)
+
+    def _model(self, llm: LLM, model_name: str, journal: Journal | None = None) -> Model:
+        return step_model(self.workflow.name, llm, self.config, model_name, journal=journal)
 
     def _checked(self, result: Any) -> BaseModel:
         return checked_result(self.workflow, result)

@@ -16,8 +16,8 @@ from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
 from oncely.jobs.store import StatementResult, run_statement
+from oncely.journal import Emitted
 from oncely.sql import query
-from oncely.workflow import Emitted
 
 _ERROR_CHARS = 2000
 

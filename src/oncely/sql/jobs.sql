@@ -64,28 +64,43 @@ RETURNING j.job_id,
           j.status = 'withdrawn' AND j.updated_at = now() AND j.created_at <> now() AS undone
 
 -- name: get_job
+-- With what it waits for and its checkpoints' summaries (never their values:
+-- the `steps` tenants see), in the order its run reached them.
 SELECT j.job_id, j.tenant, j.kind, j.status, r.result, r.usage, j.error,
-       j.created_at, j.updated_at
+       j.created_at, j.updated_at, j.waiting_for, j.wait_until,
+       (SELECT coalesce(json_agg(json_build_object(
+                   'key', c.key, 'kind', c.kind, 'status', c.status,
+                   'finished_at', c.finished_at, 'usage', c.usage) ORDER BY c.ordinal), '[]')
+          FROM checkpoints c WHERE c.job_id = j.job_id)
   FROM jobs j LEFT JOIN results r USING (job_id)
  WHERE j.job_id = %s AND j.tenant = %s AND j.kind = %s AND j.status <> 'withdrawn'
 
--- name: results_stored
-SELECT job_id FROM results WHERE job_id = ANY(%s::uuid[])
-
 -- name: finish_job
--- One statement: atomic without BEGIN/COMMIT, one round trip. The result;
--- then, only if this delivery inserted it, the outbox rows the step emitted
--- and the job's `done`. A duplicate delivery that lost the race changes
+-- One statement: atomic without BEGIN/COMMIT, one round trip. The job's
+-- `done`, only while it still runs in the delivery's generation (the row
+-- lock orders this after a cancel or another delivery's finish, which then
+-- leave nothing to update); then the run's checkpoints not written yet (a
+-- key another delivery stored first fails the whole statement: the run
+-- replays); the result; and, only if this delivery stored it, the outbox
+-- rows the step emitted. A duplicate delivery that lost the race changes
 -- nothing, so effects exist if and only if the result does.
 -- (Data-modifying CTEs always run, read or not.) The relay's wake-up is sent
 -- after the commit, coalesced per worker: a NOTIFY inside every transaction
 -- would serialise commits on the notification queue's lock.
-WITH result AS (
-    -- Only for a job that still exists (`oncely tenants erase` may have
-    -- removed it while its step ran): then nothing is written.
+WITH job AS (
+    UPDATE jobs SET status = 'done', error = NULL, updated_at = now()
+     WHERE job_id = %(job_id)s AND status = 'queued' AND generation = %(generation)s
+    RETURNING job_id
+), steps AS (
+    INSERT INTO checkpoints (job_id, key, ordinal, kind, status, value, usage, finished_at)
+    SELECT %(job_id)s, s.key, s.ordinal, s.kind, 'done', s.value, s.usage, now()
+      FROM unnest(%(keys)s::text[], %(ordinals)s::integer[], %(kinds)s::text[],
+                  %(values)s::jsonb[], %(usages)s::jsonb[])
+           AS s (key, ordinal, kind, value, usage)
+     WHERE EXISTS (SELECT 1 FROM job)
+), result AS (
     INSERT INTO results (job_id, result, usage)
-    SELECT %(job_id)s, %(result)s, %(usage)s
-     WHERE EXISTS (SELECT 1 FROM jobs WHERE job_id = %(job_id)s)
+    SELECT job_id, %(result)s, %(usage)s FROM job
     ON CONFLICT (job_id) DO NOTHING
     RETURNING job_id
 ), outbox_rows AS (
@@ -96,14 +111,11 @@ WITH result AS (
      WHERE EXISTS (SELECT 1 FROM result)
     ON CONFLICT (dedupe_key) DO NOTHING
     RETURNING id
-), job AS (
-    UPDATE jobs SET status = 'done', error = NULL, updated_at = now()
-     WHERE job_id IN (SELECT job_id FROM result)
-    RETURNING job_id
 ), delivery AS (
     -- This delivery in the job's history, in the same round trip: `done`, or
-    -- `duplicate` when another delivery stored the result first (its model
-    -- calls were spent all the same). None when no delivery is named.
+    -- `duplicate` when it stored nothing (another delivery finished first,
+    -- or the job was cancelled: its model calls were spent all the same).
+    -- None when no delivery is named.
     INSERT INTO job_deliveries (job_id, delivery, consumer, started_at, outcome, model_calls)
     SELECT %(job_id)s, %(delivery)s, %(consumer)s, %(started_at)s,
            CASE WHEN EXISTS (SELECT 1 FROM result) THEN 'done' ELSE 'duplicate' END,
@@ -134,28 +146,35 @@ UPDATE jobs SET status = 'dead', error = %s, updated_at = now()
  WHERE job_id = %s AND status = 'queued'
 
 -- name: queued_jobs_older_than
+-- Queued jobs accepted (and, if they waited, resumed) before the cut-off.
 SELECT job_id, tenant, kind, payload FROM jobs
- WHERE kind = %s AND status = 'queued' AND created_at < now() - make_interval(secs => %s)
+ WHERE kind = %(kind)s AND status = 'queued'
+   AND created_at < now() - make_interval(secs => %(age_s)s)
+   AND (resumed_at IS NULL OR resumed_at < now() - make_interval(secs => %(age_s)s))
  ORDER BY created_at
- LIMIT %s
+ LIMIT %(limit)s
 
 -- name: mark_job_requeued
--- A dead letter replayed by an operator: its job is waiting again.
-UPDATE jobs SET status = 'queued', error = NULL, updated_at = now()
+-- A dead letter replayed by an operator: its job is queued again, in a new
+-- generation (a delivery of the dead run can write nothing more), and its
+-- checkpoints kept: the new run resumes after them.
+UPDATE jobs SET status = 'queued', error = NULL, generation = generation + 1,
+                resumed_at = now(), updated_at = now()
  WHERE job_id = %s AND status = 'dead'
 
 -- name: jobs_by_kind_and_status
 SELECT kind, status, count(*) FROM jobs WHERE status <> 'withdrawn' GROUP BY kind, status
 
 -- name: purge_finished_jobs
--- Retention, one bounded batch per statement: finished jobs last changed
--- before the cut-off whose effects have all left (no unsent outbox row),
--- with their results, outbox rows and deliveries. SKIP LOCKED: passes
+-- Retention, one bounded batch per statement: finished (done, dead or
+-- cancelled) jobs last changed before the cut-off whose effects have all
+-- left (no unsent outbox row), with their results, outbox rows, deliveries,
+-- checkpoints and events. SKIP LOCKED: passes
 -- running side by side take different rows. The foreign keys from results
 -- and deliveries are checked at the end of the statement, after the deletes.
 WITH old AS MATERIALIZED (
     SELECT job_id FROM jobs j
-     WHERE status IN ('done', 'dead')
+     WHERE status IN ('done', 'dead', 'cancelled')
        AND updated_at < now() - make_interval(secs => %(age_s)s)
        AND NOT EXISTS (
            SELECT 1 FROM outbox o WHERE o.job_id = j.job_id AND o.sent_at IS NULL
@@ -169,6 +188,10 @@ WITH old AS MATERIALIZED (
     DELETE FROM results r USING old WHERE r.job_id = old.job_id
 ), delivery_rows AS (
     DELETE FROM job_deliveries d USING old WHERE d.job_id = old.job_id
+), checkpoint_rows AS (
+    DELETE FROM checkpoints c USING old WHERE c.job_id = old.job_id
+), event_rows AS (
+    DELETE FROM job_events e USING old WHERE e.job_id = old.job_id
 )
 DELETE FROM jobs j USING old WHERE j.job_id = old.job_id
 
@@ -184,8 +207,9 @@ DELETE FROM jobs WHERE job_id IN (
 )
 
 -- name: erase_tenant_jobs
--- Right to erasure: every job of the tenant, its result, its outbox rows and
--- its deliveries, whatever their state. Returns the counts.
+-- Right to erasure: every job of the tenant, its result, its outbox rows,
+-- its deliveries, its checkpoints and its events, whatever their state.
+-- Returns the counts.
 WITH gone_jobs AS (
     SELECT job_id FROM jobs WHERE tenant = %(tenant)s FOR UPDATE
 ), outbox_rows AS (
@@ -194,19 +218,25 @@ WITH gone_jobs AS (
     DELETE FROM results r USING gone_jobs g WHERE r.job_id = g.job_id RETURNING r.job_id
 ), delivery_rows AS (
     DELETE FROM job_deliveries d USING gone_jobs g WHERE d.job_id = g.job_id RETURNING d.id
+), checkpoint_rows AS (
+    DELETE FROM checkpoints c USING gone_jobs g WHERE c.job_id = g.job_id RETURNING c.key
+), event_rows AS (
+    DELETE FROM job_events e USING gone_jobs g WHERE e.job_id = g.job_id RETURNING e.name
 ), job_rows AS (
     DELETE FROM jobs j USING gone_jobs g WHERE j.job_id = g.job_id RETURNING j.job_id
 )
 SELECT (SELECT count(*) FROM job_rows) AS jobs,
        (SELECT count(*) FROM result_rows) AS results,
        (SELECT count(*) FROM outbox_rows) AS outbox,
-       (SELECT count(*) FROM delivery_rows) AS deliveries
+       (SELECT count(*) FROM delivery_rows) AS deliveries,
+       (SELECT count(*) FROM checkpoint_rows) AS checkpoints,
+       (SELECT count(*) FROM event_rows) AS events
 
 -- name: list_jobs
 -- The console's listing: one workflow's jobs, newest first, optionally of
 -- one status (NULL: any but withdrawn, which are not jobs).
 SELECT j.job_id, j.tenant, j.kind, j.status, r.result, r.usage, j.error,
-       j.created_at, j.updated_at
+       j.created_at, j.updated_at, j.waiting_for, j.wait_until, '[]'::json
   FROM jobs j LEFT JOIN results r USING (job_id)
  WHERE j.kind = %(kind)s AND j.status <> 'withdrawn'
    AND (%(status)s::text IS NULL OR j.status = %(status)s::text)
@@ -217,7 +247,7 @@ SELECT j.job_id, j.tenant, j.kind, j.status, r.result, r.usage, j.error,
 -- A job whatever its tenant, with its request: for operators only. Of one
 -- workflow, or (kind NULL) of any.
 SELECT j.job_id, j.tenant, j.kind, j.status, r.result, r.usage, j.error,
-       j.created_at, j.updated_at, j.payload
+       j.created_at, j.updated_at, j.waiting_for, j.wait_until, '[]'::json, j.payload
   FROM jobs j LEFT JOIN results r USING (job_id)
  WHERE j.job_id = %(job_id)s AND (%(kind)s::text IS NULL OR j.kind = %(kind)s::text)
    AND j.status <> 'withdrawn'

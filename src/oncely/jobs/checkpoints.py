@@ -1,0 +1,342 @@
+"""The ``checkpoints`` and ``job_events`` tables, and a job's waiting state.
+
+Only this module runs SQL on those two tables (``sql/checkpoints.sql``),
+with one exception: a run's last checkpoints ride in the result's own
+statement (``Jobs.finish``, ``finish_job``), so that a step with one model
+call writes no statement more than the result. The job's waiting state
+(``waiting``, ``cancelled``, ``wait_until``, ``waiting_for``,
+``resumed_at``, ``generation``) moves here too, with the checkpoints that
+decide it.
+
+Every way a waiting job resumes (an event, its time, an operator's rewind)
+sets its row back to ``queued`` first and then enqueues it through
+``Jobs.restore``: a crash between the two leaves a queued row without a
+message, which the reconciler restores (counting its age from
+``resumed_at``), as for the intake.
+
+Writes for a running job lock its row and check it still runs in the
+delivery's generation, in the same statement or transaction: nothing is
+written for a job that is done, dead or cancelled, nor by a delivery of an
+earlier run. A wait and an event race on the same row: each takes the lock
+first in its own transaction, so the second sees the first's rows.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from datetime import datetime
+from typing import TYPE_CHECKING, Any, Literal
+
+import psycopg
+import structlog
+from psycopg.types.json import Jsonb
+from psycopg_pool import AsyncConnectionPool
+from redis.exceptions import RedisError
+
+from oncely import tracing
+from oncely.batching import GroupRead
+from oncely.jobs.store import (
+    Job,
+    Jobs,
+    StatementResult,
+    delivery_params,
+    raced,
+    run_statement,
+    run_transaction,
+    writes_params,
+)
+from oncely.journal import Checkpoint, RunStopped, Wait, Writes
+from oncely.sql import query
+
+if TYPE_CHECKING:
+    from oncely.queue.worker import DeliveryReport
+
+log = structlog.get_logger("oncely.checkpoints")
+
+# Running, waiting and finished, as a job row says them.
+FINISHED = frozenset({"done", "dead", "cancelled"})
+
+
+@dataclass(frozen=True)
+class JobRun:
+    """What a delivery of a job resumes from."""
+
+    job_id: str
+    # queued (running), waiting, done, dead, cancelled, withdrawn.
+    status: str
+    generation: int
+    checkpoints: tuple[Checkpoint, ...]
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """What a waiting job waits for: ``event`` (None: a sleep) until ``until``."""
+
+    event: str | None
+    until: datetime
+
+
+@dataclass(frozen=True)
+class EventOutcome:
+    """What sending an event came to.
+
+    - ``received``: stored (``resumed``: the job waited for it, and was queued);
+    - ``duplicate``: the same event was already stored;
+    - ``conflict``: another event of that name was stored before;
+    - ``finished``: the job is done, dead or cancelled (``status``);
+    - ``missing``: no such job for this tenant and workflow.
+    """
+
+    outcome: Literal["received", "duplicate", "conflict", "finished", "missing"]
+    status: str | None = None
+    resumed: Job | None = None
+
+
+@dataclass(frozen=True)
+class Cancelled:
+    """What cancelling found: the job's ``status`` before (``queued`` and
+    ``waiting`` ones are cancelled now), and its workflow."""
+
+    status: str
+    kind: str
+
+    @property
+    def finished(self) -> bool:
+        """Done or dead: it ran to its end, and was not cancelled."""
+        return self.status in ("done", "dead")
+
+
+@dataclass(frozen=True)
+class Rewound:
+    """What a rewind did: ``status`` the job had; ``deleted`` the keys of the
+    checkpoints deleted (empty: nothing changed); the job, queued again."""
+
+    status: str
+    deleted: tuple[str, ...] = ()
+    job: Job | None = None
+
+
+class Checkpoints:
+    def __init__(self, jobs: Jobs) -> None:
+        self.jobs = jobs
+        self.pool: AsyncConnectionPool = jobs.pool
+        # Loads asked while one query runs share the next one.
+        self._runs: GroupRead[str, str, JobRun] = GroupRead(self._load_runs, key=str)
+
+    async def _run(self, name: str, params: Any = None) -> StatementResult:
+        return await run_statement(
+            self.pool, query(name), params, timeout_s=self.jobs.statement_timeout_s
+        )
+
+    # -- a delivery's run ------------------------------------------------------
+
+    async def run_of(self, job_id: str) -> JobRun | None:
+        """The job's status, generation and checkpoints (None: no such job)."""
+        return await self._runs.read(job_id)
+
+    async def _load_runs(self, job_ids: list[str]) -> dict[str, JobRun]:
+        rows = (await self._run("job_runs", (job_ids,))).rows
+        found: dict[str, tuple[str, int, list[Checkpoint]]] = {}
+        for job_id, status, generation, *checkpoint in rows:
+            entry = found.setdefault(str(job_id), (status, generation, []))
+            if checkpoint[0] is not None:
+                entry[2].append(Checkpoint(*checkpoint))
+        return {
+            job_id: JobRun(job_id, status, generation, tuple(sorted(c, key=_ordinal)))
+            for job_id, (status, generation, c) in found.items()
+        }
+
+    async def write(self, workflow: str, job_id: str, generation: int, writes: Writes) -> None:
+        """Store a run's checkpoints and the effects emitted before them.
+        ``Replay`` when a key or ordinal is taken; ``RunStopped`` when the
+        job no longer runs in this generation."""
+        params = {
+            "job_id": job_id,
+            "generation": generation,
+            "workflow": workflow,
+            "trace_context": tracing.traceparent(),
+            **writes_params(writes),
+        }
+        try:
+            rows = (await self._run("write_checkpoints", params)).rows
+        except psycopg.errors.UniqueViolation as exc:
+            raise raced(exc) from exc
+        if not rows or not rows[0][0]:
+            raise RunStopped(job_id)
+
+    async def start_wait(
+        self,
+        workflow: str,
+        job_id: str,
+        generation: int,
+        writes: Writes,
+        wait: Wait,
+        delivery: DeliveryReport | None = None,
+    ) -> Checkpoint | None:
+        """Store ``writes`` and the wait in one transaction: the wait's
+        checkpoint, done, if its event had arrived; None when the job now
+        waits. ``RunStopped``/``Replay`` as ``write``."""
+        params = {
+            "job_id": job_id,
+            "generation": generation,
+            "workflow": workflow,
+            "trace_context": tracing.traceparent(),
+            "key": wait.key,
+            "ordinal": wait.ordinal,
+            "kind": wait.kind,
+            "event": wait.event,
+            "seconds": wait.seconds,
+            **writes_params(writes),
+            **delivery_params(delivery),
+        }
+
+        async def work(conn: psycopg.AsyncConnection[Any]) -> tuple[Any, ...] | None:
+            cur = await conn.execute(query("lock_running_job"), params)
+            if await cur.fetchone() is None:
+                return None
+            cur = await conn.execute(query("start_wait"), params)
+            return await cur.fetchone()
+
+        try:
+            row = await run_transaction(self.pool, work, timeout_s=self.jobs.statement_timeout_s)
+        except psycopg.errors.UniqueViolation as exc:
+            raise raced(exc) from exc
+        if row is None:
+            raise RunStopped(job_id)
+        status, value = row
+        if status == "waiting":
+            return None
+        return Checkpoint(wait.key, wait.ordinal, wait.kind, "done", value)
+
+    # -- events, timers, cancels, rewinds ----------------------------------------
+
+    async def receive_event(
+        self,
+        kind: str,
+        job_id: uuid.UUID,
+        tenant: str,
+        event: str,
+        payload: Any,
+        fingerprint: str,
+    ) -> EventOutcome:
+        """Store ``event`` for the job; if the job waits for it, end the wait
+        and queue the job again (the caller enqueues ``resumed``)."""
+        params = {
+            "job_id": job_id,
+            "tenant": tenant,
+            "kind": kind,
+            "event": event,
+            "payload": Jsonb(payload),
+            "fingerprint": fingerprint,
+        }
+
+        async def work(conn: psycopg.AsyncConnection[Any]) -> EventOutcome:
+            cur = await conn.execute(query("lock_job_for_event"), params)
+            found = await cur.fetchone()
+            if found is None:
+                return EventOutcome("missing")
+            status, waiting_for = found
+            cur = await conn.execute(query("event_fingerprint"), params)
+            stored = await cur.fetchone()
+            if stored is not None:
+                same = stored[0] == fingerprint
+                return EventOutcome("duplicate" if same else "conflict", status)
+            if status in FINISHED:
+                return EventOutcome("finished", status)
+            resume = status == "waiting" and waiting_for == event
+            cur = await conn.execute(query("receive_event"), {**params, "resume": resume})
+            row = await cur.fetchone()
+            resumed = None if row is None else Job(str(row[0]), row[1], row[2], row[3])
+            return EventOutcome("received", status, resumed)
+
+        return await run_transaction(self.pool, work, timeout_s=self.jobs.statement_timeout_s)
+
+    async def resume_due(self, limit: int = 500) -> list[Job]:
+        """Queue waiting jobs whose time has come, and enqueue them; the jobs.
+        An enqueue that fails is logged and left to the reconciler."""
+        rows = (await self._run("resume_due_jobs", {"limit": limit})).rows
+        resumed = [Job(str(job_id), tenant, kind, data) for job_id, tenant, kind, data in rows]
+        for job in resumed:
+            await self.enqueue(job)
+        return resumed
+
+    async def enqueue(self, job: Job) -> None:
+        """A resumed job into its stream; the row is already queued, so a
+        failure is left to the reconciler."""
+        try:
+            await self.jobs.restore(job)
+        except RedisError as exc:
+            log.warning("jobs.resume_enqueue_failed", job_id=job.job_id, error=type(exc).__name__)
+
+    async def cancel(
+        self, job_id: uuid.UUID, *, tenant: str | None = None, kind: str | None = None
+    ) -> Cancelled | None:
+        """Cancel a queued (running) or waiting job: from now on nothing is
+        written for it. A running delivery hears of it through Redis
+        (``Stream.announce_cancel``) to stop at once; it would stop at its
+        next checkpoint anyway. None: no such job."""
+        params = {"job_id": job_id, "tenant": tenant, "kind": kind}
+        rows = (await self._run("cancel_job", params)).rows
+        if not rows:
+            return None
+        found = Cancelled(status=rows[0][0], kind=rows[0][1])
+        if found.status in ("queued", "waiting"):
+            stream = self.jobs.streams.get(found.kind)
+            if stream is not None:
+                try:
+                    await stream.announce_cancel(str(job_id))
+                except RedisError as exc:
+                    # PostgreSQL is the record: the run stops at its next checkpoint.
+                    log.warning("jobs.cancel_not_announced", job_id=str(job_id), error=repr(exc))
+        return found
+
+    async def rewind(self, job_id: uuid.UUID, key: str) -> Rewound | None:
+        """Run a dead or cancelled job again from checkpoint ``key``: the
+        checkpoints from its ordinal on are deleted, the job queued in a new
+        generation and enqueued. None: no such job. Effects emitted again
+        keep their dedupe keys, so one already sent is not sent again."""
+
+        async def work(conn: psycopg.AsyncConnection[Any]) -> Rewound | None:
+            cur = await conn.execute(query("lock_finished_job"), {"job_id": job_id})
+            found = await cur.fetchone()
+            if found is None:
+                return None
+            status, tenant, kind, payload = found
+            if status not in ("dead", "cancelled"):
+                return Rewound(status)
+            cur = await conn.execute(query("rewind_job"), {"job_id": job_id, "key": key})
+            deleted = tuple(str(row[0]) for row in await cur.fetchall())
+            job = Job(str(job_id), tenant, kind, payload) if deleted else None
+            return Rewound(status, deleted, job)
+
+        rewound = await run_transaction(self.pool, work, timeout_s=self.jobs.statement_timeout_s)
+        if rewound is not None and rewound.job is not None:
+            await self.jobs.restore(rewound.job)
+        return rewound
+
+    # -- readers -----------------------------------------------------------------
+
+    async def of_job(self, job_id: uuid.UUID, *, values: bool = True) -> list[Checkpoint]:
+        """The job's checkpoints in the order its run reached them; their
+        values only with ``values`` (operators)."""
+        rows = (await self._run("job_checkpoints", {"job_id": job_id, "values": values})).rows
+        return [Checkpoint(*row) for row in rows]
+
+    async def waiting(self, job_id: uuid.UUID) -> Waiting | None:
+        rows = (await self._run("job_wait", {"job_id": job_id})).rows
+        return Waiting(*rows[0]) if rows else None
+
+    async def events(self, job_id: str) -> dict[str, Any]:
+        """The events the job received, by name."""
+        rows = (await self._run("job_events", {"job_id": job_id})).rows
+        return {name: payload for name, payload in rows}
+
+    async def waiting_counts(self) -> dict[str, int]:
+        """Waiting jobs by workflow."""
+        rows = (await self._run("waiting_jobs_by_kind")).rows
+        return {kind: int(n) for kind, n in rows}
+
+
+def _ordinal(checkpoint: Checkpoint) -> int:
+    return checkpoint.ordinal

@@ -1,0 +1,200 @@
+-- Statements on the checkpoints and job_events tables, and on the job's
+-- waiting state that moves with them (status waiting / cancelled,
+-- wait_until, waiting_for, resumed_at, generation), by name. Read with
+-- oncely.sql.query("name"). Only oncely.jobs.checkpoints runs them.
+--
+-- Every write for a running job first locks its row (FOR NO KEY UPDATE) and
+-- checks it is still `queued` in the same generation: a cancel, a finish
+-- or a rewind that committed meanwhile is seen after the lock, so nothing
+-- is written for a job that is done, dead or cancelled, nor by a delivery
+-- of an earlier run.
+
+-- name: job_runs
+-- What deliveries of these jobs resume from: each job's status and
+-- generation, and its checkpoints (one row per checkpoint; a job without
+-- any gives one row of NULLs). Batched across the worker's handlers.
+SELECT j.job_id, j.status, j.generation,
+       c.key, c.ordinal, c.kind, c.status, c.value, c.usage, c.until, c.finished_at
+  FROM jobs j LEFT JOIN checkpoints c USING (job_id)
+ WHERE j.job_id = ANY(%s::uuid[])
+
+-- name: write_checkpoints
+-- Checkpoints a run reached, with the effects emitted before each, in one
+-- statement. A key already stored fails the statement (unique violation):
+-- the run lost a race and replays. `running` false: the job is no longer
+-- running in this generation, and nothing was written.
+WITH job AS (
+    SELECT job_id FROM jobs
+     WHERE job_id = %(job_id)s AND status = 'queued' AND generation = %(generation)s
+       FOR NO KEY UPDATE
+), steps AS (
+    INSERT INTO checkpoints (job_id, key, ordinal, kind, status, value, usage, finished_at)
+    SELECT %(job_id)s, s.key, s.ordinal, s.kind, 'done', s.value, s.usage, now()
+      FROM unnest(%(keys)s::text[], %(ordinals)s::integer[], %(kinds)s::text[],
+                  %(values)s::jsonb[], %(usages)s::jsonb[])
+           AS s (key, ordinal, kind, value, usage)
+     WHERE EXISTS (SELECT 1 FROM job)
+), outbox_rows AS (
+    INSERT INTO outbox (topic, dedupe_key, payload, workflow, job_id, trace_context)
+    SELECT e.topic, e.dedupe_key, e.payload, %(workflow)s, %(job_id)s, %(trace_context)s
+      FROM unnest(%(topics)s::text[], %(dedupe_keys)s::text[], %(payloads)s::jsonb[])
+           AS e (topic, dedupe_key, payload)
+     WHERE EXISTS (SELECT 1 FROM job)
+    ON CONFLICT (dedupe_key) DO NOTHING
+)
+SELECT EXISTS (SELECT 1 FROM job) AS running
+
+-- name: lock_running_job
+-- The first statement of a wait's transaction: the job's row, locked, if it
+-- still runs in this generation.
+SELECT status FROM jobs
+ WHERE job_id = %(job_id)s AND status = 'queued' AND generation = %(generation)s
+   FOR NO KEY UPDATE
+
+-- name: start_wait
+-- The second statement of a wait's transaction (the row is locked, so this
+-- snapshot sees every event committed before the lock): the run's unwritten
+-- checkpoints, the wait (or sleep) itself, the effects emitted before it,
+-- and the delivery in the job's history. An event already received ends
+-- the wait at once (`done`, its payload the value) and the job keeps
+-- running; otherwise the job is `waiting` until the event or `until`.
+WITH event AS (
+    SELECT payload FROM job_events WHERE job_id = %(job_id)s AND name = %(event)s
+), steps AS (
+    INSERT INTO checkpoints (job_id, key, ordinal, kind, status, value, usage, finished_at)
+    SELECT %(job_id)s, s.key, s.ordinal, s.kind, 'done', s.value, s.usage, now()
+      FROM unnest(%(keys)s::text[], %(ordinals)s::integer[], %(kinds)s::text[],
+                  %(values)s::jsonb[], %(usages)s::jsonb[])
+           AS s (key, ordinal, kind, value, usage)
+), wait AS (
+    INSERT INTO checkpoints (job_id, key, ordinal, kind, status, value, until, finished_at)
+    SELECT %(job_id)s, %(key)s, %(ordinal)s, %(kind)s,
+           CASE WHEN EXISTS (SELECT 1 FROM event) THEN 'done' ELSE 'waiting' END,
+           (SELECT payload FROM event),
+           now() + make_interval(secs => %(seconds)s),
+           CASE WHEN EXISTS (SELECT 1 FROM event) THEN now() END
+    RETURNING status, value
+), outbox_rows AS (
+    INSERT INTO outbox (topic, dedupe_key, payload, workflow, job_id, trace_context)
+    SELECT e.topic, e.dedupe_key, e.payload, %(workflow)s, %(job_id)s, %(trace_context)s
+      FROM unnest(%(topics)s::text[], %(dedupe_keys)s::text[], %(payloads)s::jsonb[])
+           AS e (topic, dedupe_key, payload)
+    ON CONFLICT (dedupe_key) DO NOTHING
+), job AS (
+    UPDATE jobs
+       SET status = 'waiting', waiting_for = %(event)s,
+           wait_until = now() + make_interval(secs => %(seconds)s), updated_at = now()
+     WHERE job_id = %(job_id)s AND NOT EXISTS (SELECT 1 FROM event)
+), delivery AS (
+    INSERT INTO job_deliveries (job_id, delivery, consumer, started_at, outcome, model_calls)
+    SELECT %(job_id)s, %(delivery)s, %(consumer)s, %(started_at)s, 'waiting', %(model_calls)s
+     WHERE %(delivery)s::integer IS NOT NULL AND NOT EXISTS (SELECT 1 FROM event)
+)
+SELECT status, value FROM wait
+
+-- name: lock_job_for_event
+-- The first statement of an event's transaction: the tenant's job of this
+-- workflow, locked (none: 404).
+SELECT status, waiting_for FROM jobs
+ WHERE job_id = %(job_id)s AND tenant = %(tenant)s AND kind = %(kind)s
+   AND status <> 'withdrawn'
+   FOR NO KEY UPDATE
+
+-- name: event_fingerprint
+SELECT fingerprint FROM job_events WHERE job_id = %(job_id)s AND name = %(event)s
+
+-- name: receive_event
+-- The event stored; when the job waits for it, the wait ends with it and
+-- the job is queued again (returned, to be enqueued).
+WITH stored AS (
+    INSERT INTO job_events (job_id, name, payload, fingerprint)
+    VALUES (%(job_id)s, %(event)s, %(payload)s, %(fingerprint)s)
+), wait AS (
+    UPDATE checkpoints SET status = 'done', value = %(payload)s, finished_at = now()
+     WHERE job_id = %(job_id)s AND status = 'waiting' AND kind = 'wait' AND %(resume)s
+    RETURNING job_id
+)
+UPDATE jobs
+   SET status = 'queued', waiting_for = NULL, wait_until = NULL,
+       resumed_at = now(), updated_at = now()
+ WHERE job_id IN (SELECT job_id FROM wait)
+RETURNING job_id, tenant, kind, payload
+
+-- name: resume_due_jobs
+-- The timer service, safe in every worker at once (SKIP LOCKED): waiting
+-- jobs whose time has come. The wait ends with no event (JSON null), the
+-- sleep ends; the jobs are queued again and returned, to be enqueued.
+WITH due AS (
+    SELECT job_id FROM jobs
+     WHERE status = 'waiting' AND wait_until <= now()
+     ORDER BY wait_until
+     LIMIT %(limit)s
+       FOR NO KEY UPDATE SKIP LOCKED
+), ended AS (
+    UPDATE checkpoints c SET status = 'done', value = 'null'::jsonb, finished_at = now()
+      FROM due WHERE c.job_id = due.job_id AND c.status = 'waiting'
+)
+UPDATE jobs j
+   SET status = 'queued', waiting_for = NULL, wait_until = NULL,
+       resumed_at = now(), updated_at = now()
+  FROM due
+ WHERE j.job_id = due.job_id
+RETURNING j.job_id, j.tenant, j.kind, j.payload
+
+-- name: cancel_job
+-- A queued (running) or waiting job becomes `cancelled`; answers the status
+-- it had (none: no such job for this tenant and workflow). NULL tenant or
+-- kind: any (operators).
+WITH target AS (
+    SELECT job_id, status FROM jobs
+     WHERE job_id = %(job_id)s
+       AND (%(tenant)s::text IS NULL OR tenant = %(tenant)s::text)
+       AND (%(kind)s::text IS NULL OR kind = %(kind)s::text)
+       AND status <> 'withdrawn'
+       FOR NO KEY UPDATE
+), cancelled AS (
+    UPDATE jobs SET status = 'cancelled', waiting_for = NULL, wait_until = NULL,
+                    error = NULL, updated_at = now()
+     WHERE job_id IN (SELECT job_id FROM target WHERE status IN ('queued', 'waiting'))
+)
+SELECT t.status, j.kind FROM target t JOIN jobs j USING (job_id)
+
+-- name: lock_finished_job
+-- The first statement of a rewind's transaction: the job, locked.
+SELECT status, tenant, kind, payload FROM jobs WHERE job_id = %(job_id)s FOR NO KEY UPDATE
+
+-- name: rewind_job
+-- A dead or cancelled job's checkpoints from `key`'s ordinal on deleted,
+-- and the job queued again in a new generation. Answers the checkpoints
+-- deleted (none when `key` is not among them: nothing changes).
+WITH target AS (
+    SELECT ordinal FROM checkpoints WHERE job_id = %(job_id)s AND key = %(key)s
+), gone AS (
+    DELETE FROM checkpoints
+     WHERE job_id = %(job_id)s AND ordinal >= (SELECT ordinal FROM target)
+    RETURNING key
+), job AS (
+    UPDATE jobs
+       SET status = 'queued', error = NULL, waiting_for = NULL, wait_until = NULL,
+           generation = generation + 1, resumed_at = now(), updated_at = now()
+     WHERE job_id = %(job_id)s AND EXISTS (SELECT 1 FROM target)
+)
+SELECT key FROM gone
+
+-- name: job_checkpoints
+-- A job's checkpoints in the order the run reached them, values included
+-- (operators), or left out (tenants: the job's `steps`).
+SELECT key, ordinal, kind, status,
+       CASE WHEN %(values)s THEN value END, usage, until, finished_at
+  FROM checkpoints WHERE job_id = %(job_id)s ORDER BY ordinal
+
+-- name: job_wait
+-- What a waiting job waits for.
+SELECT waiting_for, wait_until FROM jobs WHERE job_id = %(job_id)s AND status = 'waiting'
+
+-- name: job_events
+-- The events a job received (shadow runs get the primary's).
+SELECT name, payload FROM job_events WHERE job_id = %(job_id)s
+
+-- name: waiting_jobs_by_kind
+SELECT kind, count(*) FROM jobs WHERE status = 'waiting' GROUP BY kind

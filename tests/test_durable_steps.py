@@ -1,0 +1,744 @@
+"""Multi-step workflows in process: checkpoints, replays, races, effects with
+the next checkpoint, waits for events, sleeps, cancellation and rewinds, on
+real Redis and PostgreSQL with the fake model behind the real adapter.
+
+Every test counts what happened: model calls at the fake, side calls in
+their file, checkpoint and outbox rows, stream entries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from psycopg_pool import AsyncConnectionPool
+from pydantic import BaseModel
+
+from oncely import App, Context, TransientError, Workflow, webhook
+from oncely.api.auth import create_api_key
+from oncely.bootstrap import connect_llm, step_config
+from oncely.fakes.llm import FakeLLMServer
+from oncely.jobs.checkpoints import Checkpoints
+from oncely.jobs.handler import WorkflowHandler
+from oncely.jobs.store import Jobs
+from oncely.jobs.timers import Timers
+from oncely.llm.base import LLM
+from oncely.outbox.wakeup import OutboxWakeUp
+from oncely.queue.stream import Stream
+from oncely.queue.worker import Worker, WorkerConfig
+from oncely.redis_client import RedisClient
+from oncely.settings import Settings
+from tests import steps_app
+from tests.helpers import asgi_app, count
+from tests.steps_app import SIDE_CALLS, side_calls
+
+
+@dataclass
+class Harness:
+    """A test app's API (in process), its job stores, and workers on demand."""
+
+    app: App
+    pool: AsyncConnectionPool
+    redis: RedisClient
+    jobs: Jobs
+    checkpoints: Checkpoints
+    api: httpx.AsyncClient
+    auth: dict[str, str]
+    llm: LLM
+    settings: Settings
+    fake: FakeLLMServer
+    side_file: Path
+
+    def worker(self, workflow: str, **config: Any) -> Worker:
+        handler = WorkflowHandler(
+            self.app[workflow],
+            self.jobs,
+            self.llm,
+            step_config(self.settings),
+            OutboxWakeUp(self.pool),
+            checkpoints=self.checkpoints,
+        )
+        return Worker(
+            self.jobs.streams[workflow],
+            handler,
+            WorkerConfig(**{"block_ms": 10, "claim_idle_ms": 60_000, **config}),
+            workflow=workflow,
+            on_dead=self.jobs.mark_dead,
+            on_failed=self.jobs.record_deliveries,
+        )
+
+    async def submit(self, route: str, body: dict[str, Any], key: str | None = None) -> str:
+        headers = {**self.auth, "Idempotency-Key": key or f"key-{uuid.uuid4()}"}
+        r = await self.api.post(route, json=body, headers=headers)
+        assert r.status_code == 202, r.text
+        return str(r.json()["job_id"])
+
+    async def get(self, route: str, job_id: str) -> dict[str, Any]:
+        r = await self.api.get(f"{route}/{job_id}", headers=self.auth)
+        assert r.status_code == 200, r.text
+        body: dict[str, Any] = r.json()
+        return body
+
+    async def send_event(
+        self, route: str, job_id: str, name: str, body: Any, *, key: str | None = None, **h: str
+    ) -> httpx.Response:
+        headers = {**self.auth, "Idempotency-Key": key or f"event-{uuid.uuid4()}", **h}
+        return await self.api.post(f"{route}/{job_id}/events/{name}", json=body, headers=headers)
+
+    async def rows(self, sql: str, *args: Any) -> list[tuple[Any, ...]]:
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(sql, args)
+            return await cur.fetchall()
+
+    async def keys(self, job_id: str) -> list[str]:
+        rows = await self.rows(
+            "SELECT key FROM checkpoints WHERE job_id = %s ORDER BY ordinal", job_id
+        )
+        return [str(r[0]) for r in rows]
+
+    async def outbox(self, job_id: str) -> list[str]:
+        rows = await self.rows("SELECT topic FROM outbox WHERE job_id = %s ORDER BY id", job_id)
+        return [str(r[0]) for r in rows]
+
+    async def status(self, job_id: str) -> str:
+        return str((await self.rows("SELECT status FROM jobs WHERE job_id = %s", job_id))[0][0])
+
+    def calls(self, contains: str) -> int:
+        return sum(p.count for p in self.fake.stats(contains).prompts)
+
+
+@pytest.fixture
+async def harness(
+    pool: AsyncConnectionPool,
+    redis: RedisClient,
+    worker_settings: Settings,
+    fake_llm: FakeLLMServer,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> AsyncIterator[Harness]:
+    side_file = tmp_path / "side-calls.jsonl"
+    monkeypatch.setenv(SIDE_CALLS, str(side_file))
+    app = steps_app.app
+    jobs = Jobs(pool, {w.name: Stream(redis, w.keys) for w in app})
+    for stream in jobs.streams.values():
+        await stream.ensure_group()
+    settings = worker_settings.model_copy(update={"app": "tests.steps_app:app"})
+    llm = connect_llm(settings)
+    key = await create_api_key(pool, "acme")
+    transport = httpx.ASGITransport(app=asgi_app(settings, redis, pool, app))
+    async with httpx.AsyncClient(transport=transport, base_url="http://oncely.test") as api:
+        yield Harness(
+            app,
+            pool,
+            redis,
+            jobs,
+            Checkpoints(jobs),
+            api,
+            {"Authorization": f"Bearer {key}"},
+            llm,
+            settings,
+            fake_llm,
+            side_file,
+        )
+    await llm.aclose()  # type: ignore[attr-defined]
+
+
+async def drain(worker: Worker, rounds: int = 1) -> None:
+    for _ in range(rounds):
+        await worker.run_once()
+        await worker.wait_idle()
+
+
+# -- checkpoints and replays -------------------------------------------------------
+
+
+async def test_four_checkpoints_run_once_each_and_the_job_shows_them(harness: Harness):
+    job_id = await harness.submit("/v1/chain", {"text": "sku-1 two lamps. Blue ones."})
+    await drain(harness.worker("chain"))
+
+    assert await harness.keys(job_id) == ["model", "lookup", "model#2", "model#3"]
+    assert await harness.outbox(job_id) == ["order.fulfilled"]
+    assert len(side_calls(harness.side_file, "lookup")) == 1
+    for prompt in ("classify:", "draft:", "final:"):
+        assert harness.calls(prompt) == 1
+    job = await harness.get("/v1/chain", job_id)
+    assert job["status"] == "done"
+    assert [(s["key"], s["kind"], s["status"]) for s in job["steps"]] == [
+        ("model", "model", "done"),
+        ("lookup", "step", "done"),
+        ("model#2", "model", "done"),
+        ("model#3", "model", "done"),
+    ]
+    # Usage sums every model checkpoint; a side step has none.
+    assert job["usage"]["model_calls"] == 3
+    assert job["steps"][1]["usage"] is None
+    assert (
+        sum(s["usage"]["prompt_tokens"] for s in job["steps"] if s["usage"])
+        == (job["usage"]["prompt_tokens"])
+    )
+    assert job["waiting"] is None
+
+
+async def redeliver_until(
+    harness: Harness, worker: Worker, workflow: str, done: Callable[[], Awaitable[bool]]
+) -> None:
+    """Run ``worker`` and promote its deferred jobs until ``done``."""
+    stream = harness.jobs.streams[workflow]
+    for _ in range(200):
+        await drain(worker)
+        if await done():
+            return
+        await stream.promote_due()
+        await asyncio.sleep(0.02)
+    raise AssertionError("the job did not get there")
+
+
+async def test_a_failed_delivery_keeps_what_it_paid_for(harness: Harness):
+    """The last model call fails past its retries: the redelivery replays
+    the first three checkpoints from storage and pays only for the last."""
+    worker = harness.worker("chain", redelivery_base_s=0.01, redelivery_max_s=0.01)
+    body = {"text": "sku-2 a chair", "hold": "[[fake:503*4]]"}
+    job_id = await harness.submit("/v1/chain", body)
+
+    async def done() -> bool:
+        return await harness.status(job_id) == "done"
+
+    await redeliver_until(harness, worker, "chain", done)
+    assert harness.calls("classify:") == 1
+    assert harness.calls("draft:") == 1
+    assert len(side_calls(harness.side_file, "lookup")) == 1
+    assert harness.calls("final:") == 5  # four 503s in the first delivery, then the answer
+    assert await harness.outbox(job_id) == ["order.fulfilled"]
+    deliveries = await harness.rows(
+        "SELECT outcome FROM job_deliveries WHERE job_id = %s ORDER BY id", job_id
+    )
+    assert [d[0] for d in deliveries] == ["retry", "done"]
+
+
+class Text(BaseModel):
+    text: str
+
+
+class Said(BaseModel):
+    said: str
+
+
+def one_off(name: str, step: Callable[[Text, Context], Awaitable[Said]], **extra: Any) -> App:
+    workflow = Workflow(
+        name=name,
+        route=f"/v1/{name}",
+        request=Text,
+        result=Said,
+        step=step,
+        effects=[webhook(f"{name}.said"), webhook(f"{name}.early")],
+        **extra,
+    )
+    return App([workflow])
+
+
+@pytest.fixture
+async def custom(harness: Harness, redis: RedisClient) -> Callable[[App], Awaitable[Harness]]:
+    """A harness for a workflow declared in the test."""
+
+    async def make(app: App) -> Harness:
+        jobs = Jobs(harness.pool, {w.name: Stream(redis, w.keys) for w in app})
+        for stream in jobs.streams.values():
+            await stream.ensure_group()
+        transport = httpx.ASGITransport(app=asgi_app(harness.settings, redis, harness.pool, app))
+        api = httpx.AsyncClient(transport=transport, base_url="http://oncely.test")
+        return Harness(
+            app,
+            harness.pool,
+            redis,
+            jobs,
+            Checkpoints(jobs),
+            api,
+            harness.auth,
+            harness.llm,
+            harness.settings,
+            harness.fake,
+            harness.side_file,
+        )
+
+    return make
+
+
+async def test_a_model_answer_is_kept_when_the_step_fails_right_after(custom):
+    """No checkpoint follows the call before the failure: it is written as
+    the delivery fails, so the redelivery does not pay for it again."""
+    failed: list[str] = []
+
+    async def step(request: Text, ctx: Context) -> Said:
+        said = await ctx.model.complete(f"kept: {request.text}")
+        if not failed:
+            failed.append(ctx.job_id)
+            raise TransientError("the step broke after the call")
+        return Said(said=said)
+
+    h = await custom(one_off("keeper", step))
+    worker = h.worker("keeper", redelivery_base_s=0.01, redelivery_max_s=0.01)
+    job_id = await h.submit("/v1/keeper", {"text": "answer once"})
+
+    async def done() -> bool:
+        return await h.status(job_id) == "done"
+
+    await redeliver_until(h, worker, "keeper", done)
+    assert failed == [job_id]
+    assert h.calls("kept:") == 1
+    assert await h.keys(job_id) == ["model"]
+
+
+async def test_effects_exist_only_with_the_checkpoint_after_them(custom):
+    """An emit is written with the next checkpoint: the one before a stored
+    checkpoint survives a failure; the one after the last checkpoint does
+    not, and the replay writes each once."""
+    runs: list[int] = []
+
+    async def step(request: Text, ctx: Context) -> Said:
+        runs.append(ctx.delivery)
+        ctx.emit("emitter.early", {"job_id": ctx.job_id})
+        said = await ctx.step("lookup", lambda: request.text.upper())
+        ctx.emit("emitter.said", {"job_id": ctx.job_id})
+        if len(runs) == 1:
+            raise TransientError("after the emit, before any checkpoint")
+        return Said(said=said)
+
+    h = await custom(one_off("emitter", step))
+    worker = h.worker("emitter", redelivery_base_s=0.01, redelivery_max_s=0.01)
+    job_id = await h.submit("/v1/emitter", {"text": "emit me"})
+    await drain(worker)
+    assert runs == [1]
+    # The early effect came with the lookup, which the failure kept.
+    assert await h.keys(job_id) == ["lookup"]
+    assert await h.outbox(job_id) == ["emitter.early"]
+
+    async def done() -> bool:
+        return await h.status(job_id) == "done"
+
+    await redeliver_until(h, worker, "emitter", done)
+    assert await h.outbox(job_id) == ["emitter.early", "emitter.said"]
+
+
+async def test_two_deliveries_racing_on_one_checkpoint_store_one_value(custom):
+    """Both run the side call; the first writer's value is the one stored,
+    the other replays over it; one result, each effect once."""
+    both_in = asyncio.Barrier(2)
+    values = iter(["first", "second"])
+
+    async def side() -> str:
+        value = next(values)
+        await both_in.wait()
+        if value == "second":
+            await asyncio.sleep(0.2)  # the other one writes first
+        return value
+
+    async def step(request: Text, ctx: Context) -> Said:
+        value = await ctx.step("pick", side)
+        ctx.emit("racer.said", {"job_id": ctx.job_id, "value": value})
+        said = await ctx.model.complete(f"race: {value}")
+        return Said(said=f"{value}: {said}")
+
+    h = await custom(one_off("racer", step))
+    job_id = await h.submit("/v1/racer", {"text": "race"})
+    message = await h.jobs.streams["racer"].read_new("c0", 1, 10)
+    fields = message[0][1]
+    from oncely.queue.stream import JobMessage
+    from oncely.queue.worker import Delivery
+
+    handler = h.worker("racer").handler
+    outcomes = await asyncio.gather(
+        handler(JobMessage.from_fields(fields), Delivery(message[0][0], fields, 1, consumer="a")),
+        handler(JobMessage.from_fields(fields), Delivery(message[0][0], fields, 2, consumer="b")),
+    )
+    # The loser found the job done: when it wrote its checkpoint, or at its finish.
+    assert sorted(outcomes) in (["done", "duplicate"], ["done", "stopped"])
+    rows = await h.rows("SELECT value FROM checkpoints WHERE job_id = %s AND key = 'pick'", job_id)
+    assert rows == [("first",)]
+    result = await h.get("/v1/racer", job_id)
+    assert result["result"]["said"].startswith("first: ")
+    assert await h.outbox(job_id) == ["racer.said"]
+    payload = await h.rows("SELECT payload FROM outbox WHERE job_id = %s", job_id)
+    assert payload[0][0]["value"] == "first"
+    # The loser replayed over the stored value: it never asked about "second".
+    assert h.calls("race: second") == 0
+
+
+async def test_a_changed_step_shape_is_dead_as_nondeterministic(custom, redis):
+    """Checkpoints stored by one version of the step, replayed by another
+    that reaches them in another order: the job is dead, and says both keys."""
+    version = {"n": 1}
+
+    async def step(request: Text, ctx: Context) -> Said:
+        if version["n"] == 1:
+            await ctx.step("lookup", lambda: "found")
+            raise TransientError("deploy happens now")
+        said = await ctx.model.complete(f"v2: {request.text}")  # a model call first now
+        await ctx.step("lookup", lambda: "found")
+        return Said(said=said)
+
+    h = await custom(one_off("shape", step))
+    worker = h.worker("shape", redelivery_base_s=0.01, redelivery_max_s=0.01)
+    job_id = await h.submit("/v1/shape", {"text": "changed"})
+    await drain(worker)
+    assert await h.keys(job_id) == ["lookup"]
+    version["n"] = 2
+
+    async def dead() -> bool:
+        return await h.status(job_id) == "dead"
+
+    await redeliver_until(h, worker, "shape", dead)
+    job = await h.get("/v1/shape", job_id)
+    assert job["error"] == "nondeterministic"
+    [(error,)] = await h.rows("SELECT error FROM jobs WHERE job_id = %s", job_id)
+    assert error.startswith("nondeterministic:")
+    assert "'model'" in error and "'lookup'" in error
+    assert h.calls("v2:") == 0  # caught before paying for the call
+    dead_letters = await h.jobs.streams["shape"].dead_letters()
+    assert [d.reason for d in dead_letters] == ["nondeterministic"]
+
+
+# -- waiting for events ------------------------------------------------------------
+
+
+async def entry_of(harness: Harness, workflow: str, job_id: str) -> str | None:
+    stream = harness.jobs.streams[workflow]
+    found = await stream.redis.hget(stream.index, job_id)
+    return None if found is None else str(found)
+
+
+async def pending(harness: Harness, workflow: str) -> int:
+    stream = harness.jobs.streams[workflow]
+    info: Any = await stream.redis.xpending(stream.stream, stream.group)
+    return int(info["pending"])
+
+
+async def test_a_waiting_job_holds_no_slot_and_the_event_resumes_it(harness: Harness):
+    """With one slot, another job runs while the first waits; the event
+    enqueues the first again and it finishes with it."""
+    approvals = harness.worker("approvals", concurrency=1)
+    chain = harness.worker("chain", concurrency=1)
+    waiting = await harness.submit("/v1/approvals", {"text": "refund 40 EUR"})
+    await drain(approvals)
+
+    assert await harness.status(waiting) == "waiting"
+    assert await pending(harness, "approvals") == 0
+    assert await entry_of(harness, "approvals", waiting) is None
+    assert approvals.stats["acked"] == 1
+    job = await harness.get("/v1/approvals", waiting)
+    assert job["status"] == "waiting"
+    assert job["waiting"]["event"] == "approval"
+    assert [(s["key"], s["status"]) for s in job["steps"]] == [
+        ("model", "done"),
+        ("approval", "waiting"),
+    ]
+    assert await harness.outbox(waiting) == ["order.approval_requested"]
+
+    other = await harness.submit("/v1/chain", {"text": "sku-9 runs meanwhile"})
+    await drain(chain)
+    assert await harness.status(other) == "done"
+
+    r = await harness.send_event(
+        "/v1/approvals", waiting, "approval", {"approved": True, "by": "ada"}
+    )
+    assert r.status_code == 202, r.text
+    assert r.json() == {"job_id": waiting, "event": "approval", "status": "received"}
+    assert await entry_of(harness, "approvals", waiting) is not None  # enqueued again
+    await drain(approvals)
+    job = await harness.get("/v1/approvals", waiting)
+    assert job["status"] == "done"
+    assert job["result"] == {"review": job["result"]["review"], "approved": True, "by": "ada"}
+    assert await harness.outbox(waiting) == ["order.approval_requested", "order.decided"]
+    assert harness.calls("review:") == 1
+    outcomes = await harness.rows(
+        "SELECT outcome FROM job_deliveries WHERE job_id = %s ORDER BY id", waiting
+    )
+    assert [o[0] for o in outcomes] == ["waiting", "done"]
+
+
+async def test_the_event_route_keeps_the_idempotency_contract(harness: Harness, pool):
+    job_id = await harness.submit("/v1/approvals", {"text": "needs a yes"})
+    await drain(harness.worker("approvals"))
+    route, key = "/v1/approvals", "event-key-0000001"
+
+    # A body that fails the event's model: 422, and no key claimed.
+    bad = await harness.send_event(route, job_id, "approval", {"approved": "maybe"}, key=key)
+    assert bad.status_code == 422
+    assert bad.json()["type"].endswith("/validation")
+
+    first = await harness.send_event(
+        route, job_id, "approval", {"approved": False, "by": "bob"}, key=key
+    )
+    assert first.status_code == 202
+    again = await harness.send_event(
+        route, job_id, "approval", {"by": "bob", "approved": False}, key=key
+    )
+    assert again.status_code == 202
+    assert again.headers["Idempotent-Replayed"] == "true"
+    assert again.content == first.content
+
+    # The same key with another body: reused.
+    reused = await harness.send_event(
+        route, job_id, "approval", {"approved": True, "by": "bob"}, key=key
+    )
+    assert reused.status_code == 422
+    assert reused.json()["type"].endswith("/idempotency-key-reused")
+    # Another event of that name (another key): refused; the same one: fine.
+    conflict = await harness.send_event(route, job_id, "approval", {"approved": True, "by": "x"})
+    assert conflict.status_code == 409
+    assert conflict.json()["type"].endswith("/event-already-received")
+    same = await harness.send_event(route, job_id, "approval", {"approved": False, "by": "bob"})
+    assert same.status_code == 202
+
+    # Unknown event, unknown job, another tenant's job: 404, never 403.
+    assert (await harness.send_event(route, job_id, "refusal", {})).status_code == 404
+    missing = await harness.send_event(
+        route, str(uuid.uuid4()), "approval", {"approved": True, "by": "x"}
+    )
+    assert missing.status_code == 404
+    assert (
+        await harness.send_event(route, "nope", "approval", {"approved": True, "by": "x"})
+    ).status_code == 404
+    other_key = await create_api_key(pool, "globex")
+    foreign = await harness.api.post(
+        f"{route}/{job_id}/events/approval",
+        json={"approved": True, "by": "mallory"},
+        headers={"Authorization": f"Bearer {other_key}", "Idempotency-Key": "globex-event-000001"},
+    )
+    assert foreign.status_code == 404
+    # One event stored, and it is bob's.
+    events = await harness.rows("SELECT name, payload FROM job_events WHERE job_id = %s", job_id)
+    assert events == [("approval", {"approved": False, "by": "bob"})]
+
+    await drain(harness.worker("approvals"))
+    assert (await harness.get(route, job_id))["result"]["by"] == "bob"
+    # The job is done: an event it never received is too late.
+    late = await harness.api.post(f"{route}/{job_id}/cancel", headers=harness.auth)
+    assert late.status_code == 409
+    assert late.json()["type"].endswith("/job-finished")
+    assert late.json()["job_status"] == "done"
+
+
+async def test_an_event_that_arrives_before_the_wait_is_kept_for_it(harness: Harness):
+    job_id = await harness.submit("/v1/approvals", {"text": "quick yes"})
+    r = await harness.send_event(
+        "/v1/approvals", job_id, "approval", {"approved": True, "by": "early"}
+    )
+    assert r.status_code == 202
+    assert await harness.status(job_id) == "queued"  # nothing to resume yet
+    await drain(harness.worker("approvals"))
+    job = await harness.get("/v1/approvals", job_id)
+    assert job["status"] == "done"
+    assert job["result"]["by"] == "early"
+    outcomes = await harness.rows("SELECT outcome FROM job_deliveries WHERE job_id = %s", job_id)
+    assert [o[0] for o in outcomes] == ["done"]  # it never waited
+    assert await harness.outbox(job_id) == ["order.approval_requested", "order.decided"]
+
+
+async def wait_until_due(harness: Harness, job_id: str) -> None:
+    """Until the job's wait_until has passed on PostgreSQL's clock."""
+    for _ in range(500):
+        rows = await harness.rows("SELECT wait_until <= now() FROM jobs WHERE job_id = %s", job_id)
+        if rows and rows[0][0]:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("the wait never came due")
+
+
+async def test_a_wait_that_times_out_resumes_with_none(harness: Harness):
+    job_id = await harness.submit("/v1/approvals", {"text": "nobody answers", "wait_s": 0.3})
+    worker = harness.worker("approvals")
+    await drain(worker)
+    timers = Timers(harness.checkpoints)
+    assert await harness.status(job_id) == "waiting"
+    assert await timers.run_once() == 0  # not due yet
+    await wait_until_due(harness, job_id)
+    assert await timers.run_once() == 1
+    await drain(worker)
+    job = await harness.get("/v1/approvals", job_id)
+    assert job["status"] == "done"
+    assert job["result"]["approved"] is None
+    assert await harness.outbox(job_id) == ["order.approval_requested", "order.decided"]
+    decided = await harness.rows(
+        "SELECT payload FROM outbox WHERE job_id = %s AND topic = 'order.decided'", job_id
+    )
+    assert decided[0][0]["approved"] is None
+    assert harness.calls("review:") == 1
+    # Late: the event is kept, the job is done.
+    late = await harness.send_event(
+        "/v1/approvals", job_id, "approval", {"approved": True, "by": "late"}
+    )
+    assert late.status_code == 409
+    assert late.json()["job_status"] == "done"
+
+
+# -- sleeping ----------------------------------------------------------------------
+
+
+async def test_a_sleep_holds_nothing_and_resumes_after_its_time(harness: Harness):
+    job_id = await harness.submit("/v1/naps", {"text": "zz-1 rest", "sleep_s": 0.3})
+    worker = harness.worker("naps")
+    await drain(worker)
+    job = await harness.get("/v1/naps", job_id)
+    assert job["status"] == "waiting"
+    assert job["waiting"]["event"] is None
+    assert await pending(harness, "naps") == 0
+    await wait_until_due(harness, job_id)
+    assert await Timers(harness.checkpoints).run_once() == 1
+    await drain(worker)
+    assert await harness.status(job_id) == "done"
+    assert await harness.keys(job_id) == ["note", "sleep", "model"]
+    assert len(side_calls(harness.side_file, "lookup")) == 1
+    assert harness.calls("after the nap:") == 1
+    assert await harness.outbox(job_id) == ["order.rested"]
+
+
+async def test_waiting_jobs_resume_after_redis_lost_its_data(harness: Harness, redis):
+    """PostgreSQL holds the timers: Redis losing everything changes nothing."""
+    jobs = [
+        await harness.submit("/v1/naps", {"text": f"zz-{n} lost", "sleep_s": 0.3}) for n in range(3)
+    ]
+    worker = harness.worker("naps")
+    await drain(worker)
+    assert {await harness.status(j) for j in jobs} == {"waiting"}
+    await redis.flushdb()
+    for stream in harness.jobs.streams.values():
+        await stream.ensure_group()
+    for job_id in jobs:
+        await wait_until_due(harness, job_id)
+    assert await Timers(harness.checkpoints).run_once() == 3
+    await drain(worker)
+    assert {await harness.status(j) for j in jobs} == {"done"}
+    assert harness.calls("after the nap:") == 3
+
+
+# -- cancelling ---------------------------------------------------------------------
+
+
+async def test_a_cancelled_waiting_job_never_resumes(harness: Harness):
+    job_id = await harness.submit("/v1/approvals", {"text": "cancel me", "wait_s": 0.3})
+    await drain(harness.worker("approvals"))
+    cancel = f"/v1/approvals/{job_id}/cancel"
+    first = await harness.api.post(cancel, headers=harness.auth)
+    assert first.status_code == 202
+    assert first.json() == {"job_id": job_id, "status": "cancelled"}
+    again = await harness.api.post(cancel, headers=harness.auth)
+    assert (again.status_code, again.json()) == (202, first.json())
+    job = await harness.get("/v1/approvals", job_id)
+    assert (job["status"], job["waiting"]) == ("cancelled", None)
+
+    event = await harness.send_event(
+        "/v1/approvals", job_id, "approval", {"approved": True, "by": "too late"}
+    )
+    assert event.status_code == 409
+    assert event.json()["job_status"] == "cancelled"
+    await asyncio.sleep(0.4)  # past the wait's timeout: nothing resumes it
+    assert await Timers(harness.checkpoints).run_once() == 0
+    assert await entry_of(harness, "approvals", job_id) is None
+    assert await harness.outbox(job_id) == ["order.approval_requested"]
+    assert (
+        await harness.api.post(f"/v1/approvals/{uuid.uuid4()}/cancel", headers=harness.auth)
+    ).status_code == 404
+
+
+async def test_cancel_stops_a_running_model_call_and_writes_nothing_after(custom, harness: Harness):
+    async def step(request: Text, ctx: Context) -> Said:
+        await ctx.step("before", lambda: "kept")
+        said = await ctx.model.complete(f"slow: {request.text} [[fake:sleep=30]]")
+        ctx.emit("slowpoke.said", {"job_id": ctx.job_id})
+        return Said(said=said)
+
+    h = await custom(one_off("slowpoke", step))
+    # Leases renewed every 0.1 s: the cancel is heard within that.
+    worker = h.worker("slowpoke", claim_idle_ms=300)
+    job_id = await h.submit("/v1/slowpoke", {"text": "cancel mid-call"})
+    running = asyncio.create_task(worker.run())
+    try:
+        await until(lambda: h.fake.stats("slow:").in_flight == 1)
+        r = await h.api.post(f"/v1/slowpoke/{job_id}/cancel", headers=h.auth)
+        assert r.status_code == 202
+        await until(lambda: h.fake.stats().abandoned == 1)
+        await until_async(lambda: pending_is(h, "slowpoke", 0))
+    finally:
+        worker.stop()
+        await asyncio.wait_for(running, 10)
+    assert h.fake.stats().in_flight == 0
+    assert await h.status(job_id) == "cancelled"
+    assert await h.keys(job_id) == ["before"]  # nothing after the cancel
+    assert await h.outbox(job_id) == []
+    assert await count(h.pool, "SELECT count(*) FROM results WHERE job_id = %s", job_id) == 0
+    outcomes = await h.rows("SELECT outcome FROM job_deliveries WHERE job_id = %s", job_id)
+    assert [o[0] for o in outcomes] == ["cancelled"]
+
+
+async def until(check: Callable[[], bool], within_s: float = 20.0) -> None:
+    deadline = asyncio.get_running_loop().time() + within_s
+    while not check():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.02)
+
+
+async def until_async(check: Callable[[], Awaitable[bool]], within_s: float = 20.0) -> None:
+    deadline = asyncio.get_running_loop().time() + within_s
+    while not await check():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.02)
+
+
+async def pending_is(h: Harness, workflow: str, n: int) -> bool:
+    return await pending(h, workflow) == n
+
+
+# -- rewinding ----------------------------------------------------------------------
+
+
+async def test_rewind_reruns_from_a_checkpoint_without_repeating_sent_effects(
+    harness: Harness,
+):
+    job_id = await harness.submit("/v1/approvals", {"text": "rewind me"})
+    worker = harness.worker("approvals")
+    await drain(worker)
+    await harness.checkpoints.cancel(uuid.UUID(job_id))
+    rewound = await harness.checkpoints.rewind(uuid.UUID(job_id), "model")
+    assert rewound is not None
+    assert (rewound.status, rewound.deleted) == ("cancelled", ("model", "approval"))
+    assert await harness.status(job_id) == "queued"
+    await drain(worker)  # runs again from the top: a new review, the same request
+    assert await harness.status(job_id) == "waiting"
+    assert harness.calls("review:") == 2
+    assert await harness.outbox(job_id) == ["order.approval_requested"]  # once
+    r = await harness.send_event("/v1/approvals", job_id, "approval", {"approved": True, "by": "z"})
+    assert r.status_code == 202
+    await drain(worker)
+    assert await harness.status(job_id) == "done"
+    assert await harness.outbox(job_id) == ["order.approval_requested", "order.decided"]
+    [(generation,)] = await harness.rows("SELECT generation FROM jobs WHERE job_id = %s", job_id)
+    assert generation == 1
+    # Only dead or cancelled jobs rewind; an unknown key changes nothing.
+    done = await harness.checkpoints.rewind(uuid.UUID(job_id), "model")
+    assert done is not None and (done.status, done.deleted) == ("done", ())
+
+
+async def test_a_delivery_of_an_earlier_generation_writes_nothing(harness: Harness):
+    """A run that loaded generation 0 cannot write after a rewind began generation 1."""
+    job_id = await harness.submit("/v1/chain", {"text": "sku-3 stale"})
+    run = await harness.checkpoints.run_of(job_id)
+    assert run is not None and run.generation == 0
+    await harness.checkpoints.cancel(uuid.UUID(job_id))
+    from oncely.journal import NewCheckpoint, RunStopped, Writes
+
+    with pytest.raises(RunStopped):
+        await harness.checkpoints.write(
+            "chain", job_id, 0, Writes((NewCheckpoint("lookup", 1, "step", {}, None),))
+        )
+    stored = await harness.jobs.finish("chain", job_id, {"kind": "x"}, None, generation=0)
+    assert stored is False
+    assert await harness.keys(job_id) == []
+    assert await harness.status(job_id) == "cancelled"
