@@ -79,9 +79,13 @@ BUCKETS = {
             ["oncely.jobs.store:_execute"],
         ),
         (
-            "pre-check: Jobs.result_stored (batched)",
-            ["oncely.jobs.store:Jobs.result_stored", "oncely.jobs.store:Jobs._results_stored"],
+            "pre-check: Checkpoints.run_of (the job's run, batched)",
+            [
+                "oncely.jobs.checkpoints:Checkpoints.run_of",
+                "oncely.jobs.checkpoints:Checkpoints._load_runs",
+            ],
         ),
+        ("checkpoints: Journal (replay, keys, pending writes)", ["oncely.journal:Journal"]),
         ("store: Jobs.finish", ["oncely.jobs.store:Jobs.finish"]),
         ("notify: OutboxWakeUp", ["oncely.outbox.wakeup:OutboxWakeUp"]),
         (
@@ -90,6 +94,7 @@ BUCKETS = {
                 "oncely.queue.worker:Worker._acknowledge",
                 "oncely.queue.worker:Worker._ack_batch",
                 "oncely.batching:GroupCommit",
+                "oncely.batching:GroupRead",
             ],
         ),
         (

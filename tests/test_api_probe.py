@@ -210,7 +210,8 @@ async def test_the_openapi_document_matches_the_service(client):
 def test_every_problem_type_the_api_answers_is_in_the_documented_list():
     documented = set(
         re.findall(
-            r"`([a-z-]+)`", (ROOT / "README.md").read_text().split("stable `type`:")[1][:600]
+            r"`([a-z-]+)`",
+            (ROOT / "README.md").read_text().split("stable `type`:")[1].split("\n\n")[0],
         )
     )
     source = "\n".join(p.read_text() for p in (ROOT / "src/oncely/api").glob("*.py"))
@@ -337,6 +338,31 @@ async def provokers(
             ),
             (get, "503"): lambda c, _, r=route: via(
                 no_postgres, "GET", f"{r}/{uuid.uuid4()}", headers=auth
+            ),
+        }
+        cancel = f"POST {route}/{{job_id}}/cancel"
+
+        async def cancelled(
+            c: Any, _: Any, r: str = route, b: Any = body, done: bool = False
+        ) -> Any:
+            accepted = await c.post(r, json=b, headers={**auth, "Idempotency-Key": key(202)})
+            if done:
+                async with pool.connection() as conn:
+                    await conn.execute("UPDATE jobs SET status = 'done'")
+            return await c.post(accepted.headers["location"] + "/cancel", headers=auth)
+
+        table |= {
+            (cancel, "202"): cancelled,
+            (cancel, "401"): lambda c, _, r=route: c.post(f"{r}/{uuid.uuid4()}/cancel"),
+            (cancel, "404"): lambda c, _, r=route: c.post(
+                f"{r}/{uuid.uuid4()}/cancel", headers=auth
+            ),
+            (cancel, "409"): lambda c, a, r=route, b=body: cancelled(c, a, r, b, done=True),
+            (cancel, "500"): lambda c, _, r=route: broken_table(
+                c, lambda: c.post(f"{r}/{uuid.uuid4()}/cancel", headers=auth)
+            ),
+            (cancel, "503"): lambda c, _, r=route: via(
+                no_postgres, "POST", f"{r}/{uuid.uuid4()}/cancel", headers=auth
             ),
         }
     table |= {

@@ -87,5 +87,11 @@ async def test_old_jobs_summaries_and_outbox_rows_survive_the_migration(
     jobs = Jobs(pool, {w.name: Stream(redis, w.keys) for w in builtin_app})
     status = await read_status(jobs, OutboxStore(pool))
     by_name = {w.workflow: w.jobs for w in status.workflows}
-    assert by_name["summaries"] == {"queued": 1, "done": 1, "dead": 0}
+    assert by_name["summaries"] == {
+        "queued": 1,
+        "waiting": 0,
+        "done": 1,
+        "dead": 0,
+        "cancelled": 0,
+    }
     assert status.outbox.unsent == 1

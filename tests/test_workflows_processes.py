@@ -177,7 +177,13 @@ async def test_dead_triage_job_is_replayed_by_the_cli_and_status_reports_per_wor
     assert model.stats(contains="Garbage").prompts[0].count == 2
     status = json.loads((await asyncio.to_thread(oncely, "status", "--json", env=env)).stdout)
     assert status["workflows"]["triage"]["dead_letters"] == 0
-    assert status["workflows"]["triage"]["jobs"] == {"queued": 0, "done": 1, "dead": 0}
+    assert status["workflows"]["triage"]["jobs"] == {
+        "queued": 0,
+        "waiting": 0,
+        "done": 1,
+        "dead": 0,
+        "cancelled": 0,
+    }
 
 
 async def test_the_example_workflow_runs_through_processes_started_with_app(

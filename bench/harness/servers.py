@@ -17,7 +17,7 @@ from redis.asyncio import Redis
 from bench.harness.measure import cpu_s
 
 # Every table a run leaves rows in (the outbox and results depend on jobs).
-TABLES = "jobs, results, outbox, job_deliveries, shadow_results"
+TABLES = "jobs, results, outbox, job_deliveries, shadow_results, checkpoints, job_events"
 
 
 @dataclass(frozen=True)

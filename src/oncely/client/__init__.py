@@ -11,7 +11,10 @@
   is accepted once. It retries connection errors, timeouts, 408, 409, 429
   and 5xx with full-jitter backoff, never sooner than ``Retry-After``, until
   ``deadline_s``; anything else raises at once.
-- ``get`` reads a job; ``wait`` reads it until it is done or dead.
+- ``get`` reads a job; ``wait`` reads it until it is done, dead or
+  cancelled (or, ``until_waiting=True``, until it waits for an event).
+- ``send_event`` sends a waiting job its event with the same key contract as
+  ``submit``; ``cancel`` cancels a job.
 - Errors are typed from the problem+json ``type``; each carries ``status``,
   ``type``, ``title``, ``detail`` and, from ``submit``, the idempotency key.
   The API key is never logged or put in a message.
@@ -24,6 +27,8 @@ from oncely.client.aio import AsyncClient
 from oncely.client.errors import (
     BadRequest,
     DeadlineExceeded,
+    EventAlreadyReceived,
+    JobFinished,
     KeyReused,
     NotFound,
     OncelyClientError,
@@ -34,7 +39,7 @@ from oncely.client.errors import (
     ValidationFailed,
     WaitTimedOut,
 )
-from oncely.client.jobs import Accepted, Job, Usage
+from oncely.client.jobs import Accepted, Cancelled, EventReceived, Job, JobStep, Usage, Waiting
 from oncely.client.policy import Backoff, retry_delay_s
 from oncely.client.sync import Client
 
@@ -43,9 +48,14 @@ __all__ = [
     "AsyncClient",
     "Backoff",
     "BadRequest",
+    "Cancelled",
     "Client",
     "DeadlineExceeded",
+    "EventAlreadyReceived",
+    "EventReceived",
     "Job",
+    "JobFinished",
+    "JobStep",
     "KeyReused",
     "NotFound",
     "OncelyClientError",
@@ -56,5 +66,6 @@ __all__ = [
     "Usage",
     "ValidationFailed",
     "WaitTimedOut",
+    "Waiting",
     "retry_delay_s",
 ]

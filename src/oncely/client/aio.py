@@ -13,7 +13,7 @@ from pydantic import BaseModel
 
 from oncely.client import calls
 from oncely.client.calls import Outcome, Plan, Send, Sleep
-from oncely.client.jobs import Accepted, Job
+from oncely.client.jobs import Accepted, Cancelled, EventReceived, Job
 from oncely.client.policy import (
     POLL_BACKOFF,
     RETRIED_TRANSPORT_ERRORS,
@@ -82,11 +82,22 @@ class AsyncClient:
 
     @overload
     async def wait(
-        self, route: str, job_id: str | uuid.UUID, *, timeout_s: float
+        self,
+        route: str,
+        job_id: str | uuid.UUID,
+        *,
+        timeout_s: float,
+        until_waiting: bool = False,
     ) -> Job[dict[str, Any]]: ...
     @overload
     async def wait(
-        self, route: str, job_id: str | uuid.UUID, *, timeout_s: float, result_type: type[M]
+        self,
+        route: str,
+        job_id: str | uuid.UUID,
+        *,
+        timeout_s: float,
+        result_type: type[M],
+        until_waiting: bool = False,
     ) -> Job[M]: ...
     async def wait(
         self,
@@ -95,9 +106,27 @@ class AsyncClient:
         *,
         timeout_s: float,
         result_type: type[BaseModel] | None = None,
+        until_waiting: bool = False,
     ) -> Job[Any]:
         """See ``Client.wait``."""
-        return await self._run(calls.wait(self.policy, route, job_id, result_type, timeout_s))
+        plan = calls.wait(self.policy, route, job_id, result_type, timeout_s, until_waiting)
+        return await self._run(plan)
+
+    async def send_event(
+        self,
+        route: str,
+        job_id: str | uuid.UUID,
+        event: str,
+        body: BaseModel | Mapping[str, Any],
+        idempotency_key: str | None = None,
+    ) -> EventReceived:
+        """See ``Client.send_event``."""
+        plan = calls.send_event(self.policy, route, job_id, event, body, idempotency_key)
+        return await self._run(plan)
+
+    async def cancel(self, route: str, job_id: str | uuid.UUID) -> Cancelled:
+        """See ``Client.cancel``."""
+        return await self._run(calls.cancel(self.policy, route, job_id))
 
     async def aclose(self) -> None:
         if self._owns_http:

@@ -17,7 +17,16 @@ from pydantic import BaseModel
 from pydantic_core import to_json
 
 from oncely.client.errors import WaitTimedOut, error_for, gave_up
-from oncely.client.jobs import Accepted, Job, read_accepted, read_job
+from oncely.client.jobs import (
+    Accepted,
+    Cancelled,
+    EventReceived,
+    Job,
+    read_accepted,
+    read_cancelled,
+    read_event,
+    read_job,
+)
 from oncely.client.policy import Policy, reason_of, retry_after_of, retry_delay_s, worth_retrying
 
 T = TypeVar("T")
@@ -102,6 +111,35 @@ def submit(
     return read_accepted(response, idempotency_key=key)
 
 
+def send_event(
+    policy: Policy,
+    route: str,
+    job_id: str | uuid.UUID,
+    event: str,
+    body: BaseModel | Mapping[str, Any],
+    idempotency_key: str | None,
+) -> Plan[EventReceived]:
+    """POST the event with one key across every try, until stored or refused."""
+    key = checked_key(idempotency_key) if idempotency_key is not None else new_idempotency_key()
+    headers = {"Idempotency-Key": key, "Content-Type": "application/json"}
+    content, path = encode(body), f"{route_path(route)}/{job_id}/events/{event}"
+    deadline_at = policy.clock() + policy.deadline_s
+    response = yield from _request(
+        policy, lambda timeout_s: Send("POST", path, timeout_s, headers, content), deadline_at, key
+    )
+    return read_event(response, idempotency_key=key)
+
+
+def cancel(policy: Policy, route: str, job_id: str | uuid.UUID) -> Plan[Cancelled]:
+    """POST the cancel (idempotent, no key needed) until answered."""
+    path = f"{route_path(route)}/{job_id}/cancel"
+    deadline_at = policy.clock() + policy.deadline_s
+    response = yield from _request(
+        policy, lambda timeout_s: Send("POST", path, timeout_s), deadline_at, None
+    )
+    return read_cancelled(response)
+
+
 def get(
     policy: Policy,
     route: str,
@@ -124,15 +162,17 @@ def wait(
     job_id: str | uuid.UUID,
     result_type: type[BaseModel] | None,
     timeout_s: float,
+    until_waiting: bool = False,
 ) -> Plan[Job[Any]]:
-    """GET until the job is done or dead, backing off between reads; every
-    read and its retries end by ``timeout_s``."""
+    """GET until the job is done, dead or cancelled (or, ``until_waiting``,
+    waiting for an event or a time), backing off between reads; every read
+    and its retries end by ``timeout_s``."""
     deadline_at = policy.clock() + timeout_s
     polls = 0
     while True:
         job = yield from get(policy, route, job_id, result_type, deadline_at)
         polls += 1
-        if job.finished:
+        if job.finished or (until_waiting and job.status == "waiting"):
             return job
         remaining_s = deadline_at - policy.clock()
         delay = retry_delay_s(polls, remaining_s=remaining_s, backoff=policy.poll, rand=policy.rand)

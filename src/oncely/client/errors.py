@@ -94,6 +94,20 @@ class ValidationFailed(OncelyClientError):
         return [e for e in errors if isinstance(e, Mapping)] if isinstance(errors, list) else []
 
 
+class JobFinished(OncelyClientError):
+    """409: the job is done, dead or cancelled (``job_status``): it takes no
+    event and no cancel any more."""
+
+    @property
+    def job_status(self) -> str | None:
+        status = self.problem.extra.get("job_status")
+        return status if isinstance(status, str) else None
+
+
+class EventAlreadyReceived(OncelyClientError):
+    """409: the job already received another event of that name."""
+
+
 class UnexpectedResponse(OncelyClientError):
     """An answer the client cannot read: a success that is not the documented
     JSON, or a result that does not fit the model it was asked to parse into."""
@@ -122,15 +136,19 @@ class Unavailable(DeadlineExceeded):
 
 
 class WaitTimedOut(DeadlineExceeded):
-    """``wait`` ran out of time while the job was still queued; ``job`` is the
-    last state read."""
+    """``wait`` ran out of time while the job was still queued or waiting;
+    ``job`` is the last state read."""
 
     def __init__(self, job: Job[Any], *, timeout_s: float, polls: int) -> None:
         self.job = job
+        still: str = job.status
+        if job.waiting is not None:
+            what = f"event {job.waiting.event!r}" if job.waiting.event else "its sleep to end"
+            still = f"waiting for {what} until {job.waiting.until.isoformat()}"
         problem = Problem(
             status=None,
             title="Job not finished",
-            detail=f"job {job.job_id} still {job.status} after {timeout_s:g} s",
+            detail=f"job {job.job_id} still {still} after {timeout_s:g} s",
         )
         super().__init__(problem, attempts=polls)
 
@@ -146,6 +164,8 @@ _BY_SLUG: dict[str, type[OncelyClientError]] = {
     "payload-too-large": PayloadTooLarge,
     "idempotency-key-reused": KeyReused,
     "validation": ValidationFailed,
+    "job-finished": JobFinished,
+    "event-already-received": EventAlreadyReceived,
 }
 # Answers with no oncely problem type (a proxy, a host app's own handlers).
 _BY_STATUS: dict[int, type[OncelyClientError]] = {

@@ -1,5 +1,6 @@
 """What the API answers about jobs, typed: ``Accepted`` for a ``POST``,
-``Job`` for a ``GET <route>/{job_id}`` (README "HTTP API")."""
+``Job`` for a ``GET <route>/{job_id}``, ``EventReceived`` for an event,
+``Cancelled`` for a cancel (README "HTTP API")."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ from oncely.client.errors import Problem, UnexpectedResponse
 R = TypeVar("R")
 M = TypeVar("M", bound=BaseModel)
 
-JobStatus = Literal["queued", "done", "dead"]
+JobStatus = Literal["queued", "waiting", "done", "dead", "cancelled"]
+# Statuses after which nothing about a job changes.
+FINISHED = frozenset({"done", "dead", "cancelled"})
 
 
 class Accepted(BaseModel):
@@ -31,13 +34,55 @@ class Accepted(BaseModel):
 
 
 class Usage(BaseModel):
-    """The model calls of the delivery that produced the result."""
+    """Tokens and model calls: of one model checkpoint, or of the whole job."""
 
     model_config = ConfigDict(frozen=True)
 
     prompt_tokens: int
     completion_tokens: int
     model_calls: int
+
+
+class JobStep(BaseModel):
+    """One checkpoint of a job (never its value)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    key: str
+    kind: Literal["step", "model", "wait", "sleep"]
+    status: Literal["done", "waiting"]
+    finished_at: datetime | None = None
+    usage: Usage | None = None
+
+
+class Waiting(BaseModel):
+    """What a waiting job waits for: ``event`` (None: a sleep) until ``until``."""
+
+    model_config = ConfigDict(frozen=True)
+
+    event: str | None = None
+    until: datetime
+
+
+class EventReceived(BaseModel):
+    """An event the server stored for a job (``replayed``: the stored answer
+    to an earlier try with the same key)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    job_id: uuid.UUID
+    event: str
+    status: str
+    replayed: bool = False
+
+
+class Cancelled(BaseModel):
+    """A job cancelled (or cancelled before)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    job_id: uuid.UUID
+    status: Literal["cancelled"]
 
 
 class Job(BaseModel, Generic[R]):
@@ -51,14 +96,17 @@ class Job(BaseModel, Generic[R]):
     status: JobStatus
     result: R | None = None
     error: str | None = None
+    # Every model checkpoint of the job, summed.
     usage: Usage | None = None
+    waiting: Waiting | None = None
+    steps: list[JobStep] = []
     created_at: datetime
     updated_at: datetime
 
     @property
     def finished(self) -> bool:
-        """Done or dead: nothing about it changes any more."""
-        return self.status != "queued"
+        """Done, dead or cancelled: nothing about it changes any more."""
+        return self.status in FINISHED
 
 
 def read_accepted(response: httpx.Response, *, idempotency_key: str) -> Accepted:
@@ -75,6 +123,24 @@ def read_accepted(response: httpx.Response, *, idempotency_key: str) -> Accepted
         raise UnexpectedResponse(
             _unreadable(response, "Accepted", exc), idempotency_key=idempotency_key
         ) from exc
+
+
+def read_event(response: httpx.Response, *, idempotency_key: str) -> EventReceived:
+    try:
+        return EventReceived.model_validate(
+            {**response.json(), "replayed": response.headers.get("idempotent-replayed") == "true"}
+        )
+    except (ValueError, TypeError, ValidationError) as exc:
+        raise UnexpectedResponse(
+            _unreadable(response, "EventReceived", exc), idempotency_key=idempotency_key
+        ) from exc
+
+
+def read_cancelled(response: httpx.Response) -> Cancelled:
+    try:
+        return Cancelled.model_validate_json(response.content)
+    except ValidationError as exc:
+        raise UnexpectedResponse(_unreadable(response, "Cancelled", exc)) from exc
 
 
 def read_job(response: httpx.Response, result_type: type[BaseModel] | None) -> Job[Any]:

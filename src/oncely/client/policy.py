@@ -93,11 +93,34 @@ def retry_delay_s(
     return min(room_s, max(floor_s, backoff_s(attempt, backoff.base_s, backoff.max_s, rand)))
 
 
+# 409s that no retry changes: the job is finished, or the event came before.
+FINAL_CONFLICTS = frozenset(
+    {
+        "https://oncely.dev/problems/job-finished",
+        "https://oncely.dev/problems/event-already-received",
+    }
+)
+
+
 def worth_retrying(outcome: httpx.Response | Exception) -> bool:
-    """No answer, or an answer that can change: 408, 409, 429, 5xx."""
+    """No answer, or an answer that can change: 408, 409 (a request with the
+    key still running, not a finished job or an event already received), 429,
+    5xx."""
     if isinstance(outcome, httpx.Response):
+        if outcome.status_code == 409 and _problem_type(outcome) in FINAL_CONFLICTS:
+            return False
         return retryable_status(outcome.status_code)
     return isinstance(outcome, RETRIED_TRANSPORT_ERRORS)
+
+
+def _problem_type(response: httpx.Response) -> str | None:
+    if not response.headers.get("content-type", "").startswith("application/problem+json"):
+        return None
+    try:
+        body = response.json()
+    except ValueError:
+        return None
+    return str(body.get("type")) if isinstance(body, dict) else None
 
 
 def retry_after_of(outcome: httpx.Response | Exception) -> float | None:

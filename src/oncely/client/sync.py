@@ -14,7 +14,7 @@ from pydantic import BaseModel
 from oncely import __version__
 from oncely.client import calls
 from oncely.client.calls import Outcome, Plan, Send, Sleep
-from oncely.client.jobs import Accepted, Job
+from oncely.client.jobs import Accepted, Cancelled, EventReceived, Job
 from oncely.client.policy import (
     POLL_BACKOFF,
     RETRIED_TRANSPORT_ERRORS,
@@ -87,11 +87,22 @@ class Client:
 
     @overload
     def wait(
-        self, route: str, job_id: str | uuid.UUID, *, timeout_s: float
+        self,
+        route: str,
+        job_id: str | uuid.UUID,
+        *,
+        timeout_s: float,
+        until_waiting: bool = False,
     ) -> Job[dict[str, Any]]: ...
     @overload
     def wait(
-        self, route: str, job_id: str | uuid.UUID, *, timeout_s: float, result_type: type[M]
+        self,
+        route: str,
+        job_id: str | uuid.UUID,
+        *,
+        timeout_s: float,
+        result_type: type[M],
+        until_waiting: bool = False,
     ) -> Job[M]: ...
     def wait(
         self,
@@ -100,9 +111,33 @@ class Client:
         *,
         timeout_s: float,
         result_type: type[BaseModel] | None = None,
+        until_waiting: bool = False,
     ) -> Job[Any]:
-        """The job once done or dead; ``WaitTimedOut`` after ``timeout_s``."""
-        return self._run(calls.wait(self.policy, route, job_id, result_type, timeout_s))
+        """The job once done, dead or cancelled; with ``until_waiting``, also
+        once it waits for an event or a time (``job.waiting`` says which).
+        ``WaitTimedOut`` after ``timeout_s``."""
+        plan = calls.wait(self.policy, route, job_id, result_type, timeout_s, until_waiting)
+        return self._run(plan)
+
+    def send_event(
+        self,
+        route: str,
+        job_id: str | uuid.UUID,
+        event: str,
+        body: BaseModel | Mapping[str, Any],
+        idempotency_key: str | None = None,
+    ) -> EventReceived:
+        """Send the job the event ``event`` (``POST <route>/{job_id}/events/<event>``)
+        once, whatever it takes: one key on every retry. ``EventAlreadyReceived``
+        if another event of that name came before, ``JobFinished`` if the job
+        is done, dead or cancelled."""
+        plan = calls.send_event(self.policy, route, job_id, event, body, idempotency_key)
+        return self._run(plan)
+
+    def cancel(self, route: str, job_id: str | uuid.UUID) -> Cancelled:
+        """Cancel a queued, running or waiting job (cancelling twice is
+        fine); ``JobFinished`` if it is already done or dead."""
+        return self._run(calls.cancel(self.policy, route, job_id))
 
     def close(self) -> None:
         if self._owns_http:

@@ -108,7 +108,7 @@ async def run_statement(
     psycopg closed it (a cancelled query that the server acknowledged leaves
     a healthy one)."""
     sent = _Sent()
-    return await _bounded(_execute(pool, sql, params, sent), sent, timeout_s)
+    return (await _finished(_execute(pool, sql, params, sent), sent, timeout_s)).result()
 
 
 async def run_transaction(
@@ -128,10 +128,13 @@ async def run_transaction(
             async with conn.transaction():
                 return await work(conn)
 
-    return await _bounded(execute(), sent, timeout_s)
+    return (await _finished(execute(), sent, timeout_s)).result()
 
 
-async def _bounded(work: Coroutine[Any, Any, T], sent: _Sent, timeout_s: float) -> T:
+async def _finished(work: Coroutine[Any, Any, T], sent: _Sent, timeout_s: float) -> asyncio.Task[T]:
+    """``work``'s task, finished within ``timeout_s`` (else ``StatementTimeout``,
+    and the task left to end in the background). Its result is read by the
+    caller, so that a failure's traceback names the caller, not this."""
     task = asyncio.create_task(work)
     try:
         done, _ = await asyncio.wait({task}, timeout=timeout_s)
@@ -141,7 +144,7 @@ async def _bounded(work: Coroutine[Any, Any, T], sent: _Sent, timeout_s: float) 
     if not done:
         _abandon(task)
         raise StatementTimeout(f"no answer within {timeout_s:g} s", sent=sent.value)
-    return task.result()
+    return task
 
 
 async def _execute(
