@@ -11,8 +11,8 @@ from typing import Any
 from oncely.api.auth import create_api_key
 from oncely.jobs.retention import Retention
 from oncely.jobs.store import Job
-from oncely.queue.worker import DeliveryReport
 from oncely.journal import Emitted, NewCheckpoint, Writes
+from oncely.queue.worker import DeliveryReport
 from tests.processes import oncely
 
 DAY_S = 86400.0
