@@ -63,6 +63,7 @@ CLUSTER_SUITE = {
     "test_call_together.py",
     "test_console.py",
     "test_dead_letters.py",
+    "test_durable_steps.py",
     "test_end_to_end.py",
     "test_idempotency.py",
     "test_key_slots.py",

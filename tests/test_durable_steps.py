@@ -9,6 +9,7 @@ their file, checkpoint and outbox rows, stream entries.
 from __future__ import annotations
 
 import asyncio
+import re
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -742,3 +743,133 @@ async def test_a_delivery_of_an_earlier_generation_writes_nothing(harness: Harne
     assert stored is False
     assert await harness.keys(job_id) == []
     assert await harness.status(job_id) == "cancelled"
+
+
+# -- operators ----------------------------------------------------------------------
+
+
+async def test_the_console_shows_checkpoints_and_what_a_job_waits_for(harness: Harness, redis):
+    from pydantic import SecretStr
+
+    key = "operator-key-for-tests-only-7f3a"
+    settings = harness.settings.model_copy(update={"console_key": SecretStr(key)})
+    app = asgi_app(settings, redis, harness.pool, harness.app)
+    transport = httpx.ASGITransport(app=app)
+    text = "<script>alert(1)</script> refund"
+    job_id = await harness.submit("/v1/approvals", {"text": text})
+    await drain(harness.worker("approvals"))
+    async with httpx.AsyncClient(transport=transport, base_url="http://oncely.test") as console:
+        assert (await console.get("/console/login", params={"key": key})).status_code == 303
+        page = await console.get(f"/console/workflows/approvals/jobs/{job_id}")
+    assert page.status_code == 200
+    assert 'id="waiting">event <code>approval</code>' in page.text
+    rows = re.findall(
+        r'<tr class="checkpoint status-(\w+)"><td>(\d+)</td><td class="id">([^<]+)', page.text
+    )
+    assert rows == [("done", "1", "model"), ("waiting", "2", "approval")]
+    assert "<script>alert(1)</script>" not in page.text
+    assert "&lt;script&gt;" in page.text  # the model's answer quotes the request, escaped
+
+
+async def test_a_shadow_run_gets_the_primarys_event_skips_sleeps_and_keeps_nothing(
+    harness: Harness, redis
+):
+    """A shadow variant runs the whole multi-step function again: no
+    checkpoints of its own, the primary's event for its wait, no sleeping."""
+    from oncely.bootstrap import Resources, WorkerGroup
+
+    settings = harness.settings.model_copy(
+        update={"shadow": "approvals=oncely-fake-v2:1,naps=oncely-fake-v2:1"}
+    )
+    group = WorkerGroup(harness.app, Resources(settings, redis, harness.pool), harness.llm)
+    for loop in group.loops:
+        await loop.stream.ensure_group()
+
+    def loop(label: str) -> Worker:
+        return next(w for w in group.loops if w.workflow == label)
+
+    waited = await harness.submit("/v1/approvals", {"text": "shadow me"})
+    slept = await harness.submit("/v1/naps", {"text": "zz-5 shadow", "sleep_s": 0.2})
+    await drain(loop("approvals"))
+    await drain(loop("naps"))
+    r = await harness.send_event(
+        "/v1/approvals", waited, "approval", {"approved": False, "by": "cy"}
+    )
+    assert r.status_code == 202
+    await drain(loop("approvals"))
+    await wait_until_due(harness, slept)
+    assert await group.timers.run_once() == 1
+    await drain(loop("naps"))
+    assert {await harness.status(waited), await harness.status(slept)} == {"done"}
+    checkpoints_before = await count(harness.pool, "SELECT count(*) FROM checkpoints")
+
+    await drain(loop("approvals:shadow:oncely-fake-v2"))
+    await drain(loop("naps:shadow:oncely-fake-v2"))
+    rows = await harness.rows(
+        "SELECT job_id::text, result, emitted, error FROM shadow_results ORDER BY workflow"
+    )
+    results = {job_id: (result, emitted, error) for job_id, result, emitted, error in rows}
+    result, emitted, error = results[waited]
+    assert error is None
+    assert (result["approved"], result["by"]) == (False, "cy")  # the primary's event
+    assert [e["topic"] for e in emitted] == ["order.approval_requested", "order.decided"]
+    assert results[slept][2] is None and results[slept][0]["before"] == "zz-5"
+    # Nothing of the shadows' in the job's tables; their model calls are their own.
+    assert await count(harness.pool, "SELECT count(*) FROM checkpoints") == checkpoints_before
+    assert await harness.outbox(waited) == ["order.approval_requested", "order.decided"]
+    assert harness.fake.stats().models["oncely-fake-v2"] == 2
+
+
+async def test_retention_deletes_cancelled_jobs_with_their_checkpoints_and_events(
+    harness: Harness,
+):
+    from oncely.jobs.retention import Retention
+
+    old = await harness.submit("/v1/approvals", {"text": "old and cancelled"})
+    recent = await harness.submit("/v1/approvals", {"text": "recent and cancelled"})
+    await drain(harness.worker("approvals"))
+    for job_id in (old, recent):
+        r = await harness.send_event(
+            "/v1/approvals", job_id, "approval", {"approved": True, "by": "x"}
+        )
+        assert r.status_code == 202
+    await drain(harness.worker("approvals"))
+    for job_id in (old, recent):
+        await harness.checkpoints.cancel(uuid.UUID(job_id))  # done: stays done
+    waiting = await harness.submit("/v1/approvals", {"text": "waits, then cancelled"})
+    await drain(harness.worker("approvals"))
+    await harness.checkpoints.cancel(uuid.UUID(waiting))
+    async with harness.pool.connection() as conn:
+        await conn.execute(
+            "UPDATE jobs SET updated_at = now() - interval '40 days' WHERE job_id IN (%s, %s)",
+            (old, waiting),
+        )
+        await conn.execute("UPDATE outbox SET sent_at = now()")
+    purged = await Retention(harness.jobs, retention_s=30 * 86400.0).run_once()
+    assert purged == 2
+    left = await harness.rows("SELECT DISTINCT job_id::text FROM checkpoints")
+    assert left == [(recent,)]
+    assert await harness.rows("SELECT job_id::text FROM job_events") == [(recent,)]
+
+
+async def test_a_jobs_age_counts_from_its_last_resume(harness: Harness):
+    """The job is older than ONCELY_JOB_MAX_AGE_S when it resumes from a
+    sleep; a transient failure then is redelivered, not dead."""
+    worker = harness.worker(
+        "naps", job_max_age_s=1.0, redelivery_base_s=0.01, redelivery_max_s=0.01
+    )
+    job_id = await harness.submit("/v1/naps", {"text": "zz-6 old [[fake:503*4]]", "sleep_s": 1.5})
+    await drain(worker)
+    assert await harness.status(job_id) == "waiting"
+    await wait_until_due(harness, job_id)
+    assert await Timers(harness.checkpoints).run_once() == 1
+
+    async def done() -> bool:
+        return await harness.status(job_id) in ("done", "dead")
+
+    await redeliver_until(harness, worker, "naps", done)
+    assert await harness.status(job_id) == "done"
+    outcomes = await harness.rows(
+        "SELECT outcome FROM job_deliveries WHERE job_id = %s ORDER BY id", job_id
+    )
+    assert [o[0] for o in outcomes] == ["waiting", "retry", "done"]

@@ -189,13 +189,17 @@ async def test_dead_triage_job_is_replayed_by_the_cli_and_status_reports_per_wor
 async def test_the_example_workflow_runs_through_processes_started_with_app(
     redis_url, database_url, redis, pool, providers, tmp_path
 ):
+    """examples/refunds.py: a clear refund is decided by the model at once; an
+    unclear one asks a person, waits for the approval event, and is decided
+    by it. One signed webhook per effect."""
     model, mail = providers
     key = await create_api_key(pool, "shop")
     port = free_port()
     env = deployment_env(redis_url, database_url, model, mail)
     procs = processes(env, tmp_path, port, app="examples.refunds:app")
     base = f"http://127.0.0.1:{port}"
-    refund = {"order_id": "A-1001", "amount_cents": 2599, "reason": "Arrived damaged: approve?"}
+    clear = {"order_id": "A-1001", "amount_cents": 2599, "reason": "Arrived damaged: approve?"}
+    unclear = {"order_id": "B-2002", "amount_cents": 9900, "reason": "Please escalate: odd case."}
     with running(*procs):
         await wait_healthy(base, procs[0], tmp_path / "api.log")
         async with httpx.AsyncClient(
@@ -204,23 +208,55 @@ async def test_the_example_workflow_runs_through_processes_started_with_app(
             builtin = await c.post(
                 "/v1/summaries", json=SUMMARY, headers={"Idempotency-Key": "not-served-here-01"}
             )
-            r = await c.post(
-                "/v1/refunds", json=refund, headers={"Idempotency-Key": "refund-A-1001-first"}
+            jobs = {}
+            for name, body in (("clear", clear), ("unclear", unclear)):
+                r = await c.post(
+                    "/v1/refunds", json=body, headers={"Idempotency-Key": f"refund-{name}-first"}
+                )
+                assert r.status_code == 202, r.text
+                jobs[name] = r.json()["job_id"]
+
+            async def asked_for_approval() -> bool:
+                job = (await c.get(f"/v1/refunds/{jobs['unclear']}")).json()
+                return bool(job["status"] == "waiting")
+
+            await wait_for(asked_for_approval, what="the unclear refund waiting")
+            event = await c.post(
+                f"/v1/refunds/{jobs['unclear']}/events/approval",
+                json={"approved": True, "by": "ada", "note": "goodwill"},
+                headers={"Idempotency-Key": "approval-B-2002-01"},
             )
-            assert r.status_code == 202, r.text
-            job_id = r.json()["job_id"]
+            assert event.status_code == 202, event.text
 
             async def delivered() -> bool:
-                return (await mail.deliveries())["effects"] == 1
+                return (await mail.deliveries())["effects"] == 3
 
-            await wait_for(delivered, what="the refund webhook")
-            job = (await c.get(f"/v1/refunds/{job_id}")).json()
+            await wait_for(delivered, what="three refund webhooks")
+            done = {
+                name: (await c.get(f"/v1/refunds/{job_id}")).json() for name, job_id in jobs.items()
+            }
     assert builtin.status_code == 404, "the example app serves only its own workflow"
-    assert job["status"] == "done"
-    assert job["result"]["decision"] == "approve"
+    assert done["clear"]["result"] == {
+        "decision": "approve",
+        "note": done["clear"]["result"]["note"],
+        "decided_by": "model",
+    }
+    assert done["unclear"]["result"] == {
+        "decision": "approve",
+        "note": "goodwill",
+        "decided_by": "person",
+    }
+    assert [s["key"] for s in done["unclear"]["steps"]] == ["model", "approval"]
     lines = [json.loads(line) for line in (tmp_path / "mailbox.jsonl").read_text().splitlines()]
-    [event] = lines
-    assert event["headers"]["webhook-id"] == f"refund.decided:{job_id}"
-    assert verify(SECRET, event["headers"], event["body"].encode())
-    assert json.loads(event["body"])["data"]["order_id"] == "A-1001"
-    assert await scalar(pool, "SELECT kind FROM jobs") == "refunds"
+    ids = sorted(line["headers"]["webhook-id"] for line in lines)
+    assert ids == sorted(
+        [
+            f"refund.decided:{jobs['clear']}",
+            f"refund.approval_requested:{jobs['unclear']}",
+            f"refund.decided:{jobs['unclear']}",
+        ]
+    )
+    for line in lines:
+        assert verify(SECRET, line["headers"], line["body"].encode())
+    assert model.stats().total == 2  # one review each; the wait cost no call
+    assert await scalar(pool, "SELECT DISTINCT kind FROM jobs") == "refunds"

@@ -21,7 +21,7 @@ from jinja2 import Environment, PackageLoader, select_autoescape
 from oncely.console.session import COOKIE, COOKIE_MAX_AGE_S, ConsoleKey
 from oncely.jobs import dead_letters
 from oncely.jobs.inspection import UNREPORTED_NOTE, inspect_job
-from oncely.jobs.store import Jobs
+from oncely.jobs.store import JOB_STATUSES, Jobs
 from oncely.outbox.store import OutboxStore
 
 if TYPE_CHECKING:
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("oncely.console")
 
-STATUSES = ("queued", "done", "dead")
+STATUSES = JOB_STATUSES
 # Read pages reload themselves this often while open.
 REFRESH_S = 10
 _LIST_LIMIT = 100
@@ -206,6 +206,7 @@ def _add_jobs(router: APIRouter, console: Console) -> None:
             whereabouts=view.whereabouts,
             unreported_note=UNREPORTED_NOTE,
             outbox=view.outbox,
+            checkpoints=view.checkpoints,
         )
 
 
