@@ -47,6 +47,7 @@ def fuzz_api(
         "ONCELY_DATABASE_URL": module_database_url,
         "ONCELY_LOG_FORMAT": "json",
         "ONCELY_DATA_DIR": str(directory),
+        "ONCELY_APP": "tests.fuzz_app:app",
     }
     created = oncely("keys", "create", "--tenant", "fuzz", env=env)
     assert created.returncode == 0, created.stderr
@@ -135,9 +136,11 @@ def test_every_operation_answers_as_documented(fuzz_schema, fuzz_api, mode) -> N
     statuses = {operation.label: fuzz(operation, mode, auth) for operation in operations}
     print(json.dumps({label: sorted(s) for label, s in statuses.items()}))
     for method in ("POST", "GET"):
-        for route in ("/v1/summaries", "/v1/triage"):
+        for route in ("/v1/summaries", "/v1/triage", "/v1/refunds"):
             label = f"{method} {route}" + ("/{job_id}" if method == "GET" else "")
             assert statuses[label], f"{label} was never fuzzed"
+    for label in ("POST /v1/refunds/{job_id}/cancel", "POST /v1/refunds/{job_id}/events/approval"):
+        assert statuses[label], f"{label} was never fuzzed"
 
 
 def fuzz(operation, mode: GenerationMode, auth: dict[str, str]) -> set[int]:  # type: ignore[no-untyped-def]
