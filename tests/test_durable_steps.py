@@ -873,3 +873,41 @@ async def test_a_jobs_age_counts_from_its_last_resume(harness: Harness):
         "SELECT outcome FROM job_deliveries WHERE job_id = %s ORDER BY id", job_id
     )
     assert [o[0] for o in outcomes] == ["waiting", "retry", "done"]
+
+
+async def test_a_side_step_is_retried_in_process_and_a_bug_kills_the_job(custom):
+    """Errors that can succeed later are retried within the delivery; a
+    PermanentError, an unknown error or a value that is not JSON kill the job
+    at once, storing nothing for that step."""
+    tries: list[str] = []
+
+    async def flaky() -> dict[str, int]:
+        tries.append("flaky")
+        if len(tries) < 3:
+            raise TransientError("the service is busy")
+        return {"n": len(tries)}
+
+    async def step(request: Text, ctx: Context) -> Said:
+        got = await ctx.step("flaky", flaky)
+        if request.text == "bug":
+            await ctx.step("broken", lambda: {}["missing"])
+        if request.text == "not json":
+            await ctx.step("opaque", lambda: object())
+        return Said(said=str(got["n"]))
+
+    h = await custom(one_off("sidestep", step))
+    worker = h.worker("sidestep")
+    fine = await h.submit("/v1/sidestep", {"text": "fine"})
+    await drain(worker)
+    assert await h.status(fine) == "done"
+    assert (await h.get("/v1/sidestep", fine))["result"] == {"said": "3"}
+    assert len(tries) == 3  # two transient failures, retried in one delivery
+
+    for text, error in (("bug", "KeyError"), ("not json", "not JSON")):
+        tries.clear()
+        job_id = await h.submit("/v1/sidestep", {"text": text})
+        await drain(worker)
+        assert await h.status(job_id) == "dead"
+        [(message,)] = await h.rows("SELECT error FROM jobs WHERE job_id = %s", job_id)
+        assert message.startswith("permanent:") and error in message
+        assert await h.keys(job_id) == ["flaky"]  # what it reached before, kept
