@@ -1,10 +1,14 @@
-"""The chaos soak, small (``python -m bench.chaos``): about 200 requests over both
-workflows, sent 1–3 times each, while a worker or relay is SIGKILLed every
-2 s, Redis is restarted empty mid-run and the fake model and provider fail
-at random; afterwards every invariant holds: nothing lost, one effect per
-done job, scripted 422s and dead jobs as scripted, replays identical, and
-every excess model call explained by a kill. And the runner's checks, on
-made-up evidence, catching each broken invariant."""
+"""The chaos soak, small (``python -m bench.chaos``): 200 requests over the
+soak app's three workflows (the two built-in ones and ``reviews``, multi-step:
+a model call, a side step, a webhook, a wait for an event, maybe a sleep,
+another model call, another webhook), sent 1–3 times each, the reviews'
+events sent before their wait, while they wait, twice, in conflict, after
+the end or never, while a worker or relay is SIGKILLed every 2 s, Redis is
+restarted empty mid-run and the fake model and provider fail at random;
+afterwards every invariant holds: nothing lost, each effect once, scripted
+422s and dead jobs as scripted, replays identical, no checkpointed model
+call or side step run again, and every excess call explained. And the
+runner's checks, on made-up evidence, catching each broken invariant."""
 
 from __future__ import annotations
 
@@ -19,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from bench import chaos
+from bench import chaos, chaos_app
 
 from oncely.builtin.summaries import render_email
 from oncely.senders.webhook import sign
@@ -65,29 +69,57 @@ def test_small_soak_with_kills_and_redis_restarted_empty_keeps_every_invariant(t
     assert (report["lost"], report["duplicate_effects"]) == (0, 0)
     assert report["done"] + report["dead"] == REQUESTS
     assert report["dead"] == report["dead_scripted"] > 0, "dead exactly as scripted"
-    assert report["effects"] == report["done"], "one effect per done job"
+    assert report["effects"] == report["effects_expected"], "each effect of the rows, once"
     assert report["reused_key_422"] > 0 and report["replays"] > 0
     assert report["kills"]["total"] >= 5
     [scenario] = report["scenarios"]
     assert scenario["name"] == "redis-restart" and scenario["detail"].startswith("restarted empty")
     assert report["provider_faults"] and report["model"]["random_faults"], "faults were met"
     assert report["model"]["excess_explained_by"].get("unexplained", 0) == 0
+    steps = report["multi_step"]
+    assert steps["accepted"] > 0 and steps["lost"] == 0
+    assert steps["done"] + steps["dead"] == steps["accepted"]
+    assert steps["dead"] == steps["dead_scripted"]
+    assert steps["waited"] > 0 and steps["timed_out"] > 0 and steps["sleeps"] > 0
+    assert steps["events"]["received_before_the_wait"] > 0
+    assert steps["events"]["received_while_waiting"] > 0
+    answers = steps["events"]["answers"]
+    assert answers["first 202"] > 0 and answers["after 409"] > 0, answers
+    assert steps["model_calls"]["checkpoints"] == 2 * steps["done"] + steps["dead"]
+    assert steps["model_calls"]["excess_explained_by"].get("unexplained", 0) == 0
+    assert steps["side_steps"]["checkpoints"] == steps["accepted"]
+    assert steps["side_steps"]["extra_explained_by"].get("unexplained", 0) == 0
 
 
 # --- the checks themselves, on made-up evidence: a soak that cannot fail proves nothing
 
 
 T0 = 1_700_000_000.0
-JOB_IDS = [str(uuid.UUID(int=n + 1)) for n in range(3)]
+JOB_IDS = [str(uuid.UUID(int=n + 1)) for n in range(5)]
+# The reviews of the clean run: one waits for its event and sleeps, then is
+# done; one never gets its event and is scripted to fail in its last call.
+REVIEW, DOOMED_REVIEW = JOB_IDS[3], JOB_IDS[4]
 
 
-def request(i: int, workflow: str, doomed: bool = False) -> Any:
+def request(i: int, workflow: str, doomed: bool = False, event: str | None = None) -> Any:
     if workflow == "summaries":
-        body = {"text": f"req-{i:06d} seed-0. Once.", "notify": f"user{i}@example.com"}
-    else:
+        body: dict[str, Any] = {
+            "text": f"req-{i:06d} seed-0. Once.",
+            "notify": f"user{i}@example.com",
+        }
+    elif workflow == "triage":
         body = {"subject": f"req-{i:06d} seed-0: Charged twice", "body": "Billing."}
+    else:
+        body = {
+            "text": f"req-{i:06d} seed-0. Review me.",
+            "wait_s": 2.0 if event == "never" else 60.0,
+            "sleep_s": 0.0 if doomed else 2.0,
+            "fate": "[[fake:400]]" if doomed else "",
+        }
     key = f"chaos-0-{workflow}-{i:06d}"
-    return chaos.Planned(i, "acme", workflow, key, body, None, doomed, "sequential", 1, 0.0)
+    return chaos.Planned(
+        i, "acme", workflow, key, body, None, doomed, "sequential", 1, 0.0, event=event
+    )
 
 
 def accepted(planned: Any, job_id: str, times: int = 2) -> Any:
@@ -103,27 +135,107 @@ def email_line(job_id: str, to: str, summary: str) -> dict[str, Any]:
 
 
 def event_line(job_id: str, result: dict[str, str]) -> dict[str, Any]:
-    body = json.dumps({"type": "ticket.triaged", "data": {"job_id": job_id, **result}})
-    key = f"ticket_triaged:{job_id}"
+    data = {"job_id": job_id, **result}
+    return webhook_line(f"ticket_triaged:{job_id}", "ticket.triaged", data)
+
+
+def webhook_line(key: str, topic: str, data: dict[str, Any]) -> dict[str, Any]:
+    body = json.dumps({"type": topic, "data": data})
     headers = {
         "webhook-id": key,
         "webhook-timestamp": str(int(T0)),
         "webhook-signature": sign(chaos.WEBHOOK_SECRET, key, int(T0), body.encode()),
     }
-    data = {"job_id": job_id, **result}
     return {"kind": "event", "idempotency_key": key, "data": data, "headers": headers, "body": body}
 
 
+def checkpoint(
+    key: str, ordinal: int, kind: str, value: Any, at: float, ended: float | None = None
+) -> Any:
+    """A done checkpoint stored at T0 + ``at``; a wait or sleep of ``until``
+    (``key`` = approval: 60 s, sleep: 2 s) that ended at T0 + ``ended``."""
+    usage = {"model_calls": 1} if kind == "model" else None
+    length = {"approval": 60.0, "sleep": 2.0}.get(key)
+    until = T0 + at + length if length is not None else None
+    finished = T0 + (ended if ended is not None else at)
+    return chaos.CheckpointRow(key, ordinal, kind, "done", value, usage, until, T0 + at, finished)
+
+
+def received(job_id: str) -> chaos.Answer:
+    body = json.dumps({"job_id": job_id, "event": "approval", "status": "received"}).encode()
+    return chaos.Answer(202, body, attempts=1)
+
+
+def review_run() -> tuple[list[Any], dict[str, Any]]:
+    """A review done (its event came while it waited, then it slept), and a
+    doomed one dead (its wait timed out, its last call failed for good)."""
+    review, doomed = request(3, "reviews", event="late"), request(4, "reviews", True, "never")
+    outcomes = [accepted(review, REVIEW), accepted(doomed, DOOMED_REVIEW)]
+    approval = chaos.approval_of(review)
+    key = f"{review.key}-approval"
+    outcomes[0].events = [chaos.EventSend("first", key, approval, received(REVIEW), "waiting")]
+    lookup = {"run": "run-1", "pid": 41}
+    steps = {
+        REVIEW: [
+            checkpoint("model", 1, "model", "Draft.", at=1.0),
+            checkpoint("lookup", 2, "step", lookup, at=2.0),
+            checkpoint("approval", 3, "wait", approval, at=2.0, ended=4.0),
+            checkpoint("sleep", 4, "sleep", None, at=4.0, ended=6.5),
+            checkpoint("model#2", 5, "model", "Final.", at=7.0),
+        ],
+        DOOMED_REVIEW: [
+            checkpoint("model", 1, "model", "Draft.", at=1.0),
+            checkpoint("lookup", 2, "step", {"run": "run-2", "pid": 41}, at=2.0),
+            dataclasses.replace(
+                checkpoint("approval", 3, "wait", None, at=2.0, ended=4.1), until=T0 + 4.0
+            ),
+        ],
+    }
+    result = {"draft": "Draft.", "lookup": "run-1", "final": "Final.", **approval}
+    requested = chaos_app.REVIEW_REQUESTED
+    decided = {"approved": approval["approved"], "by": approval["by"], "final": "Final."}
+    return outcomes, {
+        "rows": {REVIEW: (review, "done"), DOOMED_REVIEW: (doomed, "dead")},
+        "results": {REVIEW: result},
+        "checkpoints": steps,
+        "events": {REVIEW: chaos.EventRow(approval, T0 + 3.0)},
+        "side_runs": {
+            REVIEW: [chaos.SideRun(REVIEW, "run-1", 41, T0 + 1.5)],
+            DOOMED_REVIEW: [chaos.SideRun(DOOMED_REVIEW, "run-2", 41, T0 + 1.5)],
+        },
+        "prompts": {
+            (3, "draft"): [chaos.PromptRecord(1, 1, (6001,), {}, {})],
+            (3, "final"): [chaos.PromptRecord(1, 1, (6002,), {}, {})],
+            (4, "draft"): [chaos.PromptRecord(1, 1, (6003,), {}, {})],
+            (4, "final"): [chaos.PromptRecord(1, 0, (), {"400": 1}, {"400": (6004,)})],
+        },
+        "effects": [
+            webhook_line(f"{requested}:{REVIEW}", requested, {"job_id": REVIEW, "draft": "Draft."}),
+            webhook_line(
+                f"{chaos_app.REVIEW_DECIDED}:{REVIEW}",
+                chaos_app.REVIEW_DECIDED,
+                {"job_id": REVIEW, **decided},
+            ),
+            webhook_line(
+                f"{requested}:{DOOMED_REVIEW}",
+                requested,
+                {"job_id": DOOMED_REVIEW, "draft": "Draft."},
+            ),
+        ],
+    }
+
+
 def clean_run() -> tuple[list[Any], Any]:
-    """A summary done, a ticket done and a scripted failure dead, as they should be."""
+    """A summary done, a ticket done and a scripted failure dead, and two
+    reviews (``review_run``), as they should be."""
     summary, ticket, doomed = (
         request(0, "summaries"),
         request(1, "triage"),
         request(2, "triage", True),
     )
-    outcomes = [accepted(p, j) for p, j in zip((summary, ticket, doomed), JOB_IDS, strict=True)]
+    outcomes = [accepted(p, j) for p, j in zip((summary, ticket, doomed), JOB_IDS[:3], strict=True)]
     triaged = {"category": "billing", "priority": "normal", "reply": "On it."}
-    fates = zip(JOB_IDS, (summary, ticket, doomed), ("done", "done", "dead"), strict=True)
+    fates = zip(JOB_IDS[:3], (summary, ticket, doomed), ("done", "done", "dead"), strict=True)
     rows = {
         job_id: chaos.JobRow(job_id, "acme", p.workflow, status, None, p.body, T0, T0 + 1)
         for job_id, p, status in fates
@@ -149,7 +261,21 @@ def clean_run() -> tuple[list[Any], Any]:
         },
         log_events=collections.Counter(),
     )
-    return outcomes, evidence
+    reviews, r = review_run()
+    for job_id, (p, status) in r["rows"].items():
+        evidence.jobs[job_id] = chaos.JobRow(
+            job_id, "acme", "reviews", status, None, p.body, T0, T0 + 8
+        )
+    evidence.results.update(r["results"])
+    evidence.checkpoints, evidence.events = r["checkpoints"], r["events"]
+    evidence.side_runs, evidence.step_prompts = r["side_runs"], r["prompts"]
+    evidence.effects += r["effects"]
+    evidence.outbox += [
+        chaos.OutboxRow(line["data"]["job_id"], line["idempotency_key"], True, False, 1)
+        for line in r["effects"]
+    ]
+    evidence.deliveries = {"requests": 5, "effects": 5, "by_key": {}}
+    return outcomes + reviews, evidence
 
 
 def check(outcomes: list[Any], evidence: Any, kills: tuple[Any, ...] = ()) -> dict[str, Any]:
@@ -165,8 +291,15 @@ def test_the_checks_pass_a_run_where_everything_is_as_it_should_be() -> None:
     report = check(*clean_run())
 
     assert report["violations"] == []
-    assert (report["accepted"], report["done"], report["dead_scripted"]) == (3, 2, 1)
-    assert report["replays"] == 3
+    assert (report["accepted"], report["done"], report["dead_scripted"]) == (5, 3, 2)
+    assert report["replays"] == 5
+    assert report["effects"] == report["effects_expected"] == 5
+    steps = report["multi_step"]
+    assert (steps["done"], steps["dead_scripted"], steps["lost"]) == (1, 1, 0)
+    assert (steps["waited"], steps["timed_out"], steps["sleeps"]) == (2, 1, 1)
+    assert steps["events"]["received_while_waiting"] == 1
+    assert steps["model_calls"]["checkpoints"] == steps["model_calls"]["billed"] == 3
+    assert steps["side_steps"]["runs"] == steps["side_steps"]["checkpoints"] == 2
 
 
 def lose_a_job(outcomes: list[Any], e: Any) -> None:
@@ -201,6 +334,80 @@ def email_a_stranger(outcomes: list[Any], e: Any) -> None:
     e.effects.append(email_line(str(uuid.UUID(int=99)), "x@example.com", "Who?"))
 
 
+# -- multi-step defects: the review of the clean run ------------------------------------
+
+
+def leave_a_review_waiting(outcomes: list[Any], e: Any) -> None:
+    e.jobs[REVIEW] = dataclasses.replace(e.jobs[REVIEW], status="waiting")
+
+
+def pay_a_checkpointed_call_again(outcomes: list[Any], e: Any) -> None:
+    """The draft billed twice: the second time by a worker nobody killed."""
+    e.step_prompts[3, "draft"] = [chaos.PromptRecord(2, 2, (6001, 6005), {}, {})]
+
+
+def deliver_a_review_effect_twice(outcomes: list[Any], e: Any) -> None:
+    [requested] = [x for x in e.effects if x["idempotency_key"].endswith(f":{REVIEW}")][:1]
+    e.effects.append(dict(requested))
+
+
+def emit_a_review_effect_under_another_key(outcomes: list[Any], e: Any) -> None:
+    data = {"job_id": REVIEW, "draft": "Draft."}
+    e.effects.append(webhook_line(f"review.requested.again:{REVIEW}", "review.requested", data))
+
+
+def decide_a_dead_review(outcomes: list[Any], e: Any) -> None:
+    key = f"{chaos_app.REVIEW_DECIDED}:{DOOMED_REVIEW}"
+    data = {"job_id": DOOMED_REVIEW, "approved": None, "by": None, "final": "Final."}
+    e.effects.append(webhook_line(key, chaos_app.REVIEW_DECIDED, data))
+
+
+def rerun_a_stored_side_step(outcomes: list[Any], e: Any) -> None:
+    """A run that began 3 s after the step's checkpoint was stored (at T0 + 2)."""
+    e.side_runs[REVIEW].append(chaos.SideRun(REVIEW, "run-3", 43, T0 + 5.0))
+
+
+def run_a_side_step_twice_for_no_reason(outcomes: list[Any], e: Any) -> None:
+    e.side_runs[REVIEW].insert(0, chaos.SideRun(REVIEW, "run-0", 43, T0 + 1.2))
+
+
+def keep_a_side_value_no_run_made(outcomes: list[Any], e: Any) -> None:
+    steps = e.checkpoints[REVIEW]
+    steps[1] = dataclasses.replace(steps[1], value={"run": "run-9", "pid": 41})
+
+
+def miss_an_event_that_came_in_time(outcomes: list[Any], e: Any) -> None:
+    steps = e.checkpoints[REVIEW]
+    steps[2] = dataclasses.replace(steps[2], value=None)
+
+
+def end_a_sleep_early(outcomes: list[Any], e: Any) -> None:
+    steps = e.checkpoints[REVIEW]
+    steps[3] = dataclasses.replace(steps[3], finished=T0 + 5.5)
+
+
+def skip_the_sleep(outcomes: list[Any], e: Any) -> None:
+    del e.checkpoints[REVIEW][3]
+
+
+def ask_the_final_call_with_another_prompt(outcomes: list[Any], e: Any) -> None:
+    e.step_prompts[3, "final"].append(chaos.PromptRecord(1, 1, (6006,), {}, {}))
+
+
+def keep_the_conflicting_event(outcomes: list[Any], e: Any) -> None:
+    e.events[REVIEW] = chaos.EventRow(chaos.conflicting_approval_of(outcomes[3].planned), T0 + 3)
+
+
+def accept_a_conflicting_event(outcomes: list[Any], e: Any) -> None:
+    other = chaos.conflicting_approval_of(outcomes[3].planned)
+    answer = received(REVIEW)
+    outcomes[3].events.append(chaos.EventSend("conflict", "k-2", other, answer, "waiting"))
+
+
+def answer_with_a_value_no_checkpoint_holds(outcomes: list[Any], e: Any) -> None:
+    e.results[REVIEW] = {**e.results[REVIEW], "final": "Another final."}
+
+
 @pytest.mark.parametrize(
     ("defect", "violation"),
     [
@@ -212,6 +419,21 @@ def email_a_stranger(outcomes: list[Any], e: Any) -> None:
         (pay_twice, "excess_model_calls_unexplained"),
         (send_another_summary, "effect_differs_from_result"),
         (email_a_stranger, "effect_of_no_accepted_job"),
+        (leave_a_review_waiting, "lost"),
+        (pay_a_checkpointed_call_again, "checkpointed_call_repeated"),
+        (deliver_a_review_effect_twice, "duplicate_effects"),
+        (emit_a_review_effect_under_another_key, "effect_without_checkpoint"),
+        (decide_a_dead_review, "effect_without_checkpoint"),
+        (rerun_a_stored_side_step, "side_step_ran_after_checkpoint"),
+        (run_a_side_step_twice_for_no_reason, "side_step_repeated_unexplained"),
+        (keep_a_side_value_no_run_made, "side_step_value_of_no_run"),
+        (miss_an_event_that_came_in_time, "wait_missed_its_event"),
+        (end_a_sleep_early, "sleep_ended_early"),
+        (skip_the_sleep, "steps_differ"),
+        (ask_the_final_call_with_another_prompt, "model_call_prompt_changed"),
+        (keep_the_conflicting_event, "stored_event_differs"),
+        (accept_a_conflicting_event, "unexpected_event_answer"),
+        (answer_with_a_value_no_checkpoint_holds, "result_differs_from_checkpoints"),
     ],
 )
 def test_the_checks_catch_each_broken_invariant(defect: Any, violation: str) -> None:
@@ -265,3 +487,56 @@ def test_a_fault_met_by_a_killed_worker_does_not_hide_a_timeout_in_the_storing_d
 
     assert report["violations"] == []
     assert report["model"]["excess_explained_by"]["client_timeout"] == 1
+
+
+def test_a_repeated_checkpointed_call_is_explained_only_by_a_kill_while_it_was_in_flight():
+    """The draft was stored at T0 + 1. A worker killed before, holding the
+    port that paid the second call, explains it; the same kill while the
+    job slept (T0 + 5, after the checkpoint) explains nothing, though the
+    job was still in flight."""
+    outcomes, evidence = clean_run()
+    pay_a_checkpointed_call_again(outcomes, evidence)
+    during = chaos.Kill(T0 + 0.5, 1.0, "worker", "worker1.1", 42, model_ports=(6005,))
+    after = chaos.Kill(T0 + 5, 6.0, "worker", "worker2.1", 43, model_ports=(6005,))
+
+    explained = check(outcomes, evidence, (during,))
+    too_late = check(outcomes, evidence, (after,))
+
+    assert explained["violations"] == []
+    assert explained["multi_step"]["model_calls"]["excess_explained_by"]["worker_kill"] == 1
+    assert kinds(too_late) == {"checkpointed_call_repeated"}
+
+
+def test_a_side_step_run_again_because_its_worker_died_mid_step_is_explained():
+    outcomes, evidence = clean_run()
+    run_a_side_step_twice_for_no_reason(outcomes, evidence)  # pid 43, at T0 + 1.2
+    mid_step = chaos.Kill(T0 + 1.3, 1.3, "worker", "worker2.1", 43)
+
+    report = check(outcomes, evidence, (mid_step,))
+
+    assert report["violations"] == []
+    side = report["multi_step"]["side_steps"]
+    assert (side["runs"], side["extra_runs"]) == (3, 1)
+    assert side["extra_explained_by"]["worker_died"] == 1
+
+
+def test_a_second_final_call_after_the_waiting_delivery_lost_its_worker_is_explained():
+    """The delivery that began the wait (T0 + 2, pid 44) was killed before
+    it acknowledged its entry: the entry came back while the job ran again,
+    and both deliveries paid for the final call."""
+    outcomes, evidence = clean_run()
+    evidence.step_prompts[3, "final"] = [chaos.PromptRecord(2, 2, (6002, 6007), {}, {})]
+    evidence.suspensions = {REVIEW: [(44, T0 + 2.0)]}
+    killed = chaos.Kill(T0 + 2.2, 2.2, "worker", "worker3.1", 44)
+
+    unexplained = check(outcomes, evidence)
+    explained = check(outcomes, evidence, (killed,))
+
+    assert kinds(unexplained) == {"checkpointed_call_repeated"}
+    assert explained["violations"] == []
+    assert explained["multi_step"]["model_calls"]["excess_explained_by"]["stale_entry"] == 1
+
+
+def test_a_worker_pid_is_read_from_its_consumer_name():
+    assert chaos.consumer_pid("vm-host-20067-372cba") == 20067
+    assert chaos.consumer_pid("nonsense") == 0
