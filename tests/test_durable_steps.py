@@ -18,6 +18,7 @@ from typing import Any
 
 import httpx
 import pytest
+from structlog.testing import capture_logs
 from psycopg_pool import AsyncConnectionPool
 from pydantic import BaseModel
 
@@ -911,3 +912,45 @@ async def test_a_side_step_is_retried_in_process_and_a_bug_kills_the_job(custom)
         [(message,)] = await h.rows("SELECT error FROM jobs WHERE job_id = %s", job_id)
         assert message.startswith("permanent:") and error in message
         assert await h.keys(job_id) == ["flaky"]  # what it reached before, kept
+
+
+class Crash(BaseException):
+    """Stands for kill -9: nothing after it runs, nothing is cleaned up."""
+
+
+async def test_an_entry_left_pending_before_a_wait_is_dropped_once_the_job_resumed(
+    harness: Harness,
+):
+    """The worker dies after the wait committed, before acknowledging; the
+    event enqueues the job again. The stale entry, reclaimed later, is
+    acknowledged without running: the job runs once, not twice at once."""
+    approvals = harness.worker("approvals")
+    handler = approvals.handler
+
+    async def wait_then_die(message: Any, delivery: Any) -> str:
+        await handler(message, delivery)
+        raise Crash
+
+    approvals.handler = wait_then_die
+    job_id = await harness.submit("/v1/approvals", {"text": "stale entry"})
+    await approvals.run_once()
+    with pytest.raises(Crash):
+        await asyncio.gather(*approvals._tasks.values())
+    assert await harness.status(job_id) == "waiting"
+    assert await pending(harness, "approvals") == 1  # never acknowledged
+    r = await harness.send_event("/v1/approvals", job_id, "approval", {"approved": True, "by": "x"})
+    assert r.status_code == 202
+
+    other = harness.worker("approvals", claim_idle_ms=0)
+    with capture_logs() as logs:
+        await drain(other, rounds=3)
+    assert await harness.status(job_id) == "done"
+    assert await pending(harness, "approvals") == 0
+    [dropped] = [e for e in logs if e["event"] == "job.superseded_entry_dropped"]
+    assert dropped["job_id"] == job_id
+    # The new message ran (its first delivery), not the stale one (its second).
+    outcomes = await harness.rows(
+        "SELECT outcome, delivery FROM job_deliveries WHERE job_id = %s ORDER BY id", job_id
+    )
+    assert outcomes == [("waiting", 1), ("done", 1)]
+    assert harness.calls("review:") == 1

@@ -56,6 +56,25 @@ end
 return {renewed, cancelled}
 """
 
+# KEYS: stream, index. ARGV: group, consumer, then (entry id, job id) pairs
+# this consumer just claimed. An entry whose job the index names with
+# another entry (a newer message: the job waited, and was enqueued again on
+# resuming, while this one stayed pending under a worker that died) or as
+# delayed is superseded: acknowledged here, never run. Returns those ids.
+DROP_SUPERSEDED = """
+local dropped = {}
+for i = 3, #ARGV, 2 do
+  local id, job = ARGV[i], ARGV[i + 1]
+  local current = redis.call('HGET', KEYS[2], job)
+  if current and current ~= id
+      and #redis.call('XPENDING', KEYS[1], ARGV[1], id, id, 1, ARGV[2]) > 0 then
+    redis.call('XACK', KEYS[1], ARGV[1], id)
+    dropped[#dropped + 1] = id
+  end
+end
+return dropped
+"""
+
 # KEYS: cancelled. ARGV: job id, how long a cancel is remembered (ms).
 # Running deliveries hear of a cancel at their next lease renewal; older
 # cancels are forgotten (PostgreSQL keeps the record).

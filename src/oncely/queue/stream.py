@@ -169,6 +169,7 @@ class Stream:
         self._defer = redis.register_script(scripts.DEFER)
         self._promote = redis.register_script(scripts.PROMOTE)
         self._announce_cancel = redis.register_script(scripts.ANNOUNCE_CANCEL)
+        self._drop_superseded = redis.register_script(scripts.DROP_SUPERSEDED)
         self._delay_keys = [keys.stream, keys.index, keys.delayed, keys.delayed_messages]
 
     async def enqueue(self, message: JobMessage, extra: Mapping[str, str] | None = None) -> str:
@@ -231,6 +232,15 @@ class Stream:
             else:
                 deleted.append(entry_id)
         return next_cursor, entries, deleted
+
+    async def drop_superseded(self, consumer: str, entries: list[Entry]) -> set[str]:
+        """Acknowledge, without running them, claimed entries of jobs that
+        were enqueued again since (scripts.DROP_SUPERSEDED); their ids."""
+        args: list[str] = [self.group, consumer]
+        for entry_id, fields in entries:
+            args += [entry_id, fields.get("job_id", "")]
+        dropped = await self._drop_superseded(keys=[self.stream, self.index], args=args)
+        return {str(i) for i in dropped}
 
     async def delivery_counts(self, consumer: str, ids: list[str]) -> dict[str, int]:
         """Delivery count of each id, from one XPENDING range call."""

@@ -317,9 +317,23 @@ class Worker:
             await self._record_lost(deleted)
         if not entries:
             return []
+        entries = await self._live(entries)
         counts = await self.stream.delivery_counts(self.consumer, [e for e, _ in entries])
         metrics.DELIVERIES.labels(workflow=self.workflow, kind="reclaimed").inc(len(entries))
         return await self._admit(entries, counts)
+
+    async def _live(self, entries: list[Entry]) -> list[Entry]:
+        """The reclaimed entries still current. A job that waited and resumed
+        has a newer message; an older one left pending by a worker that died
+        before acknowledging it is superseded, and running it would run the
+        job twice at once."""
+        dropped = await self.stream.drop_superseded(self.consumer, entries)
+        for entry_id, fields in entries:
+            if entry_id in dropped:
+                self.log.info(
+                    "job.superseded_entry_dropped", job_id=fields.get("job_id"), entry_id=entry_id
+                )
+        return [(entry_id, fields) for entry_id, fields in entries if entry_id not in dropped]
 
     async def _admit(self, entries: list[Entry], counts: dict[str, int]) -> list[Delivery]:
         batch = []
