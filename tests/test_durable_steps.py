@@ -18,9 +18,9 @@ from typing import Any
 
 import httpx
 import pytest
-from structlog.testing import capture_logs
 from psycopg_pool import AsyncConnectionPool
 from pydantic import BaseModel
+from structlog.testing import capture_logs
 
 from oncely import App, Context, TransientError, Workflow, webhook
 from oncely.api.auth import create_api_key
