@@ -19,10 +19,11 @@ from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 from pydantic import ValidationError
-from rich.console import Console
 
+from oncely import terminal
 from oncely.logs import configure_logging
 from oncely.settings import Settings
+from oncely.terminal import literal
 
 if TYPE_CHECKING:
     from oncely.shadow.report import VariantReport
@@ -53,7 +54,7 @@ jobs_app = typer.Typer(
 app.add_typer(jobs_app, name="jobs")
 
 # soft_wrap: an error is one line however long, whatever the terminal width.
-err = Console(stderr=True, soft_wrap=True)
+err = terminal.console(stderr=True)
 
 # Exit codes every command keeps (scripts rely on them): 2 is typer's usage
 # error; 69 is sysexits' EX_UNAVAILABLE.
@@ -123,12 +124,12 @@ def _run(coro: Coroutine[Any, Any, T]) -> T:
     try:
         return _event_loop_run(coro)
     except SchemaMismatch as exc:
-        err.print(f"[red]{exc}[/red]", soft_wrap=True)
+        err.print(literal(exc), style="red")
         raise typer.Exit(EXIT_FAILED) from None
     except (psycopg.OperationalError, psycopg_pool.PoolTimeout) as exc:
-        err.print(f"[red]PostgreSQL did not answer:[/red] {exc}")
+        err.print(f"PostgreSQL did not answer: {literal(exc)}", style="red")
     except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
-        err.print(f"[red]Redis did not answer:[/red] {exc}")
+        err.print(f"Redis did not answer: {literal(exc)}", style="red")
     raise typer.Exit(EXIT_UNAVAILABLE)
 
 
@@ -152,7 +153,7 @@ def _settings(**overrides: Any) -> Settings:
         for error in exc.errors():
             name = "ONCELY_" + "_".join(str(part) for part in error["loc"]).upper()
             message = error["msg"].removeprefix("Value error, ")
-            err.print(f"[red]{name}[/red]: {message} (got {error.get('input')!r})")
+            err.print(f"{name}: {literal(message)} (got {literal(repr(error.get('input')))})")
         raise typer.Exit(EXIT_USAGE) from None
     if _chosen_app:
         overrides["app"] = _chosen_app
@@ -175,13 +176,13 @@ def _check_app(settings: Settings) -> None:
     try:
         app = load_app(settings.app)
     except ValueError as exc:
-        err.print(f"[red]--app / ONCELY_APP[/red]: {exc}")
+        err.print(f"--app / ONCELY_APP: {literal(exc)}", style="red")
         raise typer.Exit(EXIT_USAGE) from None
     try:
         shadows, primary = parse_shadow(settings.shadow), parse_primary(settings.primary)
         check_workflows(shadows, primary, app.names, settings.app)
     except ValueError as exc:
-        err.print(f"[red]ONCELY_SHADOW / ONCELY_PRIMARY[/red]: {exc}")
+        err.print(f"ONCELY_SHADOW / ONCELY_PRIMARY: {literal(exc)}", style="red")
         raise typer.Exit(EXIT_USAGE) from None
 
 
@@ -191,7 +192,10 @@ def _workflows(settings: Settings, names: list[str] | None) -> list[str]:
     known = load_app(settings.app).names
     unknown = [n for n in names or [] if n not in known]
     if unknown:
-        err.print(f"[red]--workflow[/red]: no workflow {unknown} in {settings.app} (has {known})")
+        err.print(
+            f"--workflow: no workflow {literal(unknown)} in {literal(settings.app)} (has {known})",
+            style="red",
+        )
         raise typer.Exit(EXIT_USAGE)
     return names or []
 
@@ -211,7 +215,7 @@ def migrate(
     if check:
         problem = _run(check_schema(database_url)).problem()
         if problem:
-            err.print(f"[red]{problem}[/red]")
+            err.print(problem, style="red")
             raise typer.Exit(EXIT_FAILED)
         err.print("the database schema is current")
         return
@@ -374,10 +378,10 @@ def keys_create(
     from oncely.ops import create_key
 
     if not tenant.strip():
-        err.print("[red]--tenant must not be empty[/red]")
+        err.print("--tenant must not be empty", style="red")
         raise typer.Exit(EXIT_USAGE)
     key, key_id = _run(create_key(_settings(), tenant))
-    err.print(f"created key {key_id} for tenant [bold]{tenant}[/bold]; it is shown only now")
+    err.print(f"created key {key_id} for tenant {literal(tenant)}; it is shown only now")
     if as_json:
         _print_json({"id": key_id, "tenant": tenant, "key": key})
     else:
@@ -409,17 +413,17 @@ def keys_revoke(
     from oncely.ops import revoke_key
 
     if (key is None) == (key_id is None):
-        err.print("[red]give --id ID (or the key itself)[/red]")
+        err.print("give --id ID (or the key itself)", style="red")
         raise typer.Exit(EXIT_USAGE)
     tenant = _run(revoke_key(_settings(), key=key, key_id=key_id))
     if tenant is None:
-        err.print("[red]no such active key[/red]")
+        err.print("no such active key", style="red")
         raise typer.Exit(EXIT_NOT_FOUND)
     if as_json:
         _print_json({"revoked": key_id or "by key", "tenant": tenant})
     cache_s = _settings().api_key_cache_s
     err.print(
-        f"revoked a key of tenant [bold]{tenant}[/bold];"
+        f"revoked a key of tenant {literal(tenant)};"
         f" API processes refuse it within {cache_s:g} s (ONCELY_API_KEY_CACHE_S)"
     )
 
@@ -472,20 +476,20 @@ def dlq_replay(
     from oncely.ops import AmbiguousDeadLetter, replay_dead_letters
 
     if (dead_id is None) == (not replay_all):
-        err.print("[red]give one dead letter id, or --all[/red]")
+        err.print("give one dead letter id, or --all", style="red")
         raise typer.Exit(EXIT_USAGE)
     if dry_run and not replay_all:
-        err.print("[red]--dry-run goes with --all[/red]")
+        err.print("--dry-run goes with --all", style="red")
         raise typer.Exit(EXIT_USAGE)
     settings = _settings()
     _workflows(settings, [workflow] if workflow else None)
     try:
         replayed = _run(replay_dead_letters(settings, dead_id, workflow=workflow, dry_run=dry_run))
     except AmbiguousDeadLetter as exc:
-        err.print(f"[red]{exc}[/red]")
+        err.print(literal(exc), style="red")
         raise typer.Exit(EXIT_USAGE) from None
     if dead_id is not None and not replayed:
-        err.print(f"[red]no dead letter {dead_id}[/red]")
+        err.print(f"no dead letter {literal(dead_id)}", style="red")
         raise typer.Exit(EXIT_NOT_FOUND)
     verb = "would replay" if dry_run else "replayed"
     if as_json:
@@ -519,14 +523,14 @@ def outbox_retry(
     from oncely.ops import retry_outbox
 
     if (row_id is None) == (not all_failed):
-        err.print("[red]give one row id, or --all-failed[/red]")
+        err.print("give one row id, or --all-failed", style="red")
         raise typer.Exit(EXIT_USAGE)
     if dry_run and not all_failed:
-        err.print("[red]--dry-run goes with --all-failed[/red]")
+        err.print("--dry-run goes with --all-failed", style="red")
         raise typer.Exit(EXIT_USAGE)
     ids = _run(retry_outbox(_settings(), row_id, dry_run=dry_run))
     if row_id is not None and not ids:
-        err.print(f"[red]no failed row {row_id}[/red]")
+        err.print(f"no failed row {row_id}", style="red")
         raise typer.Exit(EXIT_NOT_FOUND)
     verb = "would schedule" if dry_run else "scheduled"
     if as_json:
@@ -551,7 +555,9 @@ def jobs_show(
     settings = _settings()
     _workflows(settings, [workflow] if workflow else None)
     if not _run(show_job(settings, parsed, workflow=workflow, as_json=as_json)):
-        err.print(f"[red]no job {parsed}[/red]" + (f" in {workflow}" if workflow else ""))
+        err.print(
+            f"no job {parsed}" + (f" in {literal(workflow)}" if workflow else ""), style="red"
+        )
         raise typer.Exit(EXIT_NOT_FOUND)
 
 
@@ -560,7 +566,7 @@ def _job_id(text: str) -> uuid.UUID:
     try:
         return uuid.UUID(text)
     except ValueError:
-        err.print(f"[red]not a job id:[/red] {text!r}")
+        err.print(f"not a job id: {literal(repr(text))}", style="red")
         raise typer.Exit(EXIT_USAGE) from None
 
 
@@ -579,7 +585,9 @@ def jobs_cancel(
     _workflows(settings, [workflow] if workflow else None)
     found = _run(cancel_job(settings, parsed, workflow=workflow))
     if found is None:
-        err.print(f"[red]no job {parsed}[/red]" + (f" in {workflow}" if workflow else ""))
+        err.print(
+            f"no job {parsed}" + (f" in {literal(workflow)}" if workflow else ""), style="red"
+        )
         raise typer.Exit(EXIT_NOT_FOUND)
     status = found.status if found.finished else "cancelled"
     if as_json:
@@ -587,7 +595,7 @@ def jobs_cancel(
     else:
         sys.stdout.write(f"{parsed} {status}\n")
     if found.finished:
-        err.print(f"[red]the job is {found.status}: nothing to cancel[/red]")
+        err.print(f"the job is {found.status}: nothing to cancel", style="red")
         raise typer.Exit(EXIT_FAILED)
 
 
@@ -613,14 +621,14 @@ def jobs_rewind(
     settings = _settings()
     rewound = _run(rewind_job(settings, parsed, to))
     if rewound is None:
-        err.print(f"[red]no job {parsed}[/red]")
+        err.print(f"no job {parsed}", style="red")
         raise typer.Exit(EXIT_NOT_FOUND)
     if rewound.status not in ("dead", "cancelled"):
-        err.print(f"[red]the job is {rewound.status}: only dead or cancelled jobs rewind[/red]")
+        err.print(f"the job is {rewound.status}: only dead or cancelled jobs rewind", style="red")
         raise typer.Exit(EXIT_FAILED)
     if not rewound.deleted:
         keys = _run(checkpoint_keys(settings, parsed))
-        err.print(f"no checkpoint {to!r}; the job has {keys}", markup=False, style="red")
+        err.print(f"no checkpoint {literal(repr(to))}; the job has {keys}", style="red")
         raise typer.Exit(EXIT_NOT_FOUND)
     if as_json:
         _print_json({"job_id": str(parsed), "status": "queued", "deleted": rewound.deleted})
@@ -637,7 +645,7 @@ def tenants_erase(
     from oncely.ops import erase_tenant
 
     if not tenant.strip():
-        err.print("[red]the tenant must not be empty[/red]")
+        err.print("the tenant must not be empty", style="red")
         raise typer.Exit(EXIT_USAGE)
     counts = _run(erase_tenant(_settings(), tenant))
     if as_json:
@@ -645,7 +653,7 @@ def tenants_erase(
         return
     for name, n in counts.items():
         sys.stdout.write(f"{name}: {n}\n")
-    err.print(f"erased tenant [bold]{tenant}[/bold]")
+    err.print(f"erased tenant {literal(tenant)}")
 
 
 EvalWorkflowOpt = Annotated[str, typer.Option("--workflow", "-w", help="The workflow.")]
@@ -669,7 +677,10 @@ def _since(value: str | None) -> datetime:
     try:
         when = datetime.fromisoformat(value)
     except ValueError:
-        err.print(f"[red]--since[/red]: want 30m, 6h, 7d or an ISO 8601 time, got {value!r}")
+        err.print(
+            f"--since: want 30m, 6h, 7d or an ISO 8601 time, got {literal(repr(value))}",
+            style="red",
+        )
         raise typer.Exit(EXIT_USAGE) from None
     return when if when.tzinfo else when.replace(tzinfo=UTC)
 
@@ -734,7 +745,7 @@ def eval_gate(
         )
     else:
         details = "; ".join([*verdict.failures, *verdict.checks])
-        sys.stdout.write(f"{word}: {workflow} / {variant}: {details}\n")
+        sys.stdout.write(f"{word}: {literal(workflow)} / {literal(variant)}: {literal(details)}\n")
     if not verdict.passed:
         raise typer.Exit(EXIT_FAILED)
 

@@ -1,5 +1,6 @@
 """Operator commands: status, dead letters, the outbox. Tables on stdout via
-rich; ``--json`` where a script wants to read the answer."""
+rich, every stored text shown literally (``oncely.terminal``); ``--json``
+where a script wants to read the answer."""
 
 from __future__ import annotations
 
@@ -10,9 +11,6 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import asdict
 from datetime import UTC, datetime
-
-from rich.console import Console
-from rich.table import Table
 
 from oncely.app import App
 from oncely.bootstrap import app_from, jobs_for, open_resources, shadow_streams
@@ -25,8 +23,9 @@ from oncely.settings import Settings
 from oncely.shadow.report import VariantReport, build_report
 from oncely.shadow.store import ShadowResults
 from oncely.status import read_status
+from oncely.terminal import console, literal, print_rows
 
-out = Console()
+out = console()
 
 
 @asynccontextmanager
@@ -44,23 +43,19 @@ async def show_status(settings: Settings, *, as_json: bool) -> None:
     if as_json:
         print(json.dumps(status.to_json(), indent=2))
         return
-    table = Table(title="oncely status")
     statuses = ("queued", "waiting", "done", "dead", "cancelled")
     columns = ("workflow", "stream", "pending", "delayed", "dead letters", *statuses)
-    for column in columns:
-        table.add_column(column)
-    for w in status.workflows:
-        s, j = w.stream, w.jobs
-        table.add_row(
-            w.workflow,
-            *(str(n) for n in (s.length, s.pending, s.delayed, s.dead_letters)),
-            *(str(j.get(k, 0)) for k in statuses),
-        )
+    rows: list[list[object]] = [
+        [w.workflow, w.stream.length, w.stream.pending, w.stream.delayed, w.stream.dead_letters]
+        + [w.jobs.get(k, 0) for k in statuses]
+        for w in status.workflows
+    ]
     for name, s in status.shadows.items():
         # Shadow runs have no job rows of their own (their results: `oncely eval report`).
-        counts = (s.length, s.pending, s.delayed, s.dead_letters)
-        table.add_row(name, *(str(n) for n in counts), *("-" for _ in statuses))
-    out.print(table)
+        rows.append(
+            [name, s.length, s.pending, s.delayed, s.dead_letters, *("-" for _ in statuses)]
+        )
+    print_rows(out, "oncely status", columns, rows)
     o = status.outbox
     oldest = "-" if o.oldest_unsent_age_s is None else f"{o.oldest_unsent_age_s:.1f} s"
     out.print(
@@ -70,7 +65,9 @@ async def show_status(settings: Settings, *, as_json: bool) -> None:
     streams = [(w.workflow, w.stream) for w in status.workflows] + list(status.shadows.items())
     for name, stats in streams:
         for c in stats.consumers:
-            out.print(f"consumer {name}/{c.name}: {c.pending} pending, idle {c.idle_ms} ms")
+            out.print(
+                f"consumer {name}/{literal(c.name)}: {c.pending} pending, idle {c.idle_ms} ms"
+            )
 
 
 async def show_dead_letters(
@@ -83,20 +80,19 @@ async def show_dead_letters(
             for letter in await dead_letters.list_dead(jobs, name, limit)
         ]
     if as_json:
-        rows = [
+        items = [
             {"workflow": name, **{k: v for k, v in asdict(d).items() if k != "fields"}}
             for name, d in letters
         ]
-        print(json.dumps(rows, indent=2))
+        print(json.dumps(items, indent=2))
         return
-    table = Table(title=f"dead letters ({len(letters)} shown, newest first per workflow)")
-    _id_columns(table, ("workflow", "id", "job"), [(n, d.dead_id, d.job_id) for n, d in letters])
-    for column in ("reason", "deliveries", "dead at", "last error"):
-        table.add_column(column, overflow="fold")
-    for name, d in letters:
-        dead_at = datetime.fromtimestamp(d.dead_at, UTC).isoformat(timespec="seconds")
-        table.add_row(name, d.dead_id, d.job_id, d.reason, str(d.deliveries), dead_at, d.last_error)
-    out.print(table)
+    columns = ("workflow", "id", "job", "reason", "deliveries", "dead at", "last error")
+    rows = [
+        (name, d.dead_id, d.job_id, d.reason, d.deliveries, _moment(d.dead_at), d.last_error)
+        for name, d in letters
+    ]
+    title = f"dead letters ({len(letters)} shown, newest first per workflow)"
+    print_rows(out, title, columns, rows, ids=3)
 
 
 class AmbiguousDeadLetter(Exception):
@@ -144,15 +140,9 @@ async def show_outbox(
         print(json.dumps(items, indent=2))
         return
     title = "failed outbox rows" if failed_only else "unsent outbox rows"
-    table = Table(title=f"{title} ({len(rows)} shown)")
-    _id_columns(table, ("id", "dedupe key"), [(str(r.id), r.dedupe_key) for r in rows])
-    for column in ("topic", "attempts", "state", "last error"):
-        table.add_column(column, overflow="fold")
-    for r in rows:
-        table.add_row(
-            str(r.id), r.dedupe_key, r.topic, str(r.attempts), _state(r), r.last_error or ""
-        )
-    out.print(table)
+    columns = ("id", "dedupe key", "topic", "attempts", "state", "last error")
+    cells = [(r.id, r.dedupe_key, r.topic, r.attempts, _state(r), r.last_error or "") for r in rows]
+    print_rows(out, f"{title} ({len(rows)} shown)", columns, cells, ids=2)
 
 
 def _state(row: OutboxRow) -> str:
@@ -163,12 +153,8 @@ def _state(row: OutboxRow) -> str:
     return "waiting"
 
 
-def _id_columns(table: Table, names: tuple[str, ...], values: list[tuple[str, ...]]) -> None:
-    """Columns that are never cut or wrapped: ids are for copying. The other
-    columns wrap instead."""
-    for i, name in enumerate(names):
-        width = max([len(name), *(len(v[i]) for v in values)])
-        table.add_column(name, no_wrap=True, min_width=width)
+def _moment(unix_s: float) -> str:
+    return datetime.fromtimestamp(unix_s, UTC).isoformat(timespec="seconds")
 
 
 async def retry_outbox(
@@ -201,40 +187,47 @@ async def show_job(
 
 def _print_job(view: JobView) -> None:
     j = view.job
-    out.print(f"{j.kind} job {j.job_id}: [bold]{j.status}[/bold] (tenant {j.tenant})")
+    out.print(f"{j.kind} job {j.job_id}: {j.status} (tenant {literal(j.tenant)})")
     out.print(f"created {_when(j.created_at)}, updated {_when(j.updated_at)}")
-    out.print(f"request: {json.dumps(j.payload, ensure_ascii=False)}", soft_wrap=True)
+    out.print(f"request: {_json(j.payload)}", soft_wrap=True)
     if j.result is not None:
-        out.print(f"result: {json.dumps(j.result, ensure_ascii=False)}", soft_wrap=True)
+        out.print(f"result: {_json(j.result)}", soft_wrap=True)
     if j.usage is not None:
-        out.print(f"usage: {json.dumps(j.usage)}")
+        out.print(f"usage: {_json(j.usage)}")
     if j.error:
-        out.print(f"error: {j.error}", soft_wrap=True, markup=False)
+        out.print(f"error: {literal(j.error)}", soft_wrap=True)
     if j.status == "waiting" and j.wait_until is not None:
-        what = f"event {j.waiting_for!r}" if j.waiting_for else "its sleep to end"
-        out.print(f"waiting for {what} until {_when(j.wait_until)}", markup=False)
+        what = f"event {literal(j.waiting_for)!r}" if j.waiting_for else "its sleep to end"
+        out.print(f"waiting for {what} until {_when(j.wait_until)}")
     _print_checkpoints(view)
-    table = Table(title=f"deliveries ({len(view.deliveries)})")
-    _id_columns(table, ("#", "outcome"), [(str(d.delivery), d.outcome) for d in view.deliveries])
-    for column in ("started", "finished", "model calls", "consumer", "error"):
-        table.add_column(column, overflow="fold")
-    for d in view.deliveries:
-        table.add_row(
-            str(d.delivery),
+    columns = ("#", "outcome", "started", "finished", "model calls", "consumer", "error")
+    rows = [
+        (
+            d.delivery,
             d.outcome,
             _when(d.started_at),
             _when(d.finished_at),
-            str(d.model_calls),
+            d.model_calls,
             d.consumer,
             d.error or "",
         )
-    out.print(table)
+        for d in view.deliveries
+    ]
+    print_rows(out, f"deliveries ({len(view.deliveries)})", columns, rows, ids=2)
     message = view.to_json()["message"]
-    out.print("message now: " + ("unknown" if message is None else json.dumps(message)))
+    out.print("message now: " + ("unknown" if message is None else _json(message)))
     out.print(UNREPORTED_NOTE)
     for r in view.outbox:
         state = "sent" if r.sent_at else _state(r)
-        out.print(f"outbox row {r.id} {r.topic} {r.dedupe_key}: {state}, {r.attempts} attempt(s)")
+        out.print(
+            f"outbox row {r.id} {literal(r.topic)} {literal(r.dedupe_key)}: "
+            f"{state}, {r.attempts} attempt(s)"
+        )
+
+
+def _json(value: object) -> str:
+    """JSON as stored (non-ASCII kept), with hidden characters escaped."""
+    return literal(json.dumps(value, ensure_ascii=False, default=str))
 
 
 def _print_checkpoints(view: JobView) -> None:
@@ -243,11 +236,10 @@ def _print_checkpoints(view: JobView) -> None:
     out.print(f"checkpoints ({len(view.checkpoints)}):")
     for c in view.checkpoints:
         when = _when(c.finished_at) if c.finished_at else f"until {_when(c.until)}"
-        spent = f", usage {json.dumps(c.usage)}" if c.usage else ""
-        out.print(f"  {c.ordinal}. {c.key} ({c.kind}, {c.status}, {when}{spent})", markup=False)
+        spent = f", usage {_json(c.usage)}" if c.usage else ""
+        out.print(f"  {c.ordinal}. {literal(c.key)} ({c.kind}, {c.status}, {when}{spent})")
         if c.status == "done":
-            value = json.dumps(c.value, ensure_ascii=False)
-            out.print(f"     {value}", soft_wrap=True, markup=False, highlight=False)
+            out.print(f"     {_json(c.value)}", soft_wrap=True)
 
 
 async def cancel_job(
@@ -318,15 +310,12 @@ async def show_keys(settings: Settings, *, tenant: str | None, as_json: bool) ->
     if as_json:
         print(json.dumps([asdict(k) for k in keys], indent=2, default=str))
         return
-    table = Table(title=f"API keys ({len(keys)})")
-    _id_columns(table, ("id", "tenant"), [(k.id, k.tenant) for k in keys])
-    for column in ("created", "last used", "revoked"):
-        table.add_column(column, overflow="fold")
-    for k in keys:
-        table.add_row(
-            k.id, k.tenant, _when(k.created_at), _when(k.last_used_at), _when(k.revoked_at)
-        )
-    out.print(table)
+    columns = ("id", "tenant", "created", "last used", "revoked")
+    rows = [
+        (k.id, k.tenant, _when(k.created_at), _when(k.last_used_at), _when(k.revoked_at))
+        for k in keys
+    ]
+    print_rows(out, f"API keys ({len(keys)})", columns, rows, ids=2)
 
 
 def _when(moment: datetime | None) -> str:
@@ -349,25 +338,20 @@ def print_eval_report(reports: list[VariantReport], *, workflow: str, as_json: b
         )
         return
     if not reports:
-        out.print(f"no shadow runs stored for {workflow}")
+        out.print(f"no shadow runs stored for {literal(workflow)}")
         return
     for r in reports:
         out.print(
-            f"[bold]{r.workflow} / {r.variant}[/bold]: {r.pairs} pairs compared, "
-            f"{r.runs} shadow runs, {r.errors} errors ({r.error_rate:.1%})"
+            f"{literal(r.workflow)} / {literal(r.variant)}: {r.pairs} pairs compared, "
+            f"{r.runs} shadow runs, {r.errors} errors ({r.error_rate:.1%})",
+            style="bold",
         )
         out.print(f"agreement {_maybe(r.agreement)}")
-        fields = Table(title="agreement per field")
-        fields.add_column("field")
-        fields.add_column("agreement")
-        for name, mean in r.fields.items():
-            fields.add_row(name, f"{mean:.3f}")
         if r.fields:
-            out.print(fields)
+            fields = [(name, f"{mean:.3f}") for name, mean in r.fields.items()]
+            print_rows(out, "agreement per field", ("field", "agreement"), fields)
         out.print("scores: " + ", ".join(f"{k}: {n}" for k, n in r.scores.items()))
-        costs = Table(title="per job (pairs)")
-        for column in ("", "primary", "shadow", "delta"):
-            costs.add_column(column)
+        costs = []
         for key, label in (
             ("tokens", "tokens"),
             ("model_calls", "model calls"),
@@ -375,11 +359,11 @@ def print_eval_report(reports: list[VariantReport], *, workflow: str, as_json: b
         ):
             p, s = r.primary[key], r.shadow[key]
             delta = None if p is None or s is None else s - p
-            costs.add_row(label, _maybe(p, ".1f"), _maybe(s, ".1f"), _maybe(delta, "+.1f"))
-        out.print(costs)
+            costs.append((label, _maybe(p, ".1f"), _maybe(s, ".1f"), _maybe(delta, "+.1f")))
+        print_rows(out, "per job (pairs)", ("", "primary", "shadow", "delta"), costs)
         out.print(f"cost ratio {_maybe(r.cost_ratio)}, latency ratio {_maybe(r.latency_ratio)}")
         for error, n in r.top_errors:
-            out.print(f"error x{n}: {error}")
+            out.print(f"error x{n}: {literal(error)}", soft_wrap=True)
 
 
 def _maybe(value: float | None, spec: str = ".3f") -> str:

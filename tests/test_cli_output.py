@@ -1,0 +1,99 @@
+"""The operator CLI prints stored text literally: rich markup in a tenant's
+text is not read as markup (no crash, no live hyperlink, nothing hidden),
+control characters and bidi overrides are shown as escapes, and lists stay
+readable at 80 columns (a pipe, or a default terminal): no value is left
+out. Real `oncely` commands on real Redis and PostgreSQL."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+
+import pytest
+from psycopg.types.json import Jsonb
+
+from oncely.api.auth import create_api_key
+from oncely.jobs.store import Job
+from oncely.terminal import literal
+from tests.processes import oncely
+
+ESC = "\x1b"
+MARKUP = "hello [/bold] world. [link=https://evil.example/reset]reset here[/link] [conceal]hidden"
+HOSTILE = f"{ESC}[31mred{ESC}[0m \u202eevil\u202c \x9b2J bell\x07"
+
+
+@pytest.fixture
+def env(redis_url: str, database_url: str) -> dict[str, str]:
+    # A pipe: rich prints 80 columns wide, as on a default terminal.
+    return {
+        "ONCELY_REDIS_URL": redis_url,
+        "ONCELY_DATABASE_URL": database_url,
+        "COLUMNS": "80",
+    }
+
+
+def run(*args: str, env: dict[str, str]) -> str:
+    done = oncely(*args, env=env)
+    assert done.returncode == 0, done.stderr
+    assert ESC not in done.stdout and "\u202e" not in done.stdout and "\x9b" not in done.stdout
+    assert ESC not in done.stderr
+    return done.stdout
+
+
+def test_literal_escapes_every_hidden_character_and_nothing_else() -> None:
+    assert literal("plain [bold] text, ünïcödé ✓") == "plain [bold] text, ünïcödé ✓"
+    assert literal(HOSTILE) == "\\x1b[31mred\\x1b[0m \\u202eevil\\u202c \\x9b2J bell\\x07"
+    assert literal("a\nb\tc\u200bd\u2066e\ufeff") == "a\\x0ab\\x09c\\u200bd\\u2066e\\ufeff"
+
+
+async def test_jobs_show_prints_markup_and_escapes_literally(jobs, env) -> None:
+    job_id = str(uuid.uuid4())
+    payload = {"subject": MARKUP[:300], "body": HOSTILE}
+    await jobs.accept(Job(job_id, "acme [b]", "triage", payload))
+    await jobs.mark_dead(job_id, f"permanent: {MARKUP}")
+    out = await asyncio.to_thread(run, "jobs", "show", job_id, env=env)
+    assert "hello [/bold] world." in out
+    assert "[link=https://evil.example/reset]reset here[/link]" in out
+    assert "[conceal]hidden" in out
+    # The request is JSON (C0 escaped its way); the rest escaped by the CLI.
+    assert "\\u001b[31mred" in out and "\\u202eevil" in out and "\\x9b2J" in out
+    assert "tenant acme [b]" in out
+
+
+async def test_outbox_list_shows_a_providers_error_bytes_visibly(pool, env) -> None:
+    async with pool.connection() as conn:
+        await conn.execute(
+            "INSERT INTO outbox (topic, dedupe_key, payload, attempts, last_error, failed_at)"
+            " VALUES ('ticket.triaged', 'ticket_triaged:x', %s, 10, %s, now())",
+            (Jsonb({}), f"500 from the provider: {HOSTILE} {MARKUP}"),
+        )
+    out = await asyncio.to_thread(run, "outbox", "list", "--failed", env=env)
+    flat = "".join(out.split())  # a long value may fold over lines
+    assert "".join(["\\x1b[31mred\\x1b[0m"]) in flat
+    assert "[/bold]" in out
+    assert "ticket_triaged:x" in out
+
+
+async def test_dlq_list_at_80_columns_leaves_no_value_out(jobs, stream, env) -> None:
+    await stream.ensure_group()
+    job_id = str(uuid.uuid4())
+    await jobs.accept(Job(job_id, "acme", "summaries", {"text": "t", "notify": "a@b.io"}))
+    [(entry_id, fields)] = await stream.read_new("c1", 1, 10)
+    error = f"the provider said: {MARKUP} and a long tail of words to wrap " * 2
+    await jobs.mark_dead(job_id, f"permanent: {error}")
+    dead = {**fields, "reason": "permanent", "deliveries": "3", "last_error": error, "dead_at": "1"}
+    assert await stream.dead_letter("c1", entry_id, job_id, dead)
+    out = await asyncio.to_thread(run, "dlq", "list", env=env)
+    flat = "".join(out.split())
+    for value in (job_id, "summaries", "permanent", "3", "1970-01-01T00:00:01+00:00"):
+        assert value in flat, (value, out)
+    assert "".join(f"the provider said: {MARKUP}".split()) in flat
+    listed = json.loads(await asyncio.to_thread(run, "dlq", "list", "--json", env=env))
+    assert listed[0]["dead_id"] in flat
+
+
+async def test_keys_list_prints_a_tenant_name_as_it_is(pool, env) -> None:
+    await create_api_key(pool, "[red]acme[/red]\u202e")
+    out = await asyncio.to_thread(run, "keys", "list", env=env)
+    assert "[red]acme[/red]\\u202e" in "".join(out.split())
