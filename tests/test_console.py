@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 import pytest
 from pydantic import SecretStr
+from structlog.testing import capture_logs
 
 from oncely.api.auth import create_api_key
 from oncely.jobs import dead_letters
@@ -39,7 +40,7 @@ async def console(settings, redis, pool) -> AsyncIterator[httpx.AsyncClient]:
 @pytest.fixture
 async def operator(console) -> httpx.AsyncClient:
     """The console client, signed in."""
-    r = await console.get("/console/login", params={"key": KEY})
+    r = await console.post("/console/login", data={"key": KEY})
     assert r.status_code == 303
     return console
 
@@ -76,7 +77,7 @@ async def test_a_stranger_is_sent_to_the_login_form(console):
 
 
 async def test_a_wrong_key_is_refused(console):
-    r = await console.get("/console/login", params={"key": KEY + "x"})
+    r = await console.post("/console/login", data={"key": KEY + "x"})
     assert r.status_code == 401
     assert "set-cookie" not in r.headers
     r = await console.post("/console/login", data={"key": ""})
@@ -335,3 +336,136 @@ async def test_a_dead_job_replayed_in_the_browser_ends_done(
         assert fake_llm.stats(contains="Refused once").prompts[0].count == 2
     finally:
         driver.quit()
+
+
+# -- sessions, sign-in, and what every page says -------------------------------------------
+
+
+def cookie_of(response: httpx.Response) -> str:
+    match = re.search(r"oncely_console=([^;]+)", response.headers["set-cookie"])
+    assert match, response.headers.get("set-cookie")
+    return match.group(1)
+
+
+def with_cookie(console: httpx.AsyncClient, value: str) -> httpx.AsyncClient:
+    """Another browser, holding ``value`` as its session cookie."""
+    return httpx.AsyncClient(
+        transport=console._transport,
+        base_url=str(console.base_url),
+        cookies={"oncely_console": value},
+    )
+
+
+async def test_each_login_is_its_own_session_and_signing_out_ends_that_one_alone(console, redis):
+    first = cookie_of(await console.post("/console/login", data={"key": KEY}))
+    second = cookie_of(await console.post("/console/login", data={"key": KEY}))
+    assert first != second
+    async with with_cookie(console, first) as a, with_cookie(console, second) as b:
+        page = await a.get("/console")
+        assert page.status_code == 200
+        # Signing out needs the session's CSRF token.
+        assert (await a.post("/console/logout")).status_code == 403
+        assert (
+            await a.post("/console/logout", data={"csrf": csrf_of((await b.get("/console")).text)})
+        ).status_code == 403
+        out = await a.post("/console/logout", data={"csrf": csrf_of(page.text)})
+        assert (out.status_code, out.headers["location"]) == (303, "/console/login?signed_out=1")
+        assert (
+            'oncely_console=""' in out.headers["set-cookie"]
+            or "Max-Age=0" in out.headers["set-cookie"]
+        )
+        # A copy of the ended session's cookie is worth nothing; the other session goes on.
+        assert (await a.get("/console")).status_code == 303
+        assert (await b.get("/console")).status_code == 200
+    # Nothing of the session id itself is kept: only its digest names the key.
+    stored = [k async for k in redis.scan_iter("oncely:console:session:*")]
+    assert len(stored) == 1 and second not in stored[0]
+
+
+async def test_a_session_ends_when_its_time_is_up(console, redis):
+    cookie = cookie_of(await console.post("/console/login", data={"key": KEY}))
+    [stored] = [k async for k in redis.scan_iter("oncely:console:session:*")]
+    ttl = await redis.ttl(stored)
+    assert 8 * 3600 - 60 < ttl <= 8 * 3600  # the server keeps the lifetime, not the browser
+    async with with_cookie(console, cookie) as browser:
+        assert (await browser.get("/console")).status_code == 200
+        await redis.pexpire(stored, 1)
+        await asyncio.sleep(0.05)
+        assert (await browser.get("/console")).status_code == 303
+
+
+async def test_a_cookie_or_csrf_token_of_any_shape_is_refused_never_a_500(console):
+    for value in ("ümlaut-session", "x" * 42 + "\u00e9", "'; DROP", "a" * 43):
+        raw = b"oncely_console=" + value.encode()  # UTF-8 bytes, as a browser may send
+        r = await console.get("/console", headers=[(b"cookie", raw)])
+        assert (r.status_code, r.headers["location"]) == (303, "/console/login"), value
+    cookie = cookie_of(await console.post("/console/login", data={"key": KEY}))
+    async with with_cookie(console, cookie) as browser:
+        for token in ("é" * 64, "\u00ff" * 10, "zz", ""):
+            r = await browser.post("/console/outbox/1/retry", data={"csrf": token})
+            assert r.status_code == 403, token
+    latin = await console.get("/console", headers=[(b"cookie", b"oncely_console=\xe9t\xe9")])
+    assert latin.status_code == 303
+
+
+async def test_failed_sign_ins_are_throttled_per_address_and_logged_with_it(console):
+    with capture_logs() as logs:
+        for _ in range(10):
+            assert (await console.post("/console/login", data={"key": "wrong"})).status_code == 401
+        throttled = await console.post("/console/login", data={"key": KEY})
+    assert throttled.status_code == 429
+    assert 0 < int(throttled.headers["retry-after"]) <= 60
+    assert "set-cookie" not in throttled.headers
+    refusals = [e for e in logs if e["event"] == "console.login_refused"]
+    assert len(refusals) == 10 and refusals[0]["client"] == "127.0.0.1"
+    assert [e["client"] for e in logs if e["event"] == "console.login_throttled"] == ["127.0.0.1"]
+    assert KEY not in repr(logs) and "wrong" not in repr(logs)
+
+
+async def test_the_key_is_never_taken_from_a_url(console):
+    r = await console.get("/console/login", params={"key": KEY})
+    assert r.status_code == 200 and "set-cookie" not in r.headers
+    assert (await console.get("/console")).status_code == 303
+
+
+async def test_pages_run_no_inline_script_and_say_nosniff(operator):
+    page = await operator.get("/console")
+    csp = page.headers["content-security-policy"]
+    assert "unsafe-inline" not in csp and "script-src 'self'" in csp
+    assert page.headers["x-content-type-options"] == "nosniff"
+    assert not re.search(r"<script>|<script [^>]*>[^<]|onclick=|<style", page.text)
+    script = await operator.get("/console/assets/console.js")
+    assert script.status_code == 200 and script.headers["content-type"].startswith(
+        "text/javascript"
+    )
+    assert script.headers["x-content-type-options"] == "nosniff"
+    assert (await operator.get("/console/assets/evil.js")).status_code == 404
+
+
+async def test_every_api_answer_says_nosniff_and_a_job_is_never_cached(client, auth):
+    r = await client.post(
+        "/v1/triage",
+        json={"subject": "s", "body": "b"},
+        headers={**auth, "Idempotency-Key": "nosniff-and-no-store-01"},
+    )
+    assert r.headers["x-content-type-options"] == "nosniff"
+    job = await client.get(r.headers["location"], headers=auth)
+    assert job.headers["cache-control"] == "no-store"
+    assert job.headers["x-content-type-options"] == "nosniff"
+    for path in ("/healthz", "/openapi.json", "/v1/nowhere"):
+        assert (await client.get(path)).headers["x-content-type-options"] == "nosniff", path
+
+
+def test_a_short_console_key_is_refused_at_start_without_showing_it(redis_url, database_url):
+    from tests.processes import oncely
+
+    short = "hunter2-but-longer"
+    env = {
+        "ONCELY_REDIS_URL": redis_url,
+        "ONCELY_DATABASE_URL": database_url,
+        "ONCELY_CONSOLE_KEY": short,
+    }
+    refused = oncely("api", "--port", str(free_port()), env=env)
+    assert refused.returncode == 2
+    assert "ONCELY_CONSOLE_KEY" in refused.stderr and "at least 32 characters" in refused.stderr
+    assert short not in refused.stderr + refused.stdout

@@ -760,7 +760,7 @@ async def test_the_console_shows_checkpoints_and_what_a_job_waits_for(harness: H
     job_id = await harness.submit("/v1/approvals", {"text": text})
     await drain(harness.worker("approvals"))
     async with httpx.AsyncClient(transport=transport, base_url="http://oncely.test") as console:
-        assert (await console.get("/console/login", params={"key": key})).status_code == 303
+        assert (await console.post("/console/login", data={"key": key})).status_code == 303
         page = await console.get(f"/console/workflows/approvals/jobs/{job_id}")
     assert page.status_code == 200
     assert 'id="waiting">event <code>approval</code>' in page.text

@@ -413,6 +413,9 @@ class ApiServer:
                 head_timeout_s=s.http_header_timeout_s, max_head_bytes=s.http_max_header_bytes
             ),
             timeout_keep_alive=s.http_keep_alive_s,
+            # X-Forwarded-For / -Proto from these proxies only (README: Web console).
+            proxy_headers=True,
+            forwarded_allow_ips=s.forwarded_allow_ips,
         )
         self._server = _QuietServer(config)
 

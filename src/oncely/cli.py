@@ -65,6 +65,11 @@ EXIT_UNAVAILABLE = 69
 JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable output on stdout.")]
 DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Show what would be done; do nothing.")]
 
+# Settings whose values are secrets (never echoed back).
+_SECRETS = frozenset(
+    name for name, f in Settings.model_fields.items() if "SecretStr" in str(f.annotation)
+)
+
 # Set by the --app option before any command runs.
 _chosen_app: str | None = None
 
@@ -151,9 +156,12 @@ def _settings(**overrides: Any) -> Settings:
         settings = Settings()
     except ValidationError as exc:
         for error in exc.errors():
+            field = str(error["loc"][0]) if error["loc"] else ""
             name = "ONCELY_" + "_".join(str(part) for part in error["loc"]).upper()
             message = error["msg"].removeprefix("Value error, ")
-            err.print(f"{name}: {literal(message)} (got {literal(repr(error.get('input')))})")
+            # A secret's value is never printed, not even a wrong one.
+            got = "" if field in _SECRETS else f" (got {literal(repr(error.get('input')))})"
+            err.print(f"{name}: {literal(message)}{got}", style="red")
         raise typer.Exit(EXIT_USAGE) from None
     if _chosen_app:
         overrides["app"] = _chosen_app

@@ -88,3 +88,13 @@ def tenant_rate_key(tenant_digest: str) -> str:
 
 def idempotency_key(scope_digest: str) -> str:
     return IDEMPOTENCY_PREFIX + scope_digest
+
+
+def console_session(session_digest: str) -> str:
+    """A console session (by the SHA-256 of its id); expires with the session."""
+    return f"oncely:console:session:{session_digest}"
+
+
+def console_login_failures(client_digest: str) -> str:
+    """Failed console sign-ins of one client address in the current window; expires."""
+    return f"oncely:console:login-failures:{client_digest}"

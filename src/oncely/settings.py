@@ -33,6 +33,10 @@ class _WorkflowWebhookUrls(PydanticBaseSettingsSource):
         return {"workflow_webhook_urls": urls} if urls else {}
 
 
+# The shortest console key accepted (ONCELY_CONSOLE_KEY).
+CONSOLE_KEY_MIN = 32
+
+
 class Settings(BaseSettings):
     """Flat settings; the CLI builds one instance and passes it down."""
 
@@ -117,7 +121,14 @@ class Settings(BaseSettings):
     http_body_timeout_s: float = Field(30.0, gt=0)
     http_keep_alive_s: int = Field(5, ge=1)
     # The web console's operator key (/console); unset: no console (404).
+    # At least 32 characters: it is the only thing between the internet and
+    # every tenant's data.
     console_key: SecretStr | None = None
+    # Proxies whose X-Forwarded-For / X-Forwarded-Proto the API believes
+    # (comma-separated addresses or networks, "*" for any): the client
+    # address the console's sign-in throttle counts, and the https that makes
+    # its cookie Secure behind a TLS proxy.
+    forwarded_allow_ips: str = "127.0.0.1"
     reconcile_after_s: float = Field(300.0, gt=0)
 
     # Stream worker.
@@ -170,6 +181,17 @@ class Settings(BaseSettings):
         from oncely.shadow.config import parse_shadow
 
         parse_shadow(value)
+        return value
+
+    @field_validator("console_key")
+    @classmethod
+    def _console_key_is_long(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None and len(value.get_secret_value()) < CONSOLE_KEY_MIN:
+            raise ValueError(
+                f"at least {CONSOLE_KEY_MIN} characters, got "
+                f"{len(value.get_secret_value())}; make one with: python3 -c "
+                "'import secrets; print(secrets.token_urlsafe(32))'"
+            )
         return value
 
     @field_validator("primary")

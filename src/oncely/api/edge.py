@@ -27,6 +27,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from oncely import metrics
 from oncely.api.problems import http_problem, internal_problem, log_unhandled
 
+# On every answer: browsers take the Content-Type as it is, never sniff one.
+_NOSNIFF = (b"x-content-type-options", b"nosniff")
+
 
 class Edge:
     def __init__(
@@ -59,6 +62,7 @@ class Edge:
             if message["type"] == "http.response.start":
                 status = message["status"]
                 started = True
+                message = {**message, "headers": [*message.get("headers", ()), _NOSNIFF]}
             elif head and message["type"] == "http.response.body":
                 message = {**message, "body": b""}
             await send(message)

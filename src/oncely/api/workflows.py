@@ -202,10 +202,12 @@ def _add_read(
             503: problem_schema("PostgreSQL did not answer in time; retrying is safe."),
         },
     )
-    async def read(job_id: str, tenant_name: Tenant) -> Any:
+    async def read(job_id: str, tenant_name: Tenant, response: Response) -> Any:
         record = await jobs().get(workflow.name, _job_uuid(job_id), tenant_name)
         if record is None:
             raise HTTPException(404, "job not found")
+        # A job changes, and holds a tenant's data: no cache keeps it.
+        response.headers["Cache-Control"] = "no-store"
         return view_model.from_record(record)
 
 

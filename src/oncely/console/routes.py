@@ -1,8 +1,11 @@
-"""The console's pages and its two write actions (replay, retry).
+"""The console's pages and its write actions (replay, retry, sign out).
 
-Every page checks the sign-in cookie first and sends a stranger to the login
-form. Reads only read; the write actions are POSTs carrying the CSRF token,
-each idempotent (a second replay or retry finds nothing to do and says so).
+Every page looks its session up first and sends a stranger to the login
+form (console/session.py). Reads only read; the write actions are POSTs
+carrying the session's CSRF token, each idempotent (a second replay or
+retry finds nothing to do and says so). Pages load no inline script or
+style: their one script and stylesheet are served from ``/console/assets``,
+and the CSP allows nothing else.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import json
 import uuid
 from datetime import UTC, datetime
+from importlib import resources
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlencode
 
@@ -18,7 +22,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from jinja2 import Environment, PackageLoader, select_autoescape
 
-from oncely.console.session import COOKIE, COOKIE_MAX_AGE_S, ConsoleKey
+from oncely.console.session import COOKIE, SESSION_S, ConsoleKey, Sessions
 from oncely.jobs import dead_letters
 from oncely.jobs.inspection import UNREPORTED_NOTE, inspect_job
 from oncely.jobs.store import JOB_STATUSES, Jobs
@@ -38,10 +42,12 @@ _HEADERS = {
     "Referrer-Policy": "no-referrer",
     "X-Frame-Options": "DENY",
     "Content-Security-Policy": (
-        "default-src 'none'; img-src data:; style-src 'unsafe-inline'; script-src 'unsafe-inline'; "
+        "default-src 'none'; img-src data:; style-src 'self'; script-src 'self'; "
         "form-action 'self'; frame-ancestors 'none'; base-uri 'none'"
     ),
 }
+# The console's own files, served as they are.
+_ASSETS = {"console.css": "text/css; charset=utf-8", "console.js": "text/javascript; charset=utf-8"}
 
 
 def _templates() -> Environment:
@@ -72,6 +78,10 @@ class Console:
         self.workflows = [w.name for w in api.app]
 
     @property
+    def sessions(self) -> Sessions:
+        return Sessions(self.api.clients.redis, self.key)
+
+    @property
     def jobs(self) -> Jobs:
         return self.api.jobs
 
@@ -79,17 +89,26 @@ class Console:
     def outbox(self) -> OutboxStore:
         return OutboxStore(self.api.clients.pool)
 
-    def signed_in(self, request: Request) -> bool:
-        return self.key.signed_in(request.cookies.get(COOKIE))
+    async def session(self, request: Request) -> str | None:
+        """The request's session, while it lasts."""
+        return await self.sessions.current(request.cookies.get(COOKIE))
 
-    def page(self, name: str, http_status: int = 200, **context: Any) -> HTMLResponse:
+    def page(
+        self,
+        name: str,
+        session: str | None,
+        http_status: int = 200,
+        headers: dict[str, str] | None = None,
+        **context: Any,
+    ) -> HTMLResponse:
+        csrf = self.key.csrf_token(session) if session is not None else None
         body = self.templates.get_template(name).render(
-            workflows=self.workflows, csrf=self.key.csrf_token(), **context
+            workflows=self.workflows, csrf=csrf, **context
         )
-        return HTMLResponse(body, status_code=http_status, headers=_HEADERS)
+        return HTMLResponse(body, status_code=http_status, headers={**_HEADERS, **(headers or {})})
 
-    def not_found(self, what: str) -> HTMLResponse:
-        return self.page("missing.html", http_status=404, what=what)
+    def not_found(self, what: str, session: str | None) -> HTMLResponse:
+        return self.page("missing.html", session, http_status=404, what=what)
 
 
 def _to_login() -> RedirectResponse:
@@ -109,6 +128,7 @@ def console_router(api: OncelyAPI, key: str) -> APIRouter:
     """The console's routes under /console for ``api``'s app, behind ``key``."""
     console = Console(api, key)
     router = APIRouter(prefix="/console", include_in_schema=False)
+    _add_assets(router)
     _add_login(router, console)
     _add_overview(router, console)
     _add_jobs(router, console)
@@ -117,42 +137,78 @@ def console_router(api: OncelyAPI, key: str) -> APIRouter:
     return router
 
 
+def _add_assets(router: APIRouter) -> None:
+    files = resources.files(__package__).joinpath("assets")
+
+    @router.get("/assets/{name}")
+    async def asset(name: str) -> Response:
+        if name not in _ASSETS:
+            return Response(status_code=404)
+        headers = {"Cache-Control": "max-age=3600"}
+        return Response(
+            files.joinpath(name).read_bytes(), media_type=_ASSETS[name], headers=headers
+        )
+
+
 def _add_login(router: APIRouter, console: Console) -> None:
-    def signed_in_response(request: Request) -> Response:
+    @router.get("/login")
+    async def login_page(request: Request, signed_out: str = "") -> Response:
+        return console.page("login.html", None, signed_out=bool(signed_out))
+
+    @router.post("/login")
+    async def login(request: Request) -> Response:
+        client = _client(request)
+        sessions = console.sessions
+        wait_s = await sessions.refused(client)
+        if wait_s:
+            log.warning("console.login_throttled", client=client, retry_after_s=wait_s)
+            headers = {"Retry-After": str(wait_s)}
+            return console.page(
+                "login.html", None, 429, headers, throttled=True, retry_after=wait_s
+            )
+        if not console.key.matches((await _form(request)).get("key", "")):
+            await sessions.failed(client)
+            log.warning("console.login_refused", client=client)
+            return console.page("login.html", None, http_status=401, refused=True)
+        session = await sessions.start()
+        log.info("console.signed_in", client=client)
         response = RedirectResponse("/console", status_code=303)
         response.set_cookie(
             COOKIE,
-            console.key.cookie_value,
-            max_age=COOKIE_MAX_AGE_S,
+            session,
+            max_age=SESSION_S,
             path="/console",
             httponly=True,
             samesite="strict",
+            # Behind a TLS proxy: see ONCELY_FORWARDED_ALLOW_IPS (README: Web console).
             secure=request.url.scheme == "https",
         )
         return response
 
-    def check(request: Request, candidate: str | None) -> Response:
-        if candidate is None:
-            return console.page("login.html", refused=False)
-        if not console.key.matches(candidate):
-            log.warning("console.login_refused")
-            return console.page("login.html", http_status=401, refused=True)
-        log.info("console.signed_in")
-        return signed_in_response(request)
+    @router.post("/logout")
+    async def logout(request: Request) -> Response:
+        session = await console.session(request)
+        if session is None:
+            return _to_login()
+        if not console.key.csrf_ok(session, (await _form(request)).get("csrf")):
+            return console.page("forbidden.html", session, http_status=403)
+        await console.sessions.end(session)
+        log.info("console.signed_out", client=_client(request))
+        response = _redirect("/console/login", signed_out="1")
+        response.delete_cookie(COOKIE, path="/console", httponly=True, samesite="strict")
+        return response
 
-    @router.get("/login")
-    async def login_page(request: Request) -> Response:
-        return check(request, request.query_params.get("key"))
 
-    @router.post("/login")
-    async def login(request: Request) -> Response:
-        return check(request, (await _form(request)).get("key", ""))
+def _client(request: Request) -> str:
+    """The client's address (the forwarded one, from a trusted proxy)."""
+    return request.client.host if request.client is not None else "unknown"
 
 
 def _add_overview(router: APIRouter, console: Console) -> None:
     @router.get("")
     async def overview(request: Request) -> Response:
-        if not console.signed_in(request):
+        session = await console.session(request)
+        if session is None:
             return _to_login()
         counts = await console.jobs.counts()
         streams = console.jobs.streams
@@ -162,21 +218,23 @@ def _add_overview(router: APIRouter, console: Console) -> None:
         ]
         outbox = await console.outbox.counts()
         return console.page(
-            "overview.html", refresh=REFRESH_S, rows=rows, outbox=outbox, statuses=STATUSES
+            "overview.html", session, refresh=REFRESH_S, rows=rows, outbox=outbox, statuses=STATUSES
         )
 
 
 def _add_jobs(router: APIRouter, console: Console) -> None:
     @router.get("/workflows/{workflow}/jobs")
     async def job_list(request: Request, workflow: str, status: str = "") -> Response:
-        if not console.signed_in(request):
+        session = await console.session(request)
+        if session is None:
             return _to_login()
         if workflow not in console.workflows:
-            return console.not_found("workflow")
+            return console.not_found("workflow", session)
         chosen = status if status in STATUSES else None
         jobs = await console.jobs.recent(workflow, chosen, _LIST_LIMIT)
         return console.page(
             "jobs.html",
+            session,
             refresh=REFRESH_S,
             workflow=workflow,
             jobs=jobs,
@@ -186,19 +244,21 @@ def _add_jobs(router: APIRouter, console: Console) -> None:
 
     @router.get("/workflows/{workflow}/jobs/{job_id}")
     async def job_page(request: Request, workflow: str, job_id: str) -> Response:
-        if not console.signed_in(request):
+        session = await console.session(request)
+        if session is None:
             return _to_login()
         try:
             parsed = uuid.UUID(job_id)
         except ValueError:
-            return console.not_found("job")
+            return console.not_found("job", session)
         if workflow not in console.workflows:
-            return console.not_found("job")
+            return console.not_found("job", session)
         view = await inspect_job(console.jobs, console.outbox, workflow, parsed)
         if view is None:
-            return console.not_found("job")
+            return console.not_found("job", session)
         return console.page(
             "job.html",
+            session,
             refresh=REFRESH_S,
             workflow=workflow,
             job=view.job,
@@ -215,13 +275,15 @@ def _add_dead_letters(router: APIRouter, console: Console) -> None:
     async def dead_letter_list(
         request: Request, workflow: str, replayed: str = "", missing: str = ""
     ) -> Response:
-        if not console.signed_in(request):
+        session = await console.session(request)
+        if session is None:
             return _to_login()
         if workflow not in console.workflows:
-            return console.not_found("workflow")
+            return console.not_found("workflow", session)
         letters = await dead_letters.list_dead(console.jobs, workflow, _LIST_LIMIT)
         return console.page(
             "dead_letters.html",
+            session,
             refresh=REFRESH_S,
             workflow=workflow,
             letters=letters,
@@ -231,12 +293,13 @@ def _add_dead_letters(router: APIRouter, console: Console) -> None:
 
     @router.post("/workflows/{workflow}/dead-letters/{dead_id}/replay")
     async def replay(request: Request, workflow: str, dead_id: str) -> Response:
-        if not console.signed_in(request):
+        session = await console.session(request)
+        if session is None:
             return _to_login()
-        if not console.key.csrf_ok((await _form(request)).get("csrf")):
-            return console.page("forbidden.html", http_status=403)
+        if not console.key.csrf_ok(session, (await _form(request)).get("csrf")):
+            return console.page("forbidden.html", session, http_status=403)
         if workflow not in console.workflows:
-            return console.not_found("workflow")
+            return console.not_found("workflow", session)
         job_id = await dead_letters.replay(console.jobs, workflow, dead_id)
         path = f"/console/workflows/{workflow}/dead-letters"
         if job_id is None:
@@ -247,19 +310,21 @@ def _add_dead_letters(router: APIRouter, console: Console) -> None:
 def _add_outbox(router: APIRouter, console: Console) -> None:
     @router.get("/outbox")
     async def failed_outbox(request: Request, retried: str = "", missing: str = "") -> Response:
-        if not console.signed_in(request):
+        session = await console.session(request)
+        if session is None:
             return _to_login()
         rows = await console.outbox.list(failed_only=True, limit=_LIST_LIMIT)
         return console.page(
-            "outbox.html", refresh=REFRESH_S, rows=rows, retried=retried, missing=missing
+            "outbox.html", session, refresh=REFRESH_S, rows=rows, retried=retried, missing=missing
         )
 
     @router.post("/outbox/{row_id}/retry")
     async def retry(request: Request, row_id: int) -> Response:
-        if not console.signed_in(request):
+        session = await console.session(request)
+        if session is None:
             return _to_login()
-        if not console.key.csrf_ok((await _form(request)).get("csrf")):
-            return console.page("forbidden.html", http_status=403)
+        if not console.key.csrf_ok(session, (await _form(request)).get("csrf")):
+            return console.page("forbidden.html", session, http_status=403)
         if not await console.outbox.retry(row_id):
             return _redirect("/console/outbox", missing=str(row_id))
         log.info("console.outbox_retried", outbox_id=row_id)
