@@ -42,6 +42,7 @@ from oncely.queue.stream import Stream
 from oncely.redis_client import RedisClient
 from oncely.settings import Settings
 from oncely.sql.migrate import migrate
+from tests.durable import custom, harness  # noqa: F401 (fixtures for the multi-step tests)
 from tests.helpers import asgi_app
 
 _counter = itertools.count()

@@ -498,6 +498,7 @@ class WorkerGroup:
             workflow=w.name,
             on_dead=self.jobs.mark_dead,
             on_failed=self.jobs.record_deliveries,
+            is_cancelled=self.checkpoints.is_cancelled,
         )
 
     def _shadow_worker(self, w: Workflow[Any, Any], spec: ShadowSpec, res: Resources) -> Worker:

@@ -9,11 +9,23 @@ checkpoint it reaches that is already stored returns its stored value at
 once, without running it again. Replay is written once, here: look the key
 up, return the stored value, else run and store.
 
-Keys and ordinals (docs/durable-steps.md). A checkpoint's key is its name
-for the first occurrence in a run, ``name#k`` for the k-th; its ordinal is
-the order in which the run reached it (parallel steps numbered in the order
-they were started). A run that reaches ordinal n asking for another key
-than the one stored at n is not the same run: ``Nondeterministic``.
+Keys and scopes (docs/durable-steps.md). A checkpoint's key is its name for
+the first occurrence in its scope, ``name#k`` for the k-th, behind the
+scope's path. The step function's own code is the root scope (path ``""``).
+A checkpoint reached while another's work runs (a model call inside a
+``ctx.step`` function) is in that checkpoint's scope (``enrich/model``). A
+task the step function starts (``asyncio.gather``, a ``TaskGroup``) is a
+branch: a scope of its own, numbered in the order the branches reach their
+first checkpoint, which for tasks started together is the order they were
+started (``[1]/model``, ``[2]/model``). So however the branches interleave,
+each asks for its own keys, in its own order. Within a scope, the n-th
+checkpoint a replay reaches must be the n-th one stored there: another key
+is not the same run, ``Nondeterministic``, before any work is paid for.
+
+A checkpoint's work that fails (after its retries) is kept as a failed
+checkpoint when the run goes on past it (the step caught the error): a
+replay raises the same error again instead of running the work. A failure
+that ends the run is not kept, so the next delivery tries the work again.
 
 When things are written. A checkpoint's value is kept in memory until the
 run next needs it durable: before it starts paying for the next one, when
@@ -27,15 +39,19 @@ replay finds stored were written with it, and are not written again.
 The first writer of a key wins (unique per job): a run whose write finds
 the key taken raises ``Replay`` and the delivery replays from the top over
 the winner's values. Nothing is written for a job that is no longer
-running (``RunStopped``). The store is the seam: PostgreSQL for jobs
-(``oncely.jobs.checkpoints``), nothing at all for shadow runs.
+running (``RunStopped``), nor once the run is over (``close``: a task the
+step started and left running cannot pay or write for it). The store is
+the seam: PostgreSQL for jobs (``oncely.jobs.checkpoints``), nothing at all
+for shadow runs.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Generic, Literal, Protocol, TypeVar
@@ -43,7 +59,13 @@ from typing import Any, Generic, Literal, Protocol, TypeVar
 import structlog
 
 from oncely import metrics
-from oncely.errors import Nondeterministic, PermanentError
+from oncely.errors import (
+    DeadlineExceeded,
+    Nondeterministic,
+    OncelyError,
+    PermanentError,
+    TransientError,
+)
 
 log = structlog.get_logger("oncely.journal")
 
@@ -73,14 +95,18 @@ class Emitted:
     dedupe_key: str
 
 
+Status = Literal["done", "waiting", "failed"]
+
+
 @dataclass(frozen=True)
 class Checkpoint:
-    """A stored checkpoint. ``value`` is JSON (None while ``waiting``)."""
+    """A stored checkpoint. ``value`` is JSON (None while ``waiting``); a
+    failed one holds ``{"error", "message", "transient"}``."""
 
     key: str
     ordinal: int
     kind: Kind
-    status: Literal["done", "waiting"]
+    status: Status
     value: Any = None
     # Model checkpoints: {"prompt_tokens", "completion_tokens", "model_calls", "model_ms"}.
     usage: Mapping[str, int] | None = None
@@ -92,7 +118,8 @@ class Checkpoint:
 @dataclass(frozen=True)
 class NewCheckpoint:
     """A checkpoint this run reached and has not written yet, with the
-    effects emitted before it."""
+    effects emitted before it. ``failure``: the error its work raised (a
+    failed checkpoint), kept to tell whether that error ended the run."""
 
     key: str
     ordinal: int
@@ -100,9 +127,14 @@ class NewCheckpoint:
     value: Any
     usage: Mapping[str, int] | None
     emitted: tuple[Emitted, ...] = ()
+    failure: BaseException | None = field(default=None, compare=False)
+
+    @property
+    def status(self) -> Status:
+        return "done" if self.failure is None else "failed"
 
     def stored(self) -> Checkpoint:
-        return Checkpoint(self.key, self.ordinal, self.kind, "done", self.value, self.usage)
+        return Checkpoint(self.key, self.ordinal, self.kind, self.status, self.value, self.usage)
 
 
 @dataclass(frozen=True)
@@ -159,6 +191,39 @@ class Replay(BaseException):
     starts again from the top over the stored values."""
 
 
+class Scope:
+    """Where checkpoints are reached: the step function's own code, a
+    checkpoint's work, or a task the step started (module docstring). Its
+    path prefixes its keys; its names are counted, and its checkpoints
+    numbered, on their own."""
+
+    def __init__(self, path: str, owner: asyncio.Task[Any] | None) -> None:
+        self.path = path
+        # The task whose code this scope is; another task reaching a
+        # checkpoint here is a branch. None: branches are not told apart.
+        self.owner = owner
+        self.counts: dict[str, int] = {}
+        self.reached = 0
+        self.branches = 0
+
+    def key(self, name: str) -> str:
+        count = self.counts[name] = self.counts.get(name, 0) + 1
+        return self.path + (name if count == 1 else f"{name}#{count}")
+
+    def branch(self, task: asyncio.Task[Any]) -> Scope:
+        self.branches += 1
+        return Scope(f"{self.path}[{self.branches}]/", task)
+
+
+# The scope the running code reaches checkpoints in, per journal.
+_SCOPE: ContextVar[tuple[Journal, Scope] | None] = ContextVar("oncely_scope", default=None)
+
+
+def scope_of(key: str) -> str:
+    """``enrich/[1]/`` for ``enrich/[1]/model#2``; ``""`` for ``model``."""
+    return key[: key.rfind("/") + 1]
+
+
 class JournalStore(Protocol):
     """Where a run's checkpoints go."""
 
@@ -185,21 +250,48 @@ class Journal:
         workflow: str = "",
         sleeps: bool = True,
     ) -> None:
-        self._stored: dict[int, Checkpoint] = {c.ordinal: c for c in stored}
+        # Stored checkpoints by scope, in the order they were reached.
+        self._stored: dict[str, list[Checkpoint]] = {}
+        for checkpoint in sorted(stored, key=_ordinal):
+            self._stored.setdefault(scope_of(checkpoint.key), []).append(checkpoint)
         self._store = store or Ephemeral()
         self.workflow = workflow
         # False (shadow runs): sleeps end at once.
         self.sleeps = sleeps
-        self._ordinal = 0
-        self._seen: dict[str, int] = {}
+        self._root = Scope("", None)
+        # New checkpoints are numbered after every stored one.
+        self._ordinal = max((c.ordinal for c in stored), default=0)
         self._pending: list[NewCheckpoint] = []
         # Emitted since the last checkpoint this run reached.
         self._since: list[Emitted] = []
         self._emitted: list[Emitted] = []
         self._writing = asyncio.Lock()
+        self._closed = False
+        # Checkpoints whose work runs now (in any task), and set when none does.
+        self._working = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
         # Checkpoints this run found stored, and the keys it reached, in order.
         self.replayed = 0
         self.reached: list[str] = []
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[None]:
+        """Run the step function inside: its task is the root scope, the tasks
+        it starts are branches, and once it is over nothing more is paid
+        for or written (``close``)."""
+        self._root = Scope("", asyncio.current_task())
+        token = _SCOPE.set((self, self._root))
+        try:
+            yield
+        finally:
+            _SCOPE.reset(token)
+            self.close()
+
+    def close(self) -> None:
+        """The run is over: a checkpoint reached from now on (by a task the
+        step left running) raises ``RunStopped`` before any work or write."""
+        self._closed = True
 
     # -- reaching checkpoints --------------------------------------------------
 
@@ -216,12 +308,34 @@ class Journal:
             return self._replayed(stored, decode)
         # What came before is durable before this one is paid for.
         await self.flush()
-        recorded = await work()
+        token = _SCOPE.set((self, Scope(key + "/", asyncio.current_task())))
+        self._working += 1
+        self._idle.clear()
+        try:
+            recorded = await work()
+        except (PermanentError, TransientError) as exc:
+            if not isinstance(exc, DeadlineExceeded):
+                self._pending.append(self._failed(key, ordinal, kind, exc))
+            raise
+        finally:
+            _SCOPE.reset(token)
+            self._working -= 1
+            if not self._working:
+                self._idle.set()
         emitted, self._since = tuple(self._since), []
         self._pending.append(
             NewCheckpoint(key, ordinal, kind, recorded.value, recorded.usage, emitted)
         )
         return recorded.native
+
+    def _failed(self, key: str, ordinal: int, kind: Kind, exc: BaseException) -> NewCheckpoint:
+        value = {
+            "error": type(exc).__name__,
+            "message": str(exc)[:2000],
+            "transient": isinstance(exc, TransientError),
+        }
+        emitted, self._since = tuple(self._since), []
+        return NewCheckpoint(key, ordinal, kind, value, None, emitted, failure=exc)
 
     async def wait(
         self,
@@ -241,6 +355,7 @@ class Journal:
             self._pending.append(NewCheckpoint(key, ordinal, kind, None, None, emitted))
             return decode(None)
         async with self._writing:
+            self._check_open()
             batch = list(self._pending)
             writes = Writes(tuple(batch), tuple(self._since))
             outcome = await self._store.wait(writes, Wait(key, ordinal, kind, event, seconds))
@@ -248,20 +363,42 @@ class Journal:
             self._since = []
         if outcome is None:
             raise Suspended(key)
-        self._stored[ordinal] = outcome
+        self._stored.setdefault(scope_of(key), []).append(outcome)
         return decode(outcome.value)
 
     def _reach(self, name: str, kind: Kind) -> tuple[str, int, Checkpoint | None]:
-        count = self._seen[name] = self._seen.get(name, 0) + 1
-        key = name if count == 1 else f"{name}#{count}"
-        self._ordinal += 1
-        ordinal = self._ordinal
+        self._check_open()
+        scope = self._scope()
+        key = scope.key(name)
+        position, scope.reached = scope.reached, scope.reached + 1
         self.reached.append(key)
-        stored = self._stored.get(ordinal)
+        expected = self._stored.get(scope.path, ())
+        stored = expected[position] if position < len(expected) else None
         if stored is not None and (stored.key != key or stored.kind != kind):
             metrics.NONDETERMINISTIC.labels(workflow=self.workflow).inc()
-            raise Nondeterministic(ordinal, stored=stored.key, asked=key)
-        return key, ordinal, stored
+            raise Nondeterministic(stored.ordinal, stored=stored.key, asked=key)
+        if stored is not None:
+            return key, stored.ordinal, stored
+        self._ordinal += 1
+        return key, self._ordinal, None
+
+    def _scope(self) -> Scope:
+        """The scope of the code running now; a task the scope's owner started
+        gets a branch of its own, from its first checkpoint on."""
+        current = _SCOPE.get()
+        if current is None or current[0] is not self:
+            return self._root
+        scope = current[1]
+        task = asyncio.current_task()
+        if scope.owner is None or task is scope.owner or task is None:
+            return scope
+        branch = scope.branch(task)
+        _SCOPE.set((self, branch))  # in this task's context only
+        return branch
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RunStopped("the run is over")
 
     def _replayed(self, stored: Checkpoint, decode: Callable[[Any], T]) -> T:
         if stored.status == "waiting":
@@ -271,6 +408,8 @@ class Journal:
         self._since = []
         self.replayed += 1
         metrics.CHECKPOINT_REPLAYS.labels(workflow=self.workflow, kind=stored.kind).inc()
+        if stored.status == "failed":
+            raise _replayed_failure(stored)
         try:
             return decode(stored.value)
         except ValueError as exc:  # pydantic's ValidationError included
@@ -296,6 +435,10 @@ class Journal:
     async def flush(self) -> None:
         """Write the checkpoints reached and not yet written (with the
         effects emitted before them)."""
+        self._check_open()
+        await self._flush()
+
+    async def _flush(self) -> None:
         if not self._pending:
             return
         async with self._writing:
@@ -307,7 +450,7 @@ class Journal:
     def _written(self, batch: list[NewCheckpoint]) -> None:
         for checkpoint in batch:
             self._pending.remove(checkpoint)
-            self._stored[checkpoint.ordinal] = checkpoint.stored()
+            self._stored.setdefault(scope_of(checkpoint.key), []).append(checkpoint.stored())
         if batch:
             metrics.CHECKPOINTS_WRITTEN.labels(workflow=self.workflow).inc(len(batch))
 
@@ -316,14 +459,27 @@ class Journal:
         written yet and the effects emitted since the last checkpoint."""
         return Writes(tuple(self._pending), tuple(self._since))
 
-    async def keep_after_failure(self) -> None:
-        """The run failed: keep what it paid for (the checkpoints reached),
-        so the next delivery does not pay again. The effects emitted since
-        the last checkpoint are dropped with the run. Never raises; runs to
-        its end even if the caller is cancelled meanwhile."""
+    async def settle(self, within_s: float) -> None:
+        """Wait, at most ``within_s``, for the work of checkpoints still
+        running in tasks the step left behind (a branch of a ``gather`` whose
+        sibling failed): what they paid for is then kept with the rest."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), max(within_s, 0.0))
+
+    async def keep_after_failure(self, error: BaseException | None = None) -> None:
+        """The run failed with ``error``: keep what it paid for (the
+        checkpoints reached), so the next delivery does not pay again. A
+        failed checkpoint whose error is the one that ended the run is not
+        kept: the next delivery tries its work again. The effects emitted
+        since the last checkpoint are dropped with the run. Never raises;
+        runs to its end even if the caller is cancelled meanwhile."""
+        ending = _causes(error)
+        self._pending = [
+            c for c in self._pending if c.failure is None or id(c.failure) not in ending
+        ]
         if not self._pending:
             return
-        task = asyncio.ensure_future(self.flush())
+        task = asyncio.ensure_future(self._flush())
         try:
             await asyncio.shield(task)
         except (Exception, Replay, RunStopped, asyncio.CancelledError) as exc:
@@ -335,12 +491,43 @@ class Journal:
     def usage(self) -> dict[str, int]:
         """Every model checkpoint of the job, stored or reached, summed."""
         total = {"prompt_tokens": 0, "completion_tokens": 0, "model_calls": 0, "model_ms": 0}
-        checkpoints = [*self._stored.values(), *(c.stored() for c in self._pending)]
+        stored = [c for scope in self._stored.values() for c in scope]
+        checkpoints = [*stored, *(c.stored() for c in self._pending)]
         for checkpoint in checkpoints:
             for name, n in (checkpoint.usage or {}).items():
                 if name in total:
                     total[name] += int(n)
         return total
+
+
+def _ordinal(checkpoint: Checkpoint) -> int:
+    return checkpoint.ordinal
+
+
+def _causes(error: BaseException | None) -> set[int]:
+    """The ids of ``error``, every error it was raised from or during, and
+    every error of a group among them."""
+    seen: set[int] = set()
+    todo = [error]
+    while todo:
+        current = todo.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        todo += [current.__cause__, current.__context__]
+        if isinstance(current, BaseExceptionGroup):
+            todo += current.exceptions
+    return seen
+
+
+def _replayed_failure(stored: Checkpoint) -> OncelyError:
+    """A failed checkpoint's error, raised again on replay as oncely's own
+    (the step caught it the first time, and takes the same path again)."""
+    value = stored.value if isinstance(stored.value, Mapping) else {}
+    message = f"{value.get('error', 'Error')}: {value.get('message', '')}"
+    if value.get("transient"):
+        return TransientError(message)
+    return PermanentError(message)
 
 
 @dataclass

@@ -39,9 +39,9 @@ from pydantic_core import PydanticSerializationError, to_jsonable_python
 
 from oncely import names
 from oncely.effects import Effect
-from oncely.errors import PermanentError
+from oncely.errors import DeadlineExceeded, PermanentError, TransientError
 from oncely.journal import Emitted, Journal, Recorded, check_name
-from oncely.retry import Deadline, RetryPolicy, call_with_retries
+from oncely.retry import Deadline, RetryPolicy, call_with_retries, classify
 
 if TYPE_CHECKING:
     from oncely.jobs.store import JobRecord
@@ -77,7 +77,8 @@ class StepView(BaseModel):
 
     key: str
     kind: Literal["step", "model", "wait", "sleep"]
-    status: Literal["done", "waiting"]
+    # failed: the work failed and the step went on past it (a replay raises it again).
+    status: Literal["done", "waiting", "failed"]
     finished_at: datetime | None = None
     # Model checkpoints: what the call (its retries and re-asks included) spent.
     usage: UsageView | None = None
@@ -246,22 +247,25 @@ class Context:
         job: its value is a checkpoint, returned again without running ``fn``
         whenever the step function replays. The value must be JSON;
         ``returns=SomeModel`` validates it and gives the model back, on the
-        first run and on replays alike. A failure stores nothing: errors that
-        can succeed later (``TransientError``, timeouts, connection errors,
-        retryable statuses) are retried under the delivery's deadline as
-        model calls are, then redelivered; others kill the job."""
+        first run and on replays alike. Errors that can succeed later
+        (``TransientError``, timeouts, connection errors, retryable statuses)
+        are retried under the delivery's deadline as model calls are; what
+        is left is raised as ``TransientError`` (redelivered), anything else
+        as ``PermanentError`` (the job dies), the original as ``__cause__``.
+        A failure the step catches and goes on past is kept: a replay raises
+        it again instead of running ``fn``."""
         check_name(name)
         decode = _decoder(returns)
 
         async def work() -> Recorded[Any]:
-            value = await self._retried(fn, args, kwargs)
+            value = await self._retried(name, fn, args, kwargs)
             data = _json(name, value)
             return Recorded(data, decode(data))
 
         return await self._journal.record(name, "step", work, decode)
 
     async def _retried(
-        self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+        self, name: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
         deadline: Deadline = self.model.deadline
         # One attempt may take what is left of the delivery's budget.
@@ -275,7 +279,16 @@ class Context:
             value = await asyncio.to_thread(functools.partial(fn, *args, **kwargs))
             return await value if inspect.isawaitable(value) else value
 
-        return await call_with_retries(attempt, policy=policy, deadline=deadline, min_attempt_s=0)
+        try:
+            return await call_with_retries(
+                attempt, policy=policy, deadline=deadline, min_attempt_s=0
+            )
+        except (PermanentError, TransientError, DeadlineExceeded):
+            raise
+        except Exception as exc:
+            # As oncely's own, the same on the first run and on replays.
+            error = TransientError if classify(exc) else PermanentError
+            raise error(f"step {name!r}: {type(exc).__name__}: {exc}") from exc
 
     @overload
     async def wait_for_event(

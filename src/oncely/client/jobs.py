@@ -50,7 +50,7 @@ class JobStep(BaseModel):
 
     key: str
     kind: Literal["step", "model", "wait", "sleep"]
-    status: Literal["done", "waiting"]
+    status: Literal["done", "waiting", "failed"]
     finished_at: datetime | None = None
     usage: Usage | None = None
 

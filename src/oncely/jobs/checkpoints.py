@@ -23,7 +23,9 @@ first in its own transaction, so the second sees the first's rows.
 
 from __future__ import annotations
 
+import json
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Literal
@@ -141,7 +143,7 @@ class Checkpoints:
         for job_id, status, generation, *checkpoint in rows:
             entry = found.setdefault(str(job_id), (status, generation, []))
             if checkpoint[0] is not None:
-                entry[2].append(Checkpoint(*checkpoint))
+                entry[2].append(_checkpoint(checkpoint))
         return {
             job_id: JobRun(job_id, status, generation, tuple(sorted(c, key=_ordinal)))
             for job_id, (status, generation, c) in found.items()
@@ -207,7 +209,7 @@ class Checkpoints:
         status, value = row
         if status == "waiting":
             return None
-        return Checkpoint(wait.key, wait.ordinal, wait.kind, "done", value)
+        return Checkpoint(wait.key, wait.ordinal, wait.kind, "done", json.loads(value))
 
     # -- events, timers, cancels, rewinds ----------------------------------------
 
@@ -312,6 +314,10 @@ class Checkpoints:
 
         rewound = await run_transaction(self.pool, work, timeout_s=self.jobs.statement_timeout_s)
         if rewound is not None and rewound.job is not None:
+            stream = self.jobs.streams.get(rewound.job.kind)
+            if stream is not None:
+                # Its old cancel must not stop the new run (workers confirm it anyway).
+                await stream.forget_cancel(rewound.job.job_id)
             await self.jobs.restore(rewound.job)
         return rewound
 
@@ -321,7 +327,7 @@ class Checkpoints:
         """The job's checkpoints in the order its run reached them; their
         values only with ``values`` (operators)."""
         rows = (await self._run("job_checkpoints", {"job_id": job_id, "values": values})).rows
-        return [Checkpoint(*row) for row in rows]
+        return [_checkpoint(row) for row in rows]
 
     async def waiting(self, job_id: uuid.UUID) -> Waiting | None:
         rows = (await self._run("job_wait", {"job_id": job_id})).rows
@@ -332,6 +338,11 @@ class Checkpoints:
         rows = (await self._run("job_events", {"job_id": job_id})).rows
         return {name: payload for name, payload in rows}
 
+    async def is_cancelled(self, job_id: str) -> bool:
+        """Whether the job is cancelled now (a fresh read, not batched)."""
+        rows = (await self._run("job_status", {"job_id": job_id})).rows
+        return bool(rows) and rows[0][0] == "cancelled"
+
     async def waiting_counts(self) -> dict[str, int]:
         """Waiting jobs by workflow."""
         rows = (await self._run("waiting_jobs_by_kind")).rows
@@ -340,3 +351,11 @@ class Checkpoints:
 
 def _ordinal(checkpoint: Checkpoint) -> int:
     return checkpoint.ordinal
+
+
+def _checkpoint(row: Sequence[Any]) -> Checkpoint:
+    """A checkpoint row, its JSON text decoded."""
+    key, ordinal, kind, status, value, *rest = row
+    return Checkpoint(
+        key, ordinal, kind, status, None if value is None else json.loads(value), *rest
+    )

@@ -27,14 +27,16 @@ nothing but its history row.
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Awaitable, Iterator
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import structlog
 from pydantic import BaseModel, ValidationError
 
 from oncely import tracing
-from oncely.errors import PermanentError, TransientError
+from oncely.errors import DeadlineExceeded, Nondeterministic, PermanentError, TransientError
 from oncely.jobs.checkpoints import Checkpoints, JobRun
 from oncely.jobs.store import Jobs
 from oncely.journal import Checkpoint, Journal, Replay, RunStopped, Suspended, Wait, Writes
@@ -42,7 +44,7 @@ from oncely.llm.base import LLM
 from oncely.llm.model import Model
 from oncely.outbox.wakeup import OutboxWakeUp
 from oncely.queue.stream import JobMessage
-from oncely.retry import Deadline, RetryPolicy
+from oncely.retry import Deadline, RetryPolicy, classify
 from oncely.workflow import WAIT_MAX_S, Context, Variant, Workflow
 
 if TYPE_CHECKING:
@@ -50,6 +52,8 @@ if TYPE_CHECKING:
     from oncely.shadow.run import ShadowDispatch
 
 log = structlog.get_logger("oncely.handler")
+
+T = TypeVar("T")
 
 # Runs of one delivery that lost a race for a checkpoint and replayed; each
 # replay starts with more stored, so this many means something is wrong.
@@ -149,7 +153,9 @@ class WorkflowHandler:
         step = self.variant.step if self.variant and self.variant.step else self.workflow.step
         try:
             try:
-                result = self._checked(await step(request, ctx)).model_dump(mode="json")
+                with journal.running():
+                    value = await ungrouped(step(request, ctx))
+                result = self._checked(value).model_dump(mode="json")
             finally:
                 # Also for a failed delivery: the worker records what it spent.
                 delivery.model_calls += model.usage.model_calls
@@ -160,8 +166,13 @@ class WorkflowHandler:
             return "stopped"
         except Replay:
             return None
-        except BaseException:
-            await journal.keep_after_failure()
+        except Exception as exc:
+            # Branches the step left running finish what they paid for first.
+            await journal.settle(model.deadline.remaining())
+            await journal.keep_after_failure(exc)
+            raise
+        except BaseException as exc:  # cancelled: keep what is done, now
+            await journal.keep_after_failure(exc)
             raise
         if not stored:
             return "duplicate"
@@ -198,6 +209,41 @@ class WorkflowHandler:
 
     def _checked(self, result: Any) -> BaseModel:
         return checked_result(self.workflow, result)
+
+
+async def ungrouped(step: Awaitable[T]) -> T:
+    """The step's value; an exception group its tasks raised (a
+    ``TaskGroup``), as the one error that decides the run: a replay, a
+    stop, a wait, a nondeterministic run, then transient when every error
+    in it can succeed later, else the first permanent one."""
+    try:
+        return await step
+    except BaseExceptionGroup as group:
+        raise _deciding(group) from group
+
+
+def _deciding(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    leaves = list(_leaves(group))
+    for kind in (Replay, RunStopped, Suspended, Nondeterministic, asyncio.CancelledError):
+        found = next((e for e in leaves if isinstance(e, kind)), None)
+        if found is not None:
+            return found
+    if all(isinstance(e, TransientError | DeadlineExceeded) or classify(e) for e in leaves):
+        return TransientError(f"{len(leaves)} failed in parallel: {_short_errors(leaves)}")
+    permanent = next((e for e in leaves if isinstance(e, PermanentError)), None)
+    return permanent or PermanentError(f"failed in parallel: {_short_errors(leaves)}")
+
+
+def _leaves(error: BaseException) -> Iterator[BaseException]:
+    if isinstance(error, BaseExceptionGroup):
+        for inner in error.exceptions:
+            yield from _leaves(inner)
+    else:
+        yield error
+
+
+def _short_errors(errors: list[BaseException]) -> str:
+    return "; ".join(f"{type(e).__name__}: {e}" for e in errors)[:500]
 
 
 def _not_running(run: JobRun | None) -> str | None:

@@ -30,6 +30,7 @@ happy path: the successful one by the statement that stores the result
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
@@ -326,6 +327,8 @@ class Jobs:
     async def replay(self, job: Job) -> bool:
         """A dead job back to queued, then enqueued; False if it was not dead."""
         result = await self._run("mark_job_requeued", (job.job_id,))
+        # A cancel remembered from an earlier run must not stop this one.
+        await self.streams[job.kind].forget_cancel(job.job_id)
         await self._enqueue(job)
         return result.rowcount > 0
 
@@ -473,12 +476,24 @@ def writes_params(writes: Writes) -> dict[str, Any]:
         "keys": [c.key for c in checkpoints],
         "ordinals": [c.ordinal for c in checkpoints],
         "kinds": [c.kind for c in checkpoints],
-        "values": [Jsonb(c.value) for c in checkpoints],
+        "statuses": [c.status for c in checkpoints],
+        "values": [json_text(c.value) for c in checkpoints],
         "usages": [None if c.usage is None else Jsonb(c.usage) for c in checkpoints],
         "topics": [e.topic for e in effects],
         "dedupe_keys": [e.dedupe_key for e in effects],
         "payloads": [Jsonb(e.payload) for e in effects],
     }
+
+
+def json_text(value: Any) -> str:
+    """``value`` as JSON text PostgreSQL can store: non-ASCII as it is, NUL
+    (which jsonb refuses) escaped, lone surrogates escaped too."""
+    text = json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return json.dumps(value, separators=(",", ":"))
+    return text
 
 
 def delivery_params(report: DeliveryReport | None) -> dict[str, Any]:

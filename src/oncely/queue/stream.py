@@ -323,6 +323,11 @@ class Stream:
         renewed, cancelled = await self._renew(keys=[self.stream, self.keys.cancelled], args=args)
         return {str(i) for i in renewed}, {str(j) for j in cancelled}
 
+    async def forget_cancel(self, job_id: str) -> None:
+        """The job runs again (an operator's rewind or replay): its old cancel
+        is no longer news."""
+        await self.redis.zrem(self.keys.cancelled, job_id)
+
     async def announce_cancel(self, job_id: str) -> None:
         """Tell the workers running ``job_id`` (at their next lease renewal)
         that it was cancelled. PostgreSQL is the record; this only hurries."""

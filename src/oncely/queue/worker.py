@@ -160,6 +160,7 @@ class Worker:
         consumer: str | None = None,
         on_dead: Callable[[str, str], Awaitable[None]] | None = None,
         on_failed: Callable[[list[DeliveryReport]], Awaitable[None]] | None = None,
+        is_cancelled: Callable[[str], Awaitable[bool]] | None = None,
         rand: Callable[[], float] = random.random,
     ) -> None:
         self.stream = stream
@@ -172,6 +173,9 @@ class Worker:
         # dead-lettered, cancelled), for their jobs' histories; the successful
         # ones are the handler's to record, with the result.
         self.on_failed = on_failed
+        # Asked (job id) before a delivery stopped for its job's cancel is
+        # acknowledged: whether the job really is cancelled (PostgreSQL).
+        self.is_cancelled = is_cancelled
         # The backoff's jitter source (tests make it deterministic).
         self.rand = rand
         # Ticks whenever the loop goes round or a handler ends (``/healthz``).
@@ -414,16 +418,35 @@ class Worker:
             async with asyncio.timeout(self.config.handler_timeout_s) as delivery.bound:
                 return await self.handler(message, delivery)
         except TimeoutError as exc:
-            if delivery.job_cancelled:
+            if delivery.job_cancelled and await self._really_cancelled(delivery):
                 # Its job was cancelled (``renew_leases``): nothing more to do.
                 await self._report([delivery], "cancelled", "the job was cancelled")
                 return "cancelled"
             raise _HandlerCancelled(
                 f"handler still running after {self.config.handler_timeout_s} s: cancelled"
+                if not delivery.job_cancelled
+                else "stopped for a cancel its job no longer has: redelivered"
             ) from exc
         finally:
+            # Past its handler, a delivery's bound is over: nothing reschedules it.
+            delivery.bound = None
             del self._running_jobs[message.job_id]
             done.set()
+
+    async def _really_cancelled(self, delivery: Delivery) -> bool:
+        """Whether the record (PostgreSQL) says the job is cancelled: Redis
+        only announced it, and may remember a cancel a rewind undid."""
+        if self.is_cancelled is None:
+            return True
+        try:
+            if await self.is_cancelled(delivery.job_id):
+                return True
+            # A cancel the record does not have (a rewind undid it): forgotten,
+            # so that it stops no other delivery.
+            await self.stream.forget_cancel(delivery.job_id)
+        except Exception as exc:  # the record unreadable: run it again later
+            self.log.warning("job.cancel_unconfirmed", job_id=delivery.job_id, error=_describe(exc))
+        return False
 
     async def _failed(self, delivery: Delivery, exc: Exception) -> None:
         """Transient (including a spent deadline): redelivered after a backoff,

@@ -117,7 +117,11 @@ class ShadowHandler:
     async def _run(self, message: JobMessage, delivery: Delivery) -> str:
         if await self.store.stored(message.job_id, self.variant.name):
             return "duplicate"
-        journal = Journal(store=Ephemeral(await self._events(message.job_id)), sleeps=False)
+        journal = Journal(
+            store=Ephemeral(await self._events(message.job_id)),
+            workflow=f"{self.workflow.name}:shadow:{self.variant.name}",
+            sleeps=False,
+        )
         model = self._model(self.llm, self.variant.model or self.config.model_name, journal)
         judge = self._judge()
         try:

@@ -29,10 +29,10 @@ WITH job AS (
        FOR NO KEY UPDATE
 ), steps AS (
     INSERT INTO checkpoints (job_id, key, ordinal, kind, status, value, usage, finished_at)
-    SELECT %(job_id)s, s.key, s.ordinal, s.kind, 'done', s.value, s.usage, now()
+    SELECT %(job_id)s, s.key, s.ordinal, s.kind, s.status, s.value, s.usage, now()
       FROM unnest(%(keys)s::text[], %(ordinals)s::integer[], %(kinds)s::text[],
-                  %(values)s::jsonb[], %(usages)s::jsonb[])
-           AS s (key, ordinal, kind, value, usage)
+                  %(statuses)s::text[], %(values)s::text[], %(usages)s::jsonb[])
+           AS s (key, ordinal, kind, status, value, usage)
      WHERE EXISTS (SELECT 1 FROM job)
 ), outbox_rows AS (
     INSERT INTO outbox (topic, dedupe_key, payload, workflow, job_id, trace_context)
@@ -62,15 +62,15 @@ WITH event AS (
     SELECT payload FROM job_events WHERE job_id = %(job_id)s AND name = %(event)s
 ), steps AS (
     INSERT INTO checkpoints (job_id, key, ordinal, kind, status, value, usage, finished_at)
-    SELECT %(job_id)s, s.key, s.ordinal, s.kind, 'done', s.value, s.usage, now()
+    SELECT %(job_id)s, s.key, s.ordinal, s.kind, s.status, s.value, s.usage, now()
       FROM unnest(%(keys)s::text[], %(ordinals)s::integer[], %(kinds)s::text[],
-                  %(values)s::jsonb[], %(usages)s::jsonb[])
-           AS s (key, ordinal, kind, value, usage)
+                  %(statuses)s::text[], %(values)s::text[], %(usages)s::jsonb[])
+           AS s (key, ordinal, kind, status, value, usage)
 ), wait AS (
     INSERT INTO checkpoints (job_id, key, ordinal, kind, status, value, until, finished_at)
     SELECT %(job_id)s, %(key)s, %(ordinal)s, %(kind)s,
            CASE WHEN EXISTS (SELECT 1 FROM event) THEN 'done' ELSE 'waiting' END,
-           (SELECT payload FROM event),
+           (SELECT payload::text FROM event),
            now() + make_interval(secs => %(seconds)s),
            CASE WHEN EXISTS (SELECT 1 FROM event) THEN now() END
     RETURNING status, value
@@ -110,7 +110,7 @@ WITH stored AS (
     INSERT INTO job_events (job_id, name, payload, fingerprint)
     VALUES (%(job_id)s, %(event)s, %(payload)s, %(fingerprint)s)
 ), wait AS (
-    UPDATE checkpoints SET status = 'done', value = %(payload)s, finished_at = now()
+    UPDATE checkpoints SET status = 'done', value = (%(payload)s)::text, finished_at = now()
      WHERE job_id = %(job_id)s AND status = 'waiting' AND kind = 'wait' AND %(resume)s
     RETURNING job_id
 )
@@ -131,7 +131,7 @@ WITH due AS (
      LIMIT %(limit)s
        FOR NO KEY UPDATE SKIP LOCKED
 ), ended AS (
-    UPDATE checkpoints c SET status = 'done', value = 'null'::jsonb, finished_at = now()
+    UPDATE checkpoints c SET status = 'done', value = 'null', finished_at = now()
       FROM due WHERE c.job_id = due.job_id AND c.status = 'waiting'
 )
 UPDATE jobs j
@@ -187,6 +187,9 @@ SELECT key FROM gone
 SELECT key, ordinal, kind, status,
        CASE WHEN %(values)s THEN value END, usage, until, finished_at
   FROM checkpoints WHERE job_id = %(job_id)s ORDER BY ordinal
+
+-- name: job_status
+SELECT status FROM jobs WHERE job_id = %(job_id)s
 
 -- name: job_wait
 -- What a waiting job waits for.

@@ -93,10 +93,10 @@ WITH job AS (
     RETURNING job_id
 ), steps AS (
     INSERT INTO checkpoints (job_id, key, ordinal, kind, status, value, usage, finished_at)
-    SELECT %(job_id)s, s.key, s.ordinal, s.kind, 'done', s.value, s.usage, now()
+    SELECT %(job_id)s, s.key, s.ordinal, s.kind, s.status, s.value, s.usage, now()
       FROM unnest(%(keys)s::text[], %(ordinals)s::integer[], %(kinds)s::text[],
-                  %(values)s::jsonb[], %(usages)s::jsonb[])
-           AS s (key, ordinal, kind, value, usage)
+                  %(statuses)s::text[], %(values)s::text[], %(usages)s::jsonb[])
+           AS s (key, ordinal, kind, status, value, usage)
      WHERE EXISTS (SELECT 1 FROM job)
 ), result AS (
     INSERT INTO results (job_id, result, usage)

@@ -30,8 +30,11 @@ CREATE INDEX jobs_waiting_until_idx ON jobs (wait_until) WHERE status = 'waiting
 -- call's answer, a wait's event, a sleep. `key` is unique per job (the
 -- first writer wins); `ordinal` is the order the run reached it, unique
 -- too, so that a run asking for another key at a stored ordinal is caught.
--- `value` is SQL NULL only while `waiting`; a wait that timed out and a
--- sleep that ended hold JSON null.
+-- `value` is JSON text (not jsonb: a model's answer may hold what jsonb
+-- refuses, NUL among it, which JSON text escapes), SQL NULL only while
+-- `waiting`; a wait that timed out and a sleep that ended hold JSON null. A
+-- `failed` checkpoint is work that failed and that the run went on past:
+-- its value is {"error", "message", "transient"}, raised again on replay.
 CREATE TABLE checkpoints (
     job_id      uuid        NOT NULL
                 CONSTRAINT checkpoints_job_id_fkey REFERENCES jobs (job_id) ON DELETE CASCADE,
@@ -40,8 +43,9 @@ CREATE TABLE checkpoints (
     kind        text        NOT NULL
                 CONSTRAINT checkpoints_kind_check CHECK (kind IN ('step', 'model', 'wait', 'sleep')),
     status      text        NOT NULL
-                CONSTRAINT checkpoints_status_check CHECK (status IN ('done', 'waiting')),
-    value       jsonb,
+                CONSTRAINT checkpoints_status_check
+                CHECK (status IN ('done', 'waiting', 'failed')),
+    value       text,
     -- Model checkpoints: {"prompt_tokens", "completion_tokens", "model_calls", "model_ms"}.
     usage       jsonb,
     -- Waits and sleeps: when the wait times out, or the sleep ends.

@@ -1,0 +1,387 @@
+"""Replays of step functions that are more than a straight line: branches
+under asyncio.gather and TaskGroup, checkpoints inside a step's work, a
+failure the step catches, branches left running, text PostgreSQL's jsonb
+refuses, and a job cancelled then rewound. Each test failed before the fix
+it guards (a review found them); real Redis, PostgreSQL and the fake model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from typing import Any
+
+from oncely import Context, PermanentError, TransientError
+from tests.durable import (
+    Harness,
+    Said,
+    Text,
+    drain,
+    one_off,
+    pending,
+    pending_is,
+    redeliver_until,
+    until,
+    until_async,
+)
+from tests.steps_app import Approval
+
+
+async def finished(h: Harness, job_id: str) -> bool:
+    return await h.status(job_id) in ("done", "dead")
+
+
+async def keys(h: Harness, job_id: str) -> list[tuple[str, str]]:
+    rows = await h.rows(
+        "SELECT key, status FROM checkpoints WHERE job_id = %s ORDER BY ordinal", job_id
+    )
+    return [(str(k), str(s)) for k, s in rows]
+
+
+async def test_gathered_branches_each_replay_their_own_answers(custom):
+    """Two branches of two model calls each: however they interleave, a
+    replay gives each branch the answers to its own prompts, and no call is
+    paid for twice."""
+    runs: list[int] = []
+
+    async def branch(ctx: Context, tag: str) -> list[str]:
+        a = await ctx.model.complete(f"first call of branch {tag}")
+        b = await ctx.model.complete(f"second call of branch {tag}")
+        return [a, b]
+
+    async def step(request: Text, ctx: Context) -> Said:
+        runs.append(1)
+        got = await asyncio.gather(branch(ctx, "xray"), branch(ctx, "yankee"))
+        if len(runs) == 1:
+            raise TransientError("after the gather")
+        return Said(said=json.dumps(got))
+
+    h = await custom(one_off("par", step))
+    worker = h.worker("par", redelivery_base_s=0.01, redelivery_max_s=0.01)
+    job_id = await h.submit("/v1/par", {"text": "x"})
+    await redeliver_until(h, worker, "par", lambda: finished(h, job_id))
+    assert await h.status(job_id) == "done"
+    said = json.loads((await h.get("/v1/par", job_id))["result"]["said"])
+    assert [[p.split()[0] + p.split()[-1] for p in b] for b in said] == [
+        ["firstxray", "secondxray"],
+        ["firstyankee", "secondyankee"],
+    ]
+    assert sorted(k for k, _ in await keys(h, job_id)) == [
+        "[1]/model",
+        "[1]/model#2",
+        "[2]/model",
+        "[2]/model#2",
+    ]
+    assert h.fake.stats().total == 4
+
+
+async def test_branches_of_a_step_and_a_model_call_replay(custom):
+    runs: list[int] = []
+
+    async def branch(ctx: Context, tag: str) -> str:
+        order = await ctx.step("fetch", lambda: f"order {tag}")
+        return await ctx.model.complete(f"summarise {order}")
+
+    async def step(request: Text, ctx: Context) -> Said:
+        runs.append(1)
+        got = await asyncio.gather(branch(ctx, "a1"), branch(ctx, "b2"))
+        if len(runs) == 1:
+            raise TransientError("redelivered")
+        return Said(said=json.dumps(got))
+
+    h = await custom(one_off("par2", step))
+    worker = h.worker("par2", redelivery_base_s=0.01, redelivery_max_s=0.01)
+    job_id = await h.submit("/v1/par2", {"text": "x"})
+    await redeliver_until(h, worker, "par2", lambda: finished(h, job_id))
+    assert await h.status(job_id) == "done"
+    said = json.loads((await h.get("/v1/par2", job_id))["result"]["said"])
+    assert ["a1" in said[0], "b2" in said[1]] == [True, True]
+    assert h.fake.stats().total == 2
+
+
+async def test_a_model_call_inside_a_step_is_that_steps_own(custom):
+    """The inner call is keyed under the step (``enrich/model``): a replay
+    that finds the step stored skips it, and the next call gets its own
+    answer."""
+    runs: list[int] = []
+
+    async def step(request: Text, ctx: Context) -> Said:
+        runs.append(1)
+
+        async def enrich() -> str:
+            return await ctx.model.complete(f"enrich {request.text}")
+
+        enriched = await ctx.step("enrich", enrich)
+        said = await ctx.model.complete(f"final {enriched}")
+        if len(runs) == 1:
+            raise TransientError("redelivered")
+        return Said(said=said)
+
+    h = await custom(one_off("nested", step))
+    worker = h.worker("nested", redelivery_base_s=0.01, redelivery_max_s=0.01)
+    job_id = await h.submit("/v1/nested", {"text": "x"})
+    await redeliver_until(h, worker, "nested", lambda: finished(h, job_id))
+    assert await h.status(job_id) == "done"
+    assert (await h.get("/v1/nested", job_id))["result"]["said"].startswith("final")
+    assert [k for k, _ in await keys(h, job_id)] == ["enrich", "enrich/model", "model"]
+    assert h.fake.stats().total == 2
+
+
+async def test_a_failure_the_step_caught_replays_as_it_happened(custom):
+    """The lookup fails twice, and the step goes on to try again: the
+    failures are kept, so a replay takes the same path and pays for nothing
+    again."""
+    runs: list[int] = []
+    calls: list[int] = []
+
+    def flaky() -> str:
+        calls.append(1)
+        if len(calls) <= 2:
+            raise PermanentError("404 the order is not there yet")
+        return "order"
+
+    async def step(request: Text, ctx: Context) -> Said:
+        runs.append(1)
+        order = None
+        for _ in range(3):
+            try:
+                order = await ctx.step("lookup", flaky)
+                break
+            except PermanentError:
+                continue
+        said = await ctx.model.complete(f"about {order}")
+        if len(runs) == 1:
+            raise TransientError("redelivered")
+        return Said(said=said)
+
+    h = await custom(one_off("caught", step))
+    worker = h.worker("caught", redelivery_base_s=0.01, redelivery_max_s=0.01)
+    job_id = await h.submit("/v1/caught", {"text": "x"})
+    await redeliver_until(h, worker, "caught", lambda: finished(h, job_id))
+    assert await h.status(job_id) == "done"
+    assert await keys(h, job_id) == [
+        ("lookup", "failed"),
+        ("lookup#2", "failed"),
+        ("lookup#3", "done"),
+        ("model", "done"),
+    ]
+    assert len(calls) == 3 and len(runs) == 2
+    assert h.calls("about") == 1
+    [(value,)] = await h.rows(
+        "SELECT value FROM checkpoints WHERE job_id = %s AND key = 'lookup'", job_id
+    )
+    assert json.loads(value) == {
+        "error": "PermanentError",
+        "message": "404 the order is not there yet",
+        "transient": False,
+    }
+
+
+async def test_a_failure_that_ends_the_run_is_not_kept(custom):
+    """Not caught, the step's transient failure ends the delivery; the next
+    one tries the work again (and it succeeds)."""
+    calls: list[int] = []
+
+    def flaky() -> str:
+        calls.append(1)
+        if len(calls) <= 4:  # the first delivery's four attempts
+            raise TransientError("busy")
+        return "fine"
+
+    async def step(request: Text, ctx: Context) -> Said:
+        return Said(said=await ctx.step("lookup", flaky))
+
+    h = await custom(one_off("ends", step))
+    worker = h.worker("ends", redelivery_base_s=0.01, redelivery_max_s=0.01)
+    job_id = await h.submit("/v1/ends", {"text": "x"})
+    await redeliver_until(h, worker, "ends", lambda: finished(h, job_id))
+    assert await h.status(job_id) == "done"
+    assert await keys(h, job_id) == [("lookup", "done")]
+    assert len(calls) == 5
+
+
+async def test_a_key_asked_for_out_of_its_place_is_nondeterministic_at_once(custom):
+    """Stored in one order, asked for in another: dead before paying."""
+    version = {"n": 1}
+
+    async def step(request: Text, ctx: Context) -> Said:
+        if version["n"] == 1:
+            await ctx.step("a", lambda: 1)
+            await ctx.step("b", lambda: 2)
+            raise TransientError("deploy")
+        await ctx.step("b", lambda: 2)
+        said = await ctx.model.complete("never paid")
+        return Said(said=said)
+
+    h = await custom(one_off("order", step))
+    worker = h.worker("order", redelivery_base_s=0.01, redelivery_max_s=0.01)
+    job_id = await h.submit("/v1/order", {"text": "x"})
+    await drain(worker)
+    version["n"] = 2
+    await redeliver_until(h, worker, "order", lambda: finished(h, job_id))
+    assert (await h.get("/v1/order", job_id))["error"] == "nondeterministic"
+    assert h.calls("never paid") == 0
+
+
+async def test_a_wait_inside_a_taskgroup_is_acknowledged(custom):
+    async def step(request: Text, ctx: Context) -> Said:
+        async with asyncio.TaskGroup() as tg:
+            side = tg.create_task(ctx.step("lookup", lambda: "found"))
+            approval = tg.create_task(ctx.wait_for_event("approval", Approval, timeout=60))
+        return Said(said=f"{side.result()} {approval.result()}")
+
+    h = await custom(one_off("tg", step, events={"approval": Approval}))
+    worker = h.worker("tg")
+    job_id = await h.submit("/v1/tg", {"text": "x"})
+    await drain(worker)
+    assert await h.status(job_id) == "waiting"
+    assert await pending(h, "tg") == 0
+    r = await h.send_event("/v1/tg", job_id, "approval", {"approved": True, "by": "tg"})
+    assert r.status_code == 202
+    await drain(worker)
+    assert await h.status(job_id) == "done"
+    assert (await h.get("/v1/tg", job_id))["result"]["said"].startswith("found approved=True")
+
+
+async def test_a_transient_error_inside_a_taskgroup_is_redelivered_not_dead(custom):
+    tries: list[int] = []
+
+    async def flaky() -> str:
+        tries.append(1)
+        if len(tries) <= 4:
+            raise TransientError("busy")
+        return "y"
+
+    async def step(request: Text, ctx: Context) -> Said:
+        async with asyncio.TaskGroup() as tg:
+            a = tg.create_task(ctx.step("a", lambda: "x"))
+            b = tg.create_task(ctx.step("b", flaky))
+        return Said(said=f"{a.result()} {b.result()}")
+
+    h = await custom(one_off("tg2", step))
+    worker = h.worker("tg2", redelivery_base_s=0.01, redelivery_max_s=0.01)
+    job_id = await h.submit("/v1/tg2", {"text": "x"})
+    await drain(worker)
+    assert await h.status(job_id) == "queued"  # deferred, not dead
+    await redeliver_until(h, worker, "tg2", lambda: finished(h, job_id))
+    assert (await h.get("/v1/tg2", job_id))["result"] == {"said": "x y"}
+
+
+async def test_a_branch_left_running_by_a_failed_gather_keeps_what_it_paid_for(custom):
+    runs: list[int] = []
+
+    async def fails() -> None:
+        await asyncio.sleep(0.1)
+        raise TransientError("the other branch failed")
+
+    async def step(request: Text, ctx: Context) -> Said:
+        runs.append(1)
+        said, _ = await asyncio.gather(
+            ctx.model.complete("slow sibling [[fake:sleep=1]]"),
+            ctx.step("other", fails) if len(runs) == 1 else ctx.step("other", lambda: None),
+        )
+        return Said(said=said)
+
+    h = await custom(one_off("orphan", step))
+    worker = h.worker("orphan", redelivery_base_s=0.01, redelivery_max_s=0.01)
+    job_id = await h.submit("/v1/orphan", {"text": "x"})
+    await redeliver_until(h, worker, "orphan", lambda: finished(h, job_id))
+    assert await h.status(job_id) == "done"
+    assert h.calls("slow sibling") == 1
+
+
+async def test_a_model_answer_holding_nul_is_kept(custom):
+    async def step(request: Text, ctx: Context) -> Said:
+        answer = await ctx.model.complete("tell me \x00 something")
+        return Said(said=answer.replace("\x00", ""))
+
+    h = await custom(one_off("nul", step))
+    job_id = await h.submit("/v1/nul", {"text": "x"})
+    await drain(h.worker("nul"))
+    assert await h.status(job_id) == "done"
+    [(value,)] = await h.rows("SELECT value FROM checkpoints WHERE job_id = %s", job_id)
+    assert "\\u0000" in value and "\x00" not in value
+
+
+def test_checkpoint_values_are_json_text_postgresql_can_store():
+    from oncely.jobs.store import json_text
+
+    assert json_text({"a": "ünï \x00"}) == '{"a":"ünï \\u0000"}'
+    assert json_text("half \ud800") == '"half \\ud800"'  # escaped: not UTF-8 as it is
+    assert json.loads(json_text({"a": "x\x00\ud800"})) == {"a": "x\x00\ud800"}
+
+
+async def test_a_cancelled_job_rewound_runs_to_its_end(custom):
+    """The cancel stays announced in Redis for a day; the rewound run is not
+    stopped by it."""
+
+    async def step(request: Text, ctx: Context) -> Said:
+        await ctx.step("before", lambda: "kept")
+        said = await ctx.model.complete(f"slow: {request.text} [[fake:sleep=1]]")
+        return Said(said=said)
+
+    h = await custom(one_off("rewound", step))
+    worker = h.worker("rewound", claim_idle_ms=300)
+    job_id = await h.submit("/v1/rewound", {"text": "cancel then rewind"})
+    running = asyncio.create_task(worker.run())
+    try:
+        await until(lambda: h.fake.stats("slow:").in_flight == 1)
+        r = await h.api.post(f"/v1/rewound/{job_id}/cancel", headers=h.auth)
+        assert r.status_code == 202
+        await until_async(lambda: pending_is(h, "rewound", 0))
+        rewound = await h.checkpoints.rewind(uuid.UUID(job_id), "before")
+        assert rewound is not None and rewound.deleted == ("before",)
+        await until_async(lambda: finished(h, job_id))
+    finally:
+        worker.stop()
+        await asyncio.wait_for(running, 10)
+    assert await h.status(job_id) == "done"
+    outcomes = await h.rows(
+        "SELECT outcome FROM job_deliveries WHERE job_id = %s ORDER BY id", job_id
+    )
+    assert [o[0] for o in outcomes] == ["cancelled", "done"]
+
+
+async def test_a_stale_cancel_in_redis_does_not_stop_a_running_job(custom, redis):
+    """Redis says cancelled, PostgreSQL does not: the delivery is stopped,
+    then redelivered, and the job ends done."""
+
+    async def step(request: Text, ctx: Context) -> Said:
+        return Said(said=await ctx.model.complete(f"stale: {request.text} [[fake:sleep=0.5]]"))
+
+    h = await custom(one_off("stale", step))
+    worker = h.worker("stale", claim_idle_ms=300, redelivery_base_s=0.01, redelivery_max_s=0.01)
+    job_id = await h.submit("/v1/stale", {"text": "x"})
+    await h.jobs.streams["stale"].announce_cancel(job_id)  # and nothing in PostgreSQL
+    running = asyncio.create_task(worker.run())
+    try:
+        await until_async(lambda: finished(h, job_id))
+    finally:
+        worker.stop()
+        await asyncio.wait_for(running, 10)
+    assert await h.status(job_id) == "done"
+
+
+async def test_lease_renewal_survives_a_cancel_heard_after_the_handler_returned(custom):
+    async def step(request: Text, ctx: Context) -> Said:
+        return Said(said=await ctx.model.complete("quick"))
+
+    h = await custom(one_off("quick", step))
+    worker = h.worker("quick", claim_idle_ms=300)
+    job_id = await h.submit("/v1/quick", {"text": "cancelled before it runs"})
+    found = await h.checkpoints.cancel(uuid.UUID(job_id))
+    assert found is not None and found.status == "queued"
+    ack_batch = worker._ack_batch
+
+    async def slow_ack(deliveries: Any) -> Any:
+        await asyncio.sleep(0.5)  # acknowledging while renewals go round
+        return await ack_batch(deliveries)
+
+    worker._ack = type(worker._ack)(slow_ack, key=lambda d: d.entry_id)
+    running = asyncio.create_task(worker.run())
+    await until_async(lambda: pending_is(h, "quick", 0))
+    await asyncio.sleep(0.5)  # more renewals
+    assert not running.done(), "the worker stopped"
+    worker.stop()
+    await asyncio.wait_for(running, 10)
