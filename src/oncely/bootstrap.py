@@ -77,6 +77,7 @@ def api_config(s: Settings) -> ApiConfig:
         statement_timeout_s=client_bounds(s).statement_timeout_s,
         tenant_rpm=s.tenant_rpm,
         api_key_cache_s=s.api_key_cache_s,
+        unknown_keys_per_minute=s.api_key_unknown_per_min,
         max_headers=s.http_max_headers,
         max_header_bytes=s.http_max_header_bytes,
         body_timeout_s=s.http_body_timeout_s,

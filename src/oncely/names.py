@@ -11,6 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 IDEMPOTENCY_PREFIX = "oncely:idem:"
+# Bumped whenever an API key is revoked or erased: API processes that see it
+# change empty their key caches (oncely.api.auth.Revocations).
+API_KEYS_GENERATION = "oncely:api-keys:generation"
 
 # The fleet-wide model limiter: a pause after a 429, and GCRA state per limit.
 # One hash tag: its Lua script reads all three, which a cluster allows only

@@ -268,7 +268,7 @@ async def erase_tenant(settings: Settings, tenant: str) -> dict[str, int]:
     step still running writes nothing), then its messages in every stream,
     delayed set and dead-letter stream, its idempotency records, then its API
     keys."""
-    from oncely.api.auth import erase_tenant_api_keys
+    from oncely.api.auth import announce_revocation, erase_tenant_api_keys
     from oncely.api.store import IdempotencyStore
 
     async with open_resources(settings) as res:
@@ -280,6 +280,7 @@ async def erase_tenant(settings: Settings, tenant: str) -> dict[str, int]:
         records = IdempotencyStore(res.redis, lock_ttl_s=1, result_ttl_s=1)
         counts["idempotency_records"] = await records.erase_tenant(tenant)
         counts["api_keys"] = await erase_tenant_api_keys(res.pool, tenant)
+        await announce_revocation(res.redis)
     return counts
 
 
@@ -293,13 +294,17 @@ async def create_key(settings: Settings, tenant: str) -> tuple[str, str]:
 
 async def revoke_key(settings: Settings, *, key: str | None, key_id: str | None) -> str | None:
     """Revoke by secret or by id; the tenant, or None if no such active key."""
-    from oncely.api.auth import revoke_api_key, revoke_api_key_by_id
+    from oncely.api.auth import announce_revocation, revoke_api_key, revoke_api_key_by_id
 
     async with open_resources(settings) as res:
         if key_id is not None:
-            return await revoke_api_key_by_id(res.pool, key_id)
-        assert key is not None
-        return await revoke_api_key(res.pool, key)
+            tenant = await revoke_api_key_by_id(res.pool, key_id)
+        else:
+            assert key is not None
+            tenant = await revoke_api_key(res.pool, key)
+        if tenant is not None:
+            await announce_revocation(res.redis)
+        return tenant
 
 
 async def show_keys(settings: Settings, *, tenant: str | None, as_json: bool) -> None:

@@ -112,6 +112,9 @@ class Settings(BaseSettings):
     tenant_rpm: int = Field(0, ge=0)
     # How long each API process trusts a key it looked up (0: ask every time).
     api_key_cache_s: float = Field(10.0, ge=0)
+    # Unknown API keys one client address may present per minute, per API
+    # process, before its unknown keys are answered 429 unlooked-up (0: off).
+    api_key_unknown_per_min: int = Field(60, ge=0)
     # The HTTP server's bounds on a client (README: Settings, HTTP server):
     # request line and headers together, header fields, time to send them,
     # time to send the body, idle keep-alive.

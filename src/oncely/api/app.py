@@ -76,9 +76,13 @@ class ApiConfig:
     statement_timeout_s: float = 10.0
     # Requests per minute each tenant may send, fleet-wide (0: no limit).
     tenant_rpm: int = 0
-    # How long an API key, once looked up, is trusted without asking
-    # PostgreSQL again: the longest a revoked key keeps working (0: no cache).
+    # How long an API key, once looked up, is kept without asking PostgreSQL
+    # again (0: no cache). A revocation reaches every process within about a
+    # second anyway (api/auth.py), or within this when Redis was away.
     api_key_cache_s: float = 10.0
+    # Unknown keys one client address may present per minute (per process)
+    # before its unknown keys are refused 429 without a lookup (0: no limit).
+    unknown_keys_per_minute: int = 60
     # More request header fields than this, or more bytes in them: 431.
     # ``oncely api`` also caps the head's size as it arrives (api/server.py).
     max_headers: int = 100
@@ -131,6 +135,8 @@ class OncelyAPI:
                 lambda: self.clients.pool,
                 timeout_s=config.statement_timeout_s,
                 cache_s=config.api_key_cache_s,
+                redis=lambda: self.clients.redis,
+                unknown_per_minute=config.unknown_keys_per_minute,
             )
             auth = keys.dependency
             self._direct = DirectIntake(

@@ -1,10 +1,22 @@
 """API keys: a random bearer token maps to a tenant; only its hash is stored.
 
 Only this module runs SQL on the ``api_keys`` table.
+
+Each API process caches what it looked up (``KeyCache``): an active key for
+``ONCELY_API_KEY_CACHE_S``, an unknown one for as long, so a key costs one
+statement per process and period whatever the traffic. A revocation or a
+tenant's erasure bumps a generation in Redis (``announce_revocation``); every
+process reads it at most ``REVOCATION_CHECK_S`` apart while it serves keys
+from its cache and empties the cache when it changed (``Revocations``), so a
+revoked key stops working on every process within about a second. A process
+that cannot read the generation trusts no cached key. Unknown keys are also
+throttled per client address (``UnknownKeyBudget``): past the budget a
+client's unknown keys are refused (429) without a lookup.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import secrets
 import time
@@ -13,17 +25,27 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Annotated
 
+import structlog
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from fastapi.security.utils import get_authorization_scheme_param
 from psycopg.rows import class_row
 from psycopg_pool import AsyncConnectionPool
+from redis.exceptions import RedisError
 
-from oncely.api.problems import Unauthorized
+from oncely import names
+from oncely.api.problems import RateLimited, Unauthorized
 from oncely.jobs.store import run_statement
+from oncely.redis_client import RedisClient
 from oncely.sql import query
 
+log = structlog.get_logger("oncely.auth")
+
 KEY_PREFIX = "onc_"
+# How far apart a process reads the revocation generation while it serves
+# keys from its cache; a cached key is trusted at most twice this long
+# without a read that says nothing was revoked.
+REVOCATION_CHECK_S = 0.5
 
 # A FastAPI dependency that answers the request's tenant (or raises).
 TenantDependency = Callable[..., Awaitable[str]]
@@ -112,59 +134,176 @@ async def erase_tenant_api_keys(pool: AsyncConnectionPool, tenant: str) -> int:
     return max(cur.rowcount, 0)
 
 
+async def announce_revocation(redis: RedisClient) -> bool:
+    """Tell every API process that a key was revoked or erased: they empty
+    their key caches within about a second. False (logged) when Redis did
+    not answer: then the revocation takes up to ``ONCELY_API_KEY_CACHE_S``."""
+    try:
+        await redis.incr(names.API_KEYS_GENERATION)
+    except RedisError as exc:
+        log.warning("keys.revocation_not_announced", error=type(exc).__name__)
+        return False
+    return True
+
+
 class KeyCache:
-    """Active keys seen recently, by hash: the intake's key lookup costs a
-    statement only once per key and ``ttl_s`` on each API process. So a
-    revoked (or erased) key keeps working for up to ``ttl_s`` on a process
-    that saw it (README, Settings: ``ONCELY_API_KEY_CACHE_S``). Only active
-    keys are kept: a new key works at once, an unknown one is looked up each
-    time. At most ``max_keys`` entries; the oldest go first."""
+    """Keys looked up recently, by hash: active ones with their tenant,
+    unknown ones as unknown, each for ``ttl_s`` on this process (README,
+    Settings: ``ONCELY_API_KEY_CACHE_S``). ``clear`` empties it (a
+    revocation was announced). At most ``max_keys`` entries; the oldest go
+    first."""
 
     def __init__(self, ttl_s: float, max_keys: int = 10_000) -> None:
         self.ttl_s = ttl_s
         self.max_keys = max_keys
-        # key hash -> (tenant, monotonic expiry); insertion order is age order.
-        self._entries: dict[str, tuple[str, float]] = {}
+        # key hash -> (tenant or None for unknown, monotonic expiry);
+        # insertion order is age order.
+        self._entries: dict[str, tuple[str | None, float]] = {}
+        # Bumped by every clear: a lookup that began before one is not kept.
+        self.epoch = 0
 
-    def get(self, key_hash: str) -> str | None:
+    def get(self, key_hash: str) -> tuple[bool, str | None]:
+        """(cached?, its tenant: None for a key known to be unknown)."""
         entry = self._entries.get(key_hash)
         if entry is None:
-            return None
+            return False, None
         tenant, expires = entry
         if time.monotonic() >= expires:
             del self._entries[key_hash]
-            return None
-        return tenant
+            return False, None
+        return True, tenant
 
-    def put(self, key_hash: str, tenant: str) -> None:
-        if self.ttl_s <= 0:
+    def put(self, key_hash: str, tenant: str | None, epoch: int) -> None:
+        """Keep a lookup that began in ``epoch`` (unless a clear came since)."""
+        if self.ttl_s <= 0 or epoch != self.epoch:
             return
         self._entries.pop(key_hash, None)
         while len(self._entries) >= self.max_keys:
             del self._entries[next(iter(self._entries))]
         self._entries[key_hash] = (tenant, time.monotonic() + self.ttl_s)
 
+    def clear(self) -> None:
+        self._entries.clear()
+        self.epoch += 1
+
+
+class Revocations:
+    """Keeps a ``KeyCache`` honest: the revocation generation in Redis read
+    at most ``every_s`` apart while the cache is used. ``current`` answers
+    whether the cache may be trusted now: within ``every_s`` of the last
+    read, yes; within twice that, yes, and a read goes out in the
+    background; later, only once a read says so (one Redis GET, shared by
+    every request waiting for it). A changed generation empties the cache;
+    a read that fails leaves it untrusted."""
+
+    def __init__(
+        self,
+        redis: Callable[[], RedisClient],
+        cache: KeyCache,
+        *,
+        every_s: float = REVOCATION_CHECK_S,
+    ) -> None:
+        self._redis = redis
+        self._cache = cache
+        self.every_s = every_s
+        self._generation: str | None = None
+        self._read_at = -1e9
+        self._reading: asyncio.Task[bool] | None = None
+
+    async def current(self) -> bool:
+        age = time.monotonic() - self._read_at
+        if age < self.every_s:
+            return True
+        if age < 2 * self.every_s:
+            self._read()
+            return True
+        return await asyncio.shield(self._read())
+
+    def _read(self) -> asyncio.Task[bool]:
+        if self._reading is None or self._reading.done():
+            self._reading = asyncio.ensure_future(self._read_generation())
+        return self._reading
+
+    async def _read_generation(self) -> bool:
+        try:
+            generation = await self._redis().get(names.API_KEYS_GENERATION)
+        except RedisError as exc:
+            log.warning("keys.revocations_unread", error=type(exc).__name__)
+            self._cache.clear()
+            return False
+        found = None if generation is None else str(generation)
+        if found != self._generation:
+            # A revocation (or Redis losing the count): nothing cached holds.
+            self._cache.clear()
+            self._generation = found
+        self._read_at = time.monotonic()
+        return True
+
+
+class UnknownKeyBudget:
+    """Unknown keys a client address may present per minute before its
+    unknown keys are refused without a lookup (429): a scan of random keys
+    costs PostgreSQL at most this many statements a minute per address and
+    process. Known keys never count."""
+
+    def __init__(self, per_minute: int, max_clients: int = 10_000) -> None:
+        self.per_minute = per_minute
+        self.max_clients = max_clients
+        # client -> (unknown keys in the window, monotonic start of the window)
+        self._clients: dict[str, tuple[int, float]] = {}
+
+    def refused(self, client: str) -> float:
+        """Seconds until ``client`` may present an unknown key again (0: now)."""
+        if self.per_minute <= 0:
+            return 0.0
+        count, since = self._clients.get(client, (0, 0.0))
+        left = since + 60.0 - time.monotonic()
+        return left if count >= self.per_minute and left > 0 else 0.0
+
+    def count(self, client: str) -> None:
+        if self.per_minute <= 0:
+            return
+        now = time.monotonic()
+        count, since = self._clients.pop(client, (0, now))
+        if now - since >= 60.0:
+            count, since = 0, now
+        while len(self._clients) >= self.max_clients:
+            del self._clients[next(iter(self._clients))]
+        self._clients[client] = (count + 1, since)
+
 
 class ApiKeyAuth:
     """The default auth: ``Authorization: Bearer <api key>`` → its tenant
-    (the lookup bounded by ``timeout_s``; active keys cached ``cache_s``,
-    see ``KeyCache``). ``dependency`` is it as a FastAPI dependency, which
-    documents the bearer scheme in OpenAPI; the workflows' intake calls
-    ``tenant_of`` directly (``oncely.api.workflows``)."""
+    (the lookup bounded by ``timeout_s``; keys cached ``cache_s``, see
+    ``KeyCache``, and emptied on a revocation, see ``Revocations``; unknown
+    keys budgeted per client, see ``UnknownKeyBudget``). ``dependency`` is
+    it as a FastAPI dependency, which documents the bearer scheme in
+    OpenAPI; the workflows' intake calls ``tenant_of`` directly
+    (``oncely.api.workflows``)."""
 
     def __init__(
-        self, pool: Callable[[], AsyncConnectionPool], *, timeout_s: float, cache_s: float
+        self,
+        pool: Callable[[], AsyncConnectionPool],
+        *,
+        timeout_s: float,
+        cache_s: float,
+        redis: Callable[[], RedisClient] | None = None,
+        unknown_per_minute: int = 60,
     ) -> None:
         self._pool = pool
         self._timeout_s = timeout_s
         self._cache = KeyCache(cache_s)
+        # Without Redis (tests of the lookup alone), nothing is cached.
+        self._revocations = Revocations(redis, self._cache) if redis is not None else None
+        self._unknown = UnknownKeyBudget(unknown_per_minute)
 
         async def current_tenant(
+            request: Request,
             credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
         ) -> str:
             if credentials is None:
                 raise Unauthorized(_SEND_A_KEY)
-            return await self._tenant(credentials.scheme, credentials.credentials)
+            return await self._tenant(request, credentials.scheme, credentials.credentials)
 
         self.dependency: TenantDependency = current_tenant
 
@@ -173,19 +312,33 @@ class ApiKeyAuth:
         scheme, key = get_authorization_scheme_param(request.headers.get("authorization"))
         if not (scheme and key):
             raise Unauthorized(_SEND_A_KEY)
-        return await self._tenant(scheme, key)
+        return await self._tenant(request, scheme, key)
 
-    async def _tenant(self, scheme: str, key: str) -> str:
+    async def _tenant(self, request: Request, scheme: str, key: str) -> str:
         if scheme.lower() != "bearer":
             raise Unauthorized(_SEND_A_KEY)
         key_hash = hash_api_key(key)
-        tenant = self._cache.get(key_hash)
-        if tenant is not None:
-            return tenant
+        if self._revocations is not None and await self._revocations.current():
+            cached, tenant = self._cache.get(key_hash)
+            if cached:
+                return self._known(tenant)
+        client = request.client.host if request.client is not None else "unknown"
+        wait_s = self._unknown.refused(client)
+        if wait_s:
+            log.warning("auth.unknown_keys_throttled", client=client)
+            raise RateLimited({"Retry-After": str(max(1, round(wait_s)))})
+        epoch = self._cache.epoch
         tenant = await _tenant_for_hash(self._pool(), key_hash, timeout_s=self._timeout_s)
+        if self._revocations is not None:
+            self._cache.put(key_hash, tenant, epoch)
+        if tenant is None:
+            self._unknown.count(client)
+        return self._known(tenant)
+
+    @staticmethod
+    def _known(tenant: str | None) -> str:
         if tenant is None:
             raise Unauthorized("unknown or revoked API key")
-        self._cache.put(key_hash, tenant)
         return tenant
 
 
