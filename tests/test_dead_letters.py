@@ -21,7 +21,8 @@ async def test_dead_letter_replay_runs_the_job_to_done(pool, redis, jobs, summar
     assert letter.deliveries == 1
     assert "400" in letter.last_error
 
-    assert await dead_letters.replay(jobs, "summaries", letter.dead_id) == job_id
+    replayed = await dead_letters.replay(jobs, "summaries", letter.dead_id)
+    assert replayed is not None and replayed.job_id == job_id
     assert await job_status(pool, job_id) == "queued"
     assert await dead_letters.list_dead(jobs, "summaries") == []
     await drain(worker)
@@ -35,6 +36,9 @@ async def test_replay_of_an_unknown_id_changes_nothing(pool, redis, jobs):
     stream = jobs.streams["summaries"]
     await stream.ensure_group()
     assert await dead_letters.replay(jobs, "summaries", "1-0") is None
+    assert (
+        await dead_letters.replay(jobs, "summaries", "00000000-0000-4000-8000-000000000000") is None
+    )
     info: Any = await redis.xlen(stream.stream)
     assert info == 0
 
@@ -48,3 +52,26 @@ async def test_replay_all_empties_the_dead_stream(pool, redis, jobs, summary_job
     assert sorted(await dead_letters.replay_all(jobs, "summaries")) == sorted(ids)
     assert await dead_letters.list_dead(jobs, "summaries") == []
     assert await redis.xlen(stream.stream) == 6
+    assert await redis.xlen(stream.dead) == 0  # the mirror follows the record
+
+
+async def test_dead_letters_come_from_postgresql_and_survive_redis_losing_its_data(
+    pool, redis, jobs, summary_job, fake_llm
+):
+    """Redis forgets everything (a restart without persistence): the dead
+    letters are still listed and replayed, from the job rows."""
+    stream = jobs.streams["summaries"]
+    await stream.ensure_group()
+    ids = [await submit(pool, stream, f"Refused {i}. [[fake:400*1]]") for i in range(2)]
+    worker = make_worker(stream, summary_job, pool)
+    await drain(worker)
+    await redis.flushdb()
+    await stream.ensure_group()
+    letters = await dead_letters.list_dead(jobs, "summaries")
+    assert sorted(d.job_id for d in letters) == sorted(ids)
+    assert {d.reason for d in letters} == {"permanent"} and all(
+        "400" in d.last_error for d in letters
+    )
+    assert sorted(await dead_letters.replay_all(jobs, "summaries")) == sorted(ids)
+    await drain(worker)
+    assert [await job_status(pool, i) for i in ids] == ["done", "done"]

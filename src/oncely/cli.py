@@ -472,14 +472,16 @@ def dlq_list(
 
 @dlq_app.command("replay")
 def dlq_replay(
-    dead_id: Annotated[str | None, typer.Argument(help="The dead letter's id.")] = None,
+    dead_id: Annotated[
+        str | None, typer.Argument(help="The dead letter's id: its job's id (dlq list).")
+    ] = None,
     replay_all: Annotated[bool, typer.Option("--all", help="Replay every dead letter.")] = False,
     workflow: Annotated[str | None, typer.Option("--workflow", "-w", help="Only this one.")] = None,
     dry_run: DryRunOpt = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Put dead letters back in their stream (the job becomes queued again)."""
-    from oncely.ops import AmbiguousDeadLetter, replay_dead_letters
+    from oncely.ops import replay_dead_letters
 
     if (dead_id is None) == (not replay_all):
         err.print("give one dead letter id, or --all", style="red")
@@ -489,11 +491,7 @@ def dlq_replay(
         raise typer.Exit(EXIT_USAGE)
     settings = _settings()
     _workflows(settings, [workflow] if workflow else None)
-    try:
-        replayed = _run(replay_dead_letters(settings, dead_id, workflow=workflow, dry_run=dry_run))
-    except AmbiguousDeadLetter as exc:
-        err.print(literal(exc), style="red")
-        raise typer.Exit(EXIT_USAGE) from None
+    replayed = _run(replay_dead_letters(settings, dead_id, workflow=workflow, dry_run=dry_run))
     if dead_id is not None and not replayed:
         err.print(f"no dead letter {literal(dead_id)}", style="red")
         raise typer.Exit(EXIT_NOT_FOUND)

@@ -35,7 +35,7 @@ console = Console(stderr=True)
 
 
 async def run_dev(settings: Settings, *, port: int) -> None:
-    servers = EmbeddedServers(settings.data_dir)
+    servers = EmbeddedServers(settings.data_dir, durable=True)
     if not settings.redis_url or not settings.database_url:
         urls = await asyncio.to_thread(servers.start)
         settings = settings.model_copy(

@@ -50,10 +50,14 @@ class ServerUrls:
 
 
 class EmbeddedServers:
-    """Valkey under ``<data_dir>/valkey`` and PostgreSQL under ``<data_dir>/postgres``."""
+    """Valkey under ``<data_dir>/valkey`` and PostgreSQL under ``<data_dir>/postgres``.
+    ``durable``: Valkey keeps its data across restarts too (an append-only
+    file, written every second), as ``oncely dev`` promises; tests and
+    benchmarks start empty each time and need not pay for it."""
 
-    def __init__(self, data_dir: Path) -> None:
+    def __init__(self, data_dir: Path, *, durable: bool = False) -> None:
         self.data_dir = data_dir.resolve()
+        self.durable = durable
         self._valkey: ValkeyServer | None = None
         self._postgres: PostgresServer | None = None
 
@@ -76,7 +80,8 @@ class EmbeddedServers:
         # The free port is picked before the server binds it; another process
         # may take it in between, so try a few times.
         for attempt in range(3):
-            server = ValkeyServer(data_dir=folder, persist=True)
+            aof = {"appendonly": "yes", "appendfsync": "everysec"} if self.durable else {}
+            server = ValkeyServer(data_dir=folder, persist=True, **aof)
             try:
                 server.start()
             except ValkeyServerStartupError:

@@ -75,28 +75,40 @@ async def show_dead_letters(
 ) -> None:
     async with _jobs(settings, [workflow] if workflow else None) as jobs:
         letters = [
-            (name, letter)
+            letter
             for name in jobs.streams
             for letter in await dead_letters.list_dead(jobs, name, limit)
         ]
     if as_json:
         items = [
-            {"workflow": name, **{k: v for k, v in asdict(d).items() if k != "fields"}}
-            for name, d in letters
+            {
+                "workflow": d.workflow,
+                "dead_id": d.dead_id,
+                "job_id": d.job_id,
+                "tenant": d.tenant,
+                "reason": d.reason,
+                "deliveries": d.deliveries,
+                "dead_at": d.dead_at.isoformat(),
+                "last_error": d.last_error,
+            }
+            for d in letters
         ]
         print(json.dumps(items, indent=2))
         return
-    columns = ("workflow", "id", "job", "reason", "deliveries", "dead at", "last error")
+    columns = (
+        "workflow",
+        "job (the dead letter's id)",
+        "reason",
+        "deliveries",
+        "dead at",
+        "last error",
+    )
     rows = [
-        (name, d.dead_id, d.job_id, d.reason, d.deliveries, _moment(d.dead_at), d.last_error)
-        for name, d in letters
+        (d.workflow, d.job_id, d.reason, d.deliveries, _when(d.dead_at), d.last_error)
+        for d in letters
     ]
     title = f"dead letters ({len(letters)} shown, newest first per workflow)"
-    print_rows(out, title, columns, rows, ids=3)
-
-
-class AmbiguousDeadLetter(Exception):
-    """The same dead-letter id exists in several workflows."""
+    print_rows(out, title, columns, rows, ids=2)
 
 
 async def replay_dead_letters(
@@ -116,17 +128,8 @@ async def replay_dead_letters(
                 for name in jobs.streams
                 for job_id in await dead_letters.replay_all(jobs, name)
             ]
-        owners = [
-            name
-            for name, stream in jobs.streams.items()
-            if await stream.dead_letter_by_id(dead_id) is not None
-        ]
-        if len(owners) > 1:
-            raise AmbiguousDeadLetter(f"{dead_id} is a dead letter of {owners}; add --workflow")
-        if not owners:
-            return []
-        job_id = await dead_letters.replay(jobs, owners[0], dead_id)
-        return [] if job_id is None else [{"workflow": owners[0], "job_id": job_id}]
+        job = await dead_letters.replay(jobs, workflow, dead_id)
+        return [] if job is None else [{"workflow": job.kind, "job_id": job.job_id}]
 
 
 async def show_outbox(
@@ -151,10 +154,6 @@ def _state(row: OutboxRow) -> str:
     if row.locked_until is not None and row.locked_until.timestamp() > time.time():
         return "sending"
     return "waiting"
-
-
-def _moment(unix_s: float) -> str:
-    return datetime.fromtimestamp(unix_s, UTC).isoformat(timespec="seconds")
 
 
 async def retry_outbox(

@@ -300,11 +300,11 @@ def _add_dead_letters(router: APIRouter, console: Console) -> None:
             return console.page("forbidden.html", session, http_status=403)
         if workflow not in console.workflows:
             return console.not_found("workflow", session)
-        job_id = await dead_letters.replay(console.jobs, workflow, dead_id)
+        job = await dead_letters.replay(console.jobs, workflow, dead_id)
         path = f"/console/workflows/{workflow}/dead-letters"
-        if job_id is None:
+        if job is None:
             return _redirect(path, missing=dead_id)
-        return _redirect(path, replayed=job_id)
+        return _redirect(path, replayed=job.job_id)
 
 
 def _add_outbox(router: APIRouter, console: Console) -> None:

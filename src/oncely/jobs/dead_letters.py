@@ -1,43 +1,110 @@
 """Dead letters for a person: list them, and replay them.
 
-Replaying sets the job back to ``queued`` (PostgreSQL first, the record of
-acceptance), adds a fresh message with the same job id, then deletes the
-dead entry; a crash in between leaves a duplicate that collapses downstream,
+A dead letter is a dead job: PostgreSQL is the record, so the lists and the
+replays read the ``jobs`` table, and survive Redis losing its data. Each
+workflow's dead stream in Redis (written by the worker as it gives up on a
+message) only mirrors them: a replay deletes the job's entries there too.
+
+Replaying sets the job back to ``queued`` in a new generation (PostgreSQL
+first, the record of acceptance), then adds a fresh message with the same
+job id; a crash in between leaves a queued row the reconciler enqueues,
 never a lost job.
 """
 
 from __future__ import annotations
 
+import uuid
+from dataclasses import dataclass
+from datetime import datetime
+
 import structlog
 
-from oncely.jobs.store import Job, Jobs
-from oncely.queue.stream import DeadLetter
+from oncely.jobs.store import DeadJob, Job, Jobs
+from oncely.workflow import tenant_error
 
 log = structlog.get_logger("oncely.dlq")
 
 
-async def replay(jobs: Jobs, workflow: str, dead_id: str) -> str | None:
-    """Put one dead letter back in its stream; its job id (None if unknown)."""
-    stream = jobs.streams[workflow]
-    letter = await stream.dead_letter_by_id(dead_id)
-    if letter is None:
-        return None
-    message = letter.message()
-    await jobs.replay(Job(message.job_id, message.tenant, workflow, message.payload))
-    await stream.forget_dead_letter(dead_id)
-    log.info("dlq.replayed", workflow=workflow, job_id=message.job_id, dead_id=dead_id)
-    return message.job_id
+@dataclass(frozen=True)
+class DeadLetter:
+    """A dead job as the dead-letter list shows it. ``dead_id`` is its job id
+    (what ``replay`` takes)."""
 
+    workflow: str
+    job_id: str
+    tenant: str
+    # The stable reason (``permanent``, ``max_age``, ``nondeterministic``, …).
+    reason: str
+    last_error: str
+    deliveries: int
+    dead_at: datetime
 
-async def replay_all(jobs: Jobs, workflow: str) -> list[str]:
-    replayed = []
-    while batch := await jobs.streams[workflow].dead_letters(100):
-        for letter in batch:
-            job_id = await replay(jobs, workflow, letter.dead_id)
-            if job_id is not None:
-                replayed.append(job_id)
-    return replayed
+    @property
+    def dead_id(self) -> str:
+        return self.job_id
+
+    @classmethod
+    def of(cls, job: DeadJob) -> DeadLetter:
+        error = job.error or ""
+        reason, _, detail = error.partition(":")
+        return cls(
+            workflow=job.kind,
+            job_id=str(job.job_id),
+            tenant=job.tenant,
+            reason=tenant_error(error) or "failed",
+            last_error=detail.strip() if reason.strip() == tenant_error(error) else error,
+            deliveries=job.deliveries,
+            dead_at=job.dead_at,
+        )
 
 
 async def list_dead(jobs: Jobs, workflow: str, limit: int = 100) -> list[DeadLetter]:
-    return await jobs.streams[workflow].dead_letters(limit)
+    """The workflow's dead letters, newest first."""
+    return [DeadLetter.of(job) for job in await jobs.dead(workflow, limit)]
+
+
+async def replay(jobs: Jobs, workflow: str | None, dead_id: str) -> Job | None:
+    """Put one dead job back in its stream (of ``workflow``, or any); the
+    job, or None if there is no such dead job. ``dead_id`` is the job id, or
+    the id of a dead entry in Redis (what earlier versions listed)."""
+    job_id = await _job_id(jobs, workflow, dead_id)
+    if job_id is None:
+        return None
+    job = await jobs.dead_job(job_id, workflow)
+    if job is None:
+        return None
+    await jobs.replay(job)
+    await jobs.streams[job.kind].forget_dead_letters({job.job_id})
+    log.info("dlq.replayed", workflow=job.kind, job_id=job.job_id)
+    return job
+
+
+async def replay_all(jobs: Jobs, workflow: str) -> list[str]:
+    """Replay every dead job of the workflow; their ids."""
+    replayed: list[str] = []
+    while batch := await jobs.dead(workflow, 500):
+        for dead in batch:
+            job = await jobs.dead_job(dead.job_id, workflow)
+            if job is not None:
+                await jobs.replay(job)
+                replayed.append(job.job_id)
+                log.info("dlq.replayed", workflow=workflow, job_id=job.job_id)
+    if replayed:
+        await jobs.streams[workflow].forget_dead_letters(set(replayed))
+    return replayed
+
+
+async def _job_id(jobs: Jobs, workflow: str | None, dead_id: str) -> uuid.UUID | None:
+    try:
+        return uuid.UUID(dead_id)
+    except ValueError:
+        pass
+    streams = [jobs.streams[workflow]] if workflow else list(jobs.streams.values())
+    for stream in streams:
+        letter = await stream.dead_letter_by_id(dead_id)
+        if letter is not None:
+            try:
+                return uuid.UUID(letter.job_id)
+            except ValueError:
+                return None
+    return None

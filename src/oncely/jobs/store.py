@@ -239,6 +239,20 @@ class JobDetail(JobRecord):
 
 
 @dataclass(frozen=True)
+class DeadJob:
+    """A dead job as operators list it: its dead letter."""
+
+    job_id: uuid.UUID
+    tenant: str
+    kind: str
+    # "<reason>: <last error>" (the reason one of workflow.DEAD_REASONS).
+    error: str | None
+    dead_at: datetime
+    # Deliveries that reported back.
+    deliveries: int
+
+
+@dataclass(frozen=True)
 class DeliveryRecord:
     """One delivery of a job that reported back (``job_deliveries``)."""
 
@@ -403,6 +417,19 @@ class Jobs:
         """The job, only if it is of this workflow and this tenant's."""
         rows = (await self._run("get_job", (job_id, tenant, kind))).rows
         return JobRecord(*rows[0]) if rows else None
+
+    async def dead(self, kind: str, limit: int) -> list[DeadJob]:
+        """The workflow's dead jobs, newest first."""
+        rows = (await self._run("dead_jobs", {"kind": kind, "limit": limit})).rows
+        return [DeadJob(*row) for row in rows]
+
+    async def dead_job(self, job_id: uuid.UUID, kind: str | None = None) -> Job | None:
+        """A dead job, to replay (of workflow ``kind`` if given)."""
+        rows = (await self._run("dead_job", {"job_id": job_id, "kind": kind})).rows
+        if not rows:
+            return None
+        found, tenant, k, payload = rows[0]
+        return Job(str(found), tenant, k, payload)
 
     async def stale_queued(self, kind: str, older_than_s: float, limit: int) -> list[Job]:
         params = {"kind": kind, "age_s": older_than_s, "limit": limit}

@@ -379,6 +379,20 @@ class Stream:
     async def forget_dead_letter(self, dead_id: str) -> None:
         await self.redis.xdel(self.dead, dead_id)
 
+    async def forget_dead_letters(self, job_ids: set[str], batch: int = 1000) -> int:
+        """Delete the dead entries of these jobs (replayed); how many."""
+        doomed: list[str] = []
+        cursor = "-"
+        while True:
+            entries: Any = await self.redis.xrange(self.dead, min=cursor, count=batch)
+            doomed += [str(i) for i, f in entries if f.get("job_id") in job_ids]
+            if len(entries) < batch:
+                break
+            cursor = "(" + str(entries[-1][0])
+        for start in range(0, len(doomed), batch):
+            await self.redis.xdel(self.dead, *doomed[start : start + batch])
+        return len(doomed)
+
     async def stats(self) -> StreamStats:
         await self.ensure_group()
         pending: Any = await self.redis.xpending(self.stream, self.group)

@@ -154,6 +154,23 @@ SELECT job_id, tenant, kind, payload FROM jobs
  ORDER BY created_at
  LIMIT %(limit)s
 
+-- name: dead_jobs
+-- A workflow's dead jobs, newest first: the dead letters operators list
+-- and replay (PostgreSQL is the record; Redis' dead streams only mirror it).
+-- `deliveries`: those that reported back.
+SELECT j.job_id, j.tenant, j.kind, j.error, j.updated_at,
+       (SELECT count(*) FROM job_deliveries d WHERE d.job_id = j.job_id)
+  FROM jobs j
+ WHERE j.kind = %(kind)s AND j.status = 'dead'
+ ORDER BY j.updated_at DESC, j.job_id
+ LIMIT %(limit)s
+
+-- name: dead_job
+-- One dead job with its request, to replay it; of any workflow when kind is NULL.
+SELECT job_id, tenant, kind, payload FROM jobs
+ WHERE job_id = %(job_id)s AND status = 'dead'
+   AND (%(kind)s::text IS NULL OR kind = %(kind)s::text)
+
 -- name: mark_job_requeued
 -- A dead letter replayed by an operator: its job is queued again, in a new
 -- generation (a delivery of the dead run can write nothing more), and its
