@@ -9,7 +9,9 @@ Side by side on the same jobs, round-robin:
   with ``--floor-consumer``): batched XREADGROUP, one model call per message
   through the same openai SDK on its aiohttp transport, one statement
   writing the result and the outbox row and marking the job done, batched XACK;
-- ``floor_aiohttp``: the same floor calling the model with raw aiohttp.
+- ``floor_aiohttp``: the same floor calling the model with raw aiohttp;
+- ``against`` (with ``--against CHECKOUT``): ``oncely worker`` from another
+  checkout (say, a git worktree of an earlier revision), in the same rounds.
 
 Each is its own process, and so is the fake model, so each one's CPU is its
 own. Every run starts from a flushed Redis and empty tables with the jobs
@@ -26,10 +28,15 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
+import psycopg
+from psycopg import sql
 from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 from redis.asyncio import Redis
@@ -39,12 +46,13 @@ from bench.harness.drain import Drain
 from bench.harness.fakes import API_KEY, FakeModel
 from bench.harness.floor import pg_pool, until_stopped, whenever_set
 from bench.harness.measure import Headline, Noise, ratio, ratio_json, summary
-from bench.harness.processes import clean_env
+from bench.harness.processes import clean_env, oncely
 from bench.harness.report import Context, main, parser
-from bench.harness.servers import fresh_state
+from bench.harness.servers import TABLES, fresh_state
 from oncely.builtin.summaries import INSTRUCTION, SUMMARY_READY, dedupe_key, summaries
 
 GOAL = 0.85
+KINDS = ("oncely", "floor_openai", "floor_aiohttp")
 MODEL = "oncely-fake"
 HTTP_CONNECTIONS = 1000  # the openai SDK's aiohttp limit; raw aiohttp gets the same
 SHOWN = ("jobs", "jobs_per_s", "cpu_ms_per_job", "machine_busy_cores")
@@ -126,7 +134,7 @@ BUCKETS = {
 
 @dataclass(frozen=True)
 class Contender:
-    kind: str  # "oncely" | "floor_openai" | "floor_aiohttp"
+    kind: str  # "oncely" | "floor_openai" | "floor_aiohttp" | "against"
     concurrency: int
     jobs: int
 
@@ -163,22 +171,24 @@ class Scenario:
     contenders: tuple[Contender, ...]
 
 
-def scenarios(smoke: bool) -> list[Scenario]:
+def scenarios(smoke: bool, kinds: Sequence[str] = KINDS) -> list[Scenario]:
     """Job counts sized so each run takes seconds. The smoke run touches
-    every kind of contender once, with a few jobs each."""
+    every kind of contender once, with a few jobs each. ``kinds``: the
+    contenders that run (``--only``; ``against`` with ``--against``)."""
     if smoke:
-        kinds = ("oncely", "floor_openai", "floor_aiohttp")
         return [Scenario("instant", 0.0, tuple(Contender(k, 256, 40) for k in kinds))]
     return [
-        Scenario("instant", 0.0, _lineup(2000, 200)),
-        Scenario("model_200ms", 0.2, _lineup(2000, 30)),
+        Scenario("instant", 0.0, _lineup(2000, 200, kinds)),
+        Scenario("model_200ms", 0.2, _lineup(2000, 30, kinds)),
     ]
 
 
-def _lineup(many: int, one: int) -> tuple[Contender, ...]:
-    """oncely and each floor at 256; oncely and the SDK floor at 1."""
-    at_256 = [Contender(k, 256, many) for k in ("oncely", "floor_openai", "floor_aiohttp")]
-    return (*at_256, Contender("oncely", 1, one), Contender("floor_openai", 1, one))
+def _lineup(many: int, one: int, kinds: Sequence[str]) -> tuple[Contender, ...]:
+    """oncely and each floor at 256; oncely and the SDK floor at 1 (and the
+    other checkout at both)."""
+    at_256 = [Contender(k, 256, many) for k in kinds]
+    at_1 = [Contender(k, 1, one) for k in kinds if k in ("oncely", "floor_openai", "against")]
+    return (*at_256, *at_1)
 
 
 # -- the floor consumer (its own process) -----------------------------------------
@@ -334,28 +344,55 @@ class Bench(Drain[Trial, FakeModel]):
         super().__init__(ctx, model)
         self.redis = Redis.from_url(ctx.servers.redis_url, decode_responses=True)
         self.job_ids: list[str] = []  # the run's, for its checks
+        # With --against: the other checkout's database (its URL and connection).
+        self.against_url: str | None = None
+        self.dbs: dict[str, psycopg.AsyncConnection[Any]] = {}
+
+    async def open(self) -> None:
+        await super().open()
+        self.dbs["oncely"] = self.db
+        if self.ctx.args.against:
+            self.against_url = await against_database(self.ctx)
+            self.dbs["against"] = await psycopg.AsyncConnection.connect(
+                self.against_url, autocommit=True
+            )
 
     async def close(self) -> None:
+        for db in self.dbs.values():
+            if db is not self.db:
+                await db.close()
         await super().close()
         await self.redis.aclose()
 
     async def load(self, trial: Trial) -> None:
-        await fresh_state(self.redis, self.db)
+        # Every run's waits and checks on the database its contender uses.
+        self.db = self.dbs["against" if trial.contender.kind == "against" else "oncely"]
+        if trial.contender.kind == "against":
+            await fresh_tables(self.redis, self.db)
+        else:
+            await fresh_state(self.redis, self.db)
         await self.fake.reset()
         self.job_ids = await jobs.preload(self.redis, self.db, trial.items, trial.model_sleep_s)
 
     def spawn(self, trial: Trial) -> subprocess.Popen[bytes]:
         s, c = self.ctx.servers, trial.contender
-        if c.kind == "oncely":
+        if c.kind in ("oncely", "against"):
             argv = ["-m", "oncely", "worker", "--workflow", summaries.name]
+            database_url = s.database_url
+            if c.kind == "against":
+                assert self.against_url is not None  # made in open()
+                database_url = self.against_url
             env = clean_env(
                 redis_url=s.redis_url,
-                database_url=s.database_url,
+                database_url=database_url,
                 llm_base_url=self.fake.url,
                 llm_api_key=API_KEY,
                 worker_concurrency=str(c.concurrency),
                 log_level="WARNING",
             )
+            if c.kind == "against":
+                # Its oncely package comes first on the path: the other checkout's.
+                env |= {"PYTHONPATH": f"{self.ctx.args.against}/src"}
         else:
             argv = [
                 "-m",
@@ -380,15 +417,47 @@ class Bench(Drain[Trial, FakeModel]):
         return await jobs.checks(self.redis, self.db, self.fake, self.job_ids)
 
 
+async def against_database(ctx: Context) -> str:
+    """A database of its own on the same server for ``--against``'s checkout,
+    migrated by that checkout's ``oncely migrate``: a release refuses a
+    schema with migrations it does not know. Its URL."""
+    url = urlsplit(ctx.servers.database_url)
+    name = f"{url.path.lstrip('/') or 'oncely'}_against"
+    async with await psycopg.AsyncConnection.connect(
+        ctx.servers.database_url, autocommit=True
+    ) as db:
+        await db.execute(
+            sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+        )
+        await db.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    against_url = urlunsplit(url._replace(path=f"/{name}"))
+    env = clean_env(redis_url=ctx.servers.redis_url, database_url=against_url)
+    await oncely("migrate", env=env | {"PYTHONPATH": f"{ctx.args.against}/src"})
+    return against_url
+
+
+async def fresh_tables(redis: Redis, db: psycopg.AsyncConnection[Any]) -> None:
+    """``fresh_state`` on an earlier schema: the tables of ``TABLES`` it has."""
+    cur = await db.execute(
+        "SELECT tablename FROM pg_tables WHERE schemaname = current_schema()"
+        " AND tablename = ANY(%s)",
+        ([t.strip() for t in TABLES.split(",")],),
+    )
+    names = [sql.Identifier(str(row[0])) for row in await cur.fetchall()]
+    await redis.flushdb()
+    await db.execute(sql.SQL("TRUNCATE {} RESTART IDENTITY").format(sql.SQL(", ").join(names)))
+    await db.execute("ANALYZE jobs")
+
+
 async def run_scenario(bench: Bench, scenario: Scenario) -> dict[str, Any]:
     trials = [Trial(c, scenario.model_sleep_s) for c in scenario.contenders]
     runs = await bench.run_rounds(trials, scenario.name)
     ratios = {}
     for conc in (256, 1):
-        for floor in ("floor_openai", "floor_aiohttp"):
-            ours, theirs = runs.get(f"oncely@{conc}"), runs.get(f"{floor}@{conc}")
+        for other in ("floor_openai", "floor_aiohttp", "against"):
+            ours, theirs = runs.get(f"oncely@{conc}"), runs.get(f"{other}@{conc}")
             if ours and theirs:
-                ratios[f"oncely_vs_{floor}@{conc}"] = {
+                ratios[f"oncely_vs_{other}@{conc}"] = {
                     "throughput": ratio_json(ours, theirs, "jobs_per_s"),
                     "throughput_incl_startup": ratio_json(ours, theirs, "jobs_per_s_incl_startup"),
                     "cpu_per_job": ratio_json(ours, theirs, "cpu_ms_per_job"),
@@ -410,13 +479,15 @@ async def bench_main(ctx: Context) -> tuple[list[Headline], dict[str, Any], bool
     bench = Bench(ctx, FakeModel.start(ctx.children))
     await bench.open()
     try:
-        results = [await run_scenario(bench, s) for s in scenarios(ctx.smoke)]
+        results = [await run_scenario(bench, s) for s in scenarios(ctx.smoke, kinds_of(ctx.args))]
         profiles = []
         if ctx.args.profile:
-            # A smoke run profiles oncely once.
-            kinds = ("oncely",) if ctx.smoke else ("oncely", "floor_openai")
+            # A smoke run profiles oncely once; --against adds the other
+            # checkout's worker, under oncely's buckets (matched by name).
+            kinds: tuple[str, ...] = ("oncely",) if ctx.smoke else ("oncely", "floor_openai")
+            kinds += ("against",) if ctx.args.against else ()
             for kind in kinds:
-                rule = rules["oncely" if kind == "oncely" else "floor"]
+                rule = rules["floor" if kind.startswith("floor") else "oncely"]
                 n = 60 if ctx.smoke else 4000
                 profiles.append(await bench.profile(Trial(Contender(kind, 256, n), 0.0), rule))
     finally:
@@ -433,8 +504,21 @@ async def bench_main(ctx: Context) -> tuple[list[Headline], dict[str, Any], bool
                     what = f"worker {s['scenario']}: oncely / {floor} @{conc}, jobs/s"
                     goal = {"at_least": GOAL} if floor == "floor_openai" and conc == 256 else {}
                     headline.append(Headline.of(what, ratio(ours, theirs, "jobs_per_s"), **goal))
+        for conc in (256, 1):
+            ours, theirs = runs.get(f"oncely@{conc}"), runs.get(f"against@{conc}")
+            if ours and theirs:
+                what = f"worker {s['scenario']}: oncely / --against @{conc}"
+                for metric, unit in (("jobs_per_s", "jobs/s"), ("cpu_ms_per_job", "CPU per job")):
+                    headline.append(Headline.of(f"{what}, {unit}", ratio(ours, theirs, metric)))
     detail = {"goal": GOAL, "scenarios": results, "profiles": profiles or None}
     return headline, detail, ok
+
+
+def kinds_of(args: argparse.Namespace) -> tuple[str, ...]:
+    """The contenders ``--only`` names (all by default), and ``against``
+    with ``--against``."""
+    kinds = tuple(args.only.split(",")) if args.only else KINDS
+    return kinds + (("against",) if args.against else ())
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -443,7 +527,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         __doc__ or "",
         rounds=3,
         noise=Noise(0.3, 30.0, 2, 90.0),
-        profile="also py-spy oncely@256 and floor_openai@256 (instant model): CPU per bucket",
+        profile="also py-spy oncely@256 and floor_openai@256 (and --against's worker; "
+        "instant model): CPU per bucket",
+    )
+    p.add_argument(
+        "--only",
+        type=_kinds,
+        help="comma-separated contenders (" + ",".join(KINDS) + "); all by default",
+    )
+    p.add_argument(
+        "--against",
+        metavar="CHECKOUT",
+        type=lambda path: str(Path(path).resolve()),
+        help="also run `oncely worker` from this checkout (e.g. a git worktree of an "
+        "earlier revision) in every round, as the contender 'against'",
     )
     # The floor consumer, run by the benchmark itself:
     p.add_argument("--floor-consumer", action="store_true", help=argparse.SUPPRESS)
@@ -451,6 +548,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--concurrency", type=int, default=256, help=argparse.SUPPRESS)
     p.add_argument("--llm-url", help=argparse.SUPPRESS)
     return p.parse_args(argv)
+
+
+def _kinds(value: str) -> str:
+    unknown = sorted(set(value.split(",")) - set(KINDS))
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown contender {unknown[0]!r}")
+    return value
 
 
 if __name__ == "__main__":

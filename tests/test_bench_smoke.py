@@ -1,5 +1,6 @@
 """Every benchmark's smoke run (``python -m bench.<name> --smoke``): tiny
-sizes and one round on the suite's servers, so none can rot. Each must end
+sizes and one round on the suite's servers (``bench.steps`` on its own
+embedded ones: it restarts PostgreSQL), so none can rot. Each must end
 with its invariants holding and write a report whose numbers and checks say
 so; their profile buckets must name functions the code still has. Select
 them with ``-m bench``. The intake needs ``wrk`` (Debian's package; .ci/run
@@ -15,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from bench import intake, relay, worker
+from bench import intake, relay, steps, worker
 from bench.harness import profile, report
 from bench.harness.measure import Headline, Noise
 from bench.summary import render
@@ -30,10 +31,13 @@ SMOKE_TIMEOUT_S = 200
 HAS_PY_SPY = profile.py_spy() is not None
 
 
-def smoke(name: str, tmp_path: Path, urls: tuple[str, str], *extra: str) -> dict[str, Any]:
+def smoke(name: str, tmp_path: Path, urls: tuple[str, str] | None, *extra: str) -> dict[str, Any]:
+    """``urls`` None: the benchmark's own embedded servers."""
     out = tmp_path / f"{name}.json"
     argv = [sys.executable, "-m", f"bench.{name}", "--smoke", "--out", str(out)]
-    argv += ["--redis-url", urls[0], "--database-url", urls[1], "--log-dir", str(tmp_path)]
+    argv += ["--log-dir", str(tmp_path)]
+    if urls is not None:
+        argv += ["--redis-url", urls[0], "--database-url", urls[1]]
     done = subprocess.run(
         [*argv, *extra], cwd=ROOT, capture_output=True, text=True, timeout=SMOKE_TIMEOUT_S
     )
@@ -111,6 +115,32 @@ def test_worker_smoke_does_every_job_once_for_oncely_and_both_floors(
 
 
 @pytest.mark.timeout(SMOKE_TIMEOUT_S + 30)
+def test_steps_smoke_stores_every_checkpoint_once_and_counts_the_statements(tmp_path):
+    # Its own embedded servers: it loads pg_stat_statements, which needs a restart.
+    result = smoke("steps", tmp_path, None, *profile_args())
+
+    assert result["statements_counted_by"] == "pg_stat_statements"
+    every = {r["contender"]: r for r in runs(result["results"])}
+    assert set(every) == {"four_checkpoints@256", "one_call@256"}
+    for r in every.values():
+        c = r["checks"]
+        n = c["jobs"]
+        assert r["ok"] and c["done"] == c["results"] == c["outbox"] == c["deliveries_done"] == n > 0
+        assert c["outbox_keys_are_the_jobs"] and c["pending_after_done"] == 0
+        assert c["checkpoints"] == c["checkpoints_expected"] and c["checkpoint_keys_as_expected"]
+        assert c["model_calls"] == c["model_calls_expected"] == c["prompts_billed_once"]
+        assert c["side_calls"] == c["side_calls_distinct"] == n
+    four, one = (every[f"{k}@256"]["checks"] for k in ("four_checkpoints", "one_call"))
+    # Four checkpoints: three statements of their own, the last one rides in
+    # the result's; one checkpoint: none of its own.
+    assert four["statements"]["write_checkpoints"] == 3 * four["jobs"]
+    assert four["statements"]["finish_job"] == four["jobs"]
+    assert "write_checkpoints" not in one["statements"]
+    assert one["statements"]["finish_job"] == one["jobs"]
+    assert_profiled(result["profiles"])
+
+
+@pytest.mark.timeout(SMOKE_TIMEOUT_S + 30)
 def test_relay_smoke_sends_every_row_once_for_oncely_and_both_minimal_relays(
     tmp_path, redis_url, database_url
 ):
@@ -167,7 +197,8 @@ def test_redis_commands_compares_both_paths(redis_url):
 
 
 def test_every_profile_bucket_names_a_live_function():
-    for spec in (*worker.BUCKETS.values(), *relay.BUCKETS.values(), intake.PROFILE_BUCKETS):
+    specs = (*worker.BUCKETS.values(), *relay.BUCKETS.values(), intake.PROFILE_BUCKETS)
+    for spec in (*specs, steps.BUCKETS):
         assert profile.buckets(spec)
 
 
