@@ -93,6 +93,11 @@ class Harness:
             return await cur.fetchall()
 
     async def keys(self, job_id: str) -> list[str]:
+        """The job's checkpoints in order: the rows and those kept with the result."""
+        return [c.key for c in await self.checkpoints.of_job(uuid.UUID(job_id))]
+
+    async def rows_kept(self, job_id: str) -> list[str]:
+        """The checkpoints kept as rows (not with the result)."""
         rows = await self.rows(
             "SELECT key FROM checkpoints WHERE job_id = %s ORDER BY ordinal", job_id
         )

@@ -33,10 +33,8 @@ async def finished(h: Harness, job_id: str) -> bool:
 
 
 async def keys(h: Harness, job_id: str) -> list[tuple[str, str]]:
-    rows = await h.rows(
-        "SELECT key, status FROM checkpoints WHERE job_id = %s ORDER BY ordinal", job_id
-    )
-    return [(str(k), str(s)) for k, s in rows]
+    """The job's checkpoints in order (rows, and those kept with the result)."""
+    return [(c.key, c.status) for c in await h.checkpoints.of_job(uuid.UUID(job_id))]
 
 
 async def test_gathered_branches_each_replay_their_own_answers(custom):
@@ -294,14 +292,18 @@ async def test_a_branch_left_running_by_a_failed_gather_keeps_what_it_paid_for(c
 async def test_a_model_answer_holding_nul_is_kept(custom):
     async def step(request: Text, ctx: Context) -> Said:
         answer = await ctx.model.complete("tell me \x00 something")
-        return Said(said=answer.replace("\x00", ""))
+        second = await ctx.model.complete("and then")  # the first is written as a row first
+        return Said(said=answer.replace("\x00", "") + second)
 
     h = await custom(one_off("nul", step))
     job_id = await h.submit("/v1/nul", {"text": "x"})
     await drain(h.worker("nul"))
     assert await h.status(job_id) == "done"
-    [(value,)] = await h.rows("SELECT value FROM checkpoints WHERE job_id = %s", job_id)
+    [(value,)] = await h.rows(
+        "SELECT value FROM checkpoints WHERE job_id = %s AND key = 'model'", job_id
+    )
     assert "\\u0000" in value and "\x00" not in value
+    assert json.loads(value).count("\x00") == 1
 
 
 def test_checkpoint_values_are_json_text_postgresql_can_store():

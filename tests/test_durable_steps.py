@@ -44,6 +44,8 @@ async def test_four_checkpoints_run_once_each_and_the_job_shows_them(harness: Ha
     await drain(harness.worker("chain"))
 
     assert await harness.keys(job_id) == ["model", "lookup", "model#2", "model#3"]
+    # The last one rides in the result's statement, kept in its row.
+    assert await harness.rows_kept(job_id) == ["model", "lookup", "model#2"]
     assert await harness.outbox(job_id) == ["order.fulfilled"]
     assert len(side_calls(harness.side_file, "lookup")) == 1
     for prompt in ("classify:", "draft:", "final:"):

@@ -113,6 +113,8 @@ class Checkpoint:
     # Waits and sleeps: when the wait times out or the sleep ends.
     until: datetime | None = None
     finished_at: datetime | None = None
+    # Kept with the job's result (its last checkpoints): no value kept.
+    with_result: bool = False
 
 
 @dataclass(frozen=True)

@@ -237,7 +237,9 @@ def _print_checkpoints(view: JobView) -> None:
         when = _when(c.finished_at) if c.finished_at else f"until {_when(c.until)}"
         spent = f", usage {_json(c.usage)}" if c.usage else ""
         out.print(f"  {c.ordinal}. {literal(c.key)} ({c.kind}, {c.status}, {when}{spent})")
-        if c.status == "done":
+        if c.with_result:
+            out.print("     (kept with the result: what came of it is there)")
+        elif c.status == "done":
             out.print(f"     {_json(c.value)}", soft_wrap=True)
 
 

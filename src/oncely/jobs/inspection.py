@@ -97,6 +97,7 @@ def _checkpoint_json(c: Checkpoint) -> dict[str, Any]:
         "usage": c.usage,
         "until": None if c.until is None else c.until.isoformat(),
         "finished_at": None if c.finished_at is None else c.finished_at.isoformat(),
+        "with_result": c.with_result,
     }
 
 

@@ -30,15 +30,13 @@ WITH job AS (
 ), steps AS (
     INSERT INTO checkpoints (job_id, key, ordinal, kind, status, value, usage, finished_at)
     SELECT %(job_id)s, s.key, s.ordinal, s.kind, s.status, s.value, s.usage, now()
-      FROM unnest(%(keys)s::text[], %(ordinals)s::integer[], %(kinds)s::text[],
-                  %(statuses)s::text[], %(values)s::text[], %(usages)s::jsonb[])
-           AS s (key, ordinal, kind, status, value, usage)
+      FROM jsonb_to_recordset(%(checkpoints)s)
+           AS s (key text, ordinal integer, kind text, status text, value text, usage jsonb)
      WHERE EXISTS (SELECT 1 FROM job)
 ), outbox_rows AS (
     INSERT INTO outbox (topic, dedupe_key, payload, workflow, job_id, trace_context)
     SELECT e.topic, e.dedupe_key, e.payload, %(workflow)s, %(job_id)s, %(trace_context)s
-      FROM unnest(%(topics)s::text[], %(dedupe_keys)s::text[], %(payloads)s::jsonb[])
-           AS e (topic, dedupe_key, payload)
+      FROM jsonb_to_recordset(%(effects)s) AS e (topic text, dedupe_key text, payload jsonb)
      WHERE EXISTS (SELECT 1 FROM job)
     ON CONFLICT (dedupe_key) DO NOTHING
 )
@@ -63,9 +61,8 @@ WITH event AS (
 ), steps AS (
     INSERT INTO checkpoints (job_id, key, ordinal, kind, status, value, usage, finished_at)
     SELECT %(job_id)s, s.key, s.ordinal, s.kind, s.status, s.value, s.usage, now()
-      FROM unnest(%(keys)s::text[], %(ordinals)s::integer[], %(kinds)s::text[],
-                  %(statuses)s::text[], %(values)s::text[], %(usages)s::jsonb[])
-           AS s (key, ordinal, kind, status, value, usage)
+      FROM jsonb_to_recordset(%(checkpoints)s)
+           AS s (key text, ordinal integer, kind text, status text, value text, usage jsonb)
 ), wait AS (
     INSERT INTO checkpoints (job_id, key, ordinal, kind, status, value, until, finished_at)
     SELECT %(job_id)s, %(key)s, %(ordinal)s, %(kind)s,
@@ -77,8 +74,7 @@ WITH event AS (
 ), outbox_rows AS (
     INSERT INTO outbox (topic, dedupe_key, payload, workflow, job_id, trace_context)
     SELECT e.topic, e.dedupe_key, e.payload, %(workflow)s, %(job_id)s, %(trace_context)s
-      FROM unnest(%(topics)s::text[], %(dedupe_keys)s::text[], %(payloads)s::jsonb[])
-           AS e (topic, dedupe_key, payload)
+      FROM jsonb_to_recordset(%(effects)s) AS e (topic text, dedupe_key text, payload jsonb)
     ON CONFLICT (dedupe_key) DO NOTHING
 ), job AS (
     UPDATE jobs
@@ -183,10 +179,19 @@ SELECT key FROM gone
 
 -- name: job_checkpoints
 -- A job's checkpoints in the order the run reached them, values included
--- (operators), or left out (tenants: the job's `steps`).
-SELECT key, ordinal, kind, status,
-       CASE WHEN %(values)s THEN value END, usage, until, finished_at
-  FROM checkpoints WHERE job_id = %(job_id)s ORDER BY ordinal
+-- (operators), or left out: the rows, and those kept with the result
+-- (whose values are not kept: the result holds what came of them).
+SELECT key, ordinal, kind, status, value, usage, until, finished_at, with_result FROM (
+    SELECT key, ordinal, kind, status, CASE WHEN %(values)s THEN value END AS value,
+           usage, until, finished_at, false AS with_result
+      FROM checkpoints WHERE job_id = %(job_id)s
+    UNION ALL
+    SELECT k.key, k.ordinal, k.kind, k.status, NULL, k.usage, NULL, r.created_at, true
+      FROM results r,
+           jsonb_to_recordset(r.steps)
+           AS k (key text, ordinal integer, kind text, status text, usage jsonb)
+     WHERE r.job_id = %(job_id)s
+) s ORDER BY ordinal
 
 -- name: job_status
 SELECT status FROM jobs WHERE job_id = %(job_id)s

@@ -65,13 +65,20 @@ RETURNING j.job_id,
 
 -- name: get_job
 -- With what it waits for and its checkpoints' summaries (never their values:
--- the `steps` tenants see), in the order its run reached them.
+-- the `steps` tenants see), in the order its run reached them: the rows,
+-- and those kept with the result.
 SELECT j.job_id, j.tenant, j.kind, j.status, r.result, r.usage, j.error,
        j.created_at, j.updated_at, j.waiting_for, j.wait_until,
        (SELECT coalesce(json_agg(json_build_object(
-                   'key', c.key, 'kind', c.kind, 'status', c.status,
-                   'finished_at', c.finished_at, 'usage', c.usage) ORDER BY c.ordinal), '[]')
-          FROM checkpoints c WHERE c.job_id = j.job_id)
+                   'key', s.key, 'kind', s.kind, 'status', s.status,
+                   'finished_at', s.finished_at, 'usage', s.usage) ORDER BY s.ordinal), '[]')
+          FROM (SELECT c.key, c.ordinal, c.kind, c.status, c.finished_at, c.usage
+                  FROM checkpoints c WHERE c.job_id = j.job_id
+                UNION ALL
+                SELECT k.key, k.ordinal, k.kind, k.status, r.created_at, k.usage
+                  FROM jsonb_to_recordset(r.steps)
+                       AS k (key text, ordinal integer, kind text, status text, usage jsonb)
+               ) s)
   FROM jobs j LEFT JOIN results r USING (job_id)
  WHERE j.job_id = %s AND j.tenant = %s AND j.kind = %s AND j.status <> 'withdrawn'
 
@@ -79,35 +86,27 @@ SELECT j.job_id, j.tenant, j.kind, j.status, r.result, r.usage, j.error,
 -- One statement: atomic without BEGIN/COMMIT, one round trip. The job's
 -- `done`, only while it still runs in the delivery's generation (the row
 -- lock orders this after a cancel or another delivery's finish, which then
--- leave nothing to update); then the run's checkpoints not written yet (a
--- key another delivery stored first fails the whole statement: the run
--- replays); the result; and, only if this delivery stored it, the outbox
--- rows the step emitted. A duplicate delivery that lost the race changes
--- nothing, so effects exist if and only if the result does.
--- (Data-modifying CTEs always run, read or not.) The relay's wake-up is sent
--- after the commit, coalesced per worker: a NOTIFY inside every transaction
--- would serialise commits on the notification queue's lock.
+-- leave nothing to update); the result, with the run's last checkpoints
+-- (`steps`: never replayed, a done job does not run again, so they are
+-- kept in its row, not as checkpoint rows); and, only if this delivery
+-- stored the result, the outbox rows the step emitted. A duplicate delivery
+-- that lost the race changes nothing, so effects exist if and only if the
+-- result does. (Data-modifying CTEs always run, read or not.) The relay's
+-- wake-up is sent after the commit, coalesced per worker: a NOTIFY inside
+-- every transaction would serialise commits on the notification queue's lock.
 WITH job AS (
     UPDATE jobs SET status = 'done', error = NULL, updated_at = now()
      WHERE job_id = %(job_id)s AND status = 'queued' AND generation = %(generation)s
     RETURNING job_id
-), steps AS (
-    INSERT INTO checkpoints (job_id, key, ordinal, kind, status, value, usage, finished_at)
-    SELECT %(job_id)s, s.key, s.ordinal, s.kind, s.status, s.value, s.usage, now()
-      FROM unnest(%(keys)s::text[], %(ordinals)s::integer[], %(kinds)s::text[],
-                  %(statuses)s::text[], %(values)s::text[], %(usages)s::jsonb[])
-           AS s (key, ordinal, kind, status, value, usage)
-     WHERE EXISTS (SELECT 1 FROM job)
 ), result AS (
-    INSERT INTO results (job_id, result, usage)
-    SELECT job_id, %(result)s, %(usage)s FROM job
+    INSERT INTO results (job_id, result, usage, steps)
+    SELECT job_id, %(result)s, %(usage)s, %(steps)s FROM job
     ON CONFLICT (job_id) DO NOTHING
     RETURNING job_id
 ), outbox_rows AS (
     INSERT INTO outbox (topic, dedupe_key, payload, workflow, job_id, trace_context)
     SELECT e.topic, e.dedupe_key, e.payload, %(workflow)s, %(job_id)s, %(trace_context)s
-      FROM unnest(%(topics)s::text[], %(dedupe_keys)s::text[], %(payloads)s::jsonb[])
-           AS e (topic, dedupe_key, payload)
+      FROM jsonb_to_recordset(%(effects)s) AS e (topic text, dedupe_key text, payload jsonb)
      WHERE EXISTS (SELECT 1 FROM result)
     ON CONFLICT (dedupe_key) DO NOTHING
     RETURNING id

@@ -70,6 +70,12 @@ CREATE TABLE job_events (
     CONSTRAINT job_events_pkey PRIMARY KEY (job_id, name)
 );
 
+-- The checkpoints a run reached last, written with its result: a done job
+-- never runs again, so they are kept in its row ({"key", "ordinal", "kind",
+-- "status", "usage"}, no value), not as checkpoint rows. NULL for results
+-- stored before.
+ALTER TABLE results ADD COLUMN steps jsonb;
+
 -- A delivery may now end at a wait or a sleep.
 ALTER TABLE job_deliveries DROP CONSTRAINT job_deliveries_outcome_check;
 ALTER TABLE job_deliveries ADD CONSTRAINT job_deliveries_outcome_check
