@@ -50,7 +50,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
-from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -277,15 +277,14 @@ class Journal:
         self.replayed = 0
         self.reached: list[str] = []
 
-    @contextlib.contextmanager
-    def running(self) -> Iterator[None]:
-        """Run the step function inside: its task is the root scope, the tasks
-        it starts are branches, and once it is over nothing more is paid
-        for or written (``close``)."""
+    async def run(self, step: Awaitable[T]) -> T:
+        """Await the step function: its task is the root scope, the tasks it
+        starts are branches, and once it is over nothing more is paid for or
+        written (``close``)."""
         self._root = Scope("", asyncio.current_task())
         token = _SCOPE.set((self, self._root))
         try:
-            yield
+            return await step
         finally:
             _SCOPE.reset(token)
             self.close()

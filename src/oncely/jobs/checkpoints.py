@@ -1,9 +1,10 @@
 """The ``checkpoints`` and ``job_events`` tables, and a job's waiting state.
 
-Only this module runs SQL on those two tables (``sql/checkpoints.sql``),
-with one exception: a run's last checkpoints ride in the result's own
-statement (``Jobs.finish``, ``finish_job``), so that a step with one model
-call writes no statement more than the result. The job's waiting state
+Only this module runs SQL on those two tables (``sql/checkpoints.sql``).
+A run's last checkpoints are not rows: they ride in the result's own
+statement (``Jobs.finish``, ``finish_job``) and are kept in the result's
+row (``results.steps``), so that a step with one model call writes no
+statement more than the result. The job's waiting state
 (``waiting``, ``cancelled``, ``wait_until``, ``waiting_for``,
 ``resumed_at``, ``generation``) moves here too, with the checkpoints that
 decide it.

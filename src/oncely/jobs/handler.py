@@ -153,8 +153,7 @@ class WorkflowHandler:
         step = self.variant.step if self.variant and self.variant.step else self.workflow.step
         try:
             try:
-                with journal.running():
-                    value = await ungrouped(step(request, ctx))
+                value = await journal.run(ungrouped(step(request, ctx)))
                 result = self._checked(value).model_dump(mode="json")
             finally:
                 # Also for a failed delivery: the worker records what it spent.
