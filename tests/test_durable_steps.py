@@ -203,6 +203,15 @@ async def test_a_changed_step_shape_is_dead_as_nondeterministic(custom, redis):
         await ctx.step("lookup", lambda: "found")
         return Said(said=said)
 
+    from prometheus_client import REGISTRY
+
+    def nondeterministic() -> float:
+        found = REGISTRY.get_sample_value(
+            "oncely_jobs_nondeterministic_total", {"workflow": "shape"}
+        )
+        return found or 0.0
+
+    before = nondeterministic()
     h = await custom(one_off("shape", step))
     worker = h.worker("shape", redelivery_base_s=0.01, redelivery_max_s=0.01)
     job_id = await h.submit("/v1/shape", {"text": "changed"})
@@ -222,6 +231,7 @@ async def test_a_changed_step_shape_is_dead_as_nondeterministic(custom, redis):
     assert h.calls("v2:") == 0  # caught before paying for the call
     dead_letters = await h.jobs.streams["shape"].dead_letters()
     assert [d.reason for d in dead_letters] == ["nondeterministic"]
+    assert nondeterministic() == before + 1
 
 
 # -- waiting for events ------------------------------------------------------------
@@ -731,3 +741,35 @@ async def test_an_entry_left_pending_before_a_wait_is_dropped_once_the_job_resum
     )
     assert outcomes == [("waiting", 1), ("done", 1)]
     assert harness.calls("review:") == 1
+
+
+async def test_metrics_count_checkpoints_replays_and_waiting_jobs(harness: Harness, redis):
+    from prometheus_client import REGISTRY
+
+    from oncely.health import HealthConfig, HealthServer
+
+    def value(name: str, **labels: str) -> float:
+        return REGISTRY.get_sample_value(name, labels) or 0.0
+
+    written = value("oncely_checkpoints_written_total", workflow="chain")
+    replays = value("oncely_checkpoint_replays_total", workflow="chain", kind="model")
+    chain = harness.worker("chain", redelivery_base_s=0.01, redelivery_max_s=0.01)
+    job_id = await harness.submit("/v1/chain", {"text": "sku-m metrics", "hold": "[[fake:503*4]]"})
+
+    async def done() -> bool:
+        return await harness.status(job_id) == "done"
+
+    await redeliver_until(harness, chain, "chain", done)
+    # Three rows before the last call; the redelivery replayed the two model ones.
+    assert value("oncely_checkpoints_written_total", workflow="chain") == written + 3
+    assert value("oncely_checkpoint_replays_total", workflow="chain", kind="model") == replays + 2
+
+    await harness.submit("/v1/approvals", {"text": "waits for the gauge"})
+    await drain(harness.worker("approvals"))
+    health = HealthServer(
+        HealthConfig(port=0), redis=redis, pool=harness.pool,
+        streams=list(harness.jobs.streams.values()), loops=[],
+    )  # fmt: skip
+    await health._read_backlog()
+    assert value("oncely_jobs_waiting", workflow="approvals") == 1
+    assert value("oncely_jobs_waiting", workflow="chain") == 0
