@@ -13,10 +13,15 @@ One load generator (``wrk``, with a Lua script making a fresh
 - ``oncely_dup30``: oncely with 30 % of requests repeating a key the same wrk
   thread sent at least 64 requests earlier (mostly finished: replays).
 
-Every run starts from a flushed Redis and empty tables and ends with its
-invariants checked: every 202's job id once in ``jobs`` and once in the
-stream, rows exactly the keys sent and accepted, replays naming accepted
-jobs. A py-spy profile of ``oncely api`` under the same load follows.
+- ``against`` (with ``--against CHECKOUT``): ``oncely api`` from another
+  checkout (say, a git worktree of an earlier revision), in the same rounds,
+  on a database of its own (migrated by that checkout, its own key).
+
+Every run starts from a flushed Redis and empty tables (its contender's
+database) and ends with its invariants checked there: every 202's job id
+once in ``jobs`` and once in the stream, rows exactly the keys sent and
+accepted, replays naming accepted jobs. A py-spy profile of ``oncely api``
+under the same load follows.
 """
 
 from __future__ import annotations
@@ -49,7 +54,15 @@ from bench.harness import floor, profile
 from bench.harness.measure import Headline, Meter, Noise, Run, ratio, round_robin, summary
 from bench.harness.processes import clean_env, free_port, wait_http
 from bench.harness.report import Context, main, parser
-from bench.harness.servers import fresh_state, migrate_and_key
+from bench.harness.servers import (
+    against_database,
+    against_key,
+    checkout_env,
+    checkout_revision,
+    fresh_state,
+    fresh_tables,
+    migrate_and_key,
+)
 
 # Module level: FastAPI resolves the route's (string) annotations from here.
 from oncely.builtin.summaries import SummaryRequest, summaries
@@ -268,26 +281,35 @@ class Bench:
         self.ctx = ctx
         self.load = load
         self.redis = Redis.from_url(ctx.servers.redis_url, decode_responses=True)
-        self.db: psycopg.AsyncConnection[Any]
+        # Per database ("main": oncely, floor, xadd; "against": --against's
+        # own): a connection for fresh state and checks, and the bearer key.
+        self.dbs: dict[str, psycopg.AsyncConnection[Any]] = {}
+        self.keys: dict[str, str] = {}
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.ports: dict[str, int] = {}
-        self.api_key = ""
         self.script = ctx.log_dir / "intake.lua"
         self.script.write_text(WRK_LUA)
 
     async def open(self) -> None:
-        s = self.ctx.servers
+        s, against = self.ctx.servers, self.ctx.args.against
+        self.keys["main"] = await migrate_and_key(s.database_url, TENANT)
+        self.dbs["main"] = await psycopg.AsyncConnection.connect(s.database_url, autocommit=True)
         env = clean_env(redis_url=s.redis_url, database_url=s.database_url, log_level="WARNING")
-        self.api_key = await migrate_and_key(s.database_url, TENANT)
-        self.db = await psycopg.AsyncConnection.connect(s.database_url, autocommit=True)
-        servers = ["oncely", "floor", "xadd"] + (["against"] if self.ctx.args.against else [])
-        for name in servers:
+        if against:
+            against_url = await against_database(s, against)
+            self.keys["against"] = await against_key(s, against, against_url, TENANT)
+            self.dbs["against"] = await psycopg.AsyncConnection.connect(
+                against_url, autocommit=True
+            )
+            against_env = checkout_env(
+                against, redis_url=s.redis_url, database_url=against_url, log_level="WARNING"
+            )
+        for name in ["oncely", "floor", "xadd"] + (["against"] if against else []):
             port = self.ports[name] = free_port()
             argv = ["-m", "oncely", "api", "--port", str(port)]
             server_env = env
             if name == "against":
-                # Its oncely package comes first on the path: the other checkout's.
-                server_env = env | {"PYTHONPATH": f"{self.ctx.args.against}/src"}
+                server_env = against_env
             elif name != "oncely":
                 argv = ["-m", "bench.intake", f"--serve={name}", f"--port={port}"]
                 argv += [f"--redis-url={s.redis_url}", f"--database-url={s.database_url}"]
@@ -296,29 +318,51 @@ class Bench:
             await wait_http(f"{self.url(name)}/readyz", proc, f"server-{name}", self.ctx.children)
 
     async def close(self) -> None:
-        await self.db.close()
+        for db in self.dbs.values():
+            await db.close()
         await self.redis.aclose()
+
+    @staticmethod
+    def database(c: Contender) -> str:
+        """The database ``c``'s server uses: --against's own, or the main one."""
+        return "against" if c.server == "against" else "main"
+
+    @staticmethod
+    def stream(c: Contender) -> str:
+        """The stream ``c``'s server adds to (oncely's, whichever checkout)."""
+        streams = {"floor": FLOOR_STREAM, "xadd": XADD_STREAM}
+        return streams.get(c.server, summaries.keys.stream)
+
+    async def fresh(self, c: Contender) -> None:
+        """A flushed Redis and empty tables in ``c``'s database (``--against``'s
+        schema may lack some of them)."""
+        if self.database(c) == "against":
+            await fresh_tables(self.redis, self.dbs["against"])
+        else:
+            await fresh_state(self.redis, self.dbs["main"])
 
     def url(self, name: str) -> str:
         return f"http://127.0.0.1:{self.ports[name]}"
 
     async def wrk(self, c: Contender, load: Load, out_dir: Path) -> WrkOutput:
-        url = self.url(c.server)
-        return await asyncio.to_thread(
-            run_wrk, url, self.script, out_dir, load, self.api_key, c.dup_rate
-        )
+        url, key = self.url(c.server), self.keys[self.database(c)]
+        return await asyncio.to_thread(run_wrk, url, self.script, out_dir, load, key, c.dup_rate)
 
     async def warm_up(self, seconds: int) -> None:
-        """Imports, pools and caches filled, first-touch paths taken."""
-        for c in CONTENDERS[:3]:
-            await fresh_state(self.redis, self.db)
+        """Imports, pools and caches filled, first-touch paths taken (every
+        server). Each settles before the next flushes Redis: a request cut off
+        when wrk stopped must not add to the stream the next run checks (oncely
+        and --against's share one)."""
+        for c in (*CONTENDERS[:3], *((AGAINST,) if self.ctx.args.against else ())):
+            await self.fresh(c)
             warm = Load(seconds, self.load.connections, self.load.threads)
             await self.wrk(c, warm, self.ctx.log_dir / f"warm-{c.name}")
+            await self.settle(self.dbs[self.database(c)], self.stream(c))
 
     async def run(self, c: Contender, round_no: int) -> Run:
         attempt = len(list(self.ctx.log_dir.glob(f"r{round_no}-{c.name}-*")))
         out_dir = self.ctx.log_dir / f"r{round_no}-{c.name}-{attempt}"
-        await fresh_state(self.redis, self.db)
+        await self.fresh(c)
         run = Run(c.name, round_no, busy_cores_before=await self.ctx.noise.quiet())
         meter = Meter({"server": psutil.Process(self.procs[c.server].pid)}, self.ctx.servers.cpu)
         before = meter.sample()
@@ -351,13 +395,15 @@ class Bench:
         run.ok = bool(run.checks["ok"]) and run.metrics["socket_errors"] == 0
         return run
 
-    async def settle(self, stream: str, within_s: float = 5.0) -> None:
+    async def settle(
+        self, db: psycopg.AsyncConnection[Any], stream: str, within_s: float = 5.0
+    ) -> None:
         """Until requests cut off when wrk stopped have finished in the server:
-        rows and stream entries unchanged for 0.3 s."""
+        rows (in ``db``) and stream entries unchanged for 0.3 s."""
         deadline = time.monotonic() + within_s
         last: tuple[int, int] | None = None
         while time.monotonic() < deadline:
-            row = await (await self.db.execute("SELECT count(*) FROM jobs")).fetchone()
+            row = await (await db.execute("SELECT count(*) FROM jobs")).fetchone()
             now = (int(row[0]) if row else 0, int(await self.redis.xlen(stream)))
             if now == last:
                 return
@@ -376,12 +422,12 @@ class Bench:
             last = batch[-1][0]
 
     async def checks(self, c: Contender, wrk: WrkOutput) -> dict[str, Any]:
-        streams = {"floor": FLOOR_STREAM, "xadd": XADD_STREAM}
-        streams |= dict.fromkeys(("oncely", "against"), summaries.keys.stream)
-        await self.settle(streams[c.server])
-        cur = await self.db.execute("SELECT job_id FROM jobs WHERE kind = %s", (summaries.name,))
+        """On ``c``'s database (``--against``'s own for ``against``)."""
+        db = self.dbs[self.database(c)]
+        await self.settle(db, self.stream(c))
+        cur = await db.execute("SELECT job_id FROM jobs WHERE kind = %s", (summaries.name,))
         rows = [str(r[0]) for r in await cur.fetchall()]
-        in_stream = await self._stream_ids(streams[c.server])
+        in_stream = await self._stream_ids(self.stream(c))
         checks: dict[str, Any] = {
             "rows": len(rows),
             "stream_entries": sum(in_stream.values()),
@@ -513,7 +559,7 @@ async def profile_server(
     the speed). Each bucket is [share, main-thread ms per request]: the
     server is busy on its core, so samples / rate / requests is its time
     per request under py-spy."""
-    await fresh_state(bench.redis, bench.db)
+    await bench.fresh(c)
     spy = profile.Spy(
         bench.ctx.children, f"{c.name}-api", bench.procs[c.server].pid, bench.ctx.log_dir
     )
@@ -596,6 +642,9 @@ async def bench_main(ctx: Context) -> tuple[list[Headline], dict[str, Any], bool
         "ratios": ratios,
         "profile": prof,
         "profile_floor": floor_prof,
+        "against": {"checkout": a.against, "revision": checkout_revision(a.against)}
+        if a.against
+        else None,
     }
     return headline, detail, all(r.ok for rs in runs.values() for r in rs)
 

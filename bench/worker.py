@@ -32,11 +32,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
 import psycopg
-from psycopg import sql
 from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 from redis.asyncio import Redis
@@ -46,9 +44,9 @@ from bench.harness.drain import Drain
 from bench.harness.fakes import API_KEY, FakeModel
 from bench.harness.floor import pg_pool, until_stopped, whenever_set
 from bench.harness.measure import Headline, Noise, ratio, ratio_json, summary
-from bench.harness.processes import clean_env, oncely
+from bench.harness.processes import clean_env
 from bench.harness.report import Context, main, parser
-from bench.harness.servers import TABLES, fresh_state
+from bench.harness.servers import against_database, checkout_env, fresh_state, fresh_tables
 from oncely.builtin.summaries import INSTRUCTION, SUMMARY_READY, dedupe_key, summaries
 
 GOAL = 0.85
@@ -352,7 +350,7 @@ class Bench(Drain[Trial, FakeModel]):
         await super().open()
         self.dbs["oncely"] = self.db
         if self.ctx.args.against:
-            self.against_url = await against_database(self.ctx)
+            self.against_url = await against_database(self.ctx.servers, self.ctx.args.against)
             self.dbs["against"] = await psycopg.AsyncConnection.connect(
                 self.against_url, autocommit=True
             )
@@ -382,17 +380,19 @@ class Bench(Drain[Trial, FakeModel]):
             if c.kind == "against":
                 assert self.against_url is not None  # made in open()
                 database_url = self.against_url
-            env = clean_env(
-                redis_url=s.redis_url,
-                database_url=database_url,
-                llm_base_url=self.fake.url,
-                llm_api_key=API_KEY,
-                worker_concurrency=str(c.concurrency),
-                log_level="WARNING",
+            settings = {
+                "redis_url": s.redis_url,
+                "database_url": database_url,
+                "llm_base_url": self.fake.url,
+                "llm_api_key": API_KEY,
+                "worker_concurrency": str(c.concurrency),
+                "log_level": "WARNING",
+            }
+            env = (
+                checkout_env(self.ctx.args.against, **settings)
+                if c.kind == "against"
+                else clean_env(**settings)
             )
-            if c.kind == "against":
-                # Its oncely package comes first on the path: the other checkout's.
-                env |= {"PYTHONPATH": f"{self.ctx.args.against}/src"}
         else:
             argv = [
                 "-m",
@@ -415,38 +415,6 @@ class Bench(Drain[Trial, FakeModel]):
 
     async def checks(self, trial: Trial) -> dict[str, Any]:
         return await jobs.checks(self.redis, self.db, self.fake, self.job_ids)
-
-
-async def against_database(ctx: Context) -> str:
-    """A database of its own on the same server for ``--against``'s checkout,
-    migrated by that checkout's ``oncely migrate``: a release refuses a
-    schema with migrations it does not know. Its URL."""
-    url = urlsplit(ctx.servers.database_url)
-    name = f"{url.path.lstrip('/') or 'oncely'}_against"
-    async with await psycopg.AsyncConnection.connect(
-        ctx.servers.database_url, autocommit=True
-    ) as db:
-        await db.execute(
-            sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
-        )
-        await db.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-    against_url = urlunsplit(url._replace(path=f"/{name}"))
-    env = clean_env(redis_url=ctx.servers.redis_url, database_url=against_url)
-    await oncely("migrate", env=env | {"PYTHONPATH": f"{ctx.args.against}/src"})
-    return against_url
-
-
-async def fresh_tables(redis: Redis, db: psycopg.AsyncConnection[Any]) -> None:
-    """``fresh_state`` on an earlier schema: the tables of ``TABLES`` it has."""
-    cur = await db.execute(
-        "SELECT tablename FROM pg_tables WHERE schemaname = current_schema()"
-        " AND tablename = ANY(%s)",
-        ([t.strip() for t in TABLES.split(",")],),
-    )
-    names = [sql.Identifier(str(row[0])) for row in await cur.fetchall()]
-    await redis.flushdb()
-    await db.execute(sql.SQL("TRUNCATE {} RESTART IDENTITY").format(sql.SQL(", ").join(names)))
-    await db.execute("ANALYZE jobs")
 
 
 async def run_scenario(bench: Bench, scenario: Scenario) -> dict[str, Any]:

@@ -5,16 +5,20 @@ processes use (embedded only: given servers may be anywhere)."""
 from __future__ import annotations
 
 import contextlib
+import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import psutil
 import psycopg
+from psycopg import sql
 from redis.asyncio import Redis
 
 from bench.harness.measure import cpu_s
+from bench.harness.processes import clean_env, oncely
 
 # Every table a run leaves rows in (the outbox and results depend on jobs).
 TABLES = "jobs, results, outbox, job_deliveries, shadow_results, checkpoints, job_events"
@@ -68,6 +72,68 @@ async def fresh_state(redis: Redis, db: psycopg.AsyncConnection[Any]) -> None:
     await redis.flushdb()
     await db.execute(f"TRUNCATE {TABLES} RESTART IDENTITY")
     await db.execute("ANALYZE jobs")
+
+
+async def fresh_tables(redis: Redis, db: psycopg.AsyncConnection[Any]) -> None:
+    """``fresh_state`` on an earlier schema (``--against``'s database): the
+    tables of ``TABLES`` it has."""
+    cur = await db.execute(
+        "SELECT tablename FROM pg_tables WHERE schemaname = current_schema()"
+        " AND tablename = ANY(%s)",
+        ([t.strip() for t in TABLES.split(",")],),
+    )
+    names = [sql.Identifier(str(row[0])) for row in await cur.fetchall()]
+    await redis.flushdb()
+    await db.execute(sql.SQL("TRUNCATE {} RESTART IDENTITY").format(sql.SQL(", ").join(names)))
+    await db.execute("ANALYZE jobs")
+
+
+def checkout_env(checkout: str, **onc: str) -> dict[str, str]:
+    """``clean_env(**onc)`` for a process of another checkout: its oncely
+    package first on the path."""
+    return clean_env(**onc) | {"PYTHONPATH": f"{checkout}/src"}
+
+
+def checkout_revision(checkout: str) -> str:
+    """Another checkout's HEAD (short), or "unknown"."""
+    done = subprocess.run(
+        ["git", "-C", checkout, "rev-parse", "--short", "HEAD"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    return done.stdout.strip() if done.returncode == 0 else "unknown"
+
+
+async def against_database(servers: Servers, checkout: str) -> str:
+    """A database of its own on the same server for ``--against``'s checkout,
+    migrated by that checkout's ``oncely migrate``: a release refuses a
+    schema with migrations it does not know. Its URL. Every run of that
+    checkout's contender starts from ``fresh_tables`` on it and is checked
+    there."""
+    url = urlsplit(servers.database_url)
+    name = f"{url.path.lstrip('/') or 'oncely'}_against"
+    async with await psycopg.AsyncConnection.connect(servers.database_url, autocommit=True) as db:
+        await db.execute(
+            sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+        )
+        await db.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    against_url = urlunsplit(url._replace(path=f"/{name}"))
+    env = checkout_env(checkout, redis_url=servers.redis_url, database_url=against_url)
+    await oncely("migrate", env=env)
+    return against_url
+
+
+async def against_key(servers: Servers, checkout: str, database_url: str, tenant: str) -> str:
+    """A bearer key for ``tenant`` in ``--against``'s database, made by that
+    checkout's ``oncely keys create`` (which prints the key alone on stdout)."""
+    env = checkout_env(
+        checkout, redis_url=servers.redis_url, database_url=database_url, log_level="WARNING"
+    )
+    key = await oncely("keys", "create", "--tenant", tenant, env=env)
+    if not key or key.split() != [key]:
+        raise RuntimeError(f"oncely keys create printed no key alone: {key[-200:]!r}")
+    return key
 
 
 async def server_info(redis: Redis, db: psycopg.AsyncConnection[Any]) -> dict[str, Any]:
