@@ -8,7 +8,8 @@ process (``--app bench.steps_app:app``) on the fake model:
   more model calls, each a checkpoint; three ``write_checkpoints``
   statements and the result's ``finish_job`` per job;
 - ``one_call``: the side call inline and one model call doing all three
-  model pieces; its checkpoint rides in ``finish_job``.
+  model pieces; its checkpoint rides in ``finish_job`` (kept in the
+  result's row).
 
 The statements are counted by PostgreSQL itself (``pg_stat_statements``,
 which the benchmark loads into the embedded server): every statement the
@@ -414,7 +415,14 @@ class Bench(Drain[Trial, FakeModel]):
         keys = {
             str(r[0]) for r in await (await db.execute("SELECT dedupe_key FROM outbox")).fetchall()
         }
-        stored = await (await db.execute("SELECT job_id, key FROM checkpoints")).fetchall()
+        # The rows, and the run's last checkpoints kept in its result's row.
+        stored = await (
+            await db.execute(
+                "SELECT job_id, key FROM checkpoints UNION ALL"
+                " SELECT r.job_id, k.key FROM results r,"
+                " jsonb_to_recordset(r.steps) AS k (key text)"
+            )
+        ).fetchall()
         by_job: dict[str, set[str]] = {}
         for job_id, key in stored:
             by_job.setdefault(str(job_id), set()).add(str(key))
