@@ -13,8 +13,8 @@ import httpx
 import pytest
 
 from oncely.api.auth import create_api_key
-from oncely.api.store import tenant_tag
 from oncely.builtin import app as builtin_app
+from oncely.names import tenant_digest as tenant_tag
 from tests.helpers import asgi_app
 
 WORKFLOWS = {

@@ -327,7 +327,19 @@ def test_usage_to_json() -> None:
         "completion_tokens": 2,
         "model_calls": 1,
         "model_ms": 0,
+        "cost_usd": 0.0,
+        "model": None,
     }
+
+
+def test_usage_cost_is_unknown_once_one_part_is() -> None:
+    usage = Usage(cost_usd=0.25, model="a")
+    usage.add(Usage(cost_usd=0.5, model="b"))
+    assert (usage.cost_usd, usage.model) == (0.75, "b")
+    usage.add(Usage(cost_usd=None))
+    assert (usage.cost_usd, usage.model) == (None, "b")
+    usage.add(Usage(cost_usd=1.0, model="c"))
+    assert usage.cost_usd is None
 
 
 # --- through the OpenAI adapter ---------------------------------------------------------

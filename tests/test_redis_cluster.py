@@ -20,13 +20,14 @@ from redis.crc import key_slot
 from structlog.testing import capture_logs
 
 from oncely.api.auth import create_api_key
-from oncely.api.store import IdempotencyStore, tenant_tag
+from oncely.api.store import IdempotencyStore
 from oncely.bootstrap import make_redis
 from oncely.builtin.summaries import summaries
 from oncely.embedded import EmbeddedCluster
 from oncely.fakes.llm import FakeLLMServer
 from oncely.fakes.mail import FakeMailServer
 from oncely.jobs.reconcile import Reconciler
+from oncely.names import tenant_digest as tenant_tag
 from oncely.queue.stream import JobMessage, Stream
 from oncely.queue.worker import Delivery
 from oncely.redis_client import ClusterUnavailable, RedisClient

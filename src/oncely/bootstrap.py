@@ -36,7 +36,9 @@ from oncely.jobs.store import Jobs
 from oncely.jobs.timers import Timers
 from oncely.llm.base import LLM
 from oncely.llm.limiter import FleetLimiter, LimitedLLM, Limits
+from oncely.llm.model import ModelRoute
 from oncely.llm.openai_compat import OpenAICompatible
+from oncely.llm.routing import Cooldown, CooldownPolicy, ModelSpec, Target, parse_models
 from oncely.outbox.relay import Relay, RelayConfig
 from oncely.outbox.store import OutboxStore
 from oncely.outbox.wakeup import OutboxWakeUp
@@ -52,6 +54,9 @@ from oncely.shadow.evaluate import ModelJudge
 from oncely.shadow.run import ShadowDispatch, ShadowHandler
 from oncely.shadow.store import ShadowResults
 from oncely.sql.migrate import SchemaMismatch, schema_state
+from oncely.usage.budgets import BudgetLimits, Budgets
+from oncely.usage.ledger import Ledger
+from oncely.usage.prices import Prices
 from oncely.workflow import Variant, Workflow
 
 if TYPE_CHECKING:
@@ -78,6 +83,8 @@ def api_config(s: Settings) -> ApiConfig:
         tenant_rpm=s.tenant_rpm,
         api_key_cache_s=s.api_key_cache_s,
         unknown_keys_per_minute=s.api_key_unknown_per_min,
+        tenant_daily_tokens=s.tenant_daily_tokens,
+        tenant_daily_usd=s.tenant_daily_usd,
         max_headers=s.http_max_headers,
         max_header_bytes=s.http_max_header_bytes,
         body_timeout_s=s.http_body_timeout_s,
@@ -122,6 +129,33 @@ def step_config(s: Settings) -> StepConfig:
 
 def limits(s: Settings) -> Limits:
     return Limits(rpm=s.llm_rpm, tpm=s.llm_tpm, pause_max_s=s.llm_retry_after_max_s)
+
+
+def cooldown_policy(s: Settings) -> CooldownPolicy:
+    return CooldownPolicy(
+        failures=s.llm_cooldown_failures,
+        window_s=s.llm_cooldown_window_s,
+        cooldown_s=s.llm_cooldown_s,
+        # A probe is one call: out for at most one attempt's time.
+        probe_s=s.llm_timeout_s + 5,
+    )
+
+
+def budgets(s: Settings, redis: RedisClient) -> Budgets:
+    limits = BudgetLimits(daily_tokens=s.tenant_daily_tokens, daily_usd=s.tenant_daily_usd)
+    return Budgets(redis, limits)
+
+
+def ledger_for(res: Resources) -> Ledger:
+    s = res.settings
+    return Ledger(
+        res.pool,
+        prices=Prices.parse(s.llm_prices),
+        budgets=budgets(s, res.redis),
+        flush_s=s.ledger_flush_s,
+        retention_s=s.ledger_retention_s,
+        statement_timeout_s=s.pg_statement_timeout_s,
+    )
 
 
 def relay_config(s: Settings) -> RelayConfig:
@@ -462,6 +496,11 @@ class WorkerGroup:
         self._fleet = FleetLimiter(res.redis, limits(s))
         self._wake_relay = OutboxWakeUp(res.pool)
         self._config, self._steps = worker_config(s), step_config(s)
+        self._settings = s
+        self.cooldown = Cooldown(res.redis, cooldown_policy(s))
+        self.ledger = ledger_for(res)
+        # Adapters of fallbacks on endpoints of their own, closed with the group.
+        self._endpoints: dict[tuple[ModelSpec, str], OpenAICompatible] = {}
         plan = shadow_plan(s)
         self.shadow_workers = [
             self._shadow_worker(app[spec.workflow], spec, res)
@@ -491,6 +530,7 @@ class WorkerGroup:
             variant=variant,
             shadows=ShadowDispatch(shadows) if shadows else None,
             checkpoints=self.checkpoints,
+            route=ModelRoute(self._fallbacks(w), self.cooldown, self.ledger),
         )
         return Worker(
             self.jobs.streams[w.name],
@@ -522,6 +562,7 @@ class WorkerGroup:
                 else None
             ),
             events=self.checkpoints.events,
+            ledger=self.ledger,
         )
         concurrency = max(1, round(self._config.concurrency * s.shadow_rpm_share))
         return Worker(
@@ -531,6 +572,25 @@ class WorkerGroup:
             workflow=f"{w.name}:shadow:{variant.name}",
             on_dead=handler.record_dead,
         )
+
+    def _fallbacks(self, w: Workflow[Any, Any]) -> tuple[Target, ...]:
+        """The workflow's fallbacks (its own, else ONCELY_LLM_FALLBACKS): a
+        name alone is another model of the primary's endpoint; the N-th's
+        key is ONCELY_LLM_API_KEY_<N>, else the primary's."""
+        s = self._settings
+        specs = parse_models(w.fallbacks if w.fallbacks is not None else s.llm_fallbacks)
+        targets = []
+        for number, spec in enumerate(specs, start=1):
+            if spec.base_url is None:
+                targets.append(Target(spec.name, self._models(spec.name)))
+                continue
+            key = s.llm_api_keys.get(number, s.llm_api_key).get_secret_value()
+            adapter = self._endpoints.get((spec, key))
+            if adapter is None:
+                adapter = OpenAICompatible.connect(spec.base_url, key, spec.name)
+                self._endpoints[spec, key] = adapter
+            targets.append(Target(spec.name, adapter))
+        return tuple(targets)
 
     def _llm_for(self, variant: Variant | None) -> LLM:
         model = variant.model if variant is not None else None
@@ -556,9 +616,15 @@ class WorkerGroup:
         ]
 
     async def run(self) -> None:
-        async with asyncio.TaskGroup() as group:
-            for service in self.services:
-                group.create_task(service.run())
+        """Every service until stopped; the ledger writes its last calls
+        once they have all ended."""
+        try:
+            async with self.ledger.running(), asyncio.TaskGroup() as group:
+                for service in self.services:
+                    group.create_task(service.run())
+        finally:
+            for adapter in self._endpoints.values():
+                await adapter.aclose()
 
     def stop(self) -> None:
         for service in self.services:

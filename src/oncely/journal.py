@@ -66,6 +66,7 @@ from oncely.errors import (
     PermanentError,
     TransientError,
 )
+from oncely.usage.totals import summed
 
 log = structlog.get_logger("oncely.journal")
 
@@ -108,8 +109,9 @@ class Checkpoint:
     kind: Kind
     status: Status
     value: Any = None
-    # Model checkpoints: {"prompt_tokens", "completion_tokens", "model_calls", "model_ms"}.
-    usage: Mapping[str, int] | None = None
+    # Model checkpoints: {"prompt_tokens", "completion_tokens", "model_calls",
+    # "model_ms", "cost_usd", "model"} (oncely.llm.model.Usage).
+    usage: Mapping[str, Any] | None = None
     # Waits and sleeps: when the wait times out or the sleep ends.
     until: datetime | None = None
     finished_at: datetime | None = None
@@ -127,7 +129,7 @@ class NewCheckpoint:
     ordinal: int
     kind: Kind
     value: Any
-    usage: Mapping[str, int] | None
+    usage: Mapping[str, Any] | None
     emitted: tuple[Emitted, ...] = ()
     failure: BaseException | None = field(default=None, compare=False)
 
@@ -173,7 +175,7 @@ class Recorded(Generic[T]):
 
     value: Any
     native: T
-    usage: Mapping[str, int] | None = None
+    usage: Mapping[str, Any] | None = None
 
 
 class Suspended(BaseException):
@@ -219,6 +221,14 @@ class Scope:
 
 # The scope the running code reaches checkpoints in, per journal.
 _SCOPE: ContextVar[tuple[Journal, Scope] | None] = ContextVar("oncely_scope", default=None)
+
+
+def current_checkpoint() -> str | None:
+    """The key of the checkpoint whose work is running now (a model call's
+    key, for its ledger rows); None outside any."""
+    current = _SCOPE.get()
+    path = current[1].path if current is not None else ""
+    return path[:-1] if path.endswith("/") else None
 
 
 def scope_of(key: str) -> str:
@@ -489,16 +499,11 @@ class Journal:
 
     # -- what the run spent ----------------------------------------------------
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
         """Every model checkpoint of the job, stored or reached, summed."""
-        total = {"prompt_tokens": 0, "completion_tokens": 0, "model_calls": 0, "model_ms": 0}
         stored = [c for scope in self._stored.values() for c in scope]
-        checkpoints = [*stored, *(c.stored() for c in self._pending)]
-        for checkpoint in checkpoints:
-            for name, n in (checkpoint.usage or {}).items():
-                if name in total:
-                    total[name] += int(n)
-        return total
+        checkpoints = sorted([*stored, *(c.stored() for c in self._pending)], key=_ordinal)
+        return summed(c.usage for c in checkpoints)
 
 
 def _ordinal(checkpoint: Checkpoint) -> int:

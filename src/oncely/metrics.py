@@ -49,6 +49,16 @@ MODEL_INVALID_OUTPUTS = Counter(
     "Answers that did not validate against the workflow's result model",
     ["workflow", "model"],
 )
+MODEL_COST = Counter(
+    "oncely_model_cost_usd_total",
+    "What model calls cost in USD (ONCELY_LLM_PRICES; calls of unpriced models count nothing)",
+    ["workflow", "model"],
+)
+MODEL_COOLDOWN = Gauge(
+    "oncely_model_cooldown",
+    "1 while this process skips the model: the fleet's cooldown after repeated failures",
+    ["model"],
+)
 CHECKPOINTS_WRITTEN = Counter(
     "oncely_checkpoints_written_total",
     "Checkpoints of multi-step runs written (steps, model calls, waits, sleeps)",

@@ -8,6 +8,8 @@ cluster too.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 from dataclasses import dataclass
 
 IDEMPOTENCY_PREFIX = "oncely:idem:"
@@ -84,6 +86,13 @@ def shadow_keys(workflow: str, variant: str) -> WorkflowKeys:
     )
 
 
+@functools.lru_cache(maxsize=4096)
+def tenant_digest(tenant: str) -> str:
+    """How Redis names a tenant, never by its name: enough of its SHA-256
+    to find its keys (cached: every request of a tenant hashes the same name)."""
+    return hashlib.sha256(tenant.encode()).hexdigest()[:16] if tenant else ""
+
+
 def tenant_rate_key(tenant_digest: str) -> str:
     """GCRA state of one tenant's intake limit (ONCELY_TENANT_RPM); expires."""
     return f"oncely:tenant-rate:{tenant_digest}"
@@ -101,3 +110,15 @@ def console_session(session_digest: str) -> str:
 def console_login_failures(client_digest: str) -> str:
     """Failed console sign-ins of one client address in the current window; expires."""
     return f"oncely:console:login-failures:{client_digest}"
+
+
+def model_cooldown(model: str) -> str:
+    """A model's failures and cooldown, shared by the fleet (oncely.llm.routing);
+    one key, so its scripts run on a cluster too. Expires."""
+    return f"oncely:cooldown:{model}"
+
+
+def tenant_spend(tenant_digest: str, day: str) -> str:
+    """What one tenant's model calls spent on one UTC day (``YYYY-MM-DD``):
+    tokens and USD, for its budgets (oncely.usage.budgets). Expires."""
+    return f"oncely:spend:{tenant_digest}:{day}"

@@ -14,23 +14,32 @@ from typing import Any, Literal
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-_WORKFLOW_WEBHOOK_URL = re.compile(r"^ONCELY_([A-Z][A-Z0-9_]*)_WEBHOOK_URL$")
 
+class _Numbered(PydanticBaseSettingsSource):
+    """Variables whose names carry a key, gathered into one mapping field:
+    ``ONCELY_<WORKFLOW>_WEBHOOK_URL`` into ``workflow_webhook_urls`` (by
+    workflow, lower-cased), ``ONCELY_LLM_API_KEY_<N>`` into
+    ``llm_api_keys`` (by fallback number)."""
 
-class _WorkflowWebhookUrls(PydanticBaseSettingsSource):
-    """``ONCELY_<WORKFLOW>_WEBHOOK_URL`` variables, one per workflow, gathered
-    into ``workflow_webhook_urls`` (workflow names are lower-cased)."""
+    _FIELDS = (
+        ("workflow_webhook_urls", re.compile(r"^ONCELY_([A-Z][A-Z0-9_]*)_WEBHOOK_URL$")),
+        ("llm_api_keys", re.compile(r"^ONCELY_LLM_API_KEY_([1-9][0-9]*)$")),
+    )
 
     def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
         return None, field_name, False
 
     def __call__(self) -> dict[str, Any]:
-        urls = {
-            m.group(1).lower(): value
-            for name, value in os.environ.items()
-            if (m := _WORKFLOW_WEBHOOK_URL.match(name))
-        }
-        return {"workflow_webhook_urls": urls} if urls else {}
+        gathered: dict[str, Any] = {}
+        for field_name, pattern in self._FIELDS:
+            found = {
+                m.group(1).lower(): value
+                for name, value in os.environ.items()
+                if (m := pattern.match(name))
+            }
+            if found:
+                gathered[field_name] = found
+        return gathered
 
 
 # The shortest console key accepted (ONCELY_CONSOLE_KEY).
@@ -54,7 +63,7 @@ class Settings(BaseSettings):
         return (
             init_settings,
             env_settings,
-            _WorkflowWebhookUrls(settings_cls),
+            _Numbered(settings_cls),
             dotenv_settings,
             file_secret_settings,
         )
@@ -81,6 +90,25 @@ class Settings(BaseSettings):
     llm_rpm: int = Field(0, ge=0)
     llm_tpm: int = Field(0, ge=0)
     llm_invalid_output_retries: int = Field(2, ge=0)
+    # Models a call moves on to, in order, once the one before has used up
+    # its retries on a transient failure: `name` or `name@base_url`
+    # (docs/model-routing.md). The N-th's key: ONCELY_LLM_API_KEY_<N>, else
+    # ONCELY_LLM_API_KEY.
+    llm_fallbacks: str = ""
+    llm_api_keys: dict[int, SecretStr] = Field(default_factory=dict)
+    # A model failing transiently this often within the window is skipped
+    # by the whole fleet for the cooldown, then one probe call decides (0: off).
+    llm_cooldown_failures: int = Field(5, ge=0)
+    llm_cooldown_window_s: float = Field(30.0, gt=0)
+    llm_cooldown_s: float = Field(60.0, gt=0)
+    # USD per million tokens in/out, per model: `gpt-4.1-mini=0.40/1.60,llama3=0/0`.
+    llm_prices: str = ""
+    # Per tenant per UTC day (0: no budget): over it, the intake answers 429.
+    tenant_daily_tokens: int = Field(0, ge=0)
+    tenant_daily_usd: float = Field(0.0, ge=0)
+    # The usage ledger: how often each worker writes its calls, how long rows are kept.
+    ledger_flush_s: float = Field(0.25, gt=0)
+    ledger_retention_s: float = Field(90 * 86400.0, gt=0)
 
     # Shadow runs (README: "Trial a model change safely"): per workflow,
     # variants run beside the primary on a sample of jobs, never acted on
@@ -184,6 +212,22 @@ class Settings(BaseSettings):
         from oncely.shadow.config import parse_shadow
 
         parse_shadow(value)
+        return value
+
+    @field_validator("llm_fallbacks")
+    @classmethod
+    def _fallbacks_parse(cls, value: str) -> str:
+        from oncely.llm.routing import parse_models
+
+        parse_models(value)
+        return value
+
+    @field_validator("llm_prices")
+    @classmethod
+    def _prices_parse(cls, value: str) -> str:
+        from oncely.usage.prices import Prices
+
+        Prices.parse(value)
         return value
 
     @field_validator("console_key")

@@ -41,7 +41,9 @@ from oncely import names
 from oncely.effects import Effect
 from oncely.errors import DeadlineExceeded, PermanentError, TransientError
 from oncely.journal import Emitted, Journal, Recorded, check_name
+from oncely.llm.routing import parse_models
 from oncely.retry import Deadline, RetryPolicy, call_with_retries, classify
+from oncely.usage.totals import summed
 
 if TYPE_CHECKING:
     from oncely.jobs.store import JobRecord
@@ -64,12 +66,16 @@ WAIT_MAX_S = 30 * 86400.0
 
 
 class UsageView(BaseModel):
-    """Tokens and model calls: of one model checkpoint, or of every model
-    checkpoint of a job."""
+    """Tokens, model calls and cost: of one model checkpoint, or of every
+    model checkpoint of a job."""
 
     prompt_tokens: int
     completion_tokens: int
     model_calls: int
+    # USD (ONCELY_LLM_PRICES); None when a call's model has no price.
+    cost_usd: float | None = None
+    # The model that answered (a job's: its last model checkpoint's).
+    model: str | None = None
 
 
 class StepView(BaseModel):
@@ -80,8 +86,10 @@ class StepView(BaseModel):
     # failed: the work failed and the step went on past it (a replay raises it again).
     status: Literal["done", "waiting", "failed"]
     finished_at: datetime | None = None
-    # Model checkpoints: what the call (its retries and re-asks included) spent.
+    # Model checkpoints: what the call spent (its retries, re-asks and
+    # fallbacks included), and the model that answered (a fallback, when one did).
     usage: UsageView | None = None
+    model: str | None = None
 
 
 class WaitingView(BaseModel):
@@ -149,20 +157,22 @@ class JobView(BaseModel, Generic[ResultT]):
                 "error": tenant_error(record.error),
                 "usage": record.usage or _summed(record.steps),
                 "waiting": waiting,
-                "steps": record.steps,
+                "steps": _steps(record.steps),
                 "created_at": record.created_at,
                 "updated_at": record.updated_at,
             }
         )
 
 
-def _summed(steps: Sequence[Mapping[str, Any]]) -> dict[str, int] | None:
+def _summed(steps: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
     """The usage of every model checkpoint (a job not done yet); None if none."""
     usages = [s["usage"] for s in steps if s.get("usage")]
-    if not usages:
-        return None
-    names = ("prompt_tokens", "completion_tokens", "model_calls")
-    return {name: sum(int(u.get(name, 0)) for u in usages) for name in names}
+    return summed(usages) if usages else None
+
+
+def _steps(steps: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Each checkpoint with the model that answered it, from its usage."""
+    return [{**s, "model": (s.get("usage") or {}).get("model")} for s in steps]
 
 
 class Context:
@@ -421,6 +431,10 @@ class Workflow(Generic[RequestT, ResultT]):
     # Events a job may be sent (``POST <route>/{job_id}/events/<name>``), by
     # name, each with the model its body must validate as.
     events: Mapping[str, type[BaseModel]] = field(default_factory=dict)
+    # The models its calls move on to when the primary keeps failing, each
+    # ``name`` or ``name@base_url`` (docs/model-routing.md); None: those of
+    # ONCELY_LLM_FALLBACKS, [] none at all.
+    fallbacks: Sequence[str] | None = None
     topics: frozenset[str] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -444,6 +458,12 @@ class Workflow(Generic[RequestT, ResultT]):
                 raise ValueError(f"workflow {self.name!r}: event {event!r} needs a pydantic model")
         if not _is_async(self.step):
             raise ValueError(f"workflow {self.name!r}: step must be an async function")
+        if self.fallbacks is not None:
+            try:
+                parse_models(self.fallbacks)
+            except ValueError as exc:
+                raise ValueError(f"workflow {self.name!r}: fallbacks: {exc}") from None
+            object.__setattr__(self, "fallbacks", tuple(self.fallbacks))
         object.__setattr__(self, "events", dict(self.events))
         object.__setattr__(self, "effects", tuple(self.effects))
         object.__setattr__(self, "variants", tuple(self.variants))

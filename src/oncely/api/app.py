@@ -44,6 +44,7 @@ from oncely.jobs.checkpoints import Checkpoints
 from oncely.jobs.store import Jobs, run_statement
 from oncely.queue.stream import Stream
 from oncely.redis_client import RedisClient
+from oncely.usage.budgets import BudgetLimits, Budgets
 
 DESCRIPTION = f"""
 Exactly-once effects for LLM steps. Every POST needs an `Idempotency-Key`.
@@ -76,6 +77,9 @@ class ApiConfig:
     statement_timeout_s: float = 10.0
     # Requests per minute each tenant may send, fleet-wide (0: no limit).
     tenant_rpm: int = 0
+    # Each tenant's daily model budget (oncely.usage.budgets; 0: none).
+    tenant_daily_tokens: int = 0
+    tenant_daily_usd: float = 0.0
     # How long an API key, once looked up, is kept without asking PostgreSQL
     # again (0: no cache). A revocation reaches every process within about a
     # second anyway (api/auth.py), or within this when Redis was away.
@@ -164,6 +168,7 @@ class OncelyAPI:
                 tenant=self.tenant,
                 idempotent=self._intake,
                 limiter=lambda: self._limiter,
+                budgets=lambda: self._budgets,
                 direct=self._direct,
                 checkpoints=lambda: self._checkpoints,
                 event_idempotent=self.idempotent,
@@ -195,6 +200,8 @@ class OncelyAPI:
         )
         rpm = self.config.tenant_rpm
         self._limiter = TenantLimiter(clients.redis, rpm) if rpm else None
+        limits = BudgetLimits(self.config.tenant_daily_tokens, self.config.tenant_daily_usd)
+        self._budgets = Budgets(clients.redis, limits) if limits.enabled else None
 
     @asynccontextmanager
     async def lifespan(self, _: Any = None) -> AsyncIterator[None]:

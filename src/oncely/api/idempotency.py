@@ -143,6 +143,10 @@ class IdempotentRequest:
         self._settled = response
         self._along = along
 
+    async def known(self) -> bool:
+        """Whether a request with this key ran or runs (a retry, not new work)."""
+        return await self._store.peek(self._digest) is not None
+
     async def run(self, body: Any, handler: Handler) -> Response:
         fp = self._fingerprint = fingerprint(jsonable_encoder(body))
         token = new_token()

@@ -41,6 +41,14 @@ class RateLimited(Exception):
         self.headers = headers
 
 
+class BudgetExceeded(Exception):
+    """The tenant spent its daily model budget: no new work until midnight UTC."""
+
+    def __init__(self, retry_after_s: int) -> None:
+        super().__init__("the tenant's daily model budget is spent")
+        self.retry_after_s = retry_after_s
+
+
 class HoldExpired(Exception):
     """A request ran past the maximum hold of its idempotency key: it was
     stopped and its key released."""
@@ -120,6 +128,28 @@ def install_problem_handlers(app: FastAPI, *, generic: bool = True) -> None:
             401, "unauthorized", "Unauthorized", str(exc), headers={"WWW-Authenticate": "Bearer"}
         )
 
+    _install_intake_handlers(app)
+
+    @app.exception_handler(HoldExpired)
+    async def _hold_expired(_: Request, exc: HoldExpired) -> JSONResponse:
+        log.warning("api.hold_expired")
+        return problem(
+            503,
+            "unavailable",
+            "Service unavailable",
+            f"{exc}; it was stopped and its key released, retrying is safe",
+            headers={"Retry-After": "1"},
+        )
+
+    for exc_type in _UNAVAILABLE:
+        app.add_exception_handler(exc_type, _unavailable)
+    if generic:
+        _install_generic_handlers(app)
+
+
+def _install_intake_handlers(app: FastAPI) -> None:
+    """The intake's refusals: its key, its tenant's limit and budget."""
+
     @app.exception_handler(KeyMissing)
     async def _key_missing(_: Request, exc: KeyMissing) -> JSONResponse:
         return problem(400, "idempotency-key-missing", "Idempotency-Key required", str(exc))
@@ -152,21 +182,16 @@ def install_problem_handlers(app: FastAPI, *, generic: bool = True) -> None:
             headers=exc.headers,
         )
 
-    @app.exception_handler(HoldExpired)
-    async def _hold_expired(_: Request, exc: HoldExpired) -> JSONResponse:
-        log.warning("api.hold_expired")
+    @app.exception_handler(BudgetExceeded)
+    async def _budget_exceeded(_: Request, exc: BudgetExceeded) -> JSONResponse:
         return problem(
-            503,
-            "unavailable",
-            "Service unavailable",
-            f"{exc}; it was stopped and its key released, retrying is safe",
-            headers={"Retry-After": "1"},
+            429,
+            "budget-exceeded",
+            "Budget exceeded",
+            f"{exc}; jobs already accepted still run, new ones are accepted again "
+            f"in {exc.retry_after_s} s (midnight UTC)",
+            headers={"Retry-After": str(exc.retry_after_s)},
         )
-
-    for exc_type in _UNAVAILABLE:
-        app.add_exception_handler(exc_type, _unavailable)
-    if generic:
-        _install_generic_handlers(app)
 
 
 def _install_generic_handlers(app: FastAPI) -> None:

@@ -10,7 +10,6 @@ stores nothing.
 
 from __future__ import annotations
 
-import hashlib
 import math
 from dataclasses import dataclass
 
@@ -69,7 +68,7 @@ class TenantLimiter:
         self._tolerance_ms = 60_000 - self._interval_ms
 
     async def admit(self, tenant: str) -> Admission:
-        key = names.tenant_rate_key(hashlib.sha256(tenant.encode()).hexdigest()[:16])
+        key = names.tenant_rate_key(names.tenant_digest(tenant))
         wait_ms, remaining, reset_ms = await self._admit(
             keys=[key], args=[self._interval_ms, self._tolerance_ms]
         )

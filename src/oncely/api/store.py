@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import functools
-import hashlib
 import json
 import secrets
 from collections.abc import Sequence
@@ -61,13 +59,6 @@ return redis.call('PEXPIRE', KEYS[1], ARGV[2])
 """
 
 
-@functools.lru_cache(maxsize=4096)
-def tenant_tag(tenant: str) -> str:
-    """What a record says of its tenant: enough to find it for erasure
-    (cached: every request of a tenant hashes the same name)."""
-    return hashlib.sha256(tenant.encode()).hexdigest()[:16] if tenant else ""
-
-
 @dataclass(frozen=True)
 class StoredResponse:
     status: int
@@ -79,7 +70,7 @@ class StoredResponse:
             {
                 "state": "done",
                 "fp": fp,
-                "t": tenant_tag(tenant),
+                "t": names.tenant_digest(tenant),
                 "status": self.status,
                 "headers": self.headers,
                 "body": base64.b64encode(self.body).decode(),
@@ -149,7 +140,9 @@ class IdempotencyStore:
         """Take the key with ``token``, or report what holds it (a running or
         finished request)."""
         key = names.idempotency_key(digest)
-        marker = json.dumps({"state": "running", "fp": fp, "token": token, "t": tenant_tag(tenant)})
+        marker = json.dumps(
+            {"state": "running", "fp": fp, "token": token, "t": names.tenant_digest(tenant)}
+        )
         # One round trip either way: SET NX GET (Redis 7.0+) sets the marker
         # and answers nothing, or sets nothing and answers what holds the key.
         raw: Any = await self.redis.set(key, marker, nx=True, px=self.lock_ttl_ms, get=True)
@@ -161,6 +154,16 @@ class IdempotencyStore:
                 # Our own SET, applied although its answer was lost (the
                 # client retried it on a fresh connection).
                 return Claimed(token)
+            return Running(record["fp"])
+        return Finished(record["fp"], StoredResponse.from_record(record))
+
+    async def peek(self, digest: str) -> Running | Finished | None:
+        """What holds the key, without claiming it (None: nothing)."""
+        raw: Any = await self.redis.get(names.idempotency_key(digest))
+        if raw is None:
+            return None
+        record = json.loads(raw)
+        if record["state"] == "running":
             return Running(record["fp"])
         return Finished(record["fp"], StoredResponse.from_record(record))
 
@@ -192,7 +195,7 @@ class IdempotencyStore:
         """Delete every record of ``tenant`` (right to erasure); how many.
         Records carry a hash of their tenant; older ones, without it, expire
         within the result TTL."""
-        tag = tenant_tag(tenant)
+        tag = names.tenant_digest(tenant)
         erased = 0
         keys: list[str] = []
         async for key in self.redis.scan_iter(match=names.IDEMPOTENCY_PREFIX + "*", count=batch):

@@ -31,6 +31,7 @@ from oncely.api.idempotency import (
 )
 from oncely.api.keys import fingerprint
 from oncely.api.problems import (
+    BudgetExceeded,
     RateLimited,
     event_already_received,
     job_finished,
@@ -40,6 +41,7 @@ from oncely.api.ratelimit import TenantLimiter
 from oncely.errors import KeyReused
 from oncely.jobs.checkpoints import Checkpoints, EventOutcome
 from oncely.jobs.store import Job, Jobs
+from oncely.usage.budgets import Budgets
 from oncely.workflow import Workflow
 
 # What PostgreSQL refuses in JSON text (README: Decisions).
@@ -88,6 +90,7 @@ def add_workflow_routes(
     direct: DirectIntake | None = None,
     checkpoints: Callable[[], Checkpoints] | None = None,
     event_idempotent: Callable[..., Awaitable[IdempotentRequest]] | None = None,
+    budgets: Callable[[], Budgets | None] = lambda: None,
 ) -> None:
     """POST and GET for one workflow, its cancel and its events, added to
     ``router``. ``jobs`` and ``checkpoints`` are called per request, so the
@@ -99,7 +102,7 @@ def add_workflow_routes(
     ``direct_intake``, which reads and checks it in the same order with the
     same answers, for a fraction of the cost (bench/README.md, Intake);
     without (an app's own ``auth``), FastAPI solves the dependencies."""
-    _add_intake(router, workflow, jobs, idempotent, limiter, direct)
+    _add_intake(router, workflow, jobs, idempotent, _Gates(limiter, budgets), direct)
     _add_read(router, workflow, jobs, tenant)
     control = checkpoints or (lambda: Checkpoints(jobs()))
     _add_cancel(router, workflow, control, tenant)
@@ -107,12 +110,21 @@ def add_workflow_routes(
         _add_event(router, workflow, event, model, jobs, control, event_idempotent or idempotent)
 
 
+@dataclass(frozen=True)
+class _Gates:
+    """What may refuse a new job before its key is claimed: the tenant's
+    request limit and its daily model budget (each None when off)."""
+
+    limiter: Callable[[], TenantLimiter | None]
+    budgets: Callable[[], Budgets | None]
+
+
 def _add_intake(
     router: APIRouter,
     workflow: Workflow[Any, Any],
     jobs: Callable[[], Jobs],
     idempotent: Callable[..., Awaitable[IdempotentRequest]],
-    limiter: Callable[[], TenantLimiter | None],
+    gates: _Gates,
     direct: DirectIntake | None,
 ) -> None:
     request_model = workflow.request
@@ -140,11 +152,18 @@ def _add_intake(
             return response
 
         # Over the tenant's limit: refused before any key is claimed.
-        tenant_limit = limiter()
+        tenant_limit = gates.limiter()
         if tenant_limit is not None:
             admission = await tenant_limit.admit(tenant_name)
             if not admission.admitted:
                 raise RateLimited(admission.headers())
+        # Over its budget: no new job, but a retry of one it had accepted
+        # is answered as ever (a budget never strands accepted work).
+        budget = gates.budgets()
+        if budget is not None:
+            wait_s = await budget.refusal(tenant_name)
+            if wait_s is not None and not await _accepted(idem, jobs(), workflow.name):
+                raise BudgetExceeded(wait_s)
         # The trace starts here and travels with the job (oncely.tracing).
         with tracing.span(
             f"POST {workflow.route}",
@@ -180,6 +199,14 @@ def _add_intake(
         # validation less per request): documented here instead.
         openapi_extra={"parameters": HEADER_PARAMETERS},
     )
+
+
+async def _accepted(idem: IdempotentRequest, jobs: Jobs, workflow: str) -> bool:
+    """Whether this request's job was accepted before (or is being): its
+    key is held, or its job exists (the key may have expired)."""
+    if await idem.known():
+        return True
+    return await jobs.get(workflow, uuid.UUID(idem.job_id), idem.scope.tenant) is not None
 
 
 def _add_read(

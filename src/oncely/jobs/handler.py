@@ -41,10 +41,11 @@ from oncely.jobs.checkpoints import Checkpoints, JobRun
 from oncely.jobs.store import Jobs
 from oncely.journal import Checkpoint, Journal, Replay, RunStopped, Suspended, Wait, Writes
 from oncely.llm.base import LLM
-from oncely.llm.model import Model
+from oncely.llm.model import Model, ModelRoute
 from oncely.outbox.wakeup import OutboxWakeUp
 from oncely.queue.stream import JobMessage
 from oncely.retry import Deadline, RetryPolicy, classify
+from oncely.usage.ledger import CallSite
 from oncely.workflow import WAIT_MAX_S, Context, Variant, Workflow
 
 if TYPE_CHECKING:
@@ -89,12 +90,15 @@ class WorkflowHandler:
         variant: Variant | None = None,
         shadows: ShadowDispatch | None = None,
         checkpoints: Checkpoints | None = None,
+        route: ModelRoute | None = None,
     ) -> None:
         self.workflow = workflow
         self.jobs = jobs
         self.checkpoints = checkpoints or Checkpoints(jobs)
         self.llm = llm
         self.config = config
+        # The fallbacks, cooldown and ledger of every delivery's model.
+        self.route = route or ModelRoute()
         self.wake_relay = wake_relay
         # The primary variant (ONCELY_PRIMARY); None: the workflow's own step.
         self.variant = variant
@@ -139,7 +143,8 @@ class WorkflowHandler:
         None when it lost a race for a checkpoint and must replay."""
         store = _JobStore(self, message.job_id, run.generation, delivery)
         journal = Journal(run.checkpoints, store, workflow=self.workflow.name)
-        model = store.model = self._model(journal)
+        site = CallSite(self.workflow.name, message.job_id, message.tenant)
+        model = store.model = self._model(journal, site)
         ctx = Context(
             self.workflow,
             message.job_id,
@@ -203,8 +208,10 @@ class WorkflowHandler:
             self.wake_relay.soon()
         return stored
 
-    def _model(self, journal: Journal) -> Model:
-        return step_model(self.workflow.name, self.llm, self.config, journal=journal)
+    def _model(self, journal: Journal, site: CallSite) -> Model:
+        return step_model(
+            self.workflow.name, self.llm, self.config, journal=journal, route=self.route, site=site
+        )
 
     def _checked(self, result: Any) -> BaseModel:
         return checked_result(self.workflow, result)
@@ -293,10 +300,13 @@ def step_model(
     model_name: str | None = None,
     *,
     journal: Journal | None = None,
+    route: ModelRoute | None = None,
+    site: CallSite | None = None,
 ) -> Model:
     """The model one delivery's step uses: ``config``'s retries under a fresh
     budget, its calls checkpoints of ``journal`` (shadow runs name their
-    variant's model, and keep no checkpoints)."""
+    variant's model, and keep no checkpoints), going down ``route`` and
+    recorded for ``site``."""
     return Model(
         llm,
         policy=config.policy,
@@ -305,6 +315,8 @@ def step_model(
         model_name=config.model_name if model_name is None else model_name,
         invalid_output_retries=config.invalid_output_retries,
         journal=journal,
+        route=route,
+        site=site,
     )
 
 

@@ -216,6 +216,11 @@ class FleetLimiter:
             await self.redis.set(names.LLM_PAUSE, "1", px=ms)
 
 
+class FleetLimited(TransientError):
+    """The fleet's limits held a call back longer than its attempt may wait:
+    it was never sent (no ledger row, no failure of the model's)."""
+
+
 class LimitedLLM:
     """Any ``LLM``, behind the fleet limiter. Waits that fit in the attempt's
     timeout are waited here; longer ones become a TransientError carrying the
@@ -236,7 +241,7 @@ class LimitedLLM:
         reserved = estimate_tokens(messages)
         while (wait := await self.limiter.acquire(reserved)) > 0:
             if time.monotonic() - started + wait >= timeout:
-                raise TransientError("fleet rate limit", retry_after_s=wait)
+                raise FleetLimited("fleet rate limit", retry_after_s=wait)
             await asyncio.sleep(wait)
         left = timeout - (time.monotonic() - started)
         try:

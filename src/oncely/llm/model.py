@@ -6,11 +6,19 @@ Every call is a checkpoint of the job's run (``oncely.journal``): key
 answered is stored with the job and never paid for again: a replay gets the
 stored answer.
 
-Every attempt counts: in ``Model.usage`` (what this delivery spent) and in the
-model metrics labelled by workflow and model. ``structured`` asks for JSON
-valid for a pydantic model and asks again when the answer does not validate;
-those re-asks are separate from transient retries (each gets its own retry
-loop), and all of them run under the one deadline.
+A call goes down its route (``oncely.llm.routing``): the primary model,
+then each fallback in turn once the one before has used up its retries on a
+transient failure, skipping models the fleet has cooling down. A permanent
+failure ends the call where it is. The model that answered is recorded with
+the checkpoint (``usage.model``).
+
+Every attempt counts: in ``Model.usage`` (what this delivery spent), in the
+model metrics labelled by workflow and model, and, when it reached a
+provider, as a row of the usage ledger (``oncely.usage.ledger``) with its
+cost. ``structured`` asks for JSON valid for a pydantic model and asks again
+when the answer does not validate; those re-asks are separate from
+transient retries (each gets its own retry loop), and all of them run under
+the one deadline.
 """
 
 from __future__ import annotations
@@ -20,24 +28,28 @@ import functools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import structlog
 from prometheus_client import Counter, Histogram
 from pydantic import BaseModel, ValidationError
 
 from oncely import tracing
-from oncely.errors import PermanentError
-from oncely.journal import Journal, Recorded, check_name
+from oncely.errors import OncelyError, PermanentError, TransientError
+from oncely.journal import Journal, Recorded, check_name, current_checkpoint
 from oncely.llm.base import LLM, Completion, Message, ResponseSchema
+from oncely.llm.limiter import FleetLimited
+from oncely.llm.routing import Cooldown, Target
 from oncely.metrics import (
     MODEL_CALL_SECONDS,
     MODEL_CALLS,
+    MODEL_COST,
     MODEL_INVALID_OUTPUTS,
     MODEL_RETRIES,
     MODEL_TOKENS,
 )
 from oncely.retry import Deadline, RetryEvent, RetryPolicy, call_with_retries, classify
+from oncely.usage.ledger import Call, CallSite, Ledger, Outcome
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -51,20 +63,27 @@ _ERROR_CHARS = 300
 @dataclass
 class Usage:
     """What one delivery spent on the model: attempts made, tokens reported,
-    and the wall-clock time spent in model calls (``model_ms``, what shadow
-    reports compare; left out of equality, as no two runs take the same time)."""
+    the wall-clock time spent in model calls (``model_ms``, what shadow
+    reports compare), the cost (``cost_usd``, None once a call's model has
+    no price) and the model that answered last. Equality compares the
+    counts that do not vary between two runs of the same work: not the
+    time, the cost or the model."""
 
     prompt_tokens: int = 0
     completion_tokens: int = 0
     model_calls: int = 0
     model_ms: int = field(default=0, compare=False)
+    cost_usd: float | None = field(default=0.0, compare=False)
+    model: str | None = field(default=None, compare=False)
 
-    def to_json(self) -> dict[str, int]:
+    def to_json(self) -> dict[str, Any]:
         return {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "model_calls": self.model_calls,
             "model_ms": self.model_ms,
+            "cost_usd": None if self.cost_usd is None else round(self.cost_usd, 10),
+            "model": self.model,
         }
 
     def add(self, other: Usage) -> None:
@@ -72,6 +91,11 @@ class Usage:
         self.completion_tokens += other.completion_tokens
         self.model_calls += other.model_calls
         self.model_ms += other.model_ms
+        self.add_cost(other.cost_usd)
+        self.model = other.model or self.model
+
+    def add_cost(self, cost: float | None) -> None:
+        self.cost_usd = None if self.cost_usd is None or cost is None else self.cost_usd + cost
 
 
 class InvalidOutput(PermanentError):
@@ -83,11 +107,41 @@ class InvalidOutput(PermanentError):
         self.errors = errors
 
 
+@dataclass(frozen=True)
+class ModelRoute:
+    """What every delivery's model gets from its worker: the models after
+    its primary, the fleet's cooldown, and the ledger its calls go to."""
+
+    fallbacks: tuple[Target, ...] = ()
+    cooldown: Cooldown | None = None
+    ledger: Ledger | None = None
+
+
+@dataclass(frozen=True)
+class _Answer:
+    """A call's answer and what the ledger records of it once its caller
+    knows whether the answer was usable."""
+
+    completion: Completion
+    model: str
+    step: str | None
+    attempt: int
+    latency_ms: int
+
+
+class _Skipped(OncelyError):
+    """The model began cooling down between two attempts: the call moves on
+    down the route. Neither transient nor permanent, so the retry loop hands
+    it straight back."""
+
+
 class Model:
     """The model for one delivery. Not shared between deliveries: ``usage``
     (everything this delivery spent) and the deadline are the delivery's own.
     ``journal``: the job's run, whose checkpoints the calls are (by default
-    one that keeps nothing)."""
+    one that keeps nothing). ``route``: the models after ``llm``, the
+    cooldown and the ledger; ``site``: whom the ledger's rows are for
+    (module docstring)."""
 
     def __init__(
         self,
@@ -99,17 +153,22 @@ class Model:
         model_name: str,
         invalid_output_retries: int = 2,
         journal: Journal | None = None,
+        route: ModelRoute | None = None,
+        site: CallSite | None = None,
     ) -> None:
         if invalid_output_retries < 0:
             raise ValueError("invalid_output_retries must not be negative")
         self.usage = Usage()
         self.journal = journal if journal is not None else Journal(workflow=workflow)
-        self._llm = llm
+        route = route or ModelRoute()
+        self._route = (Target(model_name, llm), *route.fallbacks)
         self._policy = policy
         self._deadline = deadline
         self._invalid_output_retries = invalid_output_retries
-        self._meters = _meters(workflow, model_name)
-        self._model_name = model_name
+        self._workflow = workflow
+        self._cooldown = route.cooldown
+        self._ledger = route.ledger
+        self._site = site or CallSite(workflow)
 
     @property
     def deadline(self) -> Deadline:
@@ -130,8 +189,10 @@ class Model:
 
         async def work() -> Recorded[str]:
             spent = Usage()
-            completion = await self._ask(messages, None, spent)
-            return Recorded(completion.text, completion.text, spent.to_json())
+            answer = await self._ask(messages, None, spent)
+            self._bill(answer, "ok", spent)
+            text = answer.completion.text
+            return Recorded(text, text, spent.to_json())
 
         return await self.journal.record(_checkpoint(step), "model", work, str)
 
@@ -155,15 +216,20 @@ class Model:
         schema = response_schema(result)
         asks = self._invalid_output_retries + 1
         for ask in range(1, asks + 1):
-            completion = await self._ask(messages, schema, spent)
+            answer = await self._ask(messages, schema, spent)
             try:
-                return result.model_validate_json(completion.text)
+                value = result.model_validate_json(answer.completion.text)
             except ValidationError as exc:
                 errors = short_errors(exc)
-            self._meters.invalid_outputs.inc()
+            else:
+                self._bill(answer, "ok", spent)
+                return value
+            self._bill(answer, "invalid_output", spent)
+            _meters(self._workflow, answer.model).invalid_outputs.inc()
             log.info(
                 "model.invalid_output",
-                workflow=self._meters.workflow,
+                workflow=self._workflow,
+                model=answer.model,
                 result=result.__name__,
                 ask=ask,
                 errors=errors,
@@ -172,71 +238,199 @@ class Model:
 
     async def _ask(
         self, messages: Sequence[Message], schema: ResponseSchema | None, spent: Usage
-    ) -> Completion:
-        """One answer, with transient retries under the delivery's deadline;
-        what it costs goes into ``spent`` (the checkpoint's) and ``usage``."""
+    ) -> _Answer:
+        """One answer, down the route: each model with transient retries
+        under the delivery's deadline, the next once they are used up, the
+        ones the fleet has cooling down skipped. Raises a permanent failure
+        at once, and the last transient one when no model is left."""
+        failure: BaseException | None = None
+        wait_s: float | None = None
+        for target in self._route:
+            probe = False
+            if self._cooldown is not None:
+                admission = await self._cooldown.admit(target.name)
+                if admission.verdict == "skip":
+                    wait_s = min(wait_s or admission.wait_s, admission.wait_s)
+                    continue
+                probe = admission.verdict == "probe"
+            try:
+                return await self._ask_one(target, probe, messages, schema, spent)
+            except _Skipped:
+                continue
+            except Exception as exc:
+                if not classify(exc):
+                    raise
+                failure = exc
+            if target is not self._route[-1]:
+                log.info(
+                    "model.fallback",
+                    workflow=self._workflow,
+                    model=target.name,
+                    reason=type(failure).__name__,
+                )
+        if failure is not None:
+            raise failure
+        raise TransientError("every model of the route is cooling down", retry_after_s=wait_s)
 
-        async def attempt(timeout_s: float) -> Completion:
+    async def _ask_one(
+        self,
+        target: Target,
+        probe: bool,
+        messages: Sequence[Message],
+        schema: ResponseSchema | None,
+        spent: Usage,
+    ) -> _Answer:
+        """One model's answer, with transient retries; every attempt that
+        reached the provider and failed is in the ledger (the answered one
+        is the caller's to record)."""
+        meters = _meters(self._workflow, target.name)
+        step = current_checkpoint()
+        tries = 0
+
+        async def attempt(timeout_s: float) -> _Answer:
+            nonlocal tries, probe
+            tries += 1
+            if tries > 1 and self._cooldown is not None and self._cooldown.cooling(target.name):
+                raise _Skipped(target.name)
             spent.model_calls += 1
+            self.usage.model_calls += 1
+            number = spent.model_calls
             started = time.monotonic()
             # GenAI semantic conventions: one client span per attempt.
             with tracing.span(
-                f"chat {self._model_name}",
+                f"chat {target.name}",
                 kind="client",
                 attributes={
                     "gen_ai.operation.name": "chat",
-                    "gen_ai.request.model": self._model_name,
+                    "gen_ai.request.model": target.name,
                     "oncely.attempt": self.usage.model_calls,
                 },
             ) as span:
                 try:
-                    completion = await self._llm.complete(messages, timeout_s, schema=schema)
+                    completion = await target.llm.complete(messages, timeout_s, schema=schema)
                 except (Exception, asyncio.CancelledError) as exc:
-                    self._meters.failed(exc).inc()
-                    spent.model_ms += round((time.monotonic() - started) * 1000)
+                    took = _elapsed_ms(started)
+                    self._count_ms(spent, took)
+                    meters.failed(exc).inc()
+                    await self._failed(target.name, step, number, exc, took, probe)
+                    probe = False
                     raise
                 finally:
-                    self._meters.seconds.observe(time.monotonic() - started)
+                    meters.seconds.observe(time.monotonic() - started)
                 # Time waiting on the fleet limiter is not the model's.
-                took = time.monotonic() - started - completion.queued_s
-                spent.model_ms += max(0, round(took * 1000))
+                took = max(0, _elapsed_ms(started) - round(completion.queued_s * 1000))
+                self._count_ms(spent, took)
                 if span is not None:
                     span.set_attribute("gen_ai.usage.input_tokens", completion.prompt_tokens)
                     span.set_attribute("gen_ai.usage.output_tokens", completion.completion_tokens)
-            self._meters.calls_ok.inc()
-            self._add_usage(completion, spent)
-            return completion
+            meters.calls_ok.inc()
+            if probe and self._cooldown is not None:
+                await self._cooldown.recovered(target.name)
+            return _Answer(completion, target.name, step, number, took)
 
-        before = Usage()
-        before.add(spent)
-        try:
-            return await call_with_retries(
-                attempt, policy=self._policy, deadline=self._deadline, on_retry=self._on_retry
-            )
-        finally:
-            # The delivery spent what this call spent, answered or not.
-            self.usage.add(_minus(spent, before))
+        return await call_with_retries(
+            attempt, policy=self._policy, deadline=self._deadline, on_retry=self._on_retry
+        )
 
-    def _add_usage(self, completion: Completion, spent: Usage) -> None:
-        spent.prompt_tokens += completion.prompt_tokens
-        spent.completion_tokens += completion.completion_tokens
+    def _count_ms(self, spent: Usage, ms: int) -> None:
+        spent.model_ms += ms
+        self.usage.model_ms += ms
+
+    async def _failed(
+        self,
+        model: str,
+        step: str | None,
+        attempt: int,
+        exc: BaseException,
+        took_ms: int,
+        probe: bool,
+    ) -> None:
+        """A failed attempt: in the ledger if it reached the provider, and
+        against the model's cooldown if it may succeed later."""
+        if isinstance(exc, FleetLimited):
+            return  # held back by the fleet's limits: never sent
+        outcome = _outcome(exc)
+        self._record(model, step, attempt, outcome, 0, 0, took_ms)
+        if self._cooldown is None:
+            return
+        if outcome in ("retryable", "timeout"):
+            # A timeout arrives here as a cancellation: a hanging model must
+            # cool down too.
+            await asyncio.shield(self._cooldown.failed(model, probe=probe))
+        elif probe:
+            await self._cooldown.recovered(model)  # it answered: it is up
+
+    def _bill(self, answer: _Answer, outcome: Outcome, spent: Usage) -> None:
+        """An answered call: its tokens and cost in the usage, the metrics
+        and the ledger, and its model as the one that answered."""
+        completion = answer.completion
+        cost = self._record(
+            answer.model,
+            answer.step,
+            answer.attempt,
+            outcome,
+            completion.prompt_tokens,
+            completion.completion_tokens,
+            answer.latency_ms,
+        )
+        for usage in (spent, self.usage):
+            usage.prompt_tokens += completion.prompt_tokens
+            usage.completion_tokens += completion.completion_tokens
+            usage.add_cost(cost)
+            usage.model = answer.model
+        meters = _meters(self._workflow, answer.model)
         if completion.prompt_tokens:
-            self._meters.prompt_tokens.inc(completion.prompt_tokens)
+            meters.prompt_tokens.inc(completion.prompt_tokens)
         if completion.completion_tokens:
-            self._meters.completion_tokens.inc(completion.completion_tokens)
+            meters.completion_tokens.inc(completion.completion_tokens)
+        if cost:
+            meters.cost.inc(cost)
+
+    def _record(
+        self,
+        model: str,
+        step: str | None,
+        attempt: int,
+        outcome: Outcome,
+        prompt_tokens: int,
+        completion_tokens: int,
+        latency_ms: int,
+    ) -> float | None:
+        """The call's row in the ledger; what it cost (None: unknown)."""
+        if self._ledger is None:
+            return None
+        cost = self._ledger.cost(model, prompt_tokens, completion_tokens)
+        self._ledger.record(
+            Call(
+                self._site,
+                step,
+                model,
+                attempt,
+                outcome,
+                prompt_tokens,
+                completion_tokens,
+                latency_ms,
+                cost,
+            )
+        )
+        return cost
 
     async def _on_retry(self, event: RetryEvent) -> None:
         # Off the hot path (a failure and a backoff came first): labels() is fine.
-        MODEL_RETRIES.labels(workflow=self._meters.workflow, reason=event.reason).inc()
+        MODEL_RETRIES.labels(workflow=self._workflow, reason=event.reason).inc()
 
 
-def _minus(after: Usage, before: Usage) -> Usage:
-    return Usage(
-        after.prompt_tokens - before.prompt_tokens,
-        after.completion_tokens - before.completion_tokens,
-        after.model_calls - before.model_calls,
-        after.model_ms - before.model_ms,
-    )
+def _outcome(exc: BaseException) -> Outcome:
+    """A failed call's ledger outcome. Cut off by its wall-clock timeout (a
+    cancellation here) or cancelled with its job: made, maybe paid for, its
+    answer lost."""
+    if isinstance(exc, TimeoutError | asyncio.CancelledError):
+        return "timeout"
+    return "retryable" if classify(exc) else "permanent"
+
+
+def _elapsed_ms(started: float) -> int:
+    return round((time.monotonic() - started) * 1000)
 
 
 def _checkpoint(step: str | None) -> str:
@@ -280,6 +474,7 @@ class _Meters:
     prompt_tokens: Counter
     completion_tokens: Counter
     invalid_outputs: Counter
+    cost: Counter
     seconds: Histogram
 
     def failed(self, exc: BaseException) -> Counter:
@@ -307,5 +502,6 @@ def _meters(workflow: str, model: str) -> _Meters:
         prompt_tokens=tokens("prompt"),
         completion_tokens=tokens("completion"),
         invalid_outputs=MODEL_INVALID_OUTPUTS.labels(workflow=workflow, model=model),
+        cost=MODEL_COST.labels(workflow=workflow, model=model),
         seconds=MODEL_CALL_SECONDS.labels(workflow=workflow, model=model),
     )

@@ -32,12 +32,13 @@ from oncely.errors import DeadlineExceeded, PermanentError
 from oncely.jobs.handler import StepConfig, checked_result, step_model
 from oncely.journal import Ephemeral, Journal
 from oncely.llm.base import LLM
-from oncely.llm.model import Model
+from oncely.llm.model import Model, ModelRoute
 from oncely.queue.stream import JobMessage, Stream
 from oncely.retry import classify
 from oncely.shadow.config import sampled
 from oncely.shadow.evaluate import Evaluation, ModelJudge, evaluate
 from oncely.shadow.store import ShadowResults, ShadowRun
+from oncely.usage.ledger import CallSite, Ledger
 from oncely.workflow import Context, Variant, Workflow
 
 if TYPE_CHECKING:
@@ -89,8 +90,11 @@ class ShadowHandler:
         *,
         judge_llm: LLM | None = None,
         events: Callable[[str], Awaitable[Mapping[str, Any]]] | None = None,
+        ledger: Ledger | None = None,
     ) -> None:
         self.workflow = workflow
+        # Where its calls are recorded, as shadow calls (no tenant's spend).
+        self.route = ModelRoute(ledger=ledger)
         # The events the primary's job received (for a workflow that declares some).
         self.events = events
         self.variant = variant
@@ -122,8 +126,9 @@ class ShadowHandler:
             workflow=f"{self.workflow.name}:shadow:{self.variant.name}",
             sleeps=False,
         )
-        model = self._model(self.llm, self.variant.model or self.config.model_name, journal)
-        judge = self._judge()
+        site = CallSite(self.workflow.name, message.job_id, message.tenant, shadow=True)
+        model = self._model(self.llm, self.variant.model or self.config.model_name, site, journal)
+        judge = self._judge(site)
         try:
             primary, request = self._inputs(message, delivery)
             ctx = Context(
@@ -172,16 +177,16 @@ class ShadowHandler:
             return await evaluator.judge(judge, request, primary, result)
         return evaluate(evaluator, primary, result)
 
-    def _judge(self) -> Model | None:
+    def _judge(self, site: CallSite) -> Model | None:
         """The judge's own Model (its usage kept apart), if the workflow has one."""
         evaluator = self.workflow.evaluator
         if not isinstance(evaluator, ModelJudge):
             return None
         if self.judge_llm is None:
             raise PermanentError("a ModelJudge evaluator needs the handler's judge_llm")
-        return self._model(self.judge_llm, evaluator.model or self.config.model_name)
+        return self._model(self.judge_llm, evaluator.model or self.config.model_name, site)
 
-    async def _failed(self, job_id: str, usage: Mapping[str, int], exc: Exception) -> str:
+    async def _failed(self, job_id: str, usage: Mapping[str, Any], exc: Exception) -> str:
         error = f"{type(exc).__name__}: {exc}"[:_ERROR_CHARS]
         run = ShadowRun(self.workflow.name, self.variant.name, job_id, usage, error=error)
         await self.store.record(run)
@@ -202,14 +207,24 @@ class ShadowHandler:
             return {}
         return await self.events(job_id)
 
-    def _model(self, llm: LLM, model_name: str, journal: Journal | None = None) -> Model:
-        return step_model(self.workflow.name, llm, self.config, model_name, journal=journal)
+    def _model(
+        self, llm: LLM, model_name: str, site: CallSite, journal: Journal | None = None
+    ) -> Model:
+        return step_model(
+            self.workflow.name,
+            llm,
+            self.config,
+            model_name,
+            journal=journal,
+            route=self.route,
+            site=site,
+        )
 
     def _checked(self, result: Any) -> BaseModel:
         return checked_result(self.workflow, result)
 
 
-def _usage(model: Model, judge: Model | None) -> dict[str, int]:
+def _usage(model: Model, judge: Model | None) -> dict[str, Any]:
     """The run's usage; a judge's calls under ``judge_*`` keys, apart from the
     variant's own (what cost comparisons with the primary read)."""
     usage = model.usage.to_json()

@@ -1,0 +1,293 @@
+"""The usage ledger: one ``model_calls`` row per model call that reached a
+provider (docs/model-routing.md). Only this module runs SQL on that table.
+
+A call is recorded as it ends, answered or not: ``ok``, ``retryable`` (a
+429, a 5xx, a connection that failed), ``timeout`` (cut off by its
+attempt's time, or cancelled with its job: made, maybe paid for, its answer
+lost), ``permanent`` (a 400, say) or ``invalid_output`` (answered, but the
+answer did not validate and was asked again). Whether its answer became a
+checkpoint is not known then, and need not be: a report counts a job's
+stored model checkpoints against its calls (``usage_report``).
+
+Recording costs the call an append to a list. Each worker process writes
+its list every ``flush_s`` in one statement (sooner when ``batch`` rows
+wait), and adds each tenant's tokens and cost to its day's spend in Redis
+(``oncely.usage.budgets``) in one round trip. A batch PostgreSQL did not
+take is kept and tried again with the next (at most ``max_rows`` are held;
+past that the oldest are dropped, and counted). On shutdown the ledger
+writes what it holds after the workers have finished; a process killed
+with -9 loses at most its last ``flush_s`` of rows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Literal
+
+import psycopg
+import structlog
+from psycopg.types.json import Jsonb
+from psycopg_pool import AsyncConnectionPool
+
+from oncely.jobs.store import StatementTimeout, run_statement
+from oncely.sql import query
+from oncely.usage.budgets import Budgets, Spent, utc_day
+from oncely.usage.prices import Prices
+
+log = structlog.get_logger(__name__)
+
+Outcome = Literal["ok", "retryable", "permanent", "invalid_output", "timeout"]
+GroupBy = Literal["tenant", "workflow", "model", "day", "workflow/model"]
+
+# How often a pass deletes a batch of rows past the retention, at most.
+_PRUNE_EVERY_S = 3600.0
+_PRUNE_BATCH = 10_000
+
+
+@dataclass(frozen=True)
+class CallSite:
+    """Whom a delivery's calls are for: the labels of its ledger rows."""
+
+    workflow: str
+    job_id: str | None = None
+    tenant: str = ""
+    shadow: bool = False
+
+
+@dataclass(frozen=True)
+class Call:
+    """One model call, as its row records it."""
+
+    site: CallSite
+    step: str | None
+    model: str
+    attempt: int
+    outcome: Outcome
+    prompt_tokens: int
+    completion_tokens: int
+    latency_ms: int
+    cost_usd: float | None
+    at: float = field(default_factory=time.time)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "job_id": self.site.job_id,
+            "workflow": self.site.workflow,
+            "tenant": self.site.tenant,
+            "step": self.step,
+            "model": self.model,
+            "attempt": self.attempt,
+            "outcome": self.outcome,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "latency_ms": self.latency_ms,
+            "cost_usd": self.cost_usd,
+            "shadow": self.site.shadow,
+            "at": self.at,
+        }
+
+
+@dataclass(frozen=True)
+class UsageRow:
+    """One group of ``oncely usage report``."""
+
+    group: str
+    calls: int
+    prompt_tokens: int
+    completion_tokens: int
+    cost_usd: float | None
+    wasted_calls: int
+
+    def to_json(self, by: str) -> dict[str, Any]:
+        return {
+            by: self.group,
+            "calls": self.calls,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "cost_usd": self.cost_usd,
+            "wasted_calls": self.wasted_calls,
+        }
+
+
+class Ledger:
+    """This process's calls, on their way to ``model_calls`` (module docstring)."""
+
+    def __init__(
+        self,
+        pool: AsyncConnectionPool,
+        *,
+        prices: Prices | None = None,
+        budgets: Budgets | None = None,
+        flush_s: float = 0.25,
+        batch: int = 2000,
+        max_rows: int = 100_000,
+        retention_s: float = 90 * 86400.0,
+        statement_timeout_s: float = 10.0,
+    ) -> None:
+        self.pool = pool
+        self.prices = prices or Prices()
+        self.budgets = budgets
+        self.flush_s = flush_s
+        self.batch = batch
+        self.max_rows = max_rows
+        self.retention_s = retention_s
+        self.statement_timeout_s = statement_timeout_s
+        self.dropped = 0
+        # Calls not written yet, and the batches PostgreSQL refused (their
+        # spend already counted).
+        self._rows: list[Call] = []
+        self._unwritten: list[Call] = []
+        self._wake = asyncio.Event()
+        self._stopping = False
+        self._pruned_at = float("-inf")
+
+    def cost(self, model: str, prompt_tokens: int, completion_tokens: int) -> float | None:
+        return self.prices.cost(model, prompt_tokens, completion_tokens)
+
+    def record(self, call: Call) -> None:
+        """Keep ``call`` for the next write (no I/O)."""
+        self._rows.append(call)
+        if len(self._rows) >= self.batch:
+            self._wake.set()
+
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator[Ledger]:
+        """Write batches in the background while the block runs, then
+        whatever is left once it has ended (the workers inside it are done)."""
+        self._stopping = False
+        task = asyncio.create_task(self._loop(), name="ledger")
+        try:
+            yield self
+        finally:
+            self._stopping = True
+            self._wake.set()
+            await task
+
+    async def _loop(self) -> None:
+        while not self._stopping:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.flush_s)
+            self._wake.clear()
+            await self.flush()
+            if not self._stopping:
+                await self._prune_now_and_then()
+        await self.flush()
+
+    async def flush(self) -> int:
+        """Write every call held; how many were written (0 if PostgreSQL
+        refused them: they are kept for the next try)."""
+        fresh, self._rows = self._rows, []
+        rows, self._unwritten = self._unwritten + fresh, []
+        if not rows:
+            return 0
+        try:
+            await self._insert(rows)
+        except (psycopg.Error, StatementTimeout, OSError) as exc:
+            self._keep(rows)
+            log.warning("ledger.not_written", rows=len(rows), error=type(exc).__name__)
+            return 0
+        finally:
+            # Each call's spend counts once, written or not.
+            spent = _spent_by_tenant_day(fresh)
+            if self.budgets is not None and spent:
+                await self.budgets.add(spent)
+        return len(rows)
+
+    async def _insert(self, rows: Sequence[Call]) -> None:
+        document = Jsonb([row.to_json() for row in rows])
+        await run_statement(
+            self.pool,
+            query("insert_model_calls"),
+            (document,),
+            timeout_s=self.statement_timeout_s,
+        )
+
+    def _keep(self, rows: list[Call]) -> None:
+        """Keep a batch that was not written for the next try, within ``max_rows``."""
+        over = len(rows) - self.max_rows
+        if over > 0:
+            self.dropped += over
+            log.error("ledger.rows_dropped", rows=over, dropped=self.dropped)
+            rows = rows[over:]
+        self._unwritten = rows
+
+    async def _prune_now_and_then(self) -> None:
+        now = time.monotonic()
+        if now - self._pruned_at < _PRUNE_EVERY_S:
+            return
+        self._pruned_at = now
+        try:
+            await self.prune()
+        except (psycopg.Error, StatementTimeout, OSError) as exc:
+            log.warning("ledger.prune_failed", error=type(exc).__name__)
+
+    async def prune(self) -> int:
+        """Delete rows older than the retention, a batch at a time; how many."""
+        before = datetime.fromtimestamp(time.time() - self.retention_s).astimezone()
+        total = 0
+        while True:
+            result = await run_statement(
+                self.pool,
+                query("prune_model_calls"),
+                (before, _PRUNE_BATCH),
+                timeout_s=self.statement_timeout_s,
+            )
+            total += result.rowcount
+            if result.rowcount < _PRUNE_BATCH:
+                return total
+
+
+def _spent_by_tenant_day(rows: Sequence[Call]) -> dict[tuple[str, str], Spent]:
+    """What a batch adds to each tenant's day; shadow calls are nobody's."""
+    spent: dict[tuple[str, str], Spent] = {}
+    for row in rows:
+        if row.site.shadow or not row.site.tenant:
+            continue
+        key = (row.site.tenant, utc_day(row.at))
+        tokens = row.prompt_tokens + row.completion_tokens
+        spent[key] = spent.get(key, Spent()) + Spent(tokens, row.cost_usd or 0.0)
+    return spent
+
+
+# -- reading -------------------------------------------------------------------------
+
+
+async def usage_report(
+    pool: AsyncConnectionPool,
+    *,
+    since: datetime,
+    by: GroupBy = "workflow",
+    tenant: str | None = None,
+    timeout_s: float = 30.0,
+) -> list[UsageRow]:
+    """Calls since ``since`` grouped ``by``: calls, tokens, cost, wasted calls."""
+    result = await run_statement(
+        pool,
+        query("usage_report"),
+        {"since": since, "by": by, "tenant": tenant},
+        timeout_s=timeout_s,
+    )
+    return [
+        UsageRow(
+            str(group),
+            int(calls),
+            int(prompt),
+            int(completion),
+            None if cost is None else float(cost),
+            int(wasted),
+        )
+        for group, calls, prompt, completion, cost, wasted in result.rows
+    ]
+
+
+async def erase_tenant(pool: AsyncConnectionPool, tenant: str, *, timeout_s: float = 60.0) -> int:
+    """Delete the tenant's rows; how many."""
+    result = await run_statement(
+        pool, query("erase_tenant_model_calls"), (tenant,), timeout_s=timeout_s
+    )
+    return result.rowcount
