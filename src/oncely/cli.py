@@ -15,7 +15,7 @@ import uuid
 from collections.abc import Coroutine
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar, cast
 
 import typer
 from pydantic import ValidationError
@@ -27,6 +27,7 @@ from oncely.terminal import literal
 
 if TYPE_CHECKING:
     from oncely.shadow.report import VariantReport
+    from oncely.usage.ledger import GroupBy
 
 T = TypeVar("T")
 
@@ -48,6 +49,8 @@ eval_app = typer.Typer(
     no_args_is_help=True,
 )
 app.add_typer(eval_app, name="eval")
+usage_app = typer.Typer(help="What model calls cost: the usage ledger.", no_args_is_help=True)
+app.add_typer(usage_app, name="usage")
 jobs_app = typer.Typer(
     help="Jobs: one in detail, cancel one, rerun one from a checkpoint.", no_args_is_help=True
 )
@@ -658,6 +661,48 @@ def tenants_erase(
     for name, n in counts.items():
         sys.stdout.write(f"{name}: {n}\n")
     err.print(f"erased tenant {literal(tenant)}")
+
+
+@tenants_app.command("usage")
+def tenants_usage(
+    tenant: Annotated[str, typer.Argument(help="The tenant.")],
+    as_json: JsonOpt = False,
+) -> None:
+    """Today's model spend of a tenant (UTC): tokens, cost, calls, against its budgets."""
+    from oncely.ops import tenant_usage
+
+    if not tenant.strip():
+        err.print("the tenant must not be empty", style="red")
+        raise typer.Exit(EXIT_USAGE)
+    _run(tenant_usage(_settings(), tenant, as_json=as_json))
+
+
+GroupByOpt = Annotated[
+    str, typer.Option("--by", help="Group by tenant, workflow, model or day (UTC).")
+]
+
+
+@usage_app.command("report")
+def usage_report(
+    since: Annotated[
+        str,
+        typer.Option(
+            help="Calls since then: a duration back from now (30m, 6h, 7d) or an ISO time."
+        ),
+    ] = "24h",
+    by: GroupByOpt = "workflow",
+    as_json: JsonOpt = False,
+) -> None:
+    """Model calls, tokens, cost and wasted calls (calls that produced no checkpoint)."""
+    from oncely.ops import usage_report as report
+
+    if by not in ("tenant", "workflow", "model", "day"):
+        err.print(
+            f"--by: want tenant, workflow, model or day, got {literal(repr(by))}", style="red"
+        )
+        raise typer.Exit(EXIT_USAGE)
+    group: GroupBy = cast("GroupBy", by)
+    _run(report(_settings(), since=_since(since), by=group, as_json=as_json))
 
 
 EvalWorkflowOpt = Annotated[str, typer.Option("--workflow", "-w", help="The workflow.")]

@@ -13,7 +13,7 @@ from dataclasses import asdict
 from datetime import UTC, datetime
 
 from oncely.app import App
-from oncely.bootstrap import app_from, jobs_for, open_resources, shadow_streams
+from oncely.bootstrap import app_from, budgets, jobs_for, open_resources, shadow_streams
 from oncely.jobs import dead_letters
 from oncely.jobs.checkpoints import Cancelled, Checkpoints, Rewound
 from oncely.jobs.inspection import UNREPORTED_NOTE, JobView, inspect_job
@@ -24,6 +24,8 @@ from oncely.shadow.report import VariantReport, build_report
 from oncely.shadow.store import ShadowResults
 from oncely.status import read_status
 from oncely.terminal import console, literal, print_rows
+from oncely.usage import ledger
+from oncely.usage.budgets import BudgetLimits, Spent, utc_day
 
 out = console()
 
@@ -281,6 +283,7 @@ async def erase_tenant(settings: Settings, tenant: str) -> dict[str, int]:
         records = IdempotencyStore(res.redis, lock_ttl_s=1, result_ttl_s=1)
         counts["idempotency_records"] = await records.erase_tenant(tenant)
         counts["api_keys"] = await erase_tenant_api_keys(res.pool, tenant)
+        counts["model_calls"] = await ledger.erase_tenant(res.pool, tenant)
         await announce_revocation(res.redis)
     return counts
 
@@ -374,3 +377,79 @@ def print_eval_report(reports: list[VariantReport], *, workflow: str, as_json: b
 
 def _maybe(value: float | None, spec: str = ".3f") -> str:
     return "n/a" if value is None else format(value, spec)
+
+
+# -- usage -------------------------------------------------------------------------
+
+
+async def usage_report(
+    settings: Settings, *, since: datetime, by: ledger.GroupBy, as_json: bool
+) -> list[ledger.UsageRow]:
+    """``oncely usage report``: the ledger's calls since ``since``, grouped ``by``."""
+    async with open_resources(settings) as res:
+        rows = await ledger.usage_report(res.pool, since=since, by=by)
+    if as_json:
+        print(json.dumps([row.to_json(by) for row in rows], indent=2))
+        return rows
+    columns = (by, "calls", "prompt tokens", "completion tokens", "cost (USD)", "wasted calls")
+    cells = [
+        (r.group, r.calls, r.prompt_tokens, r.completion_tokens, _usd(r.cost_usd), r.wasted_calls)
+        for r in rows
+    ]
+    title = f"model calls since {since.astimezone(UTC):%Y-%m-%d %H:%M} UTC, by {by}"
+    print_rows(out, title, columns, cells, ids=1)
+    return rows
+
+
+async def tenant_usage(settings: Settings, tenant: str, *, as_json: bool) -> dict[str, object]:
+    """``oncely tenants usage``: today's spend (UTC), as the budgets count it
+    and as the ledger has it, against the tenant's budgets."""
+    day = utc_day()
+    midnight = datetime.strptime(day, "%Y-%m-%d").replace(tzinfo=UTC)
+    async with open_resources(settings) as res:
+        counted = await budgets(settings, res.redis).spent(tenant, day)
+        rows = await ledger.usage_report(res.pool, since=midnight, by="tenant", tenant=tenant)
+    booked = rows[0] if rows else ledger.UsageRow(tenant, 0, 0, 0, None, 0)
+    report: dict[str, object] = {
+        "tenant": tenant,
+        "day": day,
+        "tokens": counted.tokens,
+        "cost_usd": round(counted.usd, 10),
+        "daily_tokens": settings.tenant_daily_tokens or None,
+        "daily_usd": settings.tenant_daily_usd or None,
+        "over_budget": _over(settings, counted),
+        "ledger": booked.to_json("tenant") | {"tenant": tenant},
+    }
+    if as_json:
+        print(json.dumps(report, indent=2))
+        return report
+    columns = ("", "tokens", "cost (USD)", "calls", "wasted calls")
+    cells = [
+        ("today, counted for budgets", counted.tokens, _usd(counted.usd), "", ""),
+        (
+            "today, in the ledger",
+            booked.prompt_tokens + booked.completion_tokens,
+            _usd(booked.cost_usd),
+            booked.calls,
+            booked.wasted_calls,
+        ),
+        (
+            "daily budget",
+            settings.tenant_daily_tokens or "none",
+            _usd(settings.tenant_daily_usd) if settings.tenant_daily_usd else "none",
+            "",
+            "",
+        ),
+    ]
+    print_rows(out, f"tenant {tenant} on {day} (UTC)", columns, cells)
+    if report["over_budget"]:
+        out.print("over budget: new jobs are refused (429) until midnight UTC")
+    return report
+
+
+def _over(settings: Settings, spent: Spent) -> bool:
+    return BudgetLimits(settings.tenant_daily_tokens, settings.tenant_daily_usd).exceeded_by(spent)
+
+
+def _usd(value: float | None) -> str:
+    return "unknown" if value is None else f"{value:.6f}"

@@ -41,7 +41,8 @@ for that prompt (``oncely.fakes.faults``), so a rerun gives each job the same
 fate. A scripted fault wins over a random one on the same call; an outage
 over both. ``--fault-rate F`` is ``429=F/2,503=F/2``.
 
-``GET /_calls`` counts calls per model name (``models``), the calls whose
+``GET /_calls`` counts calls per model name (``models``) and the tokens
+each model's answers reported (``tokens``), the calls whose
 client went away before the answer (``abandoned``: a cancelled call, in all
 and per prompt), and per prompt the calls, the ones ``billed`` (the real
 answer was generated, whether or not the client stayed to read it: what a
@@ -214,6 +215,8 @@ class CallStats:
     models: dict[str, int] = field(default_factory=dict)
     # Calls whose client went away before the answer.
     abandoned: int = 0
+    # The usage each model's answers reported: {"prompt": n, "completion": m}.
+    tokens: dict[str, dict[str, int]] = field(default_factory=dict)
     rate_limited: int | None = None  # only when an rpm/tpm limit is on
     random_faults: dict[str, int] | None = None  # only when random faults are on
 
@@ -279,6 +282,7 @@ class FakeModel:
         self.rate_limited = 0
         self.random_faults: dict[str, int] = {}
         self.models: dict[str, int] = {}
+        self.tokens: dict[str, dict[str, int]] = {}
         self._prompts: dict[str, _Prompt] = {}
         self._limit = _RateLimit(*self._limits) if any(self._limits) else None
 
@@ -306,6 +310,7 @@ class FakeModel:
             prompts,
             dict(self.models),
             self.abandoned,
+            {model: dict(kinds) for model, kinds in self.tokens.items()},
             rate_limited,
             random_faults,
         )
@@ -365,7 +370,11 @@ class FakeModel:
             prompt.billed_ports.append(port)
             if fault == "slow":
                 await asyncio.sleep(self.slow_s)
-        return web.json_response(_completion(chat, content, self.total))
+        answer = _completion(chat, content, self.total)
+        used = self.tokens.setdefault(chat.model, {"prompt": 0, "completion": 0})
+        used["prompt"] += chat.prompt_tokens
+        used["completion"] += _completion_tokens(content)
+        return web.json_response(answer)
 
     def _refuse_over_limit(self, tokens: int) -> web.Response | None:
         if self._limit is None:
@@ -635,8 +644,12 @@ def _least_number(schema: _Schema, *, integer: bool) -> float:
     return math.ceil(value) if integer else value
 
 
+def _completion_tokens(content: str) -> int:
+    return len(content) // _CHARS_PER_TOKEN + 1
+
+
 def _completion(chat: _ChatRequest, content: str, number: int) -> dict[str, object]:
-    completion_tokens = len(content) // _CHARS_PER_TOKEN + 1
+    completion_tokens = _completion_tokens(content)
     return {
         "id": f"chatcmpl-fake-{number}",
         "object": "chat.completion",

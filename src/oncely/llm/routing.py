@@ -98,7 +98,8 @@ class CooldownPolicy:
 
 
 # KEYS[1]: the model's hash. ARGV[1]: probe lease ms.
-# Returns {verdict, ms}: 0 go, 1 go as the probe, 2 skip for ms.
+# Returns {verdict, ms}: 0 go, 1 go as the probe, 2 skip for ms (cooling
+# down), 3 skip while another worker's probe is out (for at most ms).
 _ADMIT = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -106,7 +107,7 @@ local untl = tonumber(redis.call('HGET', KEYS[1], 'until') or '0')
 if untl == 0 then return {0, 0} end
 if now < untl then return {2, untl - now} end
 local probe = tonumber(redis.call('HGET', KEYS[1], 'probe') or '0')
-if probe > now then return {2, probe - now} end
+if probe > now then return {3, probe - now} end
 redis.call('HSET', KEYS[1], 'probe', now + tonumber(ARGV[1]))
 return {1, 0}
 """
@@ -229,9 +230,15 @@ class Cooldown:
         else:
             admission = _admission(int(verdict), int(ms))
             now = view.checked = time.monotonic()
-            # While this process's probe is out, its other calls skip too.
-            wait_s = self.policy.probe_s if admission.verdict == "probe" else admission.wait_s
-            view.until = now + wait_s if admission.verdict != "go" else 0.0
+            if verdict == 1:
+                # While this process's probe is out, its other calls skip too.
+                view.until = now + self.policy.probe_s
+            elif verdict == 3:
+                # Another's probe may answer any moment: ask again soon.
+                admission = Admission("skip", min(admission.wait_s, self.policy.refresh_s))
+                view.until = now + admission.wait_s
+            else:
+                view.until = now + admission.wait_s if admission.verdict == "skip" else 0.0
         view.refreshing.set_result(admission)
         return admission
 

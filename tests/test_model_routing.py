@@ -1,0 +1,241 @@
+"""Fallbacks, the fleet's cooldown and the ledger, through the real adapter
+against the fake model over HTTP, with real Redis and PostgreSQL
+(docs/model-routing.md). The same through worker processes:
+tests/test_routing_processes.py."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from pydantic import BaseModel
+
+from oncely.errors import PermanentError, TransientError
+from oncely.llm.model import Model, ModelRoute
+from oncely.llm.openai_compat import OpenAICompatible
+from oncely.llm.routing import Cooldown, CooldownPolicy, ModelSpec, Target, parse_models
+from oncely.retry import Deadline, RetryPolicy
+from oncely.usage.ledger import CallSite, Ledger
+from oncely.usage.prices import Prices
+from tests.helpers import count
+
+PRIMARY, BACKUP = "oncely-fake", "fake-backup"
+FAST = RetryPolicy(per_call_timeout_s=2.0, max_attempts=3, backoff_base_s=0.001, backoff_max_s=0.01)
+PRICES = Prices.parse(f"{PRIMARY}=1/4,{BACKUP}=2.5/10")
+
+
+@pytest.fixture
+async def llm(fake_llm) -> AsyncIterator[OpenAICompatible]:
+    async with OpenAICompatible.connect(fake_llm.url, "test", PRIMARY) as adapter:
+        yield adapter
+
+
+@pytest.fixture
+def cooldown(redis) -> Cooldown:
+    # Its own model names per test would do too; the keys are the fleet's.
+    return Cooldown(redis, CooldownPolicy(failures=3, window_s=30, cooldown_s=60, refresh_s=0.05))
+
+
+@pytest.fixture
+def ledger(pool) -> Ledger:
+    return Ledger(pool, prices=PRICES, flush_s=0.05)
+
+
+def routed(
+    llm: OpenAICompatible,
+    *,
+    cooldown: Cooldown | None = None,
+    ledger: Ledger | None = None,
+    fallbacks: tuple[str, ...] = (BACKUP,),
+    policy: RetryPolicy = FAST,
+) -> Model:
+    targets = tuple(Target(name, llm.with_model(name)) for name in fallbacks)
+    return Model(
+        llm,
+        policy=policy,
+        deadline=Deadline.after(20),
+        workflow="routing",
+        model_name=PRIMARY,
+        route=ModelRoute(targets, cooldown, ledger),
+        site=CallSite("routing", str(uuid.uuid4()), "acme"),
+    )
+
+
+async def ledger_rows(pool) -> list[tuple[Any, ...]]:
+    async with pool.connection() as conn:
+        cur = await conn.execute(
+            "SELECT model, attempt, outcome, prompt_tokens, completion_tokens, cost_usd, step"
+            " FROM model_calls ORDER BY id"
+        )
+        return await cur.fetchall()
+
+
+async def test_fallbacks_parse_names_and_endpoints_and_refuse_the_rest() -> None:
+    assert parse_models(" gpt-4.1-mini, llama3@http://vllm:8000/v1 ,") == [
+        ModelSpec("gpt-4.1-mini"),
+        ModelSpec("llama3", "http://vllm:8000/v1"),
+    ]
+    assert parse_models(["a", "b@https://x.example/v1"])[1].base_url == "https://x.example/v1"
+    for bad in ("a b", "a@ftp://x", "a,a", "a@"):
+        with pytest.raises(ValueError):
+            parse_models(bad)
+
+
+async def test_a_primary_down_moves_the_call_to_the_fallback_and_the_ledger_has_every_call(
+    llm, fake_llm, ledger, pool
+) -> None:
+    fake_llm.model.model_outages[PRIMARY] = "503"
+    model = routed(llm, ledger=ledger)
+    answer = await model.complete("The ledger counts every call. It is billed.")
+    assert answer.startswith("The ledger counts every call.")
+    assert model.usage.model == BACKUP
+    assert model.usage.model_calls == FAST.max_attempts + 1
+    assert fake_llm.stats().models == {PRIMARY: FAST.max_attempts, BACKUP: 1}
+
+    await ledger.flush()
+    rows = await ledger_rows(pool)
+    assert [(r[0], r[1], r[2]) for r in rows] == [
+        (PRIMARY, 1, "retryable"),
+        (PRIMARY, 2, "retryable"),
+        (PRIMARY, 3, "retryable"),
+        (BACKUP, 4, "ok"),
+    ]
+    assert {r[6] for r in rows} == {"model"}
+    # The backup's tokens as the fake reported them, priced.
+    tokens = fake_llm.stats().tokens[BACKUP]
+    _, _, _, prompt, completion, cost, _ = rows[-1]
+    assert (prompt, completion) == (tokens["prompt"], tokens["completion"])
+    assert float(cost) == pytest.approx((prompt * 2.5 + completion * 10) / 1e6)
+    assert model.usage.cost_usd == pytest.approx(float(cost))
+
+
+async def test_a_permanent_failure_never_reaches_the_fallback(llm, fake_llm, ledger, pool) -> None:
+    model = routed(llm, ledger=ledger)
+    with pytest.raises(PermanentError):
+        await model.complete("A bad request stays bad. [[fake:400]]")
+    assert fake_llm.stats().models == {PRIMARY: 1}
+    await ledger.flush()
+    assert [(r[0], r[2]) for r in await ledger_rows(pool)] == [(PRIMARY, "permanent")]
+
+
+async def test_invalid_answers_are_in_the_ledger_as_such(llm, ledger, pool) -> None:
+    class Verdict(BaseModel):
+        label: str
+
+    model = routed(llm, ledger=ledger, fallbacks=())
+    verdict = await model.structured(Verdict, "Answer in JSON. [[fake:badjson*1]]")
+    assert isinstance(verdict, Verdict)
+    await ledger.flush()
+    assert [(r[0], r[1], r[2]) for r in await ledger_rows(pool)] == [
+        (PRIMARY, 1, "invalid_output"),
+        (PRIMARY, 2, "ok"),
+    ]
+
+
+async def test_the_cooldown_skips_a_failing_model_for_every_model_that_shares_it(
+    llm, fake_llm, redis
+) -> None:
+    fake_llm.model.model_outages[PRIMARY] = "503"
+    policy = CooldownPolicy(failures=3, window_s=30, cooldown_s=60, refresh_s=0.05)
+    first = Cooldown(redis, policy)
+    await routed(llm, cooldown=first).complete("The first call trips it. Once.")
+    assert fake_llm.stats().models[PRIMARY] == 3
+    assert first.cooling(PRIMARY)
+
+    # Another process's view (its own Cooldown): it has seen no failure,
+    # and still never calls the primary.
+    second = Cooldown(redis, policy)
+    for i in range(5):
+        model = routed(llm, cooldown=second)
+        await model.complete(f"Call {i} goes straight to the backup. Fine.")
+        assert model.usage.model == BACKUP
+    assert fake_llm.stats().models == {PRIMARY: 3, BACKUP: 6}
+    assert second.cooling(PRIMARY)
+
+
+async def test_with_every_model_cooling_the_call_fails_transiently_with_a_wait(
+    llm, fake_llm, cooldown
+) -> None:
+    fake_llm.model.outage = "503"
+    with pytest.raises(TransientError):
+        await routed(llm, cooldown=cooldown).complete("Everything is down. For now.")
+    calls = fake_llm.stats().total
+    with pytest.raises(TransientError) as raised:
+        await routed(llm, cooldown=cooldown).complete("Nothing is called now. Nothing.")
+    assert "cooling down" in str(raised.value)
+    assert raised.value.retry_after_s is not None and raised.value.retry_after_s > 30
+    assert fake_llm.stats().total == calls
+
+
+async def test_after_the_cooldown_one_probe_decides_for_everyone(llm, fake_llm, redis) -> None:
+    policy = CooldownPolicy(failures=2, window_s=30, cooldown_s=0.5, refresh_s=0.05, probe_s=30)
+    cooldown = Cooldown(redis, policy)
+    fake_llm.model.model_outages[PRIMARY] = "hang"
+    slow = RetryPolicy(per_call_timeout_s=0.3, max_attempts=2, backoff_base_s=0.001)
+    await routed(llm, cooldown=cooldown, policy=slow).complete(
+        "A hanging model cools down too. Timeouts count."
+    )
+    assert cooldown.cooling(PRIMARY)
+    assert fake_llm.stats().models[PRIMARY] == 2
+
+    # Past the cooldown, with the model still hanging: among concurrent
+    # calls of two processes, one probe goes out; the others skip.
+    await asyncio.sleep(0.6)
+    other = Cooldown(redis, policy)
+    models = [routed(llm, cooldown=c, policy=slow) for c in (cooldown, other) * 4]
+    await asyncio.gather(*(m.complete(f"Probe round {i}. Once.") for i, m in enumerate(models)))
+    assert fake_llm.stats().models[PRIMARY] == 3, "one probe"
+    # The probe failed: cooling again, for both.
+    assert (await cooldown.admit(PRIMARY)).verdict == "skip"
+    assert (await other.admit(PRIMARY)).verdict == "skip"
+
+    # The model is back: past the next cooldown the probe answers, and then
+    # every call goes to it again.
+    del fake_llm.model.model_outages[PRIMARY]
+    await asyncio.sleep(0.6)
+    probe = routed(llm, cooldown=other)
+    await probe.complete("The probe answers. Good.")
+    assert probe.usage.model == PRIMARY
+    after = routed(llm, cooldown=cooldown)
+    await after.complete("Back to normal. Yes.")
+    assert after.usage.model == PRIMARY
+    assert not await redis.exists(f"oncely:cooldown:{PRIMARY}")
+
+
+async def test_failures_spread_beyond_the_window_never_trip_the_cooldown(
+    llm, fake_llm, redis
+) -> None:
+    cooldown = Cooldown(redis, CooldownPolicy(failures=3, window_s=0.2, cooldown_s=60))
+    for i in range(4):
+        await routed(llm, cooldown=cooldown).complete(f"Fails once. [[fake:503*1]] Call {i}.")
+        await asyncio.sleep(0.25)
+    assert not cooldown.cooling(PRIMARY)
+    assert fake_llm.stats().models == {PRIMARY: 8}
+
+
+async def test_the_ledger_keeps_a_batch_postgres_refused_and_writes_it_later(
+    llm, pool, ledger
+) -> None:
+    async with pool.connection() as conn:
+        await conn.execute("ALTER TABLE model_calls RENAME TO model_calls_away")
+    try:
+        await routed(llm, ledger=ledger).complete("Written later. Not lost.")
+        assert await ledger.flush() == 0
+    finally:
+        async with pool.connection() as conn:
+            await conn.execute("ALTER TABLE model_calls_away RENAME TO model_calls")
+    await routed(llm, ledger=ledger).complete("Written with the first. Both.")
+    assert await ledger.flush() == 2
+    assert await count(pool, "SELECT count(*) FROM model_calls WHERE outcome = 'ok'") == 2
+
+
+async def test_the_ledger_writes_what_it_holds_when_its_block_ends(llm, pool) -> None:
+    ledger = Ledger(pool, flush_s=3600)
+    async with ledger.running():
+        for i in range(3):
+            await routed(llm, ledger=ledger).complete(f"Held until the end. Call {i}.")
+        assert await count(pool, "SELECT count(*) FROM model_calls") == 0
+    assert await count(pool, "SELECT count(*) FROM model_calls") == 3
