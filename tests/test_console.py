@@ -17,7 +17,14 @@ from pydantic import SecretStr
 from structlog.testing import capture_logs
 
 from oncely.api.auth import create_api_key
+from oncely.bootstrap import connect_llm, step_config
+from oncely.builtin.summaries import summaries
 from oncely.jobs import dead_letters
+from oncely.jobs.handler import WorkflowHandler
+from oncely.llm.model import ModelRoute
+from oncely.outbox.wakeup import OutboxWakeUp
+from oncely.usage.ledger import Ledger
+from oncely.usage.prices import Prices
 from tests.helpers import asgi_app, count, drain, job_status, make_worker, submit
 from tests.processes import free_port, running, start, wait_for, wait_healthy
 from tests.test_deliveries import flaky_job_done
@@ -67,7 +74,13 @@ async def test_without_a_key_there_is_no_console(client):
 
 
 async def test_a_stranger_is_sent_to_the_login_form(console):
-    for path in ("/console", "/console/outbox", "/console/workflows/triage/dead-letters"):
+    pages = (
+        "/console",
+        "/console/outbox",
+        "/console/usage",
+        "/console/workflows/triage/dead-letters",
+    )
+    for path in pages:
         r = await console.get(path)
         assert (r.status_code, r.headers["location"]) == (303, "/console/login"), path
     form = await console.get("/console/login")
@@ -212,6 +225,42 @@ async def test_retry_of_a_failed_outbox_row(operator, pool):
     assert "is not failed" in again.text
 
 
+async def test_the_usage_page_shows_cost_and_wasted_calls_per_workflow_and_model(
+    operator, pool, jobs, worker_settings
+):
+    ledger = Ledger(pool, prices=Prices.parse("oncely-fake=1000/1000"))
+    async with connect_llm(worker_settings) as llm:
+        handler = WorkflowHandler(
+            summaries,
+            jobs,
+            llm,
+            step_config(worker_settings),
+            OutboxWakeUp(pool),
+            route=ModelRoute(ledger=ledger),
+        )
+        stream = jobs.streams["summaries"]
+        await stream.ensure_group()
+        await submit(pool, stream, "Counted once. Nothing wasted.")
+        await submit(pool, stream, "Asked twice. [[fake:503*1]] The first call is wasted.")
+        await drain(make_worker(stream, handler, pool))
+    assert await ledger.flush() == 3
+    cost = await count(pool, "SELECT round(sum(cost_usd) * 1000000) FROM model_calls")
+
+    page = await operator.get("/console/usage")
+    assert page.status_code == 200
+    row = re.search(
+        r"<tr><td>summaries</td><td class=\"id\">oncely-fake</td>(.*?)</tr>", page.text, re.S
+    )
+    assert row, page.text
+    cells = re.findall(r"<td>([^<]*)</td>", row.group(1))
+    calls, _, _, shown_cost, wasted = cells
+    assert (calls, wasted) == ("3", "1")
+    assert float(shown_cost) == pytest.approx(cost / 1_000_000)
+    # The last hour holds them too; an unknown period is the default one.
+    assert row.group(0) in (await operator.get("/console/usage?since=1h")).text
+    assert row.group(0) in (await operator.get("/console/usage?since=forever")).text
+
+
 # -- a real browser --------------------------------------------------------------
 
 
@@ -288,6 +337,9 @@ def _job_page_says_done(driver: Any, base: str, job_id: str) -> None:
     _shot(driver, "jobs")
     driver.get(f"{base}/console/outbox")
     _shot(driver, "outbox")
+    driver.get(f"{base}/console/usage")
+    assert driver.find_element(By.TAG_NAME, "h1").text == "Model usage"
+    _shot(driver, "usage")
 
 
 @pytest.mark.slow

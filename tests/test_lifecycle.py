@@ -13,6 +13,7 @@ from oncely.jobs.retention import Retention
 from oncely.jobs.store import Job
 from oncely.journal import Emitted, NewCheckpoint, Writes
 from oncely.queue.worker import DeliveryReport
+from oncely.usage.ledger import Call, CallSite, Ledger
 from tests.processes import oncely
 
 DAY_S = 86400.0
@@ -104,6 +105,12 @@ async def test_erasing_a_tenant_leaves_nothing_of_it_and_touches_no_other(
         await jobs.accept(Job(dead, tenant, "triage", {"subject": tenant, "body": "dies"}))
         delayed = str(uuid.uuid4())
         await jobs.accept(Job(delayed, tenant, "triage", {"subject": tenant, "body": "later"}))
+        # Two model calls in the ledger: one failed, one answered.
+        ledger = Ledger(pool)
+        site = CallSite("triage", queued, tenant)
+        for outcome in ("retryable", "ok"):
+            ledger.record(Call(site, "model", "oncely-fake", 1, outcome, 10, 5, 20, None))
+        assert await ledger.flush() == 2
     # Two of each tenant's messages leave the stream: one dead, one delayed.
     entries = await stream.read_new("c1", 100, 10)
     for entry_id, fields in entries:
@@ -131,8 +138,10 @@ async def test_erasing_a_tenant_leaves_nothing_of_it_and_touches_no_other(
             "messages": 7,
             "idempotency_records": 1,
             "api_keys": 2,
+            "model_calls": 2,
         },
     }
+    assert await ids(pool, "SELECT DISTINCT tenant FROM model_calls") == {"globex"}
     for table in ("jobs", "api_keys"):
         assert await ids(pool, f"SELECT DISTINCT tenant FROM {table}") == {"globex"}
     assert await ids(pool, "SELECT count(*) FROM results") == {"1"}

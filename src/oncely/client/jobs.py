@@ -34,13 +34,17 @@ class Accepted(BaseModel):
 
 
 class Usage(BaseModel):
-    """Tokens and model calls: of one model checkpoint, or of the whole job."""
+    """Tokens, model calls and cost: of one model checkpoint, or of the whole
+    job. ``cost_usd`` is None when a call's model has no price on the server;
+    ``model``: the model that answered (the job's last model checkpoint)."""
 
     model_config = ConfigDict(frozen=True)
 
     prompt_tokens: int
     completion_tokens: int
     model_calls: int
+    cost_usd: float | None = None
+    model: str | None = None
 
 
 class JobStep(BaseModel):
@@ -53,6 +57,8 @@ class JobStep(BaseModel):
     status: Literal["done", "waiting", "failed"]
     finished_at: datetime | None = None
     usage: Usage | None = None
+    # A model checkpoint's: the model that answered (a fallback, when one did).
+    model: str | None = None
 
 
 class Waiting(BaseModel):

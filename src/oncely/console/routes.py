@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from importlib import resources
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlencode
@@ -27,6 +27,7 @@ from oncely.jobs import dead_letters
 from oncely.jobs.inspection import UNREPORTED_NOTE, inspect_job
 from oncely.jobs.store import JOB_STATUSES, Jobs
 from oncely.outbox.store import OutboxStore
+from oncely.usage import ledger
 
 if TYPE_CHECKING:
     from oncely.api.app import OncelyAPI
@@ -133,6 +134,7 @@ def console_router(api: OncelyAPI, key: str) -> APIRouter:
     _add_overview(router, console)
     _add_jobs(router, console)
     _add_dead_letters(router, console)
+    _add_usage(router, console)
     _add_outbox(router, console)
     return router
 
@@ -329,3 +331,24 @@ def _add_outbox(router: APIRouter, console: Console) -> None:
             return _redirect("/console/outbox", missing=str(row_id))
         log.info("console.outbox_retried", outbox_id=row_id)
         return _redirect("/console/outbox", retried=str(row_id))
+
+
+# The periods the usage page offers.
+_USAGE_PERIODS = {"1h": timedelta(hours=1), "24h": timedelta(days=1), "7d": timedelta(days=7)}
+
+
+def _add_usage(router: APIRouter, console: Console) -> None:
+    @router.get("/usage")
+    async def usage(request: Request, since: str = "24h") -> Response:
+        session = await console.session(request)
+        if session is None:
+            return _to_login()
+        period = since if since in _USAGE_PERIODS else "24h"
+        start = datetime.now(UTC) - _USAGE_PERIODS[period]
+        found = await ledger.usage_report(
+            console.api.clients.pool, since=start, by="workflow/model"
+        )
+        rows = [(*row.group.split("/", 1), row) for row in found]
+        return console.page(
+            "usage.html", session, rows=rows, period=period, periods=list(_USAGE_PERIODS)
+        )
