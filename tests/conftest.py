@@ -70,6 +70,7 @@ CLUSTER_SUITE = {
     "test_key_slots.py",
     "test_lifecycle.py",
     "test_limiter.py",
+    "test_model_routing.py",
     "test_reconcile.py",
     "test_redis_cluster.py",
     "test_tenant_limit.py",

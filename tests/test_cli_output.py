@@ -16,6 +16,8 @@ from psycopg.types.json import Jsonb
 from oncely.api.auth import create_api_key
 from oncely.jobs.store import Job
 from oncely.terminal import literal
+from oncely.usage.ledger import Call, CallSite, Ledger
+from oncely.usage.prices import Prices
 from tests.processes import oncely
 
 ESC = "\x1b"
@@ -98,3 +100,40 @@ async def test_keys_list_prints_a_tenant_name_as_it_is(pool, env) -> None:
     await create_api_key(pool, "[red]acme[/red]\u202e")
     out = await asyncio.to_thread(run, "keys", "list", env=env)
     assert "[red]acme[/red]\\u202e" in "".join(out.split())
+
+
+async def test_usage_report_and_tenant_usage_print_names_literally(pool, env) -> None:
+    tenant, model = "[red]acme[/red]\u202e", f"[link=https://evil.example]m[/link]{ESC}[2J"
+    ledger = Ledger(pool, prices=Prices.parse("plain=1/1"))
+    site = CallSite("triage", str(uuid.uuid4()), tenant)
+    ledger.record(Call(site, "model", model, 1, "retryable", 0, 0, 30, None))
+    ledger.record(Call(site, "model", "plain", 2, "ok", 700, 300, 40, 0.001))
+    assert await ledger.flush() == 2
+
+    out = await asyncio.to_thread(run, "usage", "report", "--by", "model", env=env)
+    flat = "".join(out.split())
+    assert "[link=https://evil.example]m[/link]\\x1b[2J" in flat
+    by_tenant = json.loads(
+        await asyncio.to_thread(run, "usage", "report", "--json", "--by", "tenant", env=env)
+    )
+    assert by_tenant == [
+        {
+            "tenant": tenant,
+            "calls": 2,
+            "prompt_tokens": 700,
+            "completion_tokens": 300,
+            "cost_usd": 0.001,
+            "wasted_calls": 2,  # no checkpoint kept either answer
+        }
+    ]
+    out = await asyncio.to_thread(run, "tenants", "usage", tenant, env=env)
+    assert "[red]acme[/red]\\u202e" in "".join(out.split())
+
+
+def test_usage_commands_refuse_a_bad_group_or_period_with_exit_2(env) -> None:
+    for args in (("--by", "colour"), ("--since", "yesterday")):
+        done = oncely("usage", "report", *args, env=env)
+        assert done.returncode == 2, done.stderr
+        assert args[0] in done.stderr and "Traceback" not in done.stderr
+    done = oncely("tenants", "usage", " ", env=env)
+    assert done.returncode == 2 and "empty" in done.stderr

@@ -18,6 +18,7 @@ from oncely.llm.model import Model, ModelRoute
 from oncely.llm.openai_compat import OpenAICompatible
 from oncely.llm.routing import Cooldown, CooldownPolicy, ModelSpec, Target, parse_models
 from oncely.retry import Deadline, RetryPolicy
+from oncely.usage.budgets import BudgetLimits, Budgets, Spent, utc_day
 from oncely.usage.ledger import CallSite, Ledger
 from oncely.usage.prices import Prices
 from tests.helpers import count
@@ -239,3 +240,17 @@ async def test_the_ledger_writes_what_it_holds_when_its_block_ends(llm, pool) ->
             await routed(llm, ledger=ledger).complete(f"Held until the end. Call {i}.")
         assert await count(pool, "SELECT count(*) FROM model_calls") == 0
     assert await count(pool, "SELECT count(*) FROM model_calls") == 3
+
+
+async def test_budgets_count_each_tenants_day_and_refuse_only_the_one_over(redis) -> None:
+    budgets = Budgets(redis, BudgetLimits(daily_tokens=1000, daily_usd=0.5), refresh_s=0)
+    today = utc_day()
+    await budgets.add({("acme", today): Spent(600, 0.1), ("globex", today): Spent(10, 0.6)})
+    await budgets.add({("acme", today): Spent(300, 0.1), ("acme", "2000-01-01"): Spent(5000, 9)})
+    assert await budgets.spent("acme") == Spent(900, pytest.approx(0.2))
+    assert await budgets.refusal("acme") is None  # 900 tokens, $0.20: within both
+    wait_s = await budgets.refusal("globex")  # $0.60: over the USD budget
+    assert wait_s is not None and 1 <= wait_s <= 86400
+    await budgets.add({("acme", today): Spent(100, 0.0)})
+    assert await budgets.refusal("acme") is not None  # 1000 tokens: at the budget
+    assert await Budgets(redis).refusal("acme") is None  # no budgets: never refused

@@ -61,6 +61,7 @@ def print_rows(
     When the table's natural width is over the terminal's, each row is
     printed as a block of ``column: value`` lines instead."""
     cells = [[literal(value) for value in row] for row in rows]
+    title = literal(title)  # it may name a tenant, a model, a workflow
     table = Table(title=title)
     for i, name in enumerate(columns):
         if i < ids:

@@ -70,7 +70,11 @@ IDEMPOTENCY_RESPONSES: dict[int | str, dict[str, Any]] = {
     },
     413: problem_schema("Request body over `ONCELY_MAX_BODY_BYTES`."),
     429: {
-        **problem_schema("Over the tenant's `ONCELY_TENANT_RPM`; no key was claimed."),
+        **problem_schema(
+            "Over the tenant's `ONCELY_TENANT_RPM` (`rate-limited`), or over its daily "
+            "model budget (`budget-exceeded`, `Retry-After` to midnight UTC); no key "
+            "was claimed."
+        ),
         "headers": {
             "Retry-After": {"schema": {"type": "integer"}, "description": "Seconds."},
             "RateLimit": {"schema": {"type": "string"}},
