@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+from prometheus_client import REGISTRY
 from pydantic import BaseModel
 
 from oncely.errors import PermanentError, TransientError
@@ -65,6 +66,11 @@ def routed(
     )
 
 
+def metric(name: str, model: str, **labels: str) -> float:
+    sample = REGISTRY.get_sample_value(name, {"workflow": "routing", "model": model, **labels})
+    return sample or 0.0
+
+
 async def ledger_rows(pool) -> list[tuple[Any, ...]]:
     async with pool.connection() as conn:
         cur = await conn.execute(
@@ -89,6 +95,8 @@ async def test_a_primary_down_moves_the_call_to_the_fallback_and_the_ledger_has_
     llm, fake_llm, ledger, pool
 ) -> None:
     fake_llm.model.model_outages[PRIMARY] = "503"
+    cost_before = metric("oncely_model_cost_usd_total", BACKUP)
+    calls_before = metric("oncely_model_calls_total", PRIMARY, outcome="transient")
     model = routed(llm, ledger=ledger)
     answer = await model.complete("The ledger counts every call. It is billed.")
     assert answer.startswith("The ledger counts every call.")
@@ -111,6 +119,11 @@ async def test_a_primary_down_moves_the_call_to_the_fallback_and_the_ledger_has_
     assert (prompt, completion) == (tokens["prompt"], tokens["completion"])
     assert float(cost) == pytest.approx((prompt * 2.5 + completion * 10) / 1e6)
     assert model.usage.cost_usd == pytest.approx(float(cost))
+    # And the metrics: the cost per model, the failed calls per model.
+    cost_after = metric("oncely_model_cost_usd_total", BACKUP)
+    assert cost_after - cost_before == pytest.approx(float(cost))
+    calls_after = metric("oncely_model_calls_total", PRIMARY, outcome="transient")
+    assert calls_after - calls_before == FAST.max_attempts
 
 
 async def test_a_permanent_failure_never_reaches_the_fallback(llm, fake_llm, ledger, pool) -> None:
