@@ -20,14 +20,14 @@ test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 check: $(STAMP)
-	$(BIN)/ruff format --check src tests bench
-	$(BIN)/ruff check src tests bench
+	$(BIN)/ruff format --check src tests bench examples
+	$(BIN)/ruff check src tests bench examples
 	$(BIN)/mypy
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 fmt: $(STAMP)
-	$(BIN)/ruff format src tests bench
-	$(BIN)/ruff check --fix src tests bench
+	$(BIN)/ruff format src tests bench examples
+	$(BIN)/ruff check --fix src tests bench examples
 
 # Every benchmark (bench/README.md), about 12 min on 2 cores: bench/results/*.json
 # and BENCHMARKS.md. The intake needs wrk (apt-get install wrk).

@@ -1,0 +1,336 @@
+"""Unit-testing a workflow's step: no Redis, no PostgreSQL, no network.
+
+``run_step`` runs a step as a worker would (its model calls, side steps,
+waits and sleeps are checkpoints of one run) against a scripted model, and
+tells what it did::
+
+    from oncely.testing import ProviderError, run_step
+
+    async def test_an_unclear_refund_waits_for_a_person():
+        run = await run_step(
+            refunds,
+            {"order_id": "A1", "amount_cents": 1200, "reason": "It is odd."},
+            answers=[{"decision": "escalate", "note": "unclear"}],
+            events={"approval": Approval(approved=True, by="ada")},
+        )
+        assert run.result.decided_by == "person"
+        assert [e.topic for e in run.emitted] == ["refund.approval_requested", "refund.decided"]
+
+- ``answers``: what the model answers, in call order: a string (text), a
+  dict, a list or a pydantic model (structured output, sent as its JSON),
+  or an exception to raise: ``ProviderError(503)`` (retried, then the next
+  model of the workflow's ``fallbacks``), ``ProviderError(400)`` (never
+  retried), ``TimeoutError()``. A call with no answer left fails the test.
+  Retries and fallbacks take no time.
+- ``events``: what each ``ctx.wait_for_event`` receives, at once. A wait for
+  an event not given times out (the step gets None); sleeps end at once.
+- ``crash_after="key"``: the run stops right after checkpoint ``key`` is
+  stored, as if its worker died, and runs again from the top as a
+  redelivery would, over the stored checkpoints. The test fails
+  (``ReplayError``) when the second run pays again for a stored model call,
+  asks for another key than the one stored at a position (the step is not
+  deterministic: docs/durable-steps.md), or emits an effect written before
+  the crash differently.
+
+The step's own side calls (``ctx.step(name, fn)``) really run: pass ``fn``
+something harmless, or patch it as any unit test would.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+from pydantic import BaseModel
+
+from oncely.errors import Nondeterministic, PermanentError, TransientError
+from oncely.jobs.handler import checked_result, ungrouped
+from oncely.journal import Checkpoint, Emitted, Journal, Wait, Writes, current_checkpoint
+from oncely.llm.base import Completion, Message, ResponseSchema
+from oncely.llm.model import Model, ModelRoute
+from oncely.llm.routing import Target, parse_models
+from oncely.retry import Deadline, RetryPolicy, retryable_status
+from oncely.workflow import Context, Workflow
+
+__all__ = ["ModelCall", "ProviderError", "ReplayError", "StepRun", "run_step"]
+
+ResultT = TypeVar("ResultT", bound=BaseModel)
+
+# Retries as a worker makes them, without the waiting.
+_POLICY = RetryPolicy(
+    per_call_timeout_s=60.0,
+    max_attempts=4,
+    backoff_base_s=0.0001,
+    backoff_max_s=0.0001,
+    retry_after_max_s=0.0,
+)
+_BUDGET_S = 600.0
+
+
+class ProviderError(Exception):
+    """What a provider answers instead of an answer: a 429 or 5xx is retried
+    (then the call falls back), any other status never is."""
+
+    def __init__(self, status: int, *, retry_after_s: float | None = None) -> None:
+        super().__init__(f"the provider answered {status}")
+        self.status = status
+        self.retry_after_s = retry_after_s
+
+
+class ReplayError(AssertionError):
+    """The step did something on its replay after a crash that a worker's
+    redelivery would make wrong (module docstring)."""
+
+
+@dataclass(frozen=True)
+class ModelCall:
+    """One call the step's model made: to which model, for which
+    checkpoint, with what, and what it got (``outcome``: ``ok`` or the
+    error's type)."""
+
+    model: str
+    step: str | None
+    messages: tuple[Message, ...]
+    schema: str | None
+    outcome: str
+    replay: bool = False
+
+    @property
+    def prompt(self) -> str:
+        """The last user message."""
+        return next((m.content for m in reversed(self.messages) if m.role == "user"), "")
+
+
+@dataclass(frozen=True)
+class StepRun(Generic[ResultT]):
+    """What a step did. ``steps``: the keys of its checkpoints in the order
+    it reached them; ``emitted``: its effects (topic, payload, dedupe key);
+    ``model_calls``: calls made, retries, fallbacks and re-asks included
+    (``calls`` has each); ``replayed``: checkpoints a replay found stored."""
+
+    result: ResultT
+    emitted: tuple[Emitted, ...]
+    steps: tuple[str, ...]
+    model_calls: int
+    calls: tuple[ModelCall, ...] = ()
+    replayed: int = 0
+    usage: Mapping[str, Any] = field(default_factory=dict)
+
+
+async def run_step(
+    workflow: Workflow[Any, Any],
+    request: BaseModel | Mapping[str, Any],
+    *,
+    answers: Sequence[Any] = (),
+    events: Mapping[str, BaseModel | Mapping[str, Any]] | None = None,
+    crash_after: str | None = None,
+    model: str = "test-model",
+    fallbacks: Sequence[str] | None = None,
+    job_id: str | None = None,
+    tenant: str = "test",
+) -> StepRun[Any]:
+    """Run ``workflow``'s step on ``request`` against scripted ``answers``
+    (module docstring). ``model`` names the primary model and ``fallbacks``
+    the models after it (default: the workflow's own ``fallbacks``; what
+    ONCELY_LLM_FALLBACKS would add is not read). Raises what the step
+    raises; ``ReplayError`` when a replay after ``crash_after`` goes wrong."""
+    body = workflow.request.model_validate(
+        request.model_dump() if isinstance(request, BaseModel) else request
+    )
+    script = _Script(list(answers))
+    received = {name: _json(value) for name, value in (events or {}).items()}
+    route = tuple(fallbacks if fallbacks is not None else workflow.fallbacks or ())
+    harness = _Harness(workflow, script, model, route, job_id or str(uuid.uuid4()), tenant)
+    store = _Memory(received, crash_after)
+    try:
+        journal, result = await harness.run(body, Journal(store=store, workflow=workflow.name))
+    except _Crashed:
+        return await _replay(harness, body, store, crash_after)
+    if crash_after is not None:
+        pending = journal.unwritten()
+        if crash_after not in {c.key for c in pending.checkpoints}:
+            raise ReplayError(
+                f"the step never reached checkpoint {crash_after!r}; it reached "
+                f"{', '.join(journal.reached) or 'none'}"
+            )
+        # It would have been stored with the result: the crash comes just before.
+        store.keep(pending)
+        return await _replay(harness, body, store, crash_after)
+    return harness.outcome(journal, result)
+
+
+async def _replay(
+    harness: _Harness, body: BaseModel, crashed: _Memory, key: str | None
+) -> StepRun[Any]:
+    """The second run, over what the first stored; checked against it."""
+    first_calls = len(harness.script.calls)
+    store = _Memory(crashed.events, None, list(crashed.stored))
+    journal = Journal(crashed.stored, store, workflow=harness.workflow.name)
+    harness.script.replaying = True
+    try:
+        journal, result = await harness.run(body, journal)
+    except Nondeterministic as exc:
+        raise ReplayError(
+            f"after a crash past {key!r}, the replay asked for another key: {exc}"
+        ) from exc
+    stored = {c.key for c in crashed.stored}
+    again = [c for c in harness.script.calls[first_calls:] if c.step in stored]
+    if again:
+        raise ReplayError(f"the replay paid again for stored checkpoint {again[0].step!r}")
+    emitted = {e.dedupe_key: e for e in journal.emitted}
+    for effect in crashed.effects:
+        replayed = emitted.get(effect.dedupe_key)
+        if replayed != effect:
+            raise ReplayError(
+                f"effect {effect.dedupe_key!r} was written before the crash as "
+                f"{effect.payload!r} and the replay emitted {replayed!r}: what a step "
+                "emits may depend only on its request and its checkpoints' values"
+            )
+    return harness.outcome(journal, result)
+
+
+@dataclass
+class _Harness:
+    """What both runs of one ``run_step`` share."""
+
+    workflow: Workflow[Any, Any]
+    script: _Script
+    model_name: str
+    fallbacks: tuple[str, ...]
+    job_id: str
+    tenant: str
+
+    async def run(self, body: BaseModel, journal: Journal) -> tuple[Journal, BaseModel]:
+        fallbacks = tuple(
+            Target(spec.name, self.script.as_model(spec.name))
+            for spec in parse_models(self.fallbacks)
+        )
+        model = Model(
+            self.script.as_model(self.model_name),
+            policy=_POLICY,
+            deadline=Deadline.after(_BUDGET_S),
+            workflow=self.workflow.name,
+            model_name=self.model_name,
+            journal=journal,
+            route=ModelRoute(fallbacks),
+        )
+        ctx = Context(self.workflow, self.job_id, self.tenant, model, 1, journal=journal)
+        value = await journal.run(ungrouped(self.workflow.step(body, ctx)))
+        return journal, checked_result(self.workflow, value)
+
+    def outcome(self, journal: Journal, result: BaseModel) -> StepRun[Any]:
+        calls = tuple(self.script.calls)
+        return StepRun(
+            result=result,
+            emitted=journal.emitted,
+            steps=tuple(journal.reached),
+            model_calls=len(calls),
+            calls=calls,
+            replayed=journal.replayed,
+            usage=journal.usage(),
+        )
+
+
+class _Crashed(BaseException):
+    """The worker died right after a checkpoint was stored."""
+
+
+@dataclass
+class _Memory:
+    """A run's store: keeps what is written, and stops the run (``_Crashed``)
+    once checkpoint ``crash_after`` is stored."""
+
+    events: Mapping[str, Any]
+    crash_after: str | None
+    stored: list[Checkpoint] = field(default_factory=list)
+    effects: list[Emitted] = field(default_factory=list)
+
+    async def write(self, writes: Writes) -> None:
+        self.keep(writes)
+        self._crash_if_stored(writes)
+
+    async def wait(self, writes: Writes, wait: Wait) -> Checkpoint | None:
+        self.keep(writes)
+        value = self.events.get(wait.event) if wait.event is not None else None
+        outcome = Checkpoint(wait.key, wait.ordinal, wait.kind, "done", value)
+        self.stored.append(outcome)
+        self._crash_if_stored(writes, wait.key)
+        return outcome
+
+    def keep(self, writes: Writes) -> None:
+        self.stored += [c.stored() for c in writes.checkpoints]
+        self.effects += writes.effects
+
+    def _crash_if_stored(self, writes: Writes, *keys: str) -> None:
+        written = {c.key for c in writes.checkpoints} | set(keys)
+        if self.crash_after is not None and self.crash_after in written:
+            raise _Crashed(self.crash_after)
+
+
+@dataclass
+class _Script:
+    """The scripted provider: each call takes the next answer."""
+
+    answers: list[Any]
+    calls: list[ModelCall] = field(default_factory=list)
+    replaying: bool = False
+
+    def as_model(self, name: str) -> _ScriptedModel:
+        return _ScriptedModel(self, name)
+
+
+@dataclass(frozen=True)
+class _ScriptedModel:
+    """The ``LLM`` protocol over the script, as one model name."""
+
+    script: _Script
+    name: str
+
+    async def complete(
+        self,
+        messages: Sequence[Message],
+        timeout: float,  # noqa: ASYNC109 (LLM protocol)
+        *,
+        schema: ResponseSchema | None = None,
+    ) -> Completion:
+        s = self.script
+        number = len(s.calls) + 1
+        if not s.answers:
+            raise AssertionError(
+                f"the step made model call {number} but only {number - 1} answers were scripted"
+            )
+        answer = s.answers.pop(0)
+        outcome = "ok" if not isinstance(answer, BaseException) else type(answer).__name__
+        s.calls.append(
+            ModelCall(
+                self.name,
+                current_checkpoint(),
+                tuple(messages),
+                schema.name if schema is not None else None,
+                outcome,
+                s.replaying,
+            )
+        )
+        if isinstance(answer, ProviderError):
+            if retryable_status(answer.status):
+                raise TransientError(
+                    str(answer), status=answer.status, retry_after_s=answer.retry_after_s
+                )
+            raise PermanentError(str(answer), status=answer.status)
+        if isinstance(answer, BaseException):
+            raise answer
+        text = answer if isinstance(answer, str) else json.dumps(_json(answer))
+        return Completion(text, prompt_tokens=_tokens(messages), completion_tokens=_tokens(text))
+
+
+def _json(value: BaseModel | Mapping[str, Any] | Any) -> Any:
+    return value.model_dump(mode="json") if isinstance(value, BaseModel) else value
+
+
+def _tokens(text: str | Sequence[Message]) -> int:
+    """About four characters a token, as the fake model counts."""
+    chars = len(text) if isinstance(text, str) else sum(len(m.content) for m in text)
+    return chars // 4 + 1
