@@ -166,3 +166,18 @@ def test_every_required_compose_variable_is_in_the_example_env() -> None:
     provided = set(re.findall(r"^(\w+)=", example, re.MULTILINE))
     assert {"ONCELY_LLM_API_KEY", "ONCELY_WEBHOOK_SECRET"} <= required
     assert required <= provided
+
+
+def test_the_client_imports_none_of_the_servers_libraries() -> None:
+    heavy = ("redis", "psycopg", "psycopg_pool", "openai", "aiohttp", "fastapi", "uvicorn")
+    probe = f"import sys, oncely.client; print(','.join(m for m in {heavy!r} if m in sys.modules))"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "", f"import oncely.client loaded {done.stdout.strip()}"
+
+
+def test_every_public_name_is_exported_and_resolves() -> None:
+    assert set(oncely.__all__) == {*oncely._EXPORTS, "__version__"}
+    for name in oncely.__all__:
+        assert getattr(oncely, name) is not None, name
+    with pytest.raises(AttributeError):
+        _ = oncely.NoSuchThing  # type: ignore[attr-defined]

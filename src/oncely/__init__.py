@@ -3,17 +3,40 @@
 The public API: declare a ``Workflow`` (request model, step, result model,
 effects), register it on an ``App``, and run ``oncely --app module:app …``.
 See the README, "Write your own workflow".
+
+The names below are imported when first used, so that ``import
+oncely.client`` (the HTTP client) loads none of the server's libraries.
 """
 
-from oncely.app import App
-from oncely.effects import Email, Event, email, webhook
-from oncely.errors import DeadlineExceeded, PermanentError, TransientError
-from oncely.jobs.store import JobRecord
-from oncely.llm.model import InvalidOutput, Model, Usage
-from oncely.shadow.evaluate import Evaluation, ModelJudge, field_agreement
-from oncely.workflow import Context, JobView, Variant, Workflow
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+# Each public name, and the module that defines it.
+_EXPORTS = {
+    "App": "oncely.app",
+    "Email": "oncely.effects",
+    "Event": "oncely.effects",
+    "email": "oncely.effects",
+    "webhook": "oncely.effects",
+    "DeadlineExceeded": "oncely.errors",
+    "PermanentError": "oncely.errors",
+    "TransientError": "oncely.errors",
+    "JobRecord": "oncely.jobs.store",
+    "InvalidOutput": "oncely.llm.model",
+    "Model": "oncely.llm.model",
+    "Usage": "oncely.llm.model",
+    "Evaluation": "oncely.shadow.evaluate",
+    "ModelJudge": "oncely.shadow.evaluate",
+    "field_agreement": "oncely.shadow.evaluate",
+    "Context": "oncely.workflow",
+    "JobView": "oncely.workflow",
+    "Variant": "oncely.workflow",
+    "Workflow": "oncely.workflow",
+}
 
 __all__ = [
     "App",
@@ -37,3 +60,25 @@ __all__ = [
     "field_agreement",
     "webhook",
 ]
+
+if TYPE_CHECKING:
+    from oncely.app import App
+    from oncely.effects import Email, Event, email, webhook
+    from oncely.errors import DeadlineExceeded, PermanentError, TransientError
+    from oncely.jobs.store import JobRecord
+    from oncely.llm.model import InvalidOutput, Model, Usage
+    from oncely.shadow.evaluate import Evaluation, ModelJudge, field_agreement
+    from oncely.workflow import Context, JobView, Variant, Workflow
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'oncely' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__
