@@ -157,12 +157,11 @@ async def test_an_insert_without_an_answer_is_503_and_withdrawn_then_the_retry_i
     job_id = str(Scope("acme", "POST", URL, KEY).job_id)
     blocker = await hold_row(database_url, job_id)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
-        started = time.monotonic()
+        # The row stays locked until the rollback below: a request that waited
+        # for the lock would meet the test's timeout; the bound answers it.
         r = await c.post(URL, json=BODY, headers=headers(auth))
-        took = time.monotonic() - started
         assert r.status_code == 503
         assert r.json()["type"].endswith("/problems/unavailable")
-        assert took < 0.5 + 5.0  # the bound, not a lock wait of its own (wide slack)
         await blocker.rollback()  # the stall ends: the late insert may land now
         await blocker.close()
 
@@ -279,7 +278,7 @@ async def test_a_handler_past_the_max_hold_is_cancelled_its_key_released_and_503
     assert r.headers["content-type"] == "application/problem+json"
     assert r.json()["type"].endswith("/problems/unavailable")
     assert r.headers["retry-after"] == "1"
-    assert 1.0 <= took < 15.0  # the max hold, 1 s, ends it (wide slack)
+    assert took >= 1.0  # held its 1 s; the max hold ends it (the handler hangs forever)
     assert handler.cancelled == 1
     assert await running_markers(redis) == []
     handler.hang = False

@@ -263,8 +263,8 @@ async def test_wait_gives_up_on_a_job_still_queued(api, api_key):
         started = time.monotonic()
         with pytest.raises(WaitTimedOut) as timed_out:
             await client.wait("/v1/summaries", accepted.job_id, timeout_s=0.3)
-    # Waited out its 0.3 s, and did not hang (wide slack).
-    assert 0.2 < time.monotonic() - started < 30
+    # Waited out its 0.3 s (the job stays queued: only the timeout ends it).
+    assert time.monotonic() - started > 0.2
     assert timed_out.value.job.status == "queued"
     assert isinstance(timed_out.value, DeadlineExceeded)
 
@@ -427,8 +427,7 @@ async def test_a_server_that_stays_unavailable_is_given_up_on_at_the_deadline():
     async with AsyncClient(BASE, "k", transport=transport, deadline_s=1.0) as client:
         with pytest.raises(Unavailable) as gave_up:
             await client.submit("/v1/summaries", SUMMARY, "order-1234-confirmation")
-    elapsed = time.monotonic() - started
-    assert 0.5 < elapsed < 15.0  # wide slack for busy machines
+    assert time.monotonic() - started > 0.5  # retried until the deadline, not given up sooner
     error = gave_up.value
     assert isinstance(error, DeadlineExceeded)
     assert error.status == 503 and error.attempts >= 2
@@ -439,11 +438,9 @@ async def test_no_answer_until_the_deadline_raises_deadline_exceeded():
     def refuse(request: httpx.Request) -> httpx.Response:
         raise httpx.ConnectError("connection refused", request=request)
 
-    started = time.monotonic()
     async with AsyncClient(BASE, "k", transport=always(refuse), deadline_s=0.5) as client:
         with pytest.raises(DeadlineExceeded) as gave_up:
             await client.submit("/v1/summaries", SUMMARY)
-    assert time.monotonic() - started < 15.0
     assert isinstance(gave_up.value.__cause__, httpx.ConnectError)
     assert gave_up.value.idempotency_key is not None
 
@@ -453,23 +450,21 @@ async def test_a_server_that_drips_its_answer_is_cut_at_the_attempt_timeout():
         await asyncio.sleep(30)
         return httpx.Response(202)
 
-    started = time.monotonic()
     async with AsyncClient(
         BASE, "k", transport=httpx.MockTransport(drip), timeout=0.2, deadline_s=0.6
     ) as client:
         with pytest.raises(DeadlineExceeded):
             await client.submit("/v1/summaries", SUMMARY)
-    assert time.monotonic() - started < 15.0  # the server drips for 30 s
+    # The server drips for 30 s, past the test's timeout: it was cut.
 
 
 async def test_a_retry_after_past_the_deadline_gives_up_at_once():
     busy = {"Retry-After": "120"}
     transport = always(lambda r: httpx.Response(429, headers=busy))
-    started = time.monotonic()
     async with AsyncClient(BASE, "k", transport=transport, deadline_s=5) as client:
         with pytest.raises(DeadlineExceeded) as gave_up:
             await client.submit("/v1/summaries", SUMMARY)
-    assert time.monotonic() - started < 30.0  # far below the 120 s asked for
+    # Not the 120 s asked for: that is past the test's timeout.
     assert (gave_up.value.status, gave_up.value.attempts) == (429, 1)
 
 

@@ -339,10 +339,9 @@ async def test_hanging_model_gives_up_within_the_deadline(
     fake: FakeLLMServer, llm: OpenAICompatible
 ) -> None:
     options = policy(Deadline.after(0.5), per_call_timeout_s=0.2, max_attempts=10)
-    started = time.monotonic()
     with pytest.raises(DeadlineExceeded):
         await complete_with_retries(llm, "Silence. [[fake:hang]]", **options)
-    assert time.monotonic() - started < 15.0, "the 0.5 s deadline ends it (wide slack)"
+    # Two or three attempts of 0.2 s, then the 0.5 s deadline: not ten.
     assert 1 <= fake.stats("Silence").prompts[0].count <= 3
 
 
@@ -356,8 +355,9 @@ async def test_dripping_model_is_cut_off_by_the_wall_clock(
         await complete_with_retries(llm, "Trickle. [[fake:drip]]", **options)
     # asyncio.timeout's own (from the cancellation), not the SDK's read timeout.
     assert isinstance(raised.value.__cause__, asyncio.CancelledError)
-    # The fake drips for minutes: far below that, it was cut (wide slack).
-    assert 1.1 <= time.monotonic() - started < 30.0, "cut at 1.1 s, not dripping forever"
+    # Not before its time; the fake drips forever, so ending at all (within
+    # the test's timeout) is the wall clock's doing.
+    assert time.monotonic() - started >= 1.1
     assert fake.stats("Trickle").prompts[0].count == 1
 
 

@@ -296,10 +296,10 @@ async def test_hanging_call_gives_up_before_the_deadline() -> None:
     options = policy(
         deadline=Deadline.after(0.5), per_call_timeout_s=0.2, max_attempts=10, backoff_base_s=0.01
     )
-    started = time.monotonic()
     with pytest.raises(DeadlineExceeded) as raised:
         await call_with_retries(hang, **options)
-    assert time.monotonic() - started < 15.0, "the 0.5 s deadline ends it (wide slack)"
+    # Ended by the deadline, not by running out of attempts: a hang would
+    # have met the test's own timeout instead.
     assert isinstance(raised.value.__cause__, TimeoutError)
     assert 1 <= calls <= 3
 

@@ -96,12 +96,11 @@ async def test_waits_get_the_event_given_or_time_out_and_sleeps_take_no_time() -
     flow = workflow(
         approve, events={"approval": Approval}, effects=[oncely.webhook("unit.decided")]
     )
-    started = time.monotonic()
+    # An hour's sleep and a day's wait: a run that waited would meet the test's timeout.
     run = await run_step(flow, {"text": "q"}, events={"approval": Approval(ok=True)})
     assert run.result.text == "yes"
     assert run.steps == ("sleep", "approval")
     assert [(e.topic, e.payload) for e in run.emitted] == [("unit.decided", {"ok": True})]
-    assert time.monotonic() - started < 30, "a sleep of an hour does not hang"
     assert (await run_step(flow, {"text": "q"})).result.text == "no"
 
 
