@@ -32,7 +32,7 @@ multi-step one). Then, all at once:
   for ``--freeze-s``, then SIGCONT).
 
 It then waits (at most ``--drain-timeout``) until nothing is queued,
-waiting, pending, delayed or unsent, checks the invariants (README: "What it
+waiting, pending, delayed or unsent, checks the invariants (docs/chaos.md: "What it
 promises") against PostgreSQL (jobs, results, outbox, checkpoints, events),
 the fake provider's mailbox, the fake model's call counts and the side
 steps' own record, and prints one JSON report on stdout (progress goes to
@@ -160,7 +160,7 @@ RACE_S = 1.0
 SCENARIO_REACH_S = 10.0
 KILL_REACH_S = 1.0
 
-# Settings every process gets (README: Settings): short crash recovery,
+# Settings every process gets (docs/settings.md): short crash recovery,
 # small backoffs and a quick reconciler, so the run converges in seconds.
 FLEET_SETTINGS = {
     "ONCELY_LOG_FORMAT": "json",

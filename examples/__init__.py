@@ -1,1 +1,1 @@
-"""Workflows written only against oncely's public API (README: "Write your own workflow")."""
+"""Workflows written only against oncely's public API (docs/tutorial.md)."""

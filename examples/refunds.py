@@ -4,7 +4,7 @@ to answer. One signed webhook asks for the approval, one announces the
 decision, each delivered once.
 
 Run it with every oncely command: ``oncely --app examples.refunds:app dev``.
-The walk-through in the README sends it a request and an approval with curl.
+The tutorial (docs/tutorial.md) sends it a request and an approval with curl.
 """
 
 from datetime import timedelta

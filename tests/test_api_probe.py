@@ -211,7 +211,7 @@ def test_every_problem_type_the_api_answers_is_in_the_documented_list():
     documented = set(
         re.findall(
             r"`([a-z-]+)`",
-            (ROOT / "README.md").read_text().split("stable `type`:")[1].split("\n\n")[0],
+            (ROOT / "docs" / "http-api.md").read_text().split("stable `type`:")[1].split("\n\n")[0],
         )
     )
     source = "\n".join(p.read_text() for p in (ROOT / "src/oncely/api").glob("*.py"))

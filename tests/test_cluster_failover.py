@@ -1,4 +1,4 @@
-"""A Redis Cluster primary killed under load (README: Redis Cluster): its
+"""A Redis Cluster primary killed under load (docs/production.md, Redis Cluster): its
 replica takes over, and every accepted request is still one job, one result
 and one email.
 

@@ -62,7 +62,7 @@ def fuzz_schema(fuzz_api: tuple[str, str, Path]) -> schemathesis.BaseSchema:
     config = SchemathesisConfig.from_dict(
         {
             "seed": SEED,
-            # NUL is refused in any text (README: Decisions), which the
+            # NUL is refused in any text (docs/decisions.md), which the
             # document cannot say of every string field.
             "generation": {
                 "max-examples": EXAMPLES,
@@ -98,7 +98,7 @@ def fuzz_schema(fuzz_api: tuple[str, str, Path]) -> schemathesis.BaseSchema:
 
 
 # The service refuses addresses at special-use domains (`.test`, `.local`,
-# …: README, Decisions); JSON Schema's `email` format allows them.
+# …: docs/decisions.md); JSON Schema's `email` format allows them.
 schemathesis.openapi.format(
     "email",
     st.from_regex(r"[a-z0-9]{1,12}(\.[a-z0-9]{1,12})?@[a-z]{1,12}\.(com|org|net)", fullmatch=True),

@@ -1,4 +1,4 @@
-"""Isolation probe (README: HTTP API): with two tenants, every tenant-scoped
+"""Isolation probe (docs/http-api.md): with two tenants, every tenant-scoped
 route tried with the other tenant's job ids and Idempotency-Keys finds
 nothing and changes nothing of the other's. Evidence: every row, stream
 entry and idempotency record of the first tenant, before and after.

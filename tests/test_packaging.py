@@ -181,3 +181,16 @@ def test_every_public_name_is_exported_and_resolves() -> None:
         assert getattr(oncely, name) is not None, name
     with pytest.raises(AttributeError):
         _ = oncely.NoSuchThing  # type: ignore[attr-defined]
+
+
+def test_the_readme_is_short_and_every_cited_page_exists() -> None:
+    assert len((ROOT / "README.md").read_bytes()) < 15_000, "the rest belongs in docs/"
+    cited: set[str] = set()
+    for folder in ("src", "tests", "bench", "examples"):
+        for path in (ROOT / folder).rglob("*.py"):
+            cited |= set(re.findall(r"docs/[a-z/-]+\.md", path.read_text()))
+    cited |= set(re.findall(r"\(docs/([a-z/-]+\.md)\)", (ROOT / "README.md").read_text()))
+    missing = sorted(
+        c for c in cited if not (ROOT / c if c.startswith("docs/") else ROOT / "docs" / c).exists()
+    )
+    assert len(cited) > 10 and missing == []

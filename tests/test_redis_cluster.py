@@ -1,4 +1,4 @@
-"""oncely on a real three-node Valkey cluster (README: Redis Cluster), in every
+"""oncely on a real three-node Valkey cluster (docs/production.md, Redis Cluster), in every
 run: the module starts its own cluster, so a slot can be taken away
 (``CLUSTER DELSLOTS``: the node then answers CLUSTERDOWN for it) and given
 back without disturbing other tests. Clients are pointed at a node that
@@ -142,7 +142,7 @@ async def test_a_cluster_serving_no_slot_answers_503_and_the_same_request_is_acc
 async def test_with_only_the_streams_slot_down_the_row_is_accepted_and_reconciled_once_back(
     cluster, client, pool, redis, jobs, stream
 ):
-    """The job row is the record of acceptance (README: guarantees): an
+    """The job row is the record of acceptance (docs/guarantees.md): an
     enqueue that met CLUSTERDOWN is the reconciler's to redo."""
     headers = {"Idempotency-Key": "stream-slot-down-0001"}
     with SlotsDown(cluster, SLOT), capture_logs() as logs:

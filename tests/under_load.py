@@ -21,7 +21,7 @@ from tests.processes import free_port, running, start, tail, wait_for, wait_heal
 
 T = TypeVar("T")
 
-# Recovery short enough for a test (README: Settings): the reconciler,
+# Recovery short enough for a test (docs/settings.md): the reconciler,
 # redelivery, the relay's poll and every server bound within seconds.
 QUICK_RECOVERY = {
     "ONCELY_LOG_FORMAT": "json",

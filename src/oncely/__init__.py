@@ -2,7 +2,7 @@
 
 The public API: declare a ``Workflow`` (request model, step, result model,
 effects), register it on an ``App``, and run ``oncely --app module:app …``.
-See the README, "Write your own workflow".
+See the docs/tutorial.md.
 
 The names below are imported when first used, so that ``import
 oncely.client`` (the HTTP client) loads none of the server's libraries.

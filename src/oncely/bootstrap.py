@@ -244,7 +244,7 @@ def require_urls(settings: Settings) -> tuple[str, str]:
 
 @dataclass(frozen=True)
 class ClientBounds:
-    """How long a process waits on its servers (README: Failure model)."""
+    """How long a process waits on its servers (docs/failure-model.md)."""
 
     # Every Redis command (the socket timeout): a frozen Redis is an error
     # after this long, never a hang.
@@ -275,7 +275,7 @@ def make_redis(
     connection (a server restarted under a pooled one) is retried once at
     once on a new connection; a timeout is not retried: that would double
     the bound. With ``cluster``, ``url`` names any node of a Redis Cluster
-    and the client routes each key to the node owning its slot (README:
+    and the client routes each key to the node owning its slot (docs/production.md,
     Redis Cluster); the same bounds apply to each node."""
     options: dict[str, Any] = {
         "decode_responses": True,
@@ -396,7 +396,7 @@ def http_api(
     auth: TenantDependency | None = None,
     resources: Resources | None = None,
 ) -> OncelyAPI:
-    """An app's routes for your own FastAPI service (README: Embedding).
+    """An app's routes for your own FastAPI service (docs/embedding.md).
 
     Without ``resources`` the API opens its own Redis and PostgreSQL clients
     from ``settings`` (default: the environment) in its ``lifespan``."""
@@ -436,7 +436,7 @@ class ApiServer:
         public_metrics = res.settings.metrics_port is None
         s = res.settings
         # httptools with bounds on the request head's size and time
-        # (README: Settings, Decisions).
+        # (docs/settings.md, docs/decisions.md).
         config = uvicorn.Config(
             create_app(self._api, public_metrics=public_metrics),
             host=host,
@@ -448,7 +448,7 @@ class ApiServer:
                 head_timeout_s=s.http_header_timeout_s, max_head_bytes=s.http_max_header_bytes
             ),
             timeout_keep_alive=s.http_keep_alive_s,
-            # X-Forwarded-For / -Proto from these proxies only (README: Web console).
+            # X-Forwarded-For / -Proto from these proxies only (docs/console.md).
             proxy_headers=True,
             forwarded_allow_ips=s.forwarded_allow_ips,
         )

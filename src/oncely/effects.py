@@ -48,7 +48,7 @@ class EmailEffect:
 class WebhookEffect:
     topic: str
     render: Callable[[Payload], Mapping[str, Any]] | None = None
-    # None: the workflow's configured webhook URL (see the README's settings).
+    # None: the workflow's configured webhook URL (docs/settings.md).
     url: str | None = None
 
     def event(self, payload: Payload) -> Event:

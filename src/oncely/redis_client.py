@@ -1,7 +1,7 @@
 """The Redis client every Redis-touching module takes: one server, or a cluster.
 
 ``ONCELY_REDIS_CLUSTER=true`` makes the composition root build a
-``ClusterClient`` instead of a single-server client (README: Redis Cluster).
+``ClusterClient`` instead of a single-server client (docs/production.md, Redis Cluster).
 It follows MOVED and ASK itself. On one server over TCP the client is a
 ``SharedConnectionRedis``: its short commands (scripts, ``SET``, ``XADD``…)
 from every task go over one connection at once (``SharedConnection``), the

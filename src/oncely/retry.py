@@ -1,4 +1,4 @@
-"""Classified in-process retries under a deadline (README: "How it works").
+"""Classified in-process retries under a deadline (docs/guarantees.md).
 
 The only module that imports tenacity, and a generic one: it knows no SDK
 and no workflow. Adapters translate their client's errors into oncely's

@@ -73,7 +73,7 @@ class Settings(BaseSettings):
 
     # Servers. Unset means "start embedded ones" in `oncely dev` and the tests.
     redis_url: str | None = None
-    # ONCELY_REDIS_URL names any node of a Redis Cluster (README: Redis Cluster).
+    # ONCELY_REDIS_URL names any node of a Redis Cluster (docs/production.md, Redis Cluster).
     redis_cluster: bool = False
     database_url: str | None = None
     data_dir: Path = Path(".oncely")
@@ -110,7 +110,7 @@ class Settings(BaseSettings):
     ledger_flush_s: float = Field(0.25, gt=0)
     ledger_retention_s: float = Field(90 * 86400.0, gt=0)
 
-    # Shadow runs (README: "Trial a model change safely"): per workflow,
+    # Shadow runs (docs/shadow.md): per workflow,
     # variants run beside the primary on a sample of jobs, never acted on
     # (`triage=fake-v2:0.2,summaries=fake-v2:0.05`).
     shadow: str = ""
@@ -143,7 +143,7 @@ class Settings(BaseSettings):
     # Unknown API keys one client address may present per minute, per API
     # process, before its unknown keys are answered 429 unlooked-up (0: off).
     api_key_unknown_per_min: int = Field(60, ge=0)
-    # The HTTP server's bounds on a client (README: Settings, HTTP server):
+    # The HTTP server's bounds on a client (docs/settings.md):
     # request line and headers together, header fields, time to send them,
     # time to send the body, idle keep-alive.
     http_max_header_bytes: int = Field(16_384, ge=1024)

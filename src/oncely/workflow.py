@@ -19,7 +19,7 @@ job; only the delivery whose result is stored writes its effects.
 
 A workflow may declare ``variants`` (another model, other instructions, or
 another step) and an ``evaluator`` that scores a variant's result against the
-primary's: shadow runs (README: "Trial a model change safely") use them.
+primary's: shadow runs (docs/shadow.md) use them.
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ class WaitingView(BaseModel):
     until: datetime
 
 
-# Why a job is dead, as its tenant sees it (README: HTTP API). The job row
+# Why a job is dead, as its tenant sees it (docs/http-api.md). The job row
 # keeps the detail (the reason, then the last error, which may quote the
 # provider's answer) for operators: the console and ``oncely dlq list``.
 DEAD_REASONS = {

@@ -3,8 +3,8 @@ limit, health and metrics.
 
 ``OncelyAPI`` holds an app's routes and the clients they use. Serve it alone
 (``create_app``), or mount its routes into your own FastAPI service
-(``OncelyAPI.mount``) with your own auth dependency; see the README,
-"Embedding".
+(``OncelyAPI.mount``) with your own auth dependency; see
+docs/embedding.md.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ Errors are RFC 9457 `application/problem+json` with a stable `type` under
 
 @dataclass(frozen=True)
 class ApiConfig:
-    """The intake's knobs (README: Settings)."""
+    """The intake's knobs (docs/settings.md)."""
 
     # How long a running request holds its key without renewal: the time a
     # crashed API process blocks a retry.
@@ -238,7 +238,7 @@ def create_app(api: OncelyAPI, *, public_metrics: bool = True) -> FastAPI:
     (unless ``public_metrics`` is off: they are served on the metrics port
     instead), problem+json for every error and the body limit."""
     # No trailing-slash redirects: their Location would be built from the
-    # client's Host header (README: Decisions).
+    # client's Host header (docs/decisions.md).
     # FastAPI's own OpenTelemetry off: oncely makes the POST's server span
     # itself (oncely.tracing) and its metrics are Prometheus', and the check
     # for a configured provider would run on every request.

@@ -148,8 +148,8 @@ async def announce_revocation(redis: RedisClient) -> bool:
 
 class KeyCache:
     """Keys looked up recently, by hash: active ones with their tenant,
-    unknown ones as unknown, each for ``ttl_s`` on this process (README,
-    Settings: ``ONCELY_API_KEY_CACHE_S``). ``clear`` empties it (a
+    unknown ones as unknown, each for ``ttl_s`` on this process (docs/settings.md:
+    ``ONCELY_API_KEY_CACHE_S``). ``clear`` empties it (a
     revocation was announced). At most ``max_keys`` entries; the oldest go
     first."""
 

@@ -1,5 +1,5 @@
 """The standalone API's one middleware, ``Edge``: what every request meets
-before any route (README: Settings, HTTP limits).
+before any route (docs/settings.md).
 
 One layer rather than one per concern, because it runs on every request and
 each ASGI layer wraps the request's ``receive`` and ``send`` again

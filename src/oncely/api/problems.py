@@ -208,7 +208,7 @@ def _install_generic_handlers(app: FastAPI) -> None:
         return http_problem(exc.status_code, exc.detail, headers=exc.headers)
 
 
-# The problem type of each status an HTTP error may carry (README: HTTP API);
+# The problem type of each status an HTTP error may carry (docs/http-api.md);
 # any other 4xx is ``bad-request``, any other 5xx ``internal``.
 _HTTP_SLUGS = {
     404: "not-found",

@@ -1,4 +1,4 @@
-"""The HTTP server's bounds on what a client may hold (README: Settings).
+"""The HTTP server's bounds on what a client may hold (docs/settings.md).
 
 uvicorn's httptools protocol (the fast one) caps neither the size of a
 request head nor the time a client may take to send it: 32 MiB of headers

@@ -10,7 +10,7 @@ never overwrite or delete the key of the request that took it over.
 A claim, finalise or release that got no answer may still be applied when
 Redis wakes up: a marker nobody runs would then answer 409 for the lock TTL.
 ``release_eventually`` keeps trying an owner-checked release in the
-background until Redis has answered for a while (README, Failure model).
+background until Redis has answered for a while (docs/failure-model.md).
 """
 
 from __future__ import annotations

@@ -44,7 +44,7 @@ from oncely.jobs.store import Job, Jobs
 from oncely.usage.budgets import Budgets
 from oncely.workflow import Workflow
 
-# What PostgreSQL refuses in JSON text (README: Decisions).
+# What PostgreSQL refuses in JSON text (docs/decisions.md).
 _UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
 
 

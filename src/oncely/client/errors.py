@@ -1,5 +1,5 @@
 """What the client raises: one base, one class per answer a caller handles
-differently, mapped from the problem+json ``type`` (README "HTTP API").
+differently, mapped from the problem+json ``type`` (docs/http-api.md).
 
 Messages carry the server's title and detail and, for ``submit``, the
 idempotency key (the caller's, needed to retry later); never the API key.

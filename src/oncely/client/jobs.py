@@ -1,6 +1,6 @@
 """What the API answers about jobs, typed: ``Accepted`` for a ``POST``,
 ``Job`` for a ``GET <route>/{job_id}``, ``EventReceived`` for an event,
-``Cancelled`` for a cancel (README "HTTP API")."""
+``Cancelled`` for a cancel (docs/http-api.md)."""
 
 from __future__ import annotations
 

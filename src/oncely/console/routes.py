@@ -182,7 +182,7 @@ def _add_login(router: APIRouter, console: Console) -> None:
             path="/console",
             httponly=True,
             samesite="strict",
-            # Behind a TLS proxy: see ONCELY_FORWARDED_ALLOW_IPS (README: Web console).
+            # Behind a TLS proxy: see ONCELY_FORWARDED_ALLOW_IPS (docs/console.md).
             secure=request.url.scheme == "https",
         )
         return response

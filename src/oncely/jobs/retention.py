@@ -1,5 +1,5 @@
 """Retention: finished jobs, their results and their sent outbox rows are
-deleted once older than ``ONCELY_JOB_RETENTION_S`` (README: Settings).
+deleted once older than ``ONCELY_JOB_RETENTION_S`` (docs/settings.md).
 
 Every worker process runs a pass now and then; passes side by side take
 different rows (``SKIP LOCKED``), and each deletes in bounded batches so it

@@ -568,7 +568,7 @@ def _acceptance(result: StatementResult) -> Acceptance:
 
 class _Withdrawals:
     """Intakes answered 503 whose insert may still land, withdrawn together
-    in one statement per round until PostgreSQL answers (README, Decisions:
+    in one statement per round until PostgreSQL answers (docs/decisions.md:
     "Truthful 503"). A task runs only while some are pending."""
 
     def __init__(self, run: Callable[[str, Any], Awaitable[StatementResult]]) -> None:

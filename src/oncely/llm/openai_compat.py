@@ -73,7 +73,7 @@ class OpenAICompatible:
 
     def with_model(self, model: str) -> OpenAICompatible:
         """The same endpoint and connections, asking for another model (a
-        workflow's variant, README: "Trial a model change safely")."""
+        workflow's variant, docs/shadow.md)."""
         return self if model == self.model else OpenAICompatible(self._client, model)
 
     async def complete(

@@ -293,7 +293,7 @@ class Relay:
         return await self.store.mark_sent_many(self.owner, sends)
 
     async def _failed(self, row: OutboxRow, exc: Exception) -> None:
-        """Unclassified errors are permanent, as in the worker (README: failures are classified)."""
+        """Unclassified errors are permanent, as in the worker (docs/guarantees.md)."""
         error = _describe(exc)
         give_up = not classify(exc) or row.attempts >= self.config.max_attempts
         delay_s = 0.0 if give_up else self._retry_delay_s(row.attempts, exc)

@@ -65,8 +65,8 @@ def consumer_name() -> str:
 
 @dataclass(frozen=True)
 class DeliveryReport:
-    """What one delivery of a job came to, for the job's history (README:
-    Console, "Deliveries")."""
+    """What one delivery of a job came to, for the job's history (docs/console.md,
+    Deliveries)."""
 
     job_id: str
     # The job's delivery number since it was last enqueued (``Delivery.number``).
@@ -126,7 +126,7 @@ class _HandlerCancelled(TransientError):
 
 @dataclass(frozen=True)
 class WorkerConfig:
-    """How one worker reads, runs, redelivers and gives up (README: Settings)."""
+    """How one worker reads, runs, redelivers and gives up (docs/settings.md)."""
 
     # Handlers in flight at once.
     concurrency: int = 64
@@ -451,7 +451,7 @@ class Worker:
     async def _failed(self, delivery: Delivery, exc: Exception) -> None:
         """Transient (including a spent deadline): redelivered after a backoff,
         with a fresh budget. Anything else, unknown errors included, is
-        permanent (README: failures are classified): dead-letter it now."""
+        permanent (docs/guarantees.md): dead-letter it now."""
         if not isinstance(exc, PermanentError) and (isinstance(exc, _TRANSIENT) or classify(exc)):
             await self._defer(delivery, exc)
             return

@@ -1,4 +1,4 @@
-"""Shadow runs and eval gates (README: "Trial a model change safely").
+"""Shadow runs and eval gates (docs/shadow.md).
 
 A sampled job, once its primary result committed, is run again by each
 shadow variant on the same input, through a stream of its own. The shadow's

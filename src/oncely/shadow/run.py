@@ -6,7 +6,7 @@ the sample of a shadow variant, one XADD to that variant's stream
 It runs after the commit and never raises, so a shadow can neither delay the
 job's result nor fail it. Shadow work that Redis loses (or that a crash
 between the commit and the XADD never enqueued) is not restored: the
-reconciler only restores jobs (README: "Trial a model change safely").
+reconciler only restores jobs (docs/shadow.md).
 
 ``ShadowHandler`` is the handler of that stream's ``Worker``: the variant's
 step on the same input, under the shadow share of the fleet limiter; what it
