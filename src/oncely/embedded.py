@@ -150,8 +150,9 @@ SLOTS = 16384
 
 class EmbeddedCluster:
     """A Valkey cluster of ``size`` primaries, each with ``replicas``
-    replicas, under ``data_dir``, for the tests' cluster mode (docs/contributing.md): each node started with ``cluster-enabled yes``, the slots split
-    evenly over the primaries with ``CLUSTER ADDSLOTSRANGE``, the nodes
+    replicas, under ``data_dir``, for the tests' cluster mode
+    (docs/contributing.md): each node started with ``cluster-enabled yes``,
+    the slots split evenly over the primaries with ``CLUSTER ADDSLOTSRANGE``, the nodes
     joined with ``CLUSTER MEET``, each replica attached with ``CLUSTER
     REPLICATE``. Data is not kept. Without ``full_coverage`` a node whose
     slots are not all served still serves the others
