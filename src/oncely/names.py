@@ -69,8 +69,9 @@ def workflow_keys(workflow: str, group: str) -> WorkflowKeys:
 
 def shadow_keys(workflow: str, variant: str) -> WorkflowKeys:
     """The keys of one shadow variant's work for a workflow (docs/shadow.md):
-    a stream, group, dead letters, index and delayed set of its own, so shadow runs never touch the workflow's stream, yet
-    under the workflow's hash tag, in its slot."""
+    a stream, group, dead letters, index and delayed set of its own, so
+    shadow runs never touch the workflow's stream, yet under the workflow's
+    hash tag, in its slot."""
     tag = f"oncely:{{{workflow}}}:shadow:{variant}"
     return WorkflowKeys(
         workflow=workflow,
