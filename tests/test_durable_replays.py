@@ -346,8 +346,8 @@ async def test_a_cancelled_job_rewound_runs_to_its_end(custom):
 
 
 async def test_a_stale_cancel_in_redis_does_not_stop_a_running_job(custom, redis):
-    """Redis says cancelled, PostgreSQL does not: the delivery is stopped,
-    then redelivered, and the job ends done."""
+    """Redis says cancelled, PostgreSQL does not: the worker asks PostgreSQL,
+    which has the last word, and the job runs to done once."""
 
     async def step(request: Text, ctx: Context) -> Said:
         return Said(said=await ctx.model.complete(f"stale: {request.text} [[fake:sleep=0.5]]"))
@@ -363,6 +363,10 @@ async def test_a_stale_cancel_in_redis_does_not_stop_a_running_job(custom, redis
         worker.stop()
         await asyncio.wait_for(running, 10)
     assert await h.status(job_id) == "done"
+    assert [p.billed for p in h.fake.stats("stale:").prompts] == [1]
+    assert len(await h.rows("SELECT job_id FROM results WHERE job_id = %s", job_id)) == 1
+    outcomes = await h.rows("SELECT outcome FROM job_deliveries WHERE job_id = %s", job_id)
+    assert outcomes[-1] == ("done",)
 
 
 async def test_lease_renewal_survives_a_cancel_heard_after_the_handler_returned(custom):
@@ -382,8 +386,15 @@ async def test_lease_renewal_survives_a_cancel_heard_after_the_handler_returned(
 
     worker._ack = type(worker._ack)(slow_ack, key=lambda d: d.entry_id)
     running = asyncio.create_task(worker.run())
-    await until_async(lambda: pending_is(h, "quick", 0))
-    await asyncio.sleep(0.5)  # more renewals
-    assert not running.done(), "the worker stopped"
-    worker.stop()
-    await asyncio.wait_for(running, 10)
+    try:
+        await until_async(lambda: pending_is(h, "quick", 0))
+        await asyncio.sleep(0.5)  # more renewals
+        assert not running.done(), "the worker stopped"
+    finally:
+        worker.stop()
+        await asyncio.wait_for(running, 10)
+    # The cancelled job ran nothing and wrote nothing.
+    assert await h.status(job_id) == "cancelled"
+    assert h.calls("quick") == 0
+    assert await h.rows("SELECT job_id FROM results WHERE job_id = %s", job_id) == []
+    assert await h.rows("SELECT id FROM outbox WHERE job_id = %s", job_id) == []

@@ -9,6 +9,7 @@ their file, checkpoint and outbox rows, stream entries.
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import uuid
 from typing import Any
@@ -19,6 +20,8 @@ from structlog.testing import capture_logs
 
 from oncely import Context, TransientError
 from oncely.api.auth import create_api_key
+from oncely.jobs.checkpoints import Checkpoints
+from oncely.jobs.store import Jobs
 from oncely.jobs.timers import Timers
 from oncely.queue.worker import Worker
 from tests.durable import (
@@ -146,6 +149,12 @@ async def test_effects_exist_only_with_the_checkpoint_after_them(custom):
     assert await h.outbox(job_id) == ["emitter.early", "emitter.said"]
 
 
+async def stored_pick(h: Harness, job_id: str) -> bool:
+    return bool(
+        await h.rows("SELECT 1 FROM checkpoints WHERE job_id = %s AND key = 'pick'", job_id)
+    )
+
+
 async def test_two_deliveries_racing_on_one_checkpoint_store_one_value(custom):
     """Both run the side call; the first writer's value is the one stored,
     the other replays over it; one result, each effect once."""
@@ -156,7 +165,8 @@ async def test_two_deliveries_racing_on_one_checkpoint_store_one_value(custom):
         value = next(values)
         await both_in.wait()
         if value == "second":
-            await asyncio.sleep(0.2)  # the other one writes first
+            # The other one writes first: wait for its row.
+            await until_async(lambda: stored_pick(h, job_id))
         return value
 
     async def step(request: Text, ctx: Context) -> Said:
@@ -241,7 +251,6 @@ async def test_a_waiting_job_holds_no_slot_and_the_event_resumes_it(harness: Har
     """With one slot, another job runs while the first waits; the event
     enqueues the first again and it finishes with it."""
     approvals = harness.worker("approvals", concurrency=1)
-    chain = harness.worker("chain", concurrency=1)
     waiting = await harness.submit("/v1/approvals", {"text": "refund 40 EUR"})
     await drain(approvals)
 
@@ -258,9 +267,12 @@ async def test_a_waiting_job_holds_no_slot_and_the_event_resumes_it(harness: Har
     ]
     assert await harness.outbox(waiting) == ["order.approval_requested"]
 
-    other = await harness.submit("/v1/chain", {"text": "sku-9 runs meanwhile"})
-    await drain(chain)
-    assert await harness.status(other) == "done"
+    # The one slot is free: the same worker takes the next job meanwhile.
+    other = await harness.submit("/v1/approvals", {"text": "refund 12 EUR meanwhile"})
+    await drain(approvals)
+    assert await harness.status(other) == "waiting"
+    assert harness.calls("review: refund 12 EUR") == 1
+    assert await harness.status(waiting) == "waiting"
 
     r = await harness.send_event(
         "/v1/approvals", waiting, "approval", {"approved": True, "by": "ada"}
@@ -271,9 +283,12 @@ async def test_a_waiting_job_holds_no_slot_and_the_event_resumes_it(harness: Har
     await drain(approvals)
     job = await harness.get("/v1/approvals", waiting)
     assert job["status"] == "done"
-    assert job["result"] == {"review": job["result"]["review"], "approved": True, "by": "ada"}
+    [(review,)] = await harness.rows(
+        "SELECT value FROM checkpoints WHERE job_id = %s AND key = 'model'", waiting
+    )
+    assert job["result"] == {"review": json.loads(review), "approved": True, "by": "ada"}
     assert await harness.outbox(waiting) == ["order.approval_requested", "order.decided"]
-    assert harness.calls("review:") == 1
+    assert harness.calls("review: refund 40 EUR") == 1
     outcomes = await harness.rows(
         "SELECT outcome FROM job_deliveries WHERE job_id = %s ORDER BY id", waiting
     )
@@ -516,21 +531,31 @@ async def test_rewind_reruns_from_a_checkpoint_without_repeating_sent_effects(
 
 
 async def test_a_delivery_of_an_earlier_generation_writes_nothing(harness: Harness):
-    """A run that loaded generation 0 cannot write after a rewind began generation 1."""
-    job_id = await harness.submit("/v1/chain", {"text": "sku-3 stale"})
-    run = await harness.checkpoints.run_of(job_id)
-    assert run is not None and run.generation == 0
-    await harness.checkpoints.cancel(uuid.UUID(job_id))
+    """A run that loaded generation 0 cannot write after a rewind began
+    generation 1, though the job runs (queued) again."""
     from oncely.journal import NewCheckpoint, RunStopped, Writes
 
+    def lookup(ordinal: int, found: str) -> Writes:
+        return Writes((NewCheckpoint("lookup", ordinal, "step", {"found": found}, None),))
+
+    job_id = await harness.submit("/v1/chain", {"text": "sku-3 stale"})
+    await harness.checkpoints.write("chain", job_id, 0, lookup(1, "first"))
+    await harness.checkpoints.cancel(uuid.UUID(job_id))
+    rewound = await harness.checkpoints.rewind(uuid.UUID(job_id), "lookup")
+    assert rewound is not None and rewound.deleted == ("lookup",)
+    run = await harness.checkpoints.run_of(job_id)
+    assert run is not None and (run.status, run.generation) == ("queued", 1)
+
+    # The old run's delivery: refused, though the job is queued.
     with pytest.raises(RunStopped):
-        await harness.checkpoints.write(
-            "chain", job_id, 0, Writes((NewCheckpoint("lookup", 1, "step", {}, None),))
-        )
-    stored = await harness.jobs.finish("chain", job_id, {"kind": "x"}, None, generation=0)
-    assert stored is False
+        await harness.checkpoints.write("chain", job_id, 0, lookup(1, "stale"))
+    assert await harness.jobs.finish("chain", job_id, {"kind": "x"}, None, generation=0) is False
     assert await harness.keys(job_id) == []
-    assert await harness.status(job_id) == "cancelled"
+    assert await harness.status(job_id) == "queued"
+    assert await harness.rows("SELECT job_id FROM results WHERE job_id = %s", job_id) == []
+    # The new generation's writes land.
+    await harness.checkpoints.write("chain", job_id, 1, lookup(1, "fresh"))
+    assert await harness.keys(job_id) == ["lookup"]
 
 
 # -- operators ----------------------------------------------------------------------
@@ -773,3 +798,21 @@ async def test_metrics_count_checkpoints_replays_and_waiting_jobs(harness: Harne
     await health._read_backlog()
     assert value("oncely_jobs_waiting", workflow="approvals") == 1
     assert value("oncely_jobs_waiting", workflow="chain") == 0
+
+
+async def test_timers_resume_only_the_workflows_their_process_serves(harness: Harness):
+    """A worker started for some workflows leaves the others' due jobs to
+    their own workers (and does not fall over them)."""
+    job_id = await harness.submit("/v1/approvals", {"text": "refund 7 EUR, due"})
+    await drain(harness.worker("approvals"))
+    assert await harness.status(job_id) == "waiting"
+    async with harness.pool.connection() as conn:
+        await conn.execute(
+            "UPDATE jobs SET wait_until = now() - interval '1 second' WHERE job_id = %s", (job_id,)
+        )
+    others = Checkpoints(Jobs(harness.pool, {"chain": harness.jobs.streams["chain"]}))
+    assert await Timers(others).run_once() == 0
+    assert await harness.status(job_id) == "waiting"
+    assert await Timers(harness.checkpoints).run_once() == 1
+    assert await harness.status(job_id) == "queued"
+    assert await entry_of(harness, "approvals", job_id) is not None

@@ -23,6 +23,7 @@ from oncely.usage.budgets import BudgetLimits, Budgets, Spent, utc_day
 from oncely.usage.ledger import CallSite, Ledger
 from oncely.usage.prices import Prices
 from tests.helpers import count
+from tests.processes import wait_for
 
 PRIMARY, BACKUP = "oncely-fake", "fake-backup"
 FAST = RetryPolicy(per_call_timeout_s=2.0, max_attempts=3, backoff_base_s=0.001, backoff_max_s=0.01)
@@ -184,8 +185,19 @@ async def test_with_every_model_cooling_the_call_fails_transiently_with_a_wait(
     assert fake_llm.stats().total == calls
 
 
+async def cooled_off(redis: Any) -> None:
+    """Until the primary's cooldown is over, by Redis' own clock."""
+
+    async def over() -> bool:
+        until = await redis.hget(f"oncely:cooldown:{PRIMARY}", "until")
+        seconds, micros = await redis.time()
+        return until is not None and int(until) <= seconds * 1000 + micros // 1000
+
+    await wait_for(over, within_s=30, what="the cooldown's end")
+
+
 async def test_after_the_cooldown_one_probe_decides_for_everyone(llm, fake_llm, redis) -> None:
-    policy = CooldownPolicy(failures=2, window_s=30, cooldown_s=0.5, refresh_s=0.05, probe_s=30)
+    policy = CooldownPolicy(failures=2, window_s=30, cooldown_s=2, refresh_s=0.05, probe_s=30)
     cooldown = Cooldown(redis, policy)
     fake_llm.model.model_outages[PRIMARY] = "hang"
     slow = RetryPolicy(per_call_timeout_s=0.3, max_attempts=2, backoff_base_s=0.001)
@@ -197,7 +209,7 @@ async def test_after_the_cooldown_one_probe_decides_for_everyone(llm, fake_llm, 
 
     # Past the cooldown, with the model still hanging: among concurrent
     # calls of two processes, one probe goes out; the others skip.
-    await asyncio.sleep(0.6)
+    await cooled_off(redis)
     other = Cooldown(redis, policy)
     models = [routed(llm, cooldown=c, policy=slow) for c in (cooldown, other) * 4]
     await asyncio.gather(*(m.complete(f"Probe round {i}. Once.") for i, m in enumerate(models)))
@@ -209,7 +221,7 @@ async def test_after_the_cooldown_one_probe_decides_for_everyone(llm, fake_llm, 
     # The model is back: past the next cooldown the probe answers, and then
     # every call goes to it again.
     del fake_llm.model.model_outages[PRIMARY]
-    await asyncio.sleep(0.6)
+    await cooled_off(redis)
     probe = routed(llm, cooldown=other)
     await probe.complete("The probe answers. Good.")
     assert probe.usage.model == PRIMARY

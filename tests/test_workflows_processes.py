@@ -236,11 +236,9 @@ async def test_the_example_workflow_runs_through_processes_started_with_app(
                 name: (await c.get(f"/v1/refunds/{job_id}")).json() for name, job_id in jobs.items()
             }
     assert builtin.status_code == 404, "the example app serves only its own workflow"
-    assert done["clear"]["result"] == {
-        "decision": "approve",
-        "note": done["clear"]["result"]["note"],
-        "decided_by": "model",
-    }
+    clear = done["clear"]["result"]
+    assert (clear["decision"], clear["decided_by"]) == ("approve", "model")
+    assert clear["note"], "the model's note"
     assert done["unclear"]["result"] == {
         "decision": "approve",
         "note": "goodwill",

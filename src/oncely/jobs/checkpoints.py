@@ -50,6 +50,7 @@ from oncely.jobs.store import (
     writes_params,
 )
 from oncely.journal import Checkpoint, RunStopped, Wait, Writes
+from oncely.redis_client import call_together
 from oncely.sql import query
 
 if TYPE_CHECKING:
@@ -257,20 +258,17 @@ class Checkpoints:
 
     async def resume_due(self, limit: int = 500) -> list[Job]:
         """Queue waiting jobs whose time has come, and enqueue them; the jobs.
-        An enqueue that fails is logged and left to the reconciler."""
-        rows = (await self._run("resume_due_jobs", {"limit": limit})).rows
+        An enqueue that fails is logged and left to the reconciler.
+        Only the workflows this process serves (``Jobs.streams``): another
+        process's timers resume the others."""
+        params = {"limit": limit, "kinds": list(self.jobs.streams)}
+        rows = (await self._run("resume_due_jobs", params)).rows
         resumed = [Job(str(job_id), tenant, kind, data) for job_id, tenant, kind, data in rows]
-        for job in resumed:
-            await self.enqueue(job)
+        if resumed:
+            # One round trip; each failure logged (the reconciler restores it).
+            redis = self.jobs.streams[resumed[0].kind].redis
+            await call_together(redis, [self.jobs.enqueue_call(j) for j in resumed])
         return resumed
-
-    async def enqueue(self, job: Job) -> None:
-        """A resumed job into its stream; the row is already queued, so a
-        failure is left to the reconciler."""
-        try:
-            await self.jobs.restore(job)
-        except RedisError as exc:
-            log.warning("jobs.resume_enqueue_failed", job_id=job.job_id, error=type(exc).__name__)
 
     async def cancel(
         self, job_id: uuid.UUID, *, tenant: str | None = None, kind: str | None = None

@@ -122,7 +122,7 @@ RETURNING job_id, tenant, kind, payload
 -- sleep ends; the jobs are queued again and returned, to be enqueued.
 WITH due AS (
     SELECT job_id FROM jobs
-     WHERE status = 'waiting' AND wait_until <= now()
+     WHERE status = 'waiting' AND wait_until <= now() AND kind = ANY(%(kinds)s)
      ORDER BY wait_until
      LIMIT %(limit)s
        FOR NO KEY UPDATE SKIP LOCKED
