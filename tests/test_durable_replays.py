@@ -126,6 +126,40 @@ async def test_a_model_call_inside_a_step_is_that_steps_own(custom):
     assert h.fake.stats().total == 2
 
 
+async def test_a_model_call_that_timed_out_and_was_caught_is_not_paid_again(custom):
+    """The model hangs past its attempts; the step catches the failure and
+    goes on. The failed call is a checkpoint: the replay raises it again
+    instead of calling the model again."""
+    runs: list[int] = []
+
+    async def step(request: Text, ctx: Context) -> Said:
+        runs.append(1)
+        try:
+            said = await ctx.model.complete(f"hangs: {request.text} [[fake:hang]]")
+        except TransientError:
+            said = "no answer"
+        if len(runs) == 1:
+            raise TransientError("redelivered")
+        return Said(said=said)
+
+    h = await custom(one_off("hung", step))
+    # Two attempts of a fifth of a second each, well inside the job's budget.
+    h.settings = h.settings.model_copy(update={"llm_timeout_s": 0.2, "llm_max_attempts": 2})
+    worker = h.worker("hung", redelivery_base_s=0.01, redelivery_max_s=0.01)
+    job_id = await h.submit("/v1/hung", {"text": "x"})
+    await redeliver_until(h, worker, "hung", lambda: finished(h, job_id))
+    assert (await h.get("/v1/hung", job_id))["result"] == {"said": "no answer"}
+    assert len(runs) == 2
+    assert await keys(h, job_id) == [("model", "failed")]
+    calls = h.calls("hangs:")
+    assert calls == 2  # both attempts, in the first delivery
+    # The replay made none: every call was in the first run's delivery.
+    [(spent,)] = await h.rows(
+        "SELECT sum(model_calls) FROM job_deliveries WHERE job_id = %s", job_id
+    )
+    assert spent == calls
+
+
 async def test_a_failure_the_step_caught_replays_as_it_happened(custom):
     """The lookup fails twice, and the step goes on to try again: the
     failures are kept, so a replay takes the same path and pays for nothing

@@ -177,8 +177,10 @@ async def test_an_attempt_cut_off_by_its_timeout_counts_as_transient(workflow: s
     llm = HangingLLM()
     policy = RetryPolicy(per_call_timeout_s=0.05, max_attempts=2, backoff_base_s=0.001)
     m = model(llm, workflow, policy=policy)
-    with pytest.raises(TimeoutError):
+    with pytest.raises(TransientError) as raised:
         await m.complete("hi")
+    # oncely's own transient error, so that a step catching it gets a failed checkpoint.
+    assert isinstance(raised.value.__cause__, TimeoutError)
     assert (llm.calls, m.usage.model_calls) == (2, 2)
     assert calls(workflow, "transient") == 2
     assert retries(workflow, "timeout") == 1

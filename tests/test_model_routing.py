@@ -279,3 +279,31 @@ async def test_budgets_count_each_tenants_day_and_refuse_only_the_one_over(redis
     await budgets.add({("acme", today): Spent(100, 0.0)})
     assert await budgets.refusal("acme") is not None  # 1000 tokens: at the budget
     assert await Budgets(redis).refusal("acme") is None  # no budgets: never refused
+
+
+async def test_a_call_cancelled_from_outside_never_cools_its_model_down(
+    llm, fake_llm, redis
+) -> None:
+    """A job's cancel, a shutdown, a sibling branch's failure: the model said
+    nothing, and one such cancel must not take it out for the fleet."""
+    cooldown = Cooldown(redis, CooldownPolicy(failures=1, window_s=30, cooldown_s=60))
+    fake_llm.model.model_outages[PRIMARY] = "hang"
+    slow = RetryPolicy(per_call_timeout_s=30, max_attempts=1, backoff_base_s=0.001)
+    call = asyncio.create_task(routed(llm, cooldown=cooldown, policy=slow).complete("Cut. Now."))
+    await wait_for(_in_flight(fake_llm), what="the call at the model")
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    assert not cooldown.cooling(PRIMARY)
+    assert not await redis.exists(f"oncely:cooldown:{PRIMARY}")
+    # A real timeout, by contrast, does cool it down.
+    quick = RetryPolicy(per_call_timeout_s=0.2, max_attempts=1, backoff_base_s=0.001)
+    await routed(llm, cooldown=cooldown, policy=quick).complete("Timed out. Then backup.")
+    assert cooldown.cooling(PRIMARY)
+
+
+def _in_flight(fake_llm: Any) -> Any:
+    async def check() -> bool:
+        return bool(fake_llm.stats().in_flight == 1)
+
+    return check

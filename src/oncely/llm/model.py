@@ -162,6 +162,9 @@ class Model:
         self.journal = journal if journal is not None else Journal(workflow=workflow)
         route = route or ModelRoute()
         self._route = (Target(model_name, llm), *route.fallbacks)
+        # Each model's metric children, bound once (a labels() lookup per
+        # call shows up in profiles).
+        self._meters = {t.name: _meters(workflow, t.name) for t in self._route}
         self._policy = policy
         self._deadline = deadline
         self._invalid_output_retries = invalid_output_retries
@@ -225,7 +228,7 @@ class Model:
                 self._bill(answer, "ok", spent)
                 return value
             self._bill(answer, "invalid_output", spent)
-            _meters(self._workflow, answer.model).invalid_outputs.inc()
+            self._meters[answer.model].invalid_outputs.inc()
             log.info(
                 "model.invalid_output",
                 workflow=self._workflow,
@@ -268,8 +271,13 @@ class Model:
                     model=target.name,
                     reason=type(failure).__name__,
                 )
-        if failure is not None:
+        if isinstance(failure, OncelyError):
             raise failure
+        if failure is not None:
+            # A timeout or a connection error, as oncely's own transient
+            # error: a step that catches it gets a failed checkpoint, and a
+            # replay raises it again instead of paying for the call again.
+            raise TransientError(f"model call failed: {type(failure).__name__}") from failure
         raise TransientError("every model of the route is cooling down", retry_after_s=wait_s)
 
     async def _ask_one(
@@ -283,7 +291,7 @@ class Model:
         """One model's answer, with transient retries; every attempt that
         reached the provider and failed is in the ledger (the answered one
         is the caller's to record)."""
-        meters = _meters(self._workflow, target.name)
+        meters = self._meters[target.name]
         step = current_checkpoint()
         tries = 0
 
@@ -312,7 +320,11 @@ class Model:
                     took = _elapsed_ms(started)
                     self._count_ms(spent, took)
                     meters.failed(exc).inc()
-                    await self._failed(target.name, step, number, exc, took, probe)
+                    # Cut off by its attempt's time (a cancellation here), or
+                    # cancelled from outside: a job's cancel, a shutdown, a
+                    # sibling branch. Only the first says the model is slow.
+                    timed_out = took >= timeout_s * 1000 * _CUT_OFF_SHARE
+                    await self._failed(target.name, step, number, exc, took, probe, timed_out)
                     probe = False
                     raise
                 finally:
@@ -344,20 +356,22 @@ class Model:
         exc: BaseException,
         took_ms: int,
         probe: bool,
+        timed_out: bool,
     ) -> None:
         """A failed attempt: in the ledger if it reached the provider, and
-        against the model's cooldown if it may succeed later."""
+        against the model's cooldown if the model may answer later (a 429,
+        a 5xx, a connection, its time running out; never a cancellation
+        from outside, which says nothing of the model)."""
         if isinstance(exc, FleetLimited):
             return  # held back by the fleet's limits: never sent
         outcome = _outcome(exc)
         self._record(model, step, attempt, outcome, 0, 0, took_ms)
         if self._cooldown is None:
             return
-        if outcome in ("retryable", "timeout"):
-            # A timeout arrives here as a cancellation: a hanging model must
-            # cool down too.
+        cancelled = isinstance(exc, asyncio.CancelledError) and not timed_out
+        if outcome in ("retryable", "timeout") and not cancelled:
             await asyncio.shield(self._cooldown.failed(model, probe=probe))
-        elif probe:
+        elif probe and outcome == "permanent":
             await self._cooldown.recovered(model)  # it answered: it is up
 
     def _bill(self, answer: _Answer, outcome: Outcome, spent: Usage) -> None:
@@ -378,7 +392,7 @@ class Model:
             usage.completion_tokens += completion.completion_tokens
             usage.add_cost(cost)
             usage.model = answer.model
-        meters = _meters(self._workflow, answer.model)
+        meters = self._meters[answer.model]
         if completion.prompt_tokens:
             meters.prompt_tokens.inc(completion.prompt_tokens)
         if completion.completion_tokens:
@@ -418,6 +432,10 @@ class Model:
     async def _on_retry(self, event: RetryEvent) -> None:
         # Off the hot path (a failure and a backoff came first): labels() is fine.
         MODEL_RETRIES.labels(workflow=self._workflow, reason=event.reason).inc()
+
+
+# An attempt that failed after this share of its time was cut off by it.
+_CUT_OFF_SHARE = 0.95
 
 
 def _outcome(exc: BaseException) -> Outcome:
@@ -467,7 +485,6 @@ class _Meters:
     """One (workflow, model)'s metric children, bound once: a labels() lookup
     per model call shows up in profiles."""
 
-    workflow: str
     calls_ok: Counter
     calls_transient: Counter
     calls_permanent: Counter
@@ -495,7 +512,6 @@ def _meters(workflow: str, model: str) -> _Meters:
         return MODEL_TOKENS.labels(workflow=workflow, model=model, kind=kind)
 
     return _Meters(
-        workflow=workflow,
         calls_ok=calls("ok"),
         calls_transient=calls("transient"),
         calls_permanent=calls("permanent"),
