@@ -24,9 +24,9 @@ APPROVAL_WAIT = timedelta(hours=48)
 
 
 class RefundRequest(BaseModel):
-    order_id: str = Field(min_length=1, max_length=64)
-    amount_cents: int = Field(gt=0, le=10_000_000)
-    reason: str = Field(min_length=1, max_length=5_000)
+    order_id: str = Field(min_length=1, max_length=64, examples=["A-1001"])
+    amount_cents: int = Field(gt=0, le=10_000_000, examples=[4999])
+    reason: str = Field(min_length=1, max_length=5_000, examples=["It arrived broken."])
 
 
 class Review(BaseModel):

@@ -2,7 +2,10 @@
 ONCELY_TEST_REDIS_URL / ONCELY_TEST_DATABASE_URL.
 
 Isolation: each test gets a fresh database cloned from a migrated template,
-and a flushed Redis database.
+and a flushed Redis database. Under pytest-xdist (``make test`` runs four
+workers), each worker starts its own embedded servers; on servers named by
+the environment, worker N takes the Redis database N below the URL's (15,
+14, … for ``/15``), so that no worker flushes another's.
 
 Cluster mode (ONCELY_TEST_REDIS_CLUSTER=1): Redis is a three-node Valkey
 cluster started from the embedded binary (or the cluster whose node
@@ -20,6 +23,7 @@ import itertools
 import os
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 import psycopg
@@ -92,9 +96,27 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason=f"not on a Redis Cluster: {reason}"))
 
 
+def _worker_number() -> int:
+    """This pytest-xdist worker's number (``gw3`` → 3), 0 without xdist."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    return int(worker.removeprefix("gw") or 0)
+
+
+def _own_database(redis_url: str) -> str:
+    """The Redis URL with this worker's own database (see the module's docstring)."""
+    number = _worker_number()
+    if number == 0 or CLUSTER:
+        return redis_url  # a cluster has one database: its runs are not split
+    parsed = urlsplit(redis_url)
+    base = int(parsed.path.strip("/") or 0)
+    return urlunsplit(parsed._replace(path=f"/{(base - number) % 16}"))
+
+
 @pytest.fixture(scope="session")
 def server_urls(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
     redis_url = os.environ.get("ONCELY_TEST_REDIS_URL")
+    if redis_url:
+        redis_url = _own_database(redis_url)
     database_url = os.environ.get("ONCELY_TEST_DATABASE_URL")
     servers = cluster = None
     if CLUSTER and not redis_url:

@@ -96,7 +96,7 @@ async def test_cancel_a_waiting_job_and_wait_sees_it_finished(api, api_key, work
         accepted = await c.submit("/v1/approvals", {"text": "never mind"})
         await c.wait("/v1/approvals", accepted.job_id, timeout_s=20, until_waiting=True)
         with pytest.raises(WaitTimedOut) as timed_out:
-            await c.wait("/v1/approvals", accepted.job_id, timeout_s=0.2)
+            await c.wait("/v1/approvals", accepted.job_id, timeout_s=2)
         assert "waiting for event 'approval'" in str(timed_out.value)
         cancelled = await c.cancel("/v1/approvals", accepted.job_id)
         again = await c.cancel("/v1/approvals", accepted.job_id)

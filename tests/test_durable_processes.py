@@ -204,7 +204,9 @@ async def test_waiting_jobs_resume_on_time_after_redis_lost_its_data(
                 return bool(n == 4)
 
             await wait_for(all_waiting, what="four waiting jobs")
-            await redis.flushall()
+            # FLUSHALL as this database sees it: the server's other databases
+            # are other test workers'.
+            await redis.flushdb()
 
             async def all_done() -> bool:
                 n = await scalar(pool, "SELECT count(*) FROM jobs WHERE status = 'done'")

@@ -12,6 +12,8 @@ import json
 import uuid
 from typing import Any
 
+from structlog.testing import capture_logs
+
 from oncely import Context, PermanentError, TransientError
 from tests.durable import (
     Harness,
@@ -432,3 +434,31 @@ async def test_lease_renewal_survives_a_cancel_heard_after_the_handler_returned(
     assert h.calls("quick") == 0
     assert await h.rows("SELECT job_id FROM results WHERE job_id = %s", job_id) == []
     assert await h.rows("SELECT id FROM outbox WHERE job_id = %s", job_id) == []
+
+
+async def test_a_bug_in_the_step_is_logged_with_its_type_and_frames_never_its_message(custom):
+    """A step that raises NameError: the job is dead with the message in its
+    record, and the log says which exception and where, without the message
+    (it may hold the request's data)."""
+
+    async def step(request: Text, ctx: Context) -> Said:
+        return Said(said=undefined_policy[request.text])  # type: ignore[name-defined]  # noqa: F821
+
+    h = await custom(one_off("buggy", step))
+    worker = h.worker("buggy")
+    job_id = await h.submit("/v1/buggy", {"text": "secret-order-4711"})
+    with capture_logs() as logs:
+        await redeliver_until(h, worker, "buggy", lambda: finished(h, job_id))
+    assert await h.status(job_id) == "dead"
+    [(error,)] = await h.rows("SELECT error FROM jobs WHERE job_id = %s", job_id)
+    assert "undefined_policy" in error  # the record keeps the message
+
+    [raised] = [e for e in logs if e["event"] == "job.unclassified_error"]
+    assert raised["error_type"] == "NameError"
+    assert raised["frames"][-1].startswith("tests/test_durable_replays.py:")
+    assert raised["frames"][-1].endswith(" in step")
+    [dead] = [e for e in logs if e["event"] == "job.dead_lettered"]
+    assert dead["error"] == "NameError"
+    logged = json.dumps(logs, default=str)
+    assert "undefined_policy" not in logged
+    assert "secret-order-4711" not in logged

@@ -175,6 +175,20 @@ def test_the_client_imports_none_of_the_servers_libraries() -> None:
     assert done.stdout.strip() == "", f"import oncely.client loaded {done.stdout.strip()}"
 
 
+def test_oncely_version_loads_neither_settings_nor_servers_libraries() -> None:
+    """`oncely --version` and `--help` start at once: the CLI imports
+    settings, logging and the servers' clients in the commands that use them."""
+    heavy = ("pydantic_settings", "structlog", "redis", "psycopg", "openai", "fastapi")
+    probe = (
+        "import sys, runpy; sys.argv = ['oncely', '--version']\n"
+        "try: runpy.run_module('oncely', run_name='__main__')\n"
+        f"except SystemExit: print(','.join(m for m in {heavy!r} if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert done.stdout.startswith("oncely "), done.stdout
+    assert done.stdout.splitlines()[-1] == "", f"--version loaded {done.stdout.splitlines()[-1]}"
+
+
 def test_every_public_name_is_exported_and_resolves() -> None:
     assert set(oncely.__all__) == {*oncely._EXPORTS, "__version__"}
     for name in oncely.__all__:

@@ -463,6 +463,15 @@ class ApiServer:
     def stop(self) -> None:
         self._server.should_exit = True
 
+    async def serving(self, running: asyncio.Future[Any]) -> bool:
+        """Wait until the server listens (True), or ``running`` (the task
+        that runs it) ends first (False). uvicorn sets a flag, no event."""
+        while not self._server.started:
+            if running.done():
+                return False
+            await asyncio.sleep(0.02)
+        return True
+
 
 async def serve_api(settings: Settings, *, host: str, port: int) -> None:
     app = app_from(settings)

@@ -18,14 +18,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, TypeVar, cast
 
 import typer
-from pydantic import ValidationError
 
-from oncely import terminal
-from oncely.logs import configure_logging
-from oncely.settings import Settings
+from oncely import dev_address, terminal
 from oncely.terminal import literal
 
+# Settings, logging and asyncio are imported by the commands that need them,
+# so that `oncely --version` and `--help` start at once.
 if TYPE_CHECKING:
+    from oncely.settings import Settings
     from oncely.shadow.report import VariantReport
     from oncely.usage.ledger import GroupBy
 
@@ -68,10 +68,6 @@ EXIT_UNAVAILABLE = 69
 JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable output on stdout.")]
 DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Show what would be done; do nothing.")]
 
-# Settings whose values are secrets (never echoed back).
-_SECRETS = frozenset(
-    name for name, f in Settings.model_fields.items() if "SecretStr" in str(f.annotation)
-)
 
 # Set by the --app option before any command runs.
 _chosen_app: str | None = None
@@ -154,22 +150,33 @@ def _print_json(value: Any) -> None:
     sys.stdout.write(json.dumps(value, indent=2, default=str) + "\n")
 
 
-def _settings(**overrides: Any) -> Settings:
+def _settings(*, find_dev: bool = True, **overrides: Any) -> Settings:
+    """The process's settings from the environment, ``--app`` and
+    ``overrides``; without server URLs, those of an ``oncely dev`` running
+    from the same data dir (``find_dev``)."""
+    from pydantic import ValidationError
+
+    from oncely.logs import configure_logging
+    from oncely.settings import Settings
+
     try:
         settings = Settings()
     except ValidationError as exc:
+        # Settings whose values are secrets: never echoed back, not even a wrong one.
+        secrets = {n for n, f in Settings.model_fields.items() if "SecretStr" in str(f.annotation)}
         for error in exc.errors():
             field = str(error["loc"][0]) if error["loc"] else ""
             name = "ONCELY_" + "_".join(str(part) for part in error["loc"]).upper()
             message = error["msg"].removeprefix("Value error, ")
-            # A secret's value is never printed, not even a wrong one.
-            got = "" if field in _SECRETS else f" (got {literal(repr(error.get('input')))})"
+            got = "" if field in secrets else f" (got {literal(repr(error.get('input')))})"
             err.print(f"{name}: {literal(message)}{got}", style="red")
         raise typer.Exit(EXIT_USAGE) from None
     if _chosen_app:
         overrides["app"] = _chosen_app
     if overrides:
         settings = settings.model_copy(update=overrides)
+    if find_dev and not (settings.redis_url and settings.database_url):
+        settings = _with_running_dev(settings)
     configure_logging(settings.log_format, settings.log_level)
     if settings.otel:
         from oncely import tracing
@@ -177,6 +184,25 @@ def _settings(**overrides: Any) -> Settings:
         tracing.configure("oncely")
     _check_app(settings)
     return settings
+
+
+def _with_running_dev(settings: Settings) -> Settings:
+    """The URLs (and app) of the ``oncely dev`` running from this data dir."""
+    found = dev_address.running(settings.data_dir)
+    if found is None:
+        return settings
+    update: dict[str, Any] = {
+        "redis_url": settings.redis_url or found.redis_url,
+        "database_url": settings.database_url or found.database_url,
+    }
+    if "app" not in settings.model_fields_set:
+        update["app"] = found.app
+    err.print(
+        f"using the oncely dev stack running from {literal(str(settings.data_dir))}"
+        f" (pid {found.pid})",
+        style="dim",
+    )
+    return settings.model_copy(update=update)
 
 
 def _check_app(settings: Settings) -> None:
@@ -443,10 +469,14 @@ def dev(
     data_dir: DataDirOpt = Path(".oncely"),
 ) -> None:
     """Everything in one command: embedded servers, migrations, a dev key and all processes."""
-    from oncely.dev import run_dev
+    from oncely.dev import DevRefused, run_dev
 
-    settings = _settings(data_dir=data_dir, log_format="console")
-    _run(run_dev(settings, port=port))
+    settings = _settings(find_dev=False, data_dir=data_dir, log_format="console")
+    try:
+        _run(run_dev(settings, port=port))
+    except DevRefused as exc:
+        err.print(literal(str(exc)), style="red")
+        raise typer.Exit(EXIT_UNAVAILABLE) from None
 
 
 @app.command()

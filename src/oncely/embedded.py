@@ -78,10 +78,12 @@ class EmbeddedServers:
         folder = self.data_dir / "valkey"
         folder.mkdir(parents=True, exist_ok=True)
         # The free port is picked before the server binds it; another process
-        # may take it in between, so try a few times.
+        # may take it in between, so try a few times. The kernel's pick, not
+        # the wheel's scan from 16379: servers started at once (the test
+        # suite's workers) would all scan to the same port.
         for attempt in range(3):
             aof = {"appendonly": "yes", "appendfsync": "everysec"} if self.durable else {}
-            server = ValkeyServer(data_dir=folder, persist=True, **aof)
+            server = ValkeyServer(port=_free_port(), data_dir=folder, persist=True, **aof)
             try:
                 server.start()
             except ValkeyServerStartupError:

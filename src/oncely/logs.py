@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import logging
 import sys
+import traceback
 from collections.abc import MutableMapping
+from pathlib import Path
 from typing import Any
 
 import structlog
@@ -22,6 +24,20 @@ def add_trace_ids(_: Any, __: str, event: MutableMapping[str, Any]) -> MutableMa
         event.setdefault("trace_id", ids[0])
         event.setdefault("span_id", ids[1])
     return event
+
+
+def frames(exc: BaseException, limit: int = 6) -> list[str]:
+    """Where ``exc`` was raised: its innermost frames as ``file:line in
+    function`` (paths relative to the working directory when inside it).
+    For logging a failure in a workflow's own code without its message,
+    which may hold the request's data."""
+    here = Path.cwd()
+    found = []
+    for frame in traceback.extract_tb(exc.__traceback__)[-limit:]:
+        path = Path(frame.filename)
+        shown = path.relative_to(here) if path.is_relative_to(here) else path
+        found.append(f"{shown}:{frame.lineno} in {frame.name}")
+    return found
 
 
 def configure_logging(fmt: str = "json", level: str = "INFO") -> None:

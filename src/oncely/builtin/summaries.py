@@ -19,8 +19,15 @@ INSTRUCTION = (
 
 
 class SummaryRequest(BaseModel):
-    text: str = Field(min_length=1, max_length=100_000, description="The text to summarise.")
-    notify: EmailStr = Field(description="Who gets the summary by email.")
+    text: str = Field(
+        min_length=1,
+        max_length=100_000,
+        description="The text to summarise.",
+        examples=["Retries are safe. Effects happen once."],
+    )
+    notify: EmailStr = Field(
+        description="Who gets the summary by email.", examples=["you@example.com"]
+    )
 
 
 class Summary(BaseModel):

@@ -1,5 +1,5 @@
 """The fake model: an OpenAI-compatible chat endpoint whose faults are scripted
-by the prompt itself (docs/contributing.md).
+by the prompt itself (docs/fakes.md).
 
 It answers an extractive summary of the last user message (its first two
 sentences; for a model whose name contains ``v2``, the first sentence only).

@@ -1,4 +1,4 @@
-"""The fake mail and webhook provider (docs/contributing.md): a real HTTP server
+"""The fake mail and webhook provider (docs/fakes.md): a real HTTP server
 that dedupes on ``Idempotency-Key`` like a real email API, so tests can tell duplicates sent
 (``requests``) from duplicates delivered (``effects``).
 

@@ -25,6 +25,7 @@ import structlog
 from oncely import metrics
 from oncely.batching import GroupCommit
 from oncely.errors import DeadlineExceeded, PermanentError, TransientError
+from oncely.logs import frames
 from oncely.queue.stream import Entry, JobMessage, Stream
 from oncely.retry import backoff_s, classify
 from oncely.services import Progress, supervised
@@ -455,12 +456,22 @@ class Worker:
         if not isinstance(exc, PermanentError) and (isinstance(exc, _TRANSIENT) or classify(exc)):
             await self._defer(delivery, exc)
             return
+        shown = None
         if not isinstance(exc, PermanentError | TransientError):
-            self.log.warning("job.unclassified_error", job_id=delivery.job_id, error=_describe(exc))
+            # A bug in the workflow's code, most likely: its type and where,
+            # never its message (it may hold the request). The message is in
+            # the job's record (`oncely jobs show`).
+            shown = type(exc).__name__
+            self.log.warning(
+                "job.unclassified_error",
+                job_id=delivery.job_id,
+                error_type=shown,
+                frames=frames(exc),
+            )
         # A stable reason of its own (``nondeterministic``), else ``permanent``.
         reason = getattr(exc, "reason", None)
         await self._dead_letter(
-            delivery, reason if isinstance(reason, str) else "permanent", _describe(exc)
+            delivery, reason if isinstance(reason, str) else "permanent", _describe(exc), shown
         )
 
     async def _defer(self, delivery: Delivery, exc: BaseException) -> None:
@@ -504,7 +515,11 @@ class Worker:
             error=error,
         )
 
-    async def _dead_letter(self, delivery: Delivery, reason: str, error: str) -> None:
+    async def _dead_letter(
+        self, delivery: Delivery, reason: str, error: str, shown: str | None = None
+    ) -> None:
+        """Dead-letter the job with ``error`` in its record; the log has
+        ``shown`` instead when given."""
         if delivery.lease_lost:
             return
         # The job row first: a crash between the two leaves a pending entry
@@ -522,7 +537,9 @@ class Worker:
         if await self.stream.dead_letter(self.consumer, delivery.entry_id, delivery.job_id, fields):
             self.stats["dead"] += 1
             metrics.DEAD_LETTERS.labels(workflow=self.workflow, reason=reason).inc()
-            self.log.error("job.dead_lettered", job_id=delivery.job_id, reason=reason, error=error)
+            self.log.error(
+                "job.dead_lettered", job_id=delivery.job_id, reason=reason, error=shown or error
+            )
             await self._report([delivery], "dead", f"{reason}: {error}")
 
     async def _report(self, deliveries: list[Delivery], outcome: str, error: str) -> None:

@@ -1,0 +1,121 @@
+"""`oncely dev` as a newcomer meets it: the banner's curl is for the app's
+own first workflow and works as printed; every `oncely` command run with the
+same data dir finds the running stack without a URL; a second stack there,
+or one whose port is taken, is refused before it starts anything; the
+stack's address is gone once it stops."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.processes import ROOT, free_port, tail, wait_for
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+# The servers come from `oncely dev` itself, never from the environment.
+_SERVERS = ("ONCELY_REDIS_URL", "ONCELY_DATABASE_URL", "ONCELY_REDIS_CLUSTER", "ONCELY_APP")
+
+
+def _env(data_dir: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in _SERVERS}
+    return {**env, "ONCELY_DATA_DIR": str(data_dir), "NO_COLOR": "1", "COLUMNS": "80"}
+
+
+def _oncely(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "oncely", *args],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def _start(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "oncely", *args],
+        env=env,
+        cwd=ROOT,
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+    )
+
+
+async def test_the_cli_finds_a_running_dev_stack_and_a_second_is_refused(tmp_path: Path) -> None:
+    data_dir = tmp_path / "stack"
+    env = _env(data_dir)
+    port = free_port()
+    log = tmp_path / "dev.log"
+    dev = _start(["--app", "examples.refunds:app", "dev", "--port", str(port)], env, log)
+    try:
+
+        async def up() -> bool:
+            if dev.poll() is not None:
+                raise AssertionError(f"oncely dev exited {dev.returncode}: {tail(log)}")
+            return "/v1/refunds/<job_id>" in log.read_text()
+
+        await wait_for(up, within_s=180, what="the dev banner")
+        banner = log.read_text()
+        assert (data_dir / "dev.json").exists()
+
+        # The banner's curl: the app's own route and a body of its request,
+        # each on one line (never wrapped at 80 columns).
+        [body] = re.findall(r"^ {4}-d '(.*)'$", banner, flags=re.M)
+        assert json.loads(body) == {
+            "order_id": "A-1001",
+            "amount_cents": 4999,
+            "reason": "It arrived broken.",
+        }
+        assert f"curl -i -X POST http://127.0.0.1:{port}/v1/refunds " in banner
+        key = (data_dir / "dev-api-key").read_text().strip()
+        headers = {
+            "Authorization": f"Bearer {key}",
+            "Idempotency-Key": "dev-stack-key-0001",
+            "Content-Type": "application/json",
+        }
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as api:
+            posted = await api.post("/v1/refunds", content=body, headers=headers)
+            assert posted.status_code == 202, posted.text
+            job_id = posted.json()["job_id"]
+
+        # Another terminal, no URL set: the commands find the stack.
+        status = await asyncio.to_thread(_oncely, "status", "--json", env=env)
+        assert status.returncode == 0, status.stderr
+        assert "using the oncely dev stack running from" in status.stderr
+        assert list(json.loads(status.stdout)["workflows"]) == ["refunds"]
+        shown = await asyncio.to_thread(_oncely, "jobs", "show", job_id, "--json", env=env)
+        assert shown.returncode == 0, shown.stderr
+        assert json.loads(shown.stdout)["workflow"] == "refunds"
+
+        # A second stack in the same data dir: refused, naming the first.
+        again = await asyncio.to_thread(_oncely, "dev", "--port", str(free_port()), env=env)
+        assert again.returncode == 69
+        assert f"already running from {data_dir} (pid {dev.pid}" in again.stderr
+
+        # Another data dir on the same port: refused before starting anything.
+        elsewhere = tmp_path / "elsewhere"
+        taken = await asyncio.to_thread(_oncely, "dev", "--port", str(port), env=_env(elsewhere))
+        assert taken.returncode == 69
+        assert f"port {port} is taken, and the API (--port) needs it" in taken.stderr
+        assert not (elsewhere / "postgres").exists()
+        assert not (elsewhere / "dev.json").exists()
+    finally:
+        dev.send_signal(signal.SIGINT)
+        await asyncio.to_thread(dev.wait, 60)
+
+    assert dev.returncode == 0, tail(log)
+    assert not (data_dir / "dev.json").exists()
+    alone = await asyncio.to_thread(_oncely, "status", env=env)
+    assert alone.returncode != 0
+    assert "set ONCELY_REDIS_URL and ONCELY_DATABASE_URL" in alone.stderr
