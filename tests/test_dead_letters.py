@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from oncely.jobs import dead_letters
@@ -75,3 +76,25 @@ async def test_dead_letters_come_from_postgresql_and_survive_redis_losing_its_da
     assert sorted(await dead_letters.replay_all(jobs, "summaries")) == sorted(ids)
     await drain(worker)
     assert [await job_status(pool, i) for i in ids] == ["done", "done"]
+
+
+async def test_replay_all_replays_each_job_once_even_if_it_dies_again(
+    pool, redis, jobs, summary_job, fake_llm
+):
+    """A worker serving the workflow may kill a replayed job again before
+    the replay is over: it stays dead, and the replay ends."""
+    stream = jobs.streams["summaries"]
+    await stream.ensure_group()
+    ids = [await submit(pool, stream, f"Refused {i}. [[fake:400*1]]") for i in range(3)]
+    await drain(make_worker(stream, summary_job, pool))
+
+    class DyingAgain(type(jobs)):  # type: ignore[misc]
+        async def replay(self, job: Any) -> None:
+            await super().replay(job)
+            await self.mark_dead(job.job_id, "permanent: refused again")
+
+    again = DyingAgain(pool, jobs.streams)
+    replayed = await asyncio.wait_for(dead_letters.replay_all(again, "summaries"), timeout=60)
+    assert sorted(replayed) == sorted(ids)
+    assert [await job_status(pool, i) for i in ids] == ["dead"] * 3
+    assert await count(pool, "SELECT count(*) FROM jobs") == 3

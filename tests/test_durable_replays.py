@@ -462,3 +462,35 @@ async def test_a_bug_in_the_step_is_logged_with_its_type_and_frames_never_its_me
     logged = json.dumps(logs, default=str)
     assert "undefined_policy" not in logged
     assert "secret-order-4711" not in logged
+
+
+async def test_a_stale_delivery_failing_never_kills_the_rewound_run(custom):
+    """A delivery fails for good after its job was cancelled and rewound
+    under it: the new run (a new generation) stays queued and ends done."""
+    runs: list[int] = []
+
+    async def step(request: Text, ctx: Context) -> Said:
+        await ctx.step("before", lambda: "kept")
+        await ctx.step("after", lambda: "stored with it")  # "before" is stored now
+        runs.append(1)
+        if len(runs) == 1:
+            # Meanwhile an operator cancels the job and rewinds it.
+            job = uuid.UUID(ctx.job_id)
+            assert await h.checkpoints.cancel(job) is not None
+            rewound = await h.checkpoints.rewind(job, "before")
+            assert rewound is not None and rewound.deleted
+            raise PermanentError("the stale run's own failure")
+        return Said(said="second run")
+
+    h = await custom(one_off("stale_dead", step))
+    worker = h.worker("stale_dead", redelivery_base_s=0.01, redelivery_max_s=0.01)
+    job_id = await h.submit("/v1/stale_dead", {"text": "x"})
+    await drain(worker)
+    [(status, generation)] = await h.rows(
+        "SELECT status, generation FROM jobs WHERE job_id = %s", job_id
+    )
+    assert (status, generation) == ("queued", 1)  # the stale failure killed nothing
+    await redeliver_until(h, worker, "stale_dead", lambda: finished(h, job_id))
+    assert await h.status(job_id) == "done"
+    assert (await h.get("/v1/stale_dead", job_id))["result"] == {"said": "second run"}
+    assert len(runs) == 2

@@ -371,7 +371,8 @@ class Journal:
             writes = Writes(tuple(batch), tuple(self._since))
             outcome = await self._store.wait(writes, Wait(key, ordinal, kind, event, seconds))
             self._written(batch)
-            self._since = []
+            # Only what was written: another branch may have emitted meanwhile.
+            self._since = [e for e in self._since if all(e is not w for w in writes.emitted)]
         if outcome is None:
             raise Suspended(key)
         self._stored.setdefault(scope_of(key), []).append(outcome)
@@ -415,8 +416,9 @@ class Journal:
         if stored.status == "waiting":
             # The job still waits there (a stale message): nothing to do.
             raise Suspended(stored.key)
-        # Emits before it were written with it.
-        self._since = []
+        # Emits before it were written with it. They stay in ``_since``:
+        # written again with the next checkpoint they change nothing (their
+        # dedupe keys), while clearing could drop another branch's new emit.
         self.replayed += 1
         metrics.CHECKPOINT_REPLAYS.labels(workflow=self.workflow, kind=stored.kind).inc()
         if stored.status == "failed":

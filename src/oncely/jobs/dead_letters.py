@@ -80,10 +80,13 @@ async def replay(jobs: Jobs, workflow: str | None, dead_id: str) -> Job | None:
 
 
 async def replay_all(jobs: Jobs, workflow: str) -> list[str]:
-    """Replay every dead job of the workflow; their ids."""
+    """Replay every dead job of the workflow; their ids. Each once: a job
+    that dies again while this runs (a worker is serving it) stays dead."""
     replayed: list[str] = []
-    while batch := await jobs.dead(workflow, 500):
+    seen: set[str] = set()
+    while batch := [d for d in await jobs.dead(workflow, 500) if str(d.job_id) not in seen]:
         for dead in batch:
+            seen.add(str(dead.job_id))
             job = await jobs.dead_job(dead.job_id, workflow)
             if job is not None:
                 await jobs.replay(job)

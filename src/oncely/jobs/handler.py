@@ -141,6 +141,7 @@ class WorkflowHandler:
     ) -> str | None:
         """One run of the step over ``run``'s checkpoints: its outcome, or
         None when it lost a race for a checkpoint and must replay."""
+        delivery.generation = run.generation
         store = _JobStore(self, message.job_id, run.generation, delivery)
         journal = Journal(run.checkpoints, store, workflow=self.workflow.name)
         site = CallSite(self.workflow.name, message.job_id, message.tenant)

@@ -389,8 +389,11 @@ class Jobs:
         rows = (await self._run("finish_job", params)).rows
         return bool(rows) and bool(rows[0][0])
 
-    async def mark_dead(self, job_id: str, reason: str) -> None:
-        await self._run("mark_job_dead", (reason[:_ERROR_CHARS], job_id))
+    async def mark_dead(self, job_id: str, reason: str, generation: int | None = None) -> None:
+        """The job dead with ``reason``, if it still runs in ``generation``
+        (any, when None)."""
+        params = {"error": reason[:_ERROR_CHARS], "job_id": job_id, "generation": generation}
+        await self._run("mark_job_dead", params)
 
     async def record_deliveries(self, reports: Sequence[DeliveryReport]) -> None:
         """Failed deliveries into their jobs' histories, in one statement.

@@ -98,6 +98,9 @@ class Delivery:
     job_cancelled: bool = False
     # The handler's time bound, which a cancel of its job cuts short.
     bound: asyncio.Timeout | None = None
+    # The job's run this delivery serves (its generation), once the handler
+    # loaded it: a failure marks only that run dead.
+    generation: int | None = None
 
     @property
     def job_id(self) -> str:
@@ -159,7 +162,7 @@ class Worker:
         *,
         workflow: str,
         consumer: str | None = None,
-        on_dead: Callable[[str, str], Awaitable[None]] | None = None,
+        on_dead: Callable[[str, str, int | None], Awaitable[None]] | None = None,
         on_failed: Callable[[list[DeliveryReport]], Awaitable[None]] | None = None,
         is_cancelled: Callable[[str], Awaitable[bool]] | None = None,
         rand: Callable[[], float] = random.random,
@@ -525,7 +528,7 @@ class Worker:
         # The job row first: a crash between the two leaves a pending entry
         # that is dead-lettered again, never a queued job with no message.
         if self.on_dead is not None and delivery.job_id:
-            await self.on_dead(delivery.job_id, f"{reason}: {error}")
+            await self.on_dead(delivery.job_id, f"{reason}: {error}", delivery.generation)
         fields = {
             **delivery.fields,
             "original_id": delivery.entry_id,

@@ -160,9 +160,10 @@ class ShadowHandler:
         )
         return "shadowed" if await self.store.record(run) else "duplicate"
 
-    async def record_dead(self, job_id: str, reason: str) -> None:
+    async def record_dead(self, job_id: str, reason: str, generation: int | None = None) -> None:
         """The worker gave up on a delivery (too old, too many deliveries):
-        stored as the run's error, so the report counts it."""
+        stored as the run's error, so the report counts it (a shadow run
+        has no generation of its own)."""
         run = ShadowRun(
             self.workflow.name, self.variant.name, job_id, usage={}, error=reason[:_ERROR_CHARS]
         )

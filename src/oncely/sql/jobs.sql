@@ -141,8 +141,13 @@ SELECT delivery, consumer, started_at, finished_at, outcome, error, model_calls
   FROM job_deliveries WHERE job_id = %s ORDER BY id
 
 -- name: mark_job_dead
-UPDATE jobs SET status = 'dead', error = %s, updated_at = now()
- WHERE job_id = %s AND status = 'queued'
+-- Only the run the failed delivery served: a delivery of a run since
+-- cancelled and rewound (a new generation) kills nothing. A delivery that
+-- never loaded its run (a malformed message, one past its deliveries)
+-- names no generation.
+UPDATE jobs SET status = 'dead', error = %(error)s, updated_at = now()
+ WHERE job_id = %(job_id)s AND status = 'queued'
+   AND (%(generation)s::int IS NULL OR generation = %(generation)s::int)
 
 -- name: queued_jobs_older_than
 -- Queued jobs accepted (and, if they waited, resumed) before the cut-off.
