@@ -21,6 +21,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import shutil
+import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
@@ -123,8 +125,12 @@ def server_urls(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str,
         cluster = EmbeddedCluster(tmp_path_factory.mktemp("cluster"))
         cluster.start()
         redis_url = cluster.url_not_owning(key_slot(summaries.keys.stream.encode()))
+    # Outside pytest's own temporary directory: a second pytest session
+    # started meanwhile resets its permissions to its owner's only, and the
+    # embedded PostgreSQL runs as a user of its own.
+    own = Path(tempfile.mkdtemp(prefix="oncely-test-servers-"))
     if not redis_url or not database_url:
-        servers = EmbeddedServers(tmp_path_factory.mktemp("servers"))
+        servers = EmbeddedServers(own)
         urls = servers.start()
         redis_url = redis_url or urls.redis_url
         database_url = database_url or urls.database_url
@@ -133,6 +139,7 @@ def server_urls(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str,
         servers.stop()
     if cluster is not None:
         cluster.stop()
+    shutil.rmtree(own, ignore_errors=True)
 
 
 def _with_dbname(url: str, dbname: str) -> str:
