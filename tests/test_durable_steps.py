@@ -785,8 +785,10 @@ async def test_metrics_count_checkpoints_replays_and_waiting_jobs(harness: Harne
         return await harness.status(job_id) == "done"
 
     await redeliver_until(harness, chain, "chain", done)
-    # Three rows before the last call; the redelivery replayed the two model ones.
-    assert value("oncely_checkpoints_written_total", workflow="chain") == written + 3
+    # Every checkpoint: three rows before the last call, the last one with
+    # the result; the redelivery replayed the two model ones.
+    assert len(await harness.keys(job_id)) == 4
+    assert value("oncely_checkpoints_written_total", workflow="chain") == written + 4
     assert value("oncely_checkpoint_replays_total", workflow="chain", kind="model") == replays + 2
 
     await harness.submit("/v1/approvals", {"text": "waits for the gauge"})

@@ -335,12 +335,12 @@ def test_usage_to_json() -> None:
 
 
 def test_usage_cost_is_unknown_once_one_part_is() -> None:
-    usage = Usage(cost_usd=0.25, model="a")
-    usage.add(Usage(cost_usd=0.5, model="b"))
-    assert (usage.cost_usd, usage.model) == (0.75, "b")
-    usage.add(Usage(cost_usd=None))
-    assert (usage.cost_usd, usage.model) == (None, "b")
-    usage.add(Usage(cost_usd=1.0, model="c"))
+    usage = Usage(cost_usd=0.25)
+    usage.add_cost(0.5)
+    assert usage.cost_usd == 0.75
+    usage.add_cost(None)
+    assert usage.cost_usd is None
+    usage.add_cost(1.0)
     assert usage.cost_usd is None
 
 

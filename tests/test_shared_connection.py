@@ -19,7 +19,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from oncely.bootstrap import make_redis
-from oncely.redis_client import RedisClient, SharedConnection, SharedConnectionRedis
+from oncely.redis_client import HiredisPacked, RedisClient, SharedConnection, SharedConnectionRedis
 from tests.processes import wait_for
 
 pytestmark = pytest.mark.standalone_redis("a cluster's nodes keep redis-py's own connections")
@@ -350,3 +350,19 @@ async def test_without_a_connect_timeout_the_socket_timeout_bounds_connecting(
             await asyncio.wait_for(client.get("k"), 15)
     finally:
         await client.aclose()
+
+
+async def test_the_shared_connection_can_be_turned_off(settings) -> None:
+    """ONCELY_REDIS_SHARED_CONNECTION=false: every process's client is
+    redis-py's own, with its pool only, answering the same."""
+    from oncely.bootstrap import open_resources
+
+    async with open_resources(
+        settings.model_copy(update={"redis_shared_connection": False})
+    ) as res:
+        assert type(res.redis) is Redis
+        assert res.redis.connection_pool.connection_class is not HiredisPacked
+        await res.redis.set("oncely:plain", "é")
+        assert await res.redis.get("oncely:plain") == "é"
+    async with open_resources(settings) as res:
+        assert isinstance(res.redis, SharedConnectionRedis)

@@ -147,6 +147,8 @@ def budgets(s: Settings, redis: RedisClient) -> Budgets:
 
 
 def ledger_for(res: Resources) -> Ledger:
+    """The worker's ledger. It counts tenants' spend for budgets even while
+    none is set: one turned on mid-day then counts the day's spend so far."""
     s = res.settings
     return Ledger(
         res.pool,
@@ -268,7 +270,12 @@ def client_bounds(s: Settings) -> ClientBounds:
 
 
 def make_redis(
-    url: str, *, cluster: bool = False, timeout_s: float = 5.0, connect_timeout_s: float = 5.0
+    url: str,
+    *,
+    cluster: bool = False,
+    timeout_s: float = 5.0,
+    connect_timeout_s: float = 5.0,
+    shared: bool = True,
 ) -> RedisClient:
     """A Redis client whose every command answers within ``timeout_s`` (else
     ``redis.exceptions.TimeoutError``). A command that met a broken
@@ -276,7 +283,8 @@ def make_redis(
     once on a new connection; a timeout is not retried: that would double
     the bound. With ``cluster``, ``url`` names any node of a Redis Cluster
     and the client routes each key to the node owning its slot (docs/production.md,
-    Redis Cluster); the same bounds apply to each node."""
+    Redis Cluster); the same bounds apply to each node. Without ``shared``,
+    a single server's client is redis-py's own, with no shared connection."""
     options: dict[str, Any] = {
         "decode_responses": True,
         "health_check_interval": 30,
@@ -294,7 +302,7 @@ def make_redis(
         except RedisClusterException as exc:  # e.g. a database other than 0
             raise SystemExit(f"ONCELY_REDIS_CLUSTER: {exc}") from None
     client_class = Redis
-    if url.startswith("redis://"):
+    if shared and url.startswith("redis://"):
         # Plain TCP: short commands share one connection, the pool's pack
         # with hiredis. rediss:// and unix:// keep redis-py's own
         # connections, as a cluster's nodes do.
@@ -343,6 +351,7 @@ async def open_resources(settings: Settings) -> AsyncIterator[Resources]:
         cluster=settings.redis_cluster,
         timeout_s=bounds.redis_timeout_s,
         connect_timeout_s=bounds.connect_timeout_s,
+        shared=settings.redis_shared_connection,
     )
     pool = postgres_pool(database_url, settings)
     await pool.open(wait=True, timeout=max(10, bounds.connect_timeout_s))

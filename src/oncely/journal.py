@@ -54,6 +54,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from datetime import datetime
+from operator import attrgetter
 from typing import Any, Generic, Literal, Protocol, TypeVar
 
 import structlog
@@ -264,7 +265,7 @@ class Journal:
     ) -> None:
         # Stored checkpoints by scope, in the order they were reached.
         self._stored: dict[str, list[Checkpoint]] = {}
-        for checkpoint in sorted(stored, key=_ordinal):
+        for checkpoint in sorted(stored, key=attrgetter("ordinal")):
             self._stored.setdefault(scope_of(checkpoint.key), []).append(checkpoint)
         self._store = store or Ephemeral()
         self.workflow = workflow
@@ -504,12 +505,10 @@ class Journal:
     def usage(self) -> dict[str, Any]:
         """Every model checkpoint of the job, stored or reached, summed."""
         stored = [c for scope in self._stored.values() for c in scope]
-        checkpoints = sorted([*stored, *(c.stored() for c in self._pending)], key=_ordinal)
+        checkpoints = sorted(
+            [*stored, *(c.stored() for c in self._pending)], key=attrgetter("ordinal")
+        )
         return summed(c.usage for c in checkpoints)
-
-
-def _ordinal(checkpoint: Checkpoint) -> int:
-    return checkpoint.ordinal
 
 
 def _causes(error: BaseException | None) -> set[int]:

@@ -75,6 +75,10 @@ class Settings(BaseSettings):
     redis_url: str | None = None
     # ONCELY_REDIS_URL names any node of a Redis Cluster (docs/production.md, Redis Cluster).
     redis_cluster: bool = False
+    # On one server over redis://: short commands of every task share one
+    # connection (docs/settings.md). False: redis-py's own pool only, e.g.
+    # after upgrading redis-py past the versions this was written against.
+    redis_shared_connection: bool = True
     database_url: str | None = None
     data_dir: Path = Path(".oncely")
 

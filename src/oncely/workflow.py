@@ -284,7 +284,7 @@ class Context:
         )
 
         async def attempt(_timeout_s: float) -> Any:
-            if inspect.iscoroutinefunction(fn):
+            if _is_async(fn):
                 return await fn(*args, **kwargs)
             value = await asyncio.to_thread(functools.partial(fn, *args, **kwargs))
             return await value if inspect.isawaitable(value) else value

@@ -28,7 +28,7 @@ import json
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from operator import attrgetter
 from typing import TYPE_CHECKING, Any, Literal
 
 import psycopg
@@ -71,14 +71,6 @@ class JobRun:
     status: str
     generation: int
     checkpoints: tuple[Checkpoint, ...]
-
-
-@dataclass(frozen=True)
-class Waiting:
-    """What a waiting job waits for: ``event`` (None: a sleep) until ``until``."""
-
-    event: str | None
-    until: datetime
 
 
 @dataclass(frozen=True)
@@ -147,7 +139,7 @@ class Checkpoints:
             if checkpoint[0] is not None:
                 entry[2].append(_checkpoint(checkpoint))
         return {
-            job_id: JobRun(job_id, status, generation, tuple(sorted(c, key=_ordinal)))
+            job_id: JobRun(job_id, status, generation, tuple(sorted(c, key=attrgetter("ordinal"))))
             for job_id, (status, generation, c) in found.items()
         }
 
@@ -328,10 +320,6 @@ class Checkpoints:
         rows = (await self._run("job_checkpoints", {"job_id": job_id, "values": values})).rows
         return [_checkpoint(row) for row in rows]
 
-    async def waiting(self, job_id: uuid.UUID) -> Waiting | None:
-        rows = (await self._run("job_wait", {"job_id": job_id})).rows
-        return Waiting(*rows[0]) if rows else None
-
     async def events(self, job_id: str) -> dict[str, Any]:
         """The events the job received, by name."""
         rows = (await self._run("job_events", {"job_id": job_id})).rows
@@ -346,10 +334,6 @@ class Checkpoints:
         """Waiting jobs by workflow."""
         rows = (await self._run("waiting_jobs_by_kind")).rows
         return {kind: int(n) for kind, n in rows}
-
-
-def _ordinal(checkpoint: Checkpoint) -> int:
-    return checkpoint.ordinal
 
 
 def _checkpoint(row: Sequence[Any]) -> Checkpoint:

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 import structlog
 from pydantic import BaseModel, ValidationError
 
-from oncely import tracing
+from oncely import metrics, tracing
 from oncely.errors import DeadlineExceeded, Nondeterministic, PermanentError, TransientError
 from oncely.jobs.checkpoints import Checkpoints, JobRun
 from oncely.jobs.store import Jobs
@@ -204,6 +204,10 @@ class WorkflowHandler:
                 writes,
                 generation=generation,
                 delivery=delivery.report("done"),
+            )
+        if stored and writes.checkpoints:
+            metrics.CHECKPOINTS_WRITTEN.labels(workflow=self.workflow.name).inc(
+                len(writes.checkpoints)
             )
         if stored and writes.effects:
             self.wake_relay.soon()

@@ -86,14 +86,6 @@ class Usage:
             "model": self.model,
         }
 
-    def add(self, other: Usage) -> None:
-        self.prompt_tokens += other.prompt_tokens
-        self.completion_tokens += other.completion_tokens
-        self.model_calls += other.model_calls
-        self.model_ms += other.model_ms
-        self.add_cost(other.cost_usd)
-        self.model = other.model or self.model
-
     def add_cost(self, cost: float | None) -> None:
         self.cost_usd = None if self.cost_usd is None or cost is None else self.cost_usd + cost
 

@@ -376,9 +376,6 @@ class Stream:
             return None
         return DeadLetter.from_entry(str(entries[0][0]), dict(entries[0][1])) if entries else None
 
-    async def forget_dead_letter(self, dead_id: str) -> None:
-        await self.redis.xdel(self.dead, dead_id)
-
     async def forget_dead_letters(self, job_ids: set[str], batch: int = 1000) -> int:
         """Delete the dead entries of these jobs (replayed); how many."""
         doomed: list[str] = []

@@ -196,10 +196,6 @@ SELECT key, ordinal, kind, status, value, usage, until, finished_at, with_result
 -- name: job_status
 SELECT status FROM jobs WHERE job_id = %(job_id)s
 
--- name: job_wait
--- What a waiting job waits for.
-SELECT waiting_for, wait_until FROM jobs WHERE job_id = %(job_id)s AND status = 'waiting'
-
 -- name: job_events
 -- The events a job received (shadow runs get the primary's).
 SELECT name, payload FROM job_events WHERE job_id = %(job_id)s
