@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
+from dataclasses import replace
+from typing import Any
 
 import psycopg
 import pytest
 
-from oncely.sql.migrate import available, migrate
+from oncely.sql.migrate import (
+    NO_TRANSACTION,
+    Migration,
+    MigrationChanged,
+    available,
+    migrate,
+    schema_state,
+)
 from tests.processes import oncely, wait_for
 
 
@@ -29,6 +39,90 @@ async def test_concurrent_migrators_apply_each_migration_once(empty_database_url
         cur = await conn.execute("SELECT version FROM oncely_migrations ORDER BY version")
         assert [r[0] for r in await cur.fetchall()] == versions
     assert await migrate(empty_database_url) == [], "a second run has nothing to do"
+
+
+async def _rows(url: str, sql: str) -> list[tuple[Any, ...]]:
+    async with await psycopg.AsyncConnection.connect(url) as conn:
+        return await (await conn.execute(sql)).fetchall()
+
+
+async def test_each_applied_migration_keeps_its_files_checksum(empty_database_url):
+    await migrate(empty_database_url)
+    rows = await _rows(empty_database_url, "SELECT version, checksum FROM oncely_migrations")
+    assert dict(rows) == {
+        m.version: hashlib.sha256(m.sql.encode()).hexdigest() for m in available()
+    }
+
+
+async def test_an_edited_migration_is_refused_by_migrate_and_the_schema_check(
+    empty_database_url, redis_url
+):
+    released = available()
+    await migrate(empty_database_url)
+    edited = [
+        *released[:-1],
+        replace(released[-1], sql=released[-1].sql + "\n-- and one more thing\n"),
+    ]
+    with pytest.raises(MigrationChanged, match=rf"\[{released[-1].version}\] were edited"):
+        await migrate(empty_database_url, edited)
+    # A process of this code, with the released files, is fine; the database
+    # as another version (a changed file) would be refused.
+    async with await psycopg.AsyncConnection.connect(empty_database_url) as conn:
+        await conn.execute(
+            "UPDATE oncely_migrations SET checksum = 'not-this-file' WHERE version = 3"
+        )
+        await conn.commit()
+        state = await schema_state(conn)
+    assert state.changed == [3] and not state.current
+    assert "restore the released files" in (state.problem() or "")
+    env = {"ONCELY_REDIS_URL": redis_url, "ONCELY_DATABASE_URL": empty_database_url}
+    refused = await asyncio.to_thread(oncely, "migrate", env=env)
+    assert refused.returncode == 1, refused.stderr
+    assert "migrations [3] were edited" in refused.stderr and "Traceback" not in refused.stderr
+    worker = await asyncio.to_thread(oncely, "worker", env=env)
+    assert worker.returncode == 1 and "migrations [3] were edited" in worker.stderr
+
+
+async def test_a_database_migrated_before_checksums_gets_them_then_is_checked(
+    empty_database_url,
+):
+    """Migrated by a version of oncely that kept no checksums: the column is
+    added and filled from the files as they are, and nothing is applied."""
+    await migrate(empty_database_url)
+    async with await psycopg.AsyncConnection.connect(empty_database_url, autocommit=True) as conn:
+        await conn.execute("ALTER TABLE oncely_migrations DROP COLUMN checksum")
+        assert (await schema_state(conn)).current  # the old table still reads
+    assert await migrate(empty_database_url) == []
+    rows = await _rows(
+        empty_database_url, "SELECT count(*) FROM oncely_migrations WHERE checksum IS NULL"
+    )
+    assert rows == [(0,)]
+
+
+async def test_a_no_transaction_migration_can_build_an_index_concurrently(empty_database_url):
+    await migrate(empty_database_url)
+    concurrent = Migration(
+        9001,
+        "concurrent_index",
+        "-- oncely: no-transaction\n"
+        "-- Built without locking writes out; safe to run again from the top.\n"
+        "DROP INDEX CONCURRENTLY IF EXISTS jobs_test_tenant_created;\n"
+        "CREATE INDEX CONCURRENTLY jobs_test_tenant_created\n"
+        "    ON jobs (tenant, created_at);\n",
+    )
+    assert not concurrent.transactional and len(concurrent.statements()) == 2
+    assert await migrate(empty_database_url, [*available(), concurrent]) == [9001]
+    indexes = await _rows(
+        empty_database_url,
+        "SELECT indisvalid FROM pg_index WHERE indexrelid = 'jobs_test_tenant_created'::regclass",
+    )
+    assert indexes == [(True,)]
+    # In a transaction, as every other migration runs, PostgreSQL refuses it.
+    inside = replace(concurrent, version=9002, sql=concurrent.sql.removeprefix(NO_TRANSACTION))
+    with pytest.raises(psycopg.errors.ActiveSqlTransaction):
+        await migrate(empty_database_url, [*available(), concurrent, inside])
+    versions = await _rows(empty_database_url, "SELECT max(version) FROM oncely_migrations")
+    assert versions == [(9001,)], "the failed one is not recorded"
 
 
 async def test_keys_create_prints_only_the_key_and_stores_only_its_hash(

@@ -245,7 +245,7 @@ def migrate(
 ) -> None:
     """Apply pending database migrations (safe to run from many processes at once)."""
     from oncely.bootstrap import require_urls
-    from oncely.sql.migrate import check_schema
+    from oncely.sql.migrate import MigrationChanged, check_schema
     from oncely.sql.migrate import migrate as run_migrations
 
     _, database_url = require_urls(_settings())
@@ -256,7 +256,11 @@ def migrate(
             raise typer.Exit(EXIT_FAILED)
         err.print("the database schema is current")
         return
-    applied = _run(run_migrations(database_url))
+    try:
+        applied = _run(run_migrations(database_url))
+    except MigrationChanged as exc:
+        err.print(literal(str(exc)), style="red")
+        raise typer.Exit(EXIT_FAILED) from None
     err.print(f"applied {len(applied)} migration(s)" + (f": {applied}" if applied else ""))
 
 

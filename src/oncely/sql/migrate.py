@@ -1,12 +1,24 @@
-"""`oncely migrate`: apply numbered SQL files once each, in order.
+"""`oncely migrate`: apply numbered SQL files once each, in order
+(docs/contributing.md, "Migrations").
 
-Safe when many processes start at once: everything runs in one transaction
-under a transaction-scoped advisory lock, so a second migrator waits and then
-finds nothing left to do.
+Safe when many processes start at once: a session-level advisory lock is
+held for the whole run, so a second migrator waits and then finds nothing
+left to do. Each migration runs in a transaction of its own, together with
+its row in ``oncely_migrations``; a file whose first line is
+``-- oncely: no-transaction`` runs statement by statement outside one (for
+``CREATE INDEX CONCURRENTLY``), and is recorded once every statement
+succeeded, so it must be safe to run again from the top.
+
+Every applied migration's row keeps the SHA-256 of its file: a released
+migration edited afterwards is refused by ``migrate`` and by every
+process's schema check, since the database no longer is what the file says.
 """
 
 from __future__ import annotations
 
+import hashlib
+import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
@@ -20,6 +32,7 @@ log = structlog.get_logger("oncely.migrate")
 
 # Arbitrary, fixed: "oncely" as a 64-bit advisory lock id.
 _LOCK_ID = 0x6F6E63656C79
+NO_TRANSACTION = "-- oncely: no-transaction"
 
 
 @dataclass(frozen=True)
@@ -27,6 +40,25 @@ class Migration:
     version: int
     name: str
     sql: str
+
+    @property
+    def checksum(self) -> str:
+        return hashlib.sha256(self.sql.encode()).hexdigest()
+
+    @property
+    def transactional(self) -> bool:
+        return not self.sql.lstrip().startswith(NO_TRANSACTION)
+
+    def statements(self) -> list[str]:
+        """A no-transaction migration's statements: each ends with ``;`` at
+        the end of a line (no ``;`` line ends inside one)."""
+        parts = re.split(r";[ \t]*(?:--[^\n]*)?$", self.sql, flags=re.MULTILINE)
+        return [p.strip() for p in parts if _code(p)]
+
+
+def _code(sql: str) -> bool:
+    """Whether ``sql`` holds anything besides comments and blanks."""
+    return any(line.strip() and not line.strip().startswith("--") for line in sql.splitlines())
 
 
 def available() -> list[Migration]:
@@ -39,34 +71,94 @@ def available() -> list[Migration]:
     return sorted(found, key=lambda m: m.version)
 
 
-async def migrate(conninfo: str) -> list[int]:
-    """Apply pending migrations; return the versions applied by this call."""
+class MigrationChanged(Exception):
+    """A migration file differs from the one applied to this database."""
+
+
+async def migrate(conninfo: str, migrations: Sequence[Migration] | None = None) -> list[int]:
+    """Apply pending migrations (``migrations``: this code's, by default);
+    return the versions applied by this call. Raises ``MigrationChanged``,
+    applying nothing, when an applied one's file was edited since."""
+    migrations = available() if migrations is None else migrations
     applied: list[int] = []
-    async with await psycopg.AsyncConnection.connect(conninfo) as conn, conn.transaction():
-        await conn.execute("SELECT pg_advisory_xact_lock(%s)", (_LOCK_ID,))
-        await conn.execute(query("create_migrations_table"))
-        cur = await conn.execute(query("applied_migrations"))
-        done = {row[0] for row in await cur.fetchall()}
-        for migration in available():
-            if migration.version in done:
-                continue
-            await conn.execute(migration.sql.encode())
-            await conn.execute(query("record_migration"), (migration.version, migration.name))
-            applied.append(migration.version)
-            log.info("migrate.applied", version=migration.version, name=migration.name)
+    async with await psycopg.AsyncConnection.connect(conninfo, autocommit=True) as conn:
+        await conn.execute("SELECT pg_advisory_lock(%s)", (_LOCK_ID,))
+        try:
+            await conn.execute(query("create_migrations_table"))
+            await conn.execute(query("add_migration_checksums"))
+            done = await _applied(conn)
+            await _check_unchanged(conn, done, migrations)
+            for migration in migrations:
+                if migration.version not in done:
+                    await _apply(conn, migration)
+                    applied.append(migration.version)
+                    log.info("migrate.applied", version=migration.version, name=migration.name)
+        finally:
+            await conn.execute("SELECT pg_advisory_unlock(%s)", (_LOCK_ID,))
     return applied
+
+
+async def _applied(conn: psycopg.AsyncConnection[Any]) -> dict[int, str | None]:
+    """Applied versions and their files' checksums (None: applied before
+    checksums were kept)."""
+    cur = await conn.execute(query("applied_migrations"))
+    return {int(version): checksum for version, checksum in await cur.fetchall()}
+
+
+async def _check_unchanged(
+    conn: psycopg.AsyncConnection[Any], done: dict[int, str | None], migrations: Sequence[Migration]
+) -> None:
+    """Refuse edited migrations; keep the checksum of those applied before
+    checksums were (their file as it is now is taken to be what ran)."""
+    changed = _changed(done, migrations)
+    if changed:
+        raise MigrationChanged(_changed_line(changed))
+    for migration in migrations:
+        if migration.version in done and done[migration.version] is None:
+            await conn.execute(
+                query("record_migration_checksum"), (migration.checksum, migration.version)
+            )
+
+
+async def _apply(conn: psycopg.AsyncConnection[Any], migration: Migration) -> None:
+    record = (migration.version, migration.name, migration.checksum)
+    if migration.transactional:
+        async with conn.transaction():
+            await conn.execute(migration.sql.encode())
+            await conn.execute(query("record_migration"), record)
+        return
+    for statement in migration.statements():
+        await conn.execute(statement.encode())
+    await conn.execute(query("record_migration"), record)
+
+
+def _changed(done: dict[int, str | None], migrations: Sequence[Migration]) -> list[int]:
+    return [
+        m.version
+        for m in migrations
+        if done.get(m.version) is not None and done[m.version] != m.checksum
+    ]
+
+
+def _changed_line(changed: list[int]) -> str:
+    return (
+        f"migrations {changed} were edited after they were applied to this database "
+        "(their checksums differ): restore the released files, and add a new migration instead"
+    )
 
 
 @dataclass(frozen=True)
 class SchemaState:
-    """Which migrations this code has that the database lacks, and the other way."""
+    """Which migrations this code has that the database lacks, the other
+    way, and which it applied from a file since edited."""
 
     pending: list[int]
     unknown: list[int]
+    changed: list[int]
 
     @property
     def current(self) -> bool:
-        return not self.pending and not self.unknown
+        return not self.pending and not self.unknown and not self.changed
 
     def problem(self) -> str | None:
         """One readable line when the code and the database disagree."""
@@ -75,6 +167,8 @@ class SchemaState:
                 f"the database has migrations this code does not know ({self.unknown}): "
                 "upgrade oncely"
             )
+        if self.changed:
+            return _changed_line(self.changed)
         if self.pending:
             return f"the database schema is behind ({self.pending} pending): run `oncely migrate`"
         return None
@@ -88,12 +182,20 @@ async def schema_state(conn: psycopg.AsyncConnection[Any]) -> SchemaState:
     """Compare the applied migrations with this code's (nothing applied: all pending)."""
     cur = await conn.execute(query("migrations_table_exists"))
     row = await cur.fetchone()
-    done: set[int] = set()
+    done: dict[int, str | None] = {}
     if row is not None and row[0]:
-        cur = await conn.execute(query("applied_migrations"))
-        done = {int(r[0]) for r in await cur.fetchall()}
-    known = {m.version for m in available()}
-    return SchemaState(pending=sorted(known - done), unknown=sorted(done - known))
+        cur = await conn.execute(query("migrations_have_checksums"))
+        checksums = await cur.fetchone()
+        listed = "applied_migrations" if checksums and checksums[0] else "applied_versions"
+        cur = await conn.execute(query(listed))
+        done = {int(r[0]): (r[1] if len(r) > 1 else None) for r in await cur.fetchall()}
+    migrations = available()
+    known = {m.version for m in migrations}
+    return SchemaState(
+        pending=sorted(known - set(done)),
+        unknown=sorted(set(done) - known),
+        changed=_changed(done, migrations),
+    )
 
 
 async def check_schema(conninfo: str) -> SchemaState:
