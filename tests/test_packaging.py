@@ -225,6 +225,32 @@ def test_the_client_imports_none_of_the_servers_libraries() -> None:
     assert done.stdout.strip() == "", f"import oncely.client loaded {done.stdout.strip()}"
 
 
+def test_the_constraints_pin_every_requirement_within_its_bounds() -> None:
+    """constraints.txt (what make test installs) stays inside pyproject's
+    ranges, and the libraries oncely reaches into are held to one minor."""
+    pins = {
+        (r := Requirement(line)).name.lower().replace("_", "-"): r
+        for line in (ROOT / "constraints.txt").read_text().splitlines()
+        if line and not line.startswith("#")
+    }
+    project = _project()
+    wanted = [*project["dependencies"], *project["optional-dependencies"]["binary"]]
+    for extra in ("test", "embedded", "docs", "bench", "otel"):
+        wanted += project["optional-dependencies"][extra]
+    for spec in wanted:
+        requirement = Requirement(spec)
+        name = requirement.name.lower().replace("_", "-")
+        assert name in pins, f"{name} is not in constraints.txt"
+        [pinned] = pins[name].specifier
+        assert requirement.specifier.contains(pinned.version), (name, pinned.version)
+    for held in ("fastapi", "uvicorn", "redis"):
+        bounds = {
+            s.operator: s.version for s in _requirements(project["dependencies"])[held].specifier
+        }
+        low, high = bounds[">="].split("."), bounds["<"].split(".")
+        assert high[:-1] == low[:2][:-1] and int(high[-1]) == int(low[1]) + 1, (held, bounds)
+
+
 def test_oncely_version_loads_neither_settings_nor_servers_libraries() -> None:
     """`oncely --version` and `--help` start at once: the CLI imports
     settings, logging and the servers' clients in the commands that use them."""
