@@ -269,6 +269,29 @@ async def test_wait_gives_up_on_a_job_still_queued(api, api_key):
     assert isinstance(timed_out.value, DeadlineExceeded)
 
 
+async def test_a_wait_whose_last_read_runs_out_of_time_is_a_wait_timeout(api, api_key):
+    """The first read answers (queued); the next ones hang until the wait's
+    time is spent: the wait timed out on the job as last seen, the same
+    error as when its time ends between reads."""
+    reads: list[str] = []
+
+    async def slow_after_the_first(request: httpx.Request) -> httpx.Response:
+        if request.method == "GET":
+            reads.append(request.url.path)
+            if len(reads) > 1:
+                await asyncio.sleep(30)
+        return await api.handle_async_request(request)
+
+    transport = httpx.MockTransport(slow_after_the_first)
+    async with AsyncClient(BASE, api_key, transport=transport, poll=FAST) as client:
+        accepted = await client.submit("/v1/summaries", SUMMARY)
+        with pytest.raises(WaitTimedOut) as timed_out:
+            await client.wait("/v1/summaries", accepted.job_id, timeout_s=0.5)
+    assert timed_out.value.job.status == "queued"
+    assert isinstance(timed_out.value.__cause__, DeadlineExceeded)
+    assert len(reads) >= 2
+
+
 # -- retries keep one key and make one job --------------------------------------------
 
 

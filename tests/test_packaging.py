@@ -4,6 +4,7 @@ as files (CI also runs `docker-compose config` and hadolint on them)."""
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
@@ -76,7 +77,7 @@ def test_psycopg_is_plain_and_its_binary_build_an_extra() -> None:
     assert _requirements(project["optional-dependencies"]["binary"])["psycopg"].extras == {"binary"}
     makefile = (ROOT / "Makefile").read_text()
     # Both installs of the Makefile (make dev's and the contributor tools') take it.
-    installs = re.findall(r"pip install --quiet -e '\.\[([a-z,]+)\]'", makefile)
+    installs = re.findall(r"pip install --quiet \$\(PIN\) -e '\.\[([a-z,]+)\]'", makefile)
     assert len(installs) == 2 and all("binary" in extras.split(",") for extras in installs)
 
 
@@ -263,6 +264,41 @@ def test_oncely_version_loads_neither_settings_nor_servers_libraries() -> None:
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert done.stdout.startswith("oncely "), done.stdout
     assert done.stdout.splitlines()[-1] == "", f"--version loaded {done.stdout.splitlines()[-1]}"
+
+
+def test_no_two_modules_import_each_other() -> None:
+    """No import cycle among oncely's modules, type-only imports included:
+    a type two modules share lives in a leaf both import."""
+    src = ROOT / "src"
+    modules = {
+        ".".join(p.relative_to(src).with_suffix("").parts).removesuffix(".__init__"): p
+        for p in src.rglob("*.py")
+    }
+    imports: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        found: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                for alias in node.names:
+                    full = f"{node.module}.{alias.name}"
+                    found.add(full if full in modules else node.module)
+            elif isinstance(node, ast.Import):
+                found |= {alias.name for alias in node.names}
+        imports[name] = {m for m in found if m in modules and m != name and m != "oncely"}
+
+    def reaches(start: str, goal: str) -> bool:
+        seen, todo = set(), [start]
+        while todo:
+            here = todo.pop()
+            if here == goal:
+                return True
+            if here not in seen:
+                seen.add(here)
+                todo += imports[here]
+        return False
+
+    cycles = sorted((a, b) for a in imports for b in imports[a] if a < b and reaches(b, a))
+    assert cycles == [], f"modules importing each other (directly or not): {cycles}"
 
 
 def test_every_public_name_is_exported_and_resolves() -> None:

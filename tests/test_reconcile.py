@@ -72,7 +72,10 @@ async def test_done_and_dead_jobs_are_never_requeued(pool, stream, jobs):
     dead = await accept(pool, None, age_s=600)
     async with pool.connection() as conn:
         await conn.execute("UPDATE jobs SET status = 'done' WHERE job_id = %s", (done,))
-        await conn.execute(query("mark_job_dead"), ("permanent: 400", dead))
+        await conn.execute(
+            query("mark_job_dead"),
+            {"error": "permanent: 400", "job_id": dead, "generation": None},
+        )
     assert await Reconciler(jobs, "summaries", after_s=300).run_once() == 0
 
 

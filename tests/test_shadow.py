@@ -25,9 +25,9 @@ from oncely.llm.limiter import FleetLimiter, LimitedLLM, Limits
 from oncely.queue.stream import JobMessage, Stream
 from oncely.queue.worker import Worker
 from oncely.shadow.config import parse_primary, parse_shadow, sampled
+from oncely.shadow.dispatch import PRIMARY_FIELD
 from oncely.shadow.evaluate import Evaluation, evaluate, field_agreement
 from oncely.shadow.report import Thresholds, build_report, gate
-from oncely.shadow.run import PRIMARY_FIELD
 from oncely.shadow.store import ShadowResults
 from tests.helpers import count, drain
 from tests.processes import oncely

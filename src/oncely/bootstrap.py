@@ -50,8 +50,9 @@ from oncely.senders import EffectRouter, SendersConfig, build_router
 from oncely.services import Progress, Service
 from oncely.settings import Settings
 from oncely.shadow.config import ShadowSpec, check_workflows, parse_primary, parse_shadow
+from oncely.shadow.dispatch import ShadowDispatch
 from oncely.shadow.evaluate import ModelJudge
-from oncely.shadow.run import ShadowDispatch, ShadowHandler
+from oncely.shadow.run import ShadowHandler
 from oncely.shadow.store import ShadowResults
 from oncely.sql.migrate import SchemaMismatch, schema_state
 from oncely.usage.budgets import BudgetLimits, Budgets

@@ -13,15 +13,15 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from fastapi import APIRouter, FastAPI
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from psycopg_pool import AsyncConnectionPool
 
 from oncely import __version__, redis_client
 from oncely.api.auth import ApiKeyAuth, TenantDependency
+from oncely.api.clients import Clients
 from oncely.api.edge import Edge
 from oncely.api.idempotency import (
     RETENTION_POLICY,
@@ -43,7 +43,6 @@ from oncely.console import console_router
 from oncely.jobs.checkpoints import Checkpoints
 from oncely.jobs.store import Jobs, run_statement
 from oncely.queue.stream import Stream
-from oncely.redis_client import RedisClient
 from oncely.usage.budgets import BudgetLimits, Budgets
 
 DESCRIPTION = f"""
@@ -97,13 +96,6 @@ class ApiConfig:
     # The operator key of the web console at /console (None: no console).
     # Kept out of repr so that it never reaches a log line.
     console_key: str | None = field(default=None, repr=False)
-
-
-class Clients(Protocol):
-    @property
-    def redis(self) -> RedisClient: ...
-    @property
-    def pool(self) -> AsyncConnectionPool: ...
 
 
 class OncelyAPI:

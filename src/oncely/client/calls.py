@@ -13,20 +13,18 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import httpx
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 from pydantic_core import to_json
 
-from oncely.client.errors import WaitTimedOut, error_for, gave_up
-from oncely.client.jobs import (
-    Accepted,
-    Cancelled,
-    EventReceived,
-    Job,
-    read_accepted,
-    read_cancelled,
-    read_event,
-    read_job,
+from oncely.client.errors import (
+    DeadlineExceeded,
+    Problem,
+    UnexpectedResponse,
+    WaitTimedOut,
+    error_for,
+    gave_up,
 )
+from oncely.client.jobs import Accepted, Cancelled, EventReceived, Job
 from oncely.client.policy import Policy, reason_of, retry_after_of, retry_delay_s, worth_retrying
 
 T = TypeVar("T")
@@ -169,8 +167,17 @@ def wait(
     and its retries end by ``timeout_s``."""
     deadline_at = policy.clock() + timeout_s
     polls = 0
+    job: Job[Any] | None = None
     while True:
-        job = yield from get(policy, route, job_id, result_type, deadline_at)
+        try:
+            job = yield from get(policy, route, job_id, result_type, deadline_at)
+        except DeadlineExceeded as exc:
+            # A later read that ran out of the wait's time: the wait timed
+            # out, on the job as last seen. (The first read failing, or the
+            # service answering 503 to the end, is the error it is.)
+            if job is None or type(exc) is not DeadlineExceeded:
+                raise
+            raise WaitTimedOut(job, timeout_s=timeout_s, polls=polls) from exc
         polls += 1
         if job.finished or (until_waiting and job.status == "waiting"):
             return job
@@ -228,4 +235,60 @@ def _retry_delay(
         backoff=policy.retry,
         retry_after_s=retry_after_of(outcome),
         rand=policy.rand,
+    )
+
+
+# -- answers into their types ---------------------------------------------------
+
+
+def read_accepted(response: httpx.Response, *, idempotency_key: str) -> Accepted:
+    try:
+        body = response.json()
+        return Accepted.model_validate(
+            {
+                **(body if isinstance(body, dict) else {}),
+                "location": response.headers.get("location", ""),
+                "replayed": response.headers.get("idempotent-replayed") == "true",
+            }
+        )
+    except (ValueError, ValidationError) as exc:
+        raise UnexpectedResponse(
+            _unreadable(response, "Accepted", exc), idempotency_key=idempotency_key
+        ) from exc
+
+
+def read_event(response: httpx.Response, *, idempotency_key: str) -> EventReceived:
+    try:
+        return EventReceived.model_validate(
+            {**response.json(), "replayed": response.headers.get("idempotent-replayed") == "true"}
+        )
+    except (ValueError, TypeError, ValidationError) as exc:
+        raise UnexpectedResponse(
+            _unreadable(response, "EventReceived", exc), idempotency_key=idempotency_key
+        ) from exc
+
+
+def read_cancelled(response: httpx.Response) -> Cancelled:
+    try:
+        return Cancelled.model_validate_json(response.content)
+    except ValidationError as exc:
+        raise UnexpectedResponse(_unreadable(response, "Cancelled", exc)) from exc
+
+
+def read_job(response: httpx.Response, result_type: type[BaseModel] | None) -> Job[Any]:
+    model: type[Job[Any]] = Job[dict[str, Any]] if result_type is None else Job[result_type]  # type: ignore[valid-type]
+    try:
+        return model.model_validate_json(response.content)
+    except ValidationError as exc:
+        raise UnexpectedResponse(_unreadable(response, model.__name__, exc)) from exc
+
+
+def _unreadable(response: httpx.Response, what: str, exc: Exception) -> Problem:
+    found = (
+        f"{exc.error_count()} validation errors" if isinstance(exc, ValidationError) else "no JSON"
+    )
+    return Problem(
+        status=response.status_code,
+        title="Unexpected response",
+        detail=f"the answer is not a {what}: {found}",
     )

@@ -6,12 +6,9 @@ from __future__ import annotations
 
 import uuid
 from datetime import datetime
-from typing import Any, Generic, Literal, TypeVar
+from typing import Generic, Literal, TypeVar
 
-import httpx
-from pydantic import BaseModel, ConfigDict, ValidationError
-
-from oncely.client.errors import Problem, UnexpectedResponse
+from pydantic import BaseModel, ConfigDict
 
 R = TypeVar("R")
 M = TypeVar("M", bound=BaseModel)
@@ -113,56 +110,3 @@ class Job(BaseModel, Generic[R]):
     def finished(self) -> bool:
         """Done, dead or cancelled: nothing about it changes any more."""
         return self.status in FINISHED
-
-
-def read_accepted(response: httpx.Response, *, idempotency_key: str) -> Accepted:
-    try:
-        body = response.json()
-        return Accepted.model_validate(
-            {
-                **(body if isinstance(body, dict) else {}),
-                "location": response.headers.get("location", ""),
-                "replayed": response.headers.get("idempotent-replayed") == "true",
-            }
-        )
-    except (ValueError, ValidationError) as exc:
-        raise UnexpectedResponse(
-            _unreadable(response, "Accepted", exc), idempotency_key=idempotency_key
-        ) from exc
-
-
-def read_event(response: httpx.Response, *, idempotency_key: str) -> EventReceived:
-    try:
-        return EventReceived.model_validate(
-            {**response.json(), "replayed": response.headers.get("idempotent-replayed") == "true"}
-        )
-    except (ValueError, TypeError, ValidationError) as exc:
-        raise UnexpectedResponse(
-            _unreadable(response, "EventReceived", exc), idempotency_key=idempotency_key
-        ) from exc
-
-
-def read_cancelled(response: httpx.Response) -> Cancelled:
-    try:
-        return Cancelled.model_validate_json(response.content)
-    except ValidationError as exc:
-        raise UnexpectedResponse(_unreadable(response, "Cancelled", exc)) from exc
-
-
-def read_job(response: httpx.Response, result_type: type[BaseModel] | None) -> Job[Any]:
-    model: type[Job[Any]] = Job[dict[str, Any]] if result_type is None else Job[result_type]  # type: ignore[valid-type]
-    try:
-        return model.model_validate_json(response.content)
-    except ValidationError as exc:
-        raise UnexpectedResponse(_unreadable(response, model.__name__, exc)) from exc
-
-
-def _unreadable(response: httpx.Response, what: str, exc: Exception) -> Problem:
-    found = (
-        f"{exc.error_count()} validation errors" if isinstance(exc, ValidationError) else "no JSON"
-    )
-    return Problem(
-        status=response.status_code,
-        title="Unexpected response",
-        detail=f"the answer is not a {what}: {found}",
-    )

@@ -30,7 +30,7 @@ from oncely.outbox.store import OutboxStore
 from oncely.usage import ledger
 
 if TYPE_CHECKING:
-    from oncely.api.app import OncelyAPI
+    from oncely.api.clients import Host
 
 log = structlog.get_logger("oncely.console")
 
@@ -72,7 +72,7 @@ def _when(value: datetime | float | None) -> str:
 class Console:
     """What every page needs: the API's clients, the key and the templates."""
 
-    def __init__(self, api: OncelyAPI, key: str) -> None:
+    def __init__(self, api: Host, key: str) -> None:
         self.api = api
         self.key = ConsoleKey(key)
         self.templates = _templates()
@@ -125,7 +125,7 @@ async def _form(request: Request) -> dict[str, str]:
     return {name: values[0] for name, values in fields.items()}
 
 
-def console_router(api: OncelyAPI, key: str) -> APIRouter:
+def console_router(api: Host, key: str) -> APIRouter:
     """The console's routes under /console for ``api``'s app, behind ``key``."""
     console = Console(api, key)
     router = APIRouter(prefix="/console", include_in_schema=False)

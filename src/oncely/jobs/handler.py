@@ -45,12 +45,12 @@ from oncely.llm.model import Model, ModelRoute
 from oncely.outbox.wakeup import OutboxWakeUp
 from oncely.queue.stream import JobMessage
 from oncely.retry import Deadline, RetryPolicy, classify
+from oncely.shadow.dispatch import ShadowDispatch
 from oncely.usage.ledger import CallSite
 from oncely.workflow import WAIT_MAX_S, Context, Variant, Workflow
 
 if TYPE_CHECKING:
     from oncely.queue.worker import Delivery
-    from oncely.shadow.run import ShadowDispatch
 
 log = structlog.get_logger("oncely.handler")
 

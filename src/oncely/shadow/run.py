@@ -20,8 +20,7 @@ redelivered later like any job's.
 
 from __future__ import annotations
 
-import json
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -33,9 +32,9 @@ from oncely.jobs.handler import StepConfig, checked_result, step_model
 from oncely.journal import Ephemeral, Journal
 from oncely.llm.base import LLM
 from oncely.llm.model import Model, ModelRoute
-from oncely.queue.stream import JobMessage, Stream
+from oncely.queue.stream import JobMessage
 from oncely.retry import classify
-from oncely.shadow.config import sampled
+from oncely.shadow.dispatch import PRIMARY_FIELD
 from oncely.shadow.evaluate import Evaluation, ModelJudge, evaluate
 from oncely.shadow.store import ShadowResults, ShadowRun
 from oncely.usage.ledger import CallSite, Ledger
@@ -46,35 +45,7 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("oncely.shadow")
 
-# The message field carrying the primary result (JSON) to compare with.
-PRIMARY_FIELD = "primary"
 _ERROR_CHARS = 500
-
-
-class ShadowDispatch:
-    """The shadow variants of one workflow, each with its rate and stream."""
-
-    def __init__(self, shadows: Sequence[tuple[str, float, Stream]]) -> None:
-        self.shadows = list(shadows)
-
-    async def after_commit(self, message: JobMessage, result: Mapping[str, Any]) -> None:
-        """Enqueue the job for every shadow variant whose sample it is in.
-        Never raises: a failure is logged and that shadow run is skipped."""
-        due = [(v, stream) for v, rate, stream in self.shadows if sampled(message.job_id, rate)]
-        if not due:
-            return
-        primary = json.dumps(result, separators=(",", ":"))
-        shadow = JobMessage.new(message.job_id, message.tenant, message.payload)
-        for variant, stream in due:
-            try:
-                await stream.enqueue(shadow, {PRIMARY_FIELD: primary})
-            except Exception as exc:
-                log.warning(
-                    "shadow.enqueue_failed",
-                    job_id=message.job_id,
-                    variant=variant,
-                    error=f"{type(exc).__name__}: {exc}"[:_ERROR_CHARS],
-                )
 
 
 class ShadowHandler:
