@@ -5,6 +5,8 @@ as files (CI also runs `docker-compose config` and hadolint on them)."""
 from __future__ import annotations
 
 import ast
+import contextlib
+import inspect
 import json
 import os
 import re
@@ -12,7 +14,7 @@ import subprocess
 import sys
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import Any, get_type_hints
 from urllib.parse import urlsplit
 
 import pytest
@@ -299,6 +301,41 @@ def test_no_two_modules_import_each_other() -> None:
 
     cycles = sorted((a, b) for a in imports for b in imports[a] if a < b and reaches(b, a))
     assert cycles == [], f"modules importing each other (directly or not): {cycles}"
+
+
+def _signatures(obj: Any) -> list[tuple[str, dict[str, Any]]]:
+    """A public object's typed parts: each method's, property's and field's
+    hints, by member name."""
+    members: list[tuple[str, Any]] = [("", obj)] if not inspect.isclass(obj) else []
+    if inspect.isclass(obj):
+        for attr, value in vars(obj).items():
+            if attr == "__init__" or not attr.startswith("_"):
+                getter = value.fget if isinstance(value, property) else value
+                if callable(getter):
+                    members.append((attr, getter))
+        with contextlib.suppress(Exception):
+            members += [(f, {"field": hint}) for f, hint in get_type_hints(obj).items()]
+    found = []
+    for attr, member in members:
+        with contextlib.suppress(Exception):
+            found.append((attr, member if isinstance(member, dict) else get_type_hints(member)))
+    return found
+
+
+def test_every_type_in_a_public_signature_is_exported_too() -> None:
+    """What a user meets through a public name (a parameter, a return, a
+    field) can be imported from ``oncely`` as well. Constructing a Model and
+    naming a workflow's keys are oncely's own business."""
+    internal = {"Model.__init__", "Workflow.keys"}
+    missing: dict[str, set[str]] = {}
+    for name in oncely.__all__:
+        for attr, hints in _signatures(getattr(oncely, name)):
+            where = f"{name}.{attr}" if attr else name
+            for hint in hints.values():
+                for used in re.findall(r"oncely\.[\w.]+\.(\w+)", repr(hint)):
+                    if used not in oncely.__all__ and where not in internal:
+                        missing.setdefault(used, set()).add(where)
+    assert missing == {}, f"used in public signatures but not exported: {missing}"
 
 
 def test_every_public_name_is_exported_and_resolves() -> None:

@@ -19,21 +19,29 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "App": "oncely.app",
     "Email": "oncely.effects",
+    "EmailEffect": "oncely.effects",
     "Event": "oncely.effects",
+    "WebhookEffect": "oncely.effects",
     "email": "oncely.effects",
     "webhook": "oncely.effects",
     "DeadlineExceeded": "oncely.errors",
     "PermanentError": "oncely.errors",
     "TransientError": "oncely.errors",
     "JobRecord": "oncely.jobs.store",
+    "Emitted": "oncely.journal",
     "InvalidOutput": "oncely.llm.model",
     "Model": "oncely.llm.model",
     "Usage": "oncely.llm.model",
+    "Deadline": "oncely.retry",
+    "RetryPolicy": "oncely.retry",
     "Evaluation": "oncely.shadow.evaluate",
     "ModelJudge": "oncely.shadow.evaluate",
     "field_agreement": "oncely.shadow.evaluate",
     "Context": "oncely.workflow",
     "JobView": "oncely.workflow",
+    "StepView": "oncely.workflow",
+    "UsageView": "oncely.workflow",
+    "WaitingView": "oncely.workflow",
     "Variant": "oncely.workflow",
     "Workflow": "oncely.workflow",
 }
@@ -41,8 +49,11 @@ _EXPORTS = {
 __all__ = [
     "App",
     "Context",
+    "Deadline",
     "DeadlineExceeded",
     "Email",
+    "EmailEffect",
+    "Emitted",
     "Evaluation",
     "Event",
     "InvalidOutput",
@@ -51,9 +62,14 @@ __all__ = [
     "Model",
     "ModelJudge",
     "PermanentError",
+    "RetryPolicy",
+    "StepView",
     "TransientError",
     "Usage",
+    "UsageView",
     "Variant",
+    "WaitingView",
+    "WebhookEffect",
     "Workflow",
     "__version__",
     "email",
@@ -63,12 +79,22 @@ __all__ = [
 
 if TYPE_CHECKING:
     from oncely.app import App
-    from oncely.effects import Email, Event, email, webhook
+    from oncely.effects import Email, EmailEffect, Event, WebhookEffect, email, webhook
     from oncely.errors import DeadlineExceeded, PermanentError, TransientError
     from oncely.jobs.store import JobRecord
+    from oncely.journal import Emitted
     from oncely.llm.model import InvalidOutput, Model, Usage
+    from oncely.retry import Deadline, RetryPolicy
     from oncely.shadow.evaluate import Evaluation, ModelJudge, field_agreement
-    from oncely.workflow import Context, JobView, Variant, Workflow
+    from oncely.workflow import (
+        Context,
+        JobView,
+        StepView,
+        UsageView,
+        Variant,
+        WaitingView,
+        Workflow,
+    )
 
 
 def __getattr__(name: str) -> Any:
