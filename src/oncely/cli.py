@@ -244,7 +244,7 @@ def migrate(
     ] = False,
 ) -> None:
     """Apply pending database migrations (safe to run from many processes at once)."""
-    from oncely.bootstrap import require_urls
+    from oncely.bootstrap.clients import require_urls
     from oncely.sql.migrate import MigrationChanged, check_schema
     from oncely.sql.migrate import migrate as run_migrations
 
@@ -267,7 +267,7 @@ def migrate(
 @app.command()
 def api(host: HostOpt = "127.0.0.1", port: PortOpt = 8000) -> None:
     """Serve the HTTP API."""
-    from oncely.bootstrap import serve_api
+    from oncely.bootstrap.processes import serve_api
 
     _run(serve_api(_settings(), host=host, port=port))
 
@@ -275,7 +275,7 @@ def api(host: HostOpt = "127.0.0.1", port: PortOpt = 8000) -> None:
 @app.command()
 def worker(workflow: WorkflowsOpt = None) -> None:
     """Run a stream worker for the app's workflows (SIGTERM drains in-flight jobs)."""
-    from oncely.bootstrap import run_worker
+    from oncely.bootstrap.processes import run_worker
 
     settings = _settings()
     _run(run_worker(settings, _workflows(settings, workflow)))
@@ -284,7 +284,7 @@ def worker(workflow: WorkflowsOpt = None) -> None:
 @app.command()
 def relay() -> None:
     """Run an outbox relay: deliver every effect once (SIGTERM finishes sends in flight)."""
-    from oncely.bootstrap import run_relay
+    from oncely.bootstrap.processes import run_relay
 
     _run(run_relay(_settings()))
 
@@ -401,7 +401,7 @@ def _serve_forever(coro: Coroutine[Any, Any, None]) -> None:
     """Run a server coroutine until SIGTERM or Ctrl-C."""
 
     async def main() -> None:
-        from oncely.bootstrap import stop_on_signals
+        from oncely.bootstrap.processes import stop_on_signals
 
         task = asyncio.create_task(coro)
         with stop_on_signals(task.cancel), contextlib.suppress(asyncio.CancelledError):

@@ -13,7 +13,8 @@ from dataclasses import asdict
 from datetime import UTC, datetime
 
 from oncely.app import App
-from oncely.bootstrap import app_from, budgets, jobs_for, open_resources, shadow_streams
+from oncely.bootstrap.clients import budgets, jobs_for, open_resources, shadow_streams
+from oncely.bootstrap.configs import app_from
 from oncely.jobs import dead_letters
 from oncely.jobs.checkpoints import Cancelled, Checkpoints, Rewound
 from oncely.jobs.inspection import UNREPORTED_NOTE, JobView, inspect_job

@@ -1,380 +1,75 @@
-"""The composition root: settings in, configs, clients and services out.
-
-The only module (with the CLI) that reads ``Settings``: every library
-component takes a config dataclass, mapped here in one place.
-"""
+"""Running the processes: the API server, the workers of an app's
+workflows, the relay, their health server, and the signals that stop them."""
 
 from __future__ import annotations
 
 import asyncio
 import gc
-import math
 import signal
-from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import asynccontextmanager, contextmanager
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import structlog
 import uvicorn
-from psycopg import conninfo
-from psycopg_pool import AsyncConnectionPool
-from redis.asyncio import Redis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisClusterException
 
 from oncely import names
-from oncely.app import App, load_app
+from oncely.app import App
+from oncely.bootstrap.clients import (
+    Resources,
+    connect_llm,
+    jobs_for,
+    ledger_for,
+    open_resources,
+    require_current_schema,
+)
+from oncely.bootstrap.configs import (
+    ShadowPlan,
+    api_config,
+    app_from,
+    cooldown_policy,
+    limits,
+    relay_config,
+    senders_config,
+    shadow_plan,
+    step_config,
+    worker_config,
+)
 from oncely.health import HealthConfig, HealthServer
 from oncely.jobs.checkpoints import Checkpoints
 from oncely.jobs.handler import StepConfig, WorkflowHandler
 from oncely.jobs.reconcile import Reconciler
 from oncely.jobs.retention import Retention
-from oncely.jobs.store import Jobs
 from oncely.jobs.timers import Timers
 from oncely.llm.base import LLM
-from oncely.llm.limiter import FleetLimiter, LimitedLLM, Limits
+from oncely.llm.limiter import FleetLimiter, LimitedLLM
 from oncely.llm.model import ModelRoute
 from oncely.llm.openai_compat import OpenAICompatible
-from oncely.llm.routing import Cooldown, CooldownPolicy, ModelSpec, Target, parse_models
-from oncely.outbox.relay import Relay, RelayConfig
+from oncely.llm.routing import Cooldown, ModelSpec, Target, parse_models
+from oncely.outbox.relay import Relay
 from oncely.outbox.store import OutboxStore
 from oncely.outbox.wakeup import OutboxWakeUp
 from oncely.queue.stream import Stream
-from oncely.queue.worker import Worker, WorkerConfig
-from oncely.redis_client import ClusterClient, HiredisPacked, RedisClient, SharedConnectionRedis
-from oncely.retry import RetryPolicy
-from oncely.senders import EffectRouter, SendersConfig, build_router
+from oncely.queue.worker import Worker
+from oncely.senders import EffectRouter, build_router
 from oncely.services import Progress, Service
 from oncely.settings import Settings
-from oncely.shadow.config import ShadowSpec, check_workflows, parse_primary, parse_shadow
+from oncely.shadow.config import ShadowSpec
 from oncely.shadow.dispatch import ShadowDispatch
 from oncely.shadow.evaluate import ModelJudge
 from oncely.shadow.run import ShadowHandler
 from oncely.shadow.store import ShadowResults
-from oncely.sql.migrate import SchemaMismatch, schema_state
-from oncely.usage.budgets import BudgetLimits, Budgets
-from oncely.usage.ledger import Ledger
-from oncely.usage.prices import Prices
 from oncely.workflow import Variant, Workflow
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
-    from oncely.api.app import ApiConfig, OncelyAPI
+    from oncely.api.app import OncelyAPI
     from oncely.api.auth import TenantDependency
 
+
 log = structlog.get_logger("oncely.process")
-
-
-# -- settings → component configs -------------------------------------------------
-
-
-def api_config(s: Settings) -> ApiConfig:
-    from oncely.api.app import ApiConfig
-
-    return ApiConfig(
-        lock_ttl_s=s.idempotency_lock_ttl_s,
-        result_ttl_s=s.idempotency_result_ttl_s,
-        max_body_bytes=s.max_body_bytes,
-        max_hold_s=s.idempotency_max_hold_s,
-        statement_timeout_s=client_bounds(s).statement_timeout_s,
-        tenant_rpm=s.tenant_rpm,
-        api_key_cache_s=s.api_key_cache_s,
-        unknown_keys_per_minute=s.api_key_unknown_per_min,
-        tenant_daily_tokens=s.tenant_daily_tokens,
-        tenant_daily_usd=s.tenant_daily_usd,
-        max_headers=s.http_max_headers,
-        max_header_bytes=s.http_max_header_bytes,
-        body_timeout_s=s.http_body_timeout_s,
-        console_key=s.console_key.get_secret_value() if s.console_key else None,
-    )
-
-
-def worker_config(s: Settings) -> WorkerConfig:
-    return WorkerConfig(
-        concurrency=s.worker_concurrency,
-        claim_idle_ms=s.claim_idle_ms,
-        max_deliveries=s.max_deliveries,
-        block_ms=s.block_ms,
-        shutdown_grace_s=s.shutdown_grace_s,
-        trim_every_s=s.stream_trim_every_s,
-        handler_timeout_s=s.job_budget_s + s.job_grace_s,
-        redelivery_base_s=s.redelivery_base_s,
-        redelivery_max_s=s.redelivery_max_s,
-        job_max_age_s=s.job_max_age_s,
-    )
-
-
-def retry_policy(s: Settings) -> RetryPolicy:
-    return RetryPolicy(
-        per_call_timeout_s=s.llm_timeout_s,
-        max_attempts=s.llm_max_attempts,
-        backoff_base_s=s.llm_backoff_base_s,
-        backoff_max_s=s.llm_backoff_max_s,
-        retry_after_max_s=s.llm_retry_after_max_s,
-    )
-
-
-def step_config(s: Settings) -> StepConfig:
-    return StepConfig(
-        policy=retry_policy(s),
-        budget_s=s.job_budget_s,
-        invalid_output_retries=s.llm_invalid_output_retries,
-        model_name=s.llm_model,
-        wait_max_s=s.wait_max_s,
-    )
-
-
-def limits(s: Settings) -> Limits:
-    return Limits(rpm=s.llm_rpm, tpm=s.llm_tpm, pause_max_s=s.llm_retry_after_max_s)
-
-
-def cooldown_policy(s: Settings) -> CooldownPolicy:
-    return CooldownPolicy(
-        failures=s.llm_cooldown_failures,
-        window_s=s.llm_cooldown_window_s,
-        cooldown_s=s.llm_cooldown_s,
-        # A probe is one call: out for at most one attempt's time.
-        probe_s=s.llm_timeout_s + 5,
-    )
-
-
-def budgets(s: Settings, redis: RedisClient) -> Budgets:
-    limits = BudgetLimits(daily_tokens=s.tenant_daily_tokens, daily_usd=s.tenant_daily_usd)
-    return Budgets(redis, limits)
-
-
-def ledger_for(res: Resources) -> Ledger:
-    """The worker's ledger. It counts tenants' spend for budgets even while
-    none is set: one turned on mid-day then counts the day's spend so far."""
-    s = res.settings
-    return Ledger(
-        res.pool,
-        prices=Prices.parse(s.llm_prices),
-        budgets=budgets(s, res.redis),
-        flush_s=s.ledger_flush_s,
-        retention_s=s.ledger_retention_s,
-        statement_timeout_s=s.pg_statement_timeout_s,
-    )
-
-
-def relay_config(s: Settings) -> RelayConfig:
-    return RelayConfig(
-        max_attempts=s.relay_max_attempts,
-        lease_s=s.relay_lease_s,
-        batch=s.relay_batch,
-        concurrency=s.relay_concurrency,
-        poll_s=s.relay_poll_s,
-        retention_s=s.outbox_retention_s,
-    )
-
-
-def senders_config(s: Settings) -> SendersConfig:
-    return SendersConfig(
-        email=s.sender,
-        email_url=s.sender_url,
-        timeout_s=s.sender_timeout_s,
-        webhook_secret=s.webhook_secret.get_secret_value(),
-        smtp_from=s.smtp_from,
-        webhook_urls=dict(s.workflow_webhook_urls),
-        default_webhook_url=s.webhook_url,
-    )
-
-
-def connect_llm(s: Settings) -> OpenAICompatible:
-    return OpenAICompatible.connect(s.llm_base_url, s.llm_api_key.get_secret_value(), s.llm_model)
-
-
-@dataclass(frozen=True)
-class ShadowPlan:
-    """ONCELY_SHADOW and ONCELY_PRIMARY: shadow variants, and each workflow's primary."""
-
-    shadows: list[ShadowSpec]
-    primary: dict[str, str]
-
-    def for_workflow(self, workflow: str) -> list[ShadowSpec]:
-        return [spec for spec in self.shadows if spec.workflow == workflow]
-
-
-def shadow_plan(s: Settings, app: App | None = None) -> ShadowPlan:
-    """The settings' shadow plan; with ``app``, checked against its workflows
-    (ValueError naming the unknown ones)."""
-    plan = ShadowPlan(parse_shadow(s.shadow), parse_primary(s.primary))
-    if app is not None:
-        check_workflows(plan.shadows, plan.primary, app.names, s.app)
-    return plan
-
-
-def shadow_streams(app: App, res: Resources) -> dict[str, Stream]:
-    """The stream of every configured shadow variant of ``app``'s workflows,
-    by ``<workflow>:shadow:<variant>`` (the name its worker logs under)."""
-    plan = shadow_plan(res.settings)
-    return {
-        f"{spec.workflow}:shadow:{spec.variant}": Stream(
-            res.redis, names.shadow_keys(spec.workflow, spec.variant)
-        )
-        for spec in plan.shadows
-        if spec.workflow in app.names
-    }
-
-
-def app_from(s: Settings, only: list[str] | None = None) -> App:
-    """The settings' app, narrowed to the workflows named in ``only``."""
-    return load_app(s.app).only(only or [])
-
-
-# -- clients ----------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Resources:
-    settings: Settings
-    redis: RedisClient
-    pool: AsyncConnectionPool
-
-
-def require_urls(settings: Settings) -> tuple[str, str]:
-    if not settings.redis_url or not settings.database_url:
-        raise SystemExit(
-            "set ONCELY_REDIS_URL and ONCELY_DATABASE_URL (or run `oncely dev`, "
-            "which starts embedded servers)"
-        )
-    return settings.redis_url, settings.database_url
-
-
-@dataclass(frozen=True)
-class ClientBounds:
-    """How long a process waits on its servers (docs/failure-model.md)."""
-
-    # Every Redis command (the socket timeout): a frozen Redis is an error
-    # after this long, never a hang.
-    redis_timeout_s: float
-    # Connecting to Redis or PostgreSQL; also the longest wait for a free
-    # pooled PostgreSQL connection.
-    connect_timeout_s: float
-    # Every SQL statement: on the server (statement_timeout) and on the
-    # client (a frozen server enforces nothing).
-    statement_timeout_s: float
-
-
-def client_bounds(s: Settings) -> ClientBounds:
-    if s.block_ms / 1000 >= s.redis_timeout_s:
-        # A blocking XREADGROUP must answer before the socket gives up on it.
-        raise SystemExit(
-            f"ONCELY_BLOCK_MS ({s.block_ms}) must be below ONCELY_REDIS_TIMEOUT_S "
-            f"({s.redis_timeout_s:g} s)"
-        )
-    return ClientBounds(s.redis_timeout_s, s.connect_timeout_s, s.pg_statement_timeout_s)
-
-
-def make_redis(
-    url: str,
-    *,
-    cluster: bool = False,
-    timeout_s: float = 5.0,
-    connect_timeout_s: float = 5.0,
-    shared: bool = True,
-) -> RedisClient:
-    """A Redis client whose every command answers within ``timeout_s`` (else
-    ``redis.exceptions.TimeoutError``). A command that met a broken
-    connection (a server restarted under a pooled one) is retried once at
-    once on a new connection; a timeout is not retried: that would double
-    the bound. With ``cluster``, ``url`` names any node of a Redis Cluster
-    and the client routes each key to the node owning its slot (docs/production.md,
-    Redis Cluster); the same bounds apply to each node. Without ``shared``,
-    a single server's client is redis-py's own, with no shared connection."""
-    options: dict[str, Any] = {
-        "decode_responses": True,
-        "health_check_interval": 30,
-        "socket_timeout": timeout_s,
-        "socket_connect_timeout": connect_timeout_s,
-    }
-    if cluster:
-        # Retried once on the cluster's refreshed layout (ClusterClient). The
-        # servers' own cluster-require-full-coverage decides whether a partly
-        # served cluster answers; the client refuses no more than they do.
-        try:
-            return ClusterClient.from_url(
-                url, retry=Retry(NoBackoff(), 1), require_full_coverage=False, **options
-            )
-        except RedisClusterException as exc:  # e.g. a database other than 0
-            raise SystemExit(f"ONCELY_REDIS_CLUSTER: {exc}") from None
-    client_class = Redis
-    if shared and url.startswith("redis://"):
-        # Plain TCP: short commands share one connection, the pool's pack
-        # with hiredis. rediss:// and unix:// keep redis-py's own
-        # connections, as a cluster's nodes do.
-        options["connection_class"] = HiredisPacked
-        client_class = SharedConnectionRedis
-    return client_class.from_url(
-        url, retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)), **options
-    )
-
-
-def postgres_pool(database_url: str, s: Settings) -> AsyncConnectionPool:
-    bounds = client_bounds(s)
-    params = conninfo.conninfo_to_dict(database_url)
-    statement_timeout = f"-c statement_timeout={int(bounds.statement_timeout_s * 1000)}"
-    options = f"{params.get('options') or ''} {statement_timeout}".strip()
-    return AsyncConnectionPool(
-        database_url,
-        min_size=s.pg_pool_min,
-        max_size=s.pg_pool_max,
-        open=False,
-        # The longest wait for a free connection: a request fails fast when
-        # the pool has none (server down or frozen) instead of queueing.
-        timeout=bounds.connect_timeout_s,
-        # Give up replacing a lost connection after a second; the pool grows
-        # again on demand, so a returning server serves at once instead of
-        # after a backoff of many seconds.
-        reconnect_timeout=1.0,
-        kwargs={
-            # Each statement commits on its own unless code opens
-            # ``conn.transaction()``: no BEGIN/COMMIT round trips for single
-            # statements, which is every hot-path write.
-            "autocommit": True,
-            # libpq counts whole seconds, at least 2.
-            "connect_timeout": max(2, math.ceil(bounds.connect_timeout_s)),
-            "options": options,
-        },
-    )
-
-
-@asynccontextmanager
-async def open_resources(settings: Settings) -> AsyncIterator[Resources]:
-    redis_url, database_url = require_urls(settings)
-    bounds = client_bounds(settings)
-    redis = make_redis(
-        redis_url,
-        cluster=settings.redis_cluster,
-        timeout_s=bounds.redis_timeout_s,
-        connect_timeout_s=bounds.connect_timeout_s,
-        shared=settings.redis_shared_connection,
-    )
-    pool = postgres_pool(database_url, settings)
-    await pool.open(wait=True, timeout=max(10, bounds.connect_timeout_s))
-    try:
-        yield Resources(settings, redis, pool)
-    finally:
-        await pool.close()
-        await redis.aclose()
-
-
-async def require_current_schema(res: Resources) -> None:
-    """Long-running processes refuse a database that is behind or ahead of
-    this code (one readable line; ``oncely migrate`` first when upgrading)."""
-    async with res.pool.connection() as conn:
-        problem = (await schema_state(conn)).problem()
-    if problem:
-        raise SchemaMismatch(problem)
-
-
-def jobs_for(app: App, res: Resources) -> Jobs:
-    streams = {w.name: Stream(res.redis, w.keys) for w in app}
-    return Jobs(res.pool, streams, statement_timeout_s=res.settings.pg_statement_timeout_s)
 
 
 @contextmanager
@@ -394,9 +89,6 @@ def stop_on_signals(*stops: Callable[[], object]) -> Iterator[None]:
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
-
-
-# -- the API ----------------------------------------------------------------------
 
 
 def http_api(
@@ -490,9 +182,6 @@ async def serve_api(settings: Settings, *, host: str, port: int) -> None:
         server = ApiServer(app, res, host=host, port=port)
         health = health_server(res, list(jobs_for(app, res).streams.values()), [])
         await run_services(server, *([health] if health else []))
-
-
-# -- workers ----------------------------------------------------------------------
 
 
 class WorkerGroup:
@@ -703,9 +392,6 @@ def settle_heap() -> None:
     under load, stalling every request in flight (bench/README.md, Intake)."""
     gc.freeze()
     gc.set_threshold(20_000, 50, 100)
-
-
-# -- the relay --------------------------------------------------------------------
 
 
 def build_relay(app: App, res: Resources) -> tuple[Relay, EffectRouter]:

@@ -1,0 +1,190 @@
+"""Building what the processes share from settings: the Redis client, the
+PostgreSQL pool, the model client, and the stores made of them."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from psycopg import conninfo
+from psycopg_pool import AsyncConnectionPool
+from redis.asyncio import Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisClusterException
+
+from oncely import names
+from oncely.app import App
+from oncely.bootstrap.configs import client_bounds, shadow_plan
+from oncely.jobs.store import Jobs
+from oncely.llm.openai_compat import OpenAICompatible
+from oncely.queue.stream import Stream
+from oncely.redis_client import ClusterClient, HiredisPacked, RedisClient, SharedConnectionRedis
+from oncely.settings import Settings
+from oncely.sql.migrate import SchemaMismatch, schema_state
+from oncely.usage.budgets import BudgetLimits, Budgets
+from oncely.usage.ledger import Ledger
+from oncely.usage.prices import Prices
+
+
+@dataclass(frozen=True)
+class Resources:
+    settings: Settings
+    redis: RedisClient
+    pool: AsyncConnectionPool
+
+
+def require_urls(settings: Settings) -> tuple[str, str]:
+    if not settings.redis_url or not settings.database_url:
+        raise SystemExit(
+            "set ONCELY_REDIS_URL and ONCELY_DATABASE_URL (or run `oncely dev`, "
+            "which starts embedded servers)"
+        )
+    return settings.redis_url, settings.database_url
+
+
+def make_redis(
+    url: str,
+    *,
+    cluster: bool = False,
+    timeout_s: float = 5.0,
+    connect_timeout_s: float = 5.0,
+    shared: bool = True,
+) -> RedisClient:
+    """A Redis client whose every command answers within ``timeout_s`` (else
+    ``redis.exceptions.TimeoutError``). A command that met a broken
+    connection (a server restarted under a pooled one) is retried once at
+    once on a new connection; a timeout is not retried: that would double
+    the bound. With ``cluster``, ``url`` names any node of a Redis Cluster
+    and the client routes each key to the node owning its slot (docs/production.md,
+    Redis Cluster); the same bounds apply to each node. Without ``shared``,
+    a single server's client is redis-py's own, with no shared connection."""
+    options: dict[str, Any] = {
+        "decode_responses": True,
+        "health_check_interval": 30,
+        "socket_timeout": timeout_s,
+        "socket_connect_timeout": connect_timeout_s,
+    }
+    if cluster:
+        # Retried once on the cluster's refreshed layout (ClusterClient). The
+        # servers' own cluster-require-full-coverage decides whether a partly
+        # served cluster answers; the client refuses no more than they do.
+        try:
+            return ClusterClient.from_url(
+                url, retry=Retry(NoBackoff(), 1), require_full_coverage=False, **options
+            )
+        except RedisClusterException as exc:  # e.g. a database other than 0
+            raise SystemExit(f"ONCELY_REDIS_CLUSTER: {exc}") from None
+    client_class = Redis
+    if shared and url.startswith("redis://"):
+        # Plain TCP: short commands share one connection, the pool's pack
+        # with hiredis. rediss:// and unix:// keep redis-py's own
+        # connections, as a cluster's nodes do.
+        options["connection_class"] = HiredisPacked
+        client_class = SharedConnectionRedis
+    return client_class.from_url(
+        url, retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)), **options
+    )
+
+
+def postgres_pool(database_url: str, s: Settings) -> AsyncConnectionPool:
+    bounds = client_bounds(s)
+    params = conninfo.conninfo_to_dict(database_url)
+    statement_timeout = f"-c statement_timeout={int(bounds.statement_timeout_s * 1000)}"
+    options = f"{params.get('options') or ''} {statement_timeout}".strip()
+    return AsyncConnectionPool(
+        database_url,
+        min_size=s.pg_pool_min,
+        max_size=s.pg_pool_max,
+        open=False,
+        # The longest wait for a free connection: a request fails fast when
+        # the pool has none (server down or frozen) instead of queueing.
+        timeout=bounds.connect_timeout_s,
+        # Give up replacing a lost connection after a second; the pool grows
+        # again on demand, so a returning server serves at once instead of
+        # after a backoff of many seconds.
+        reconnect_timeout=1.0,
+        kwargs={
+            # Each statement commits on its own unless code opens
+            # ``conn.transaction()``: no BEGIN/COMMIT round trips for single
+            # statements, which is every hot-path write.
+            "autocommit": True,
+            # libpq counts whole seconds, at least 2.
+            "connect_timeout": max(2, math.ceil(bounds.connect_timeout_s)),
+            "options": options,
+        },
+    )
+
+
+@asynccontextmanager
+async def open_resources(settings: Settings) -> AsyncIterator[Resources]:
+    redis_url, database_url = require_urls(settings)
+    bounds = client_bounds(settings)
+    redis = make_redis(
+        redis_url,
+        cluster=settings.redis_cluster,
+        timeout_s=bounds.redis_timeout_s,
+        connect_timeout_s=bounds.connect_timeout_s,
+        shared=settings.redis_shared_connection,
+    )
+    pool = postgres_pool(database_url, settings)
+    await pool.open(wait=True, timeout=max(10, bounds.connect_timeout_s))
+    try:
+        yield Resources(settings, redis, pool)
+    finally:
+        await pool.close()
+        await redis.aclose()
+
+
+async def require_current_schema(res: Resources) -> None:
+    """Long-running processes refuse a database that is behind or ahead of
+    this code (one readable line; ``oncely migrate`` first when upgrading)."""
+    async with res.pool.connection() as conn:
+        problem = (await schema_state(conn)).problem()
+    if problem:
+        raise SchemaMismatch(problem)
+
+
+def jobs_for(app: App, res: Resources) -> Jobs:
+    streams = {w.name: Stream(res.redis, w.keys) for w in app}
+    return Jobs(res.pool, streams, statement_timeout_s=res.settings.pg_statement_timeout_s)
+
+
+def connect_llm(s: Settings) -> OpenAICompatible:
+    return OpenAICompatible.connect(s.llm_base_url, s.llm_api_key.get_secret_value(), s.llm_model)
+
+
+def budgets(s: Settings, redis: RedisClient) -> Budgets:
+    limits = BudgetLimits(daily_tokens=s.tenant_daily_tokens, daily_usd=s.tenant_daily_usd)
+    return Budgets(redis, limits)
+
+
+def ledger_for(res: Resources) -> Ledger:
+    """The worker's ledger. It counts tenants' spend for budgets even while
+    none is set: one turned on mid-day then counts the day's spend so far."""
+    s = res.settings
+    return Ledger(
+        res.pool,
+        prices=Prices.parse(s.llm_prices),
+        budgets=budgets(s, res.redis),
+        flush_s=s.ledger_flush_s,
+        retention_s=s.ledger_retention_s,
+        statement_timeout_s=s.pg_statement_timeout_s,
+    )
+
+
+def shadow_streams(app: App, res: Resources) -> dict[str, Stream]:
+    """The stream of every configured shadow variant of ``app``'s workflows,
+    by ``<workflow>:shadow:<variant>`` (the name its worker logs under)."""
+    plan = shadow_plan(res.settings)
+    return {
+        f"{spec.workflow}:shadow:{spec.variant}": Stream(
+            res.redis, names.shadow_keys(spec.workflow, spec.variant)
+        )
+        for spec in plan.shadows
+        if spec.workflow in app.names
+    }
