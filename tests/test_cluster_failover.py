@@ -28,7 +28,7 @@ from oncely.embedded import EmbeddedCluster
 from tests.processes import wait_for
 from tests.under_load import every_job_once_under
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.slow, pytest.mark.soak, pytest.mark.timeout(240)]
 
 SLOT = key_slot(summaries.keys.stream.encode())
 REQUESTS = 40

@@ -31,7 +31,7 @@ def old_database_url(database_url) -> str:
         conn.execute("CREATE SCHEMA public")
         conn.execute(query("create_migrations_table"))
         conn.execute(first.sql.encode())
-        conn.execute(query("record_migration"), (first.version, first.name))
+        conn.execute(query("record_migration"), (first.version, first.name, first.checksum))
     return database_url
 
 

@@ -12,7 +12,7 @@ from oncely.queue.worker import Worker, WorkerConfig
 from tests.helpers import count, pending, submit
 from tests.processes import wait_for
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.soak]
 
 OUTAGE_S = 20.0
 BASE_S, MAX_S = 0.5, 2.0

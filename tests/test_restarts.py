@@ -21,6 +21,7 @@ from tests.under_load import every_job_once_under
 
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.soak,
     pytest.mark.timeout(300),
     pytest.mark.standalone_redis("restarts and freezes a private single Valkey"),
 ]
