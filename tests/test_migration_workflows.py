@@ -30,6 +30,7 @@ def old_database_url(database_url) -> str:
         conn.execute("DROP SCHEMA public CASCADE")
         conn.execute("CREATE SCHEMA public")
         conn.execute(query("create_migrations_table"))
+        conn.execute(query("add_migration_checksums"))
         conn.execute(first.sql.encode())
         conn.execute(query("record_migration"), (first.version, first.name, first.checksum))
     return database_url
