@@ -14,7 +14,7 @@ from oncely.api.app import create_app
 from oncely.app import App
 from oncely.bootstrap import Resources, http_api
 from oncely.builtin import app as builtin_app
-from oncely.jobs.store import Job, Jobs
+from oncely.jobs.store import Jobs, JobSpec
 from oncely.queue.stream import Stream
 from oncely.queue.worker import Worker, WorkerConfig
 from oncely.settings import Settings
@@ -47,7 +47,7 @@ async def submit(pool: AsyncConnectionPool, stream: Stream, text: str, job_id: s
     """A summaries job accepted the way the API accepts it: row, then message."""
     job_id = job_id or str(uuid.uuid4())
     payload = {"text": text, "notify": "ada@example.com"}
-    await Jobs(pool, {"summaries": stream}).accept(Job(job_id, "acme", "summaries", payload))
+    await Jobs(pool, {"summaries": stream}).accept(JobSpec(job_id, "acme", "summaries", payload))
     return job_id
 
 

@@ -14,7 +14,7 @@ import pytest
 from psycopg.types.json import Jsonb
 
 from oncely.api.auth import create_api_key
-from oncely.jobs.store import Job
+from oncely.jobs.store import JobSpec
 from oncely.terminal import literal
 from oncely.usage.ledger import Call, CallSite, Ledger
 from oncely.usage.prices import Prices
@@ -52,7 +52,7 @@ def test_literal_escapes_every_hidden_character_and_nothing_else() -> None:
 async def test_jobs_show_prints_markup_and_escapes_literally(jobs, env) -> None:
     job_id = str(uuid.uuid4())
     payload = {"subject": MARKUP[:300], "body": HOSTILE}
-    await jobs.accept(Job(job_id, "acme [b]", "triage", payload))
+    await jobs.accept(JobSpec(job_id, "acme [b]", "triage", payload))
     await jobs.mark_dead(job_id, f"permanent: {MARKUP}")
     out = await asyncio.to_thread(run, "jobs", "show", job_id, env=env)
     assert "hello [/bold] world." in out
@@ -80,7 +80,7 @@ async def test_outbox_list_shows_a_providers_error_bytes_visibly(pool, env) -> N
 async def test_dlq_list_at_80_columns_leaves_no_value_out(jobs, stream, env) -> None:
     await stream.ensure_group()
     job_id = str(uuid.uuid4())
-    await jobs.accept(Job(job_id, "acme", "summaries", {"text": "t", "notify": "a@b.io"}))
+    await jobs.accept(JobSpec(job_id, "acme", "summaries", {"text": "t", "notify": "a@b.io"}))
     [(entry_id, fields)] = await stream.read_new("c1", 1, 10)
     error = f"the provider said: {MARKUP} and a long tail of words to wrap " * 2
     await jobs.mark_dead(job_id, f"permanent: {error}")

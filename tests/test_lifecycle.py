@@ -10,7 +10,7 @@ from typing import Any
 
 from oncely.api.auth import create_api_key
 from oncely.jobs.retention import Retention
-from oncely.jobs.store import Job
+from oncely.jobs.store import JobSpec
 from oncely.journal import Emitted, NewCheckpoint, Writes
 from oncely.queue.worker import DeliveryReport
 from oncely.usage.ledger import Call, CallSite, Ledger
@@ -27,7 +27,7 @@ async def finished(jobs, pool, tenant: str, *, status: str, age_days: float, sen
     """A job of ``tenant`` finished ``age_days`` ago after a failed delivery,
     with a result and an outbox row (sent or not); a dead job has neither."""
     job_id = str(uuid.uuid4())
-    await jobs.accept(Job(job_id, tenant, "triage", {"subject": "s", "body": "b"}))
+    await jobs.accept(JobSpec(job_id, tenant, "triage", {"subject": "s", "body": "b"}))
     await jobs.record_deliveries([report(job_id, 1, "retry")])
     if status == "done":
         row = Emitted("ticket.triaged", {"job_id": job_id}, f"ticket_triaged:{job_id}")
@@ -59,7 +59,7 @@ async def test_retention_purges_only_old_finished_jobs_whose_effects_left(jobs, 
     unsent = await finished(jobs, pool, "acme", status="done", age_days=40, sent=False)
     recent = await finished(jobs, pool, "acme", status="done", age_days=10, sent=True)
     queued = str(uuid.uuid4())
-    await jobs.accept(Job(queued, "acme", "triage", {"subject": "s", "body": "b"}))
+    await jobs.accept(JobSpec(queued, "acme", "triage", {"subject": "s", "body": "b"}))
     async with pool.connection() as conn:
         await conn.execute("UPDATE jobs SET created_at = now() - interval '40 days'")
 
@@ -93,7 +93,7 @@ async def test_erasing_a_tenant_leaves_nothing_of_it_and_touches_no_other(
         await finished(jobs, pool, tenant, status="done", age_days=1, sent=True)
         await create_api_key(pool, tenant)
         queued = str(uuid.uuid4())
-        await jobs.accept(Job(queued, tenant, "triage", {"subject": tenant, "body": "waits"}))
+        await jobs.accept(JobSpec(queued, tenant, "triage", {"subject": tenant, "body": "waits"}))
         # It reached a checkpoint, and was sent an event.
         lookup = NewCheckpoint("lookup", 1, "step", {"found": tenant}, None)
         await checkpoints.write("triage", queued, 0, Writes((lookup,)))
@@ -102,9 +102,9 @@ async def test_erasing_a_tenant_leaves_nothing_of_it_and_touches_no_other(
         )
         assert received.outcome == "received"
         dead = str(uuid.uuid4())
-        await jobs.accept(Job(dead, tenant, "triage", {"subject": tenant, "body": "dies"}))
+        await jobs.accept(JobSpec(dead, tenant, "triage", {"subject": tenant, "body": "dies"}))
         delayed = str(uuid.uuid4())
-        await jobs.accept(Job(delayed, tenant, "triage", {"subject": tenant, "body": "later"}))
+        await jobs.accept(JobSpec(delayed, tenant, "triage", {"subject": tenant, "body": "later"}))
         # Two model calls in the ledger: one failed, one answered.
         ledger = Ledger(pool)
         site = CallSite("triage", queued, tenant)

@@ -338,6 +338,16 @@ def test_every_type_in_a_public_signature_is_exported_too() -> None:
     assert missing == {}, f"used in public signatures but not exported: {missing}"
 
 
+def test_a_public_name_means_one_thing_in_oncely_and_its_client() -> None:
+    """A step's deadline and the client giving up, a model's usage and a
+    job's: different names. The client's names before 0.2 still import."""
+    import oncely.client
+
+    assert set(oncely.__all__) & set(oncely.client.__all__) == set()
+    assert oncely.client.DeadlineExceeded is oncely.client.GaveUp
+    assert oncely.client.Usage is oncely.client.JobUsage
+
+
 def test_every_public_name_is_exported_and_resolves() -> None:
     assert set(oncely.__all__) == {*oncely._EXPORTS, "__version__"}
     for name in oncely.__all__:

@@ -19,7 +19,7 @@ from oncely import App, ModelJudge, names
 from oncely.bootstrap import Resources, WorkerGroup, connect_llm
 from oncely.builtin import app as builtin_app
 from oncely.builtin.triage import Triage, triage
-from oncely.jobs.store import Job
+from oncely.jobs.store import JobSpec
 from oncely.llm.base import Message
 from oncely.llm.limiter import FleetLimiter, LimitedLLM, Limits
 from oncely.queue.stream import JobMessage, Stream
@@ -139,7 +139,7 @@ async def accept_tickets(jobs, n: int, every_other_differs: int = 4) -> list[str
     for i in range(n):
         job_id = str(uuid.uuid5(uuid.NAMESPACE_URL, f"ticket-{i}"))
         payload = ticket(i, two_categories=i % every_other_differs == 0)
-        await jobs.accept(Job(job_id, "acme", "triage", payload))
+        await jobs.accept(JobSpec(job_id, "acme", "triage", payload))
         ids.append(job_id)
     return ids
 

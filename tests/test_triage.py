@@ -12,7 +12,7 @@ from oncely.builtin.summaries import SUMMARY_READY, render_email
 from oncely.builtin.triage import triage
 from oncely.errors import PermanentError
 from oncely.jobs.handler import WorkflowHandler
-from oncely.jobs.store import Job
+from oncely.jobs.store import JobSpec
 from oncely.outbox.wakeup import OutboxWakeUp
 from tests.helpers import count, drain, job_status, make_worker, pending
 
@@ -33,7 +33,7 @@ async def triage_stream(jobs):
 
 
 async def accept(jobs, subject: str, body: str, job_id: str) -> str:
-    await jobs.accept(Job(job_id, "acme", "triage", {"subject": subject, "body": body}))
+    await jobs.accept(JobSpec(job_id, "acme", "triage", {"subject": subject, "body": body}))
     return job_id
 
 

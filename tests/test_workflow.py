@@ -11,7 +11,7 @@ from pydantic import BaseModel
 from oncely import App, Context, PermanentError, Workflow, email, webhook
 from oncely.app import load_app
 from oncely.effects import Email
-from oncely.jobs.store import Job
+from oncely.jobs.store import JobSpec
 from oncely.journal import Writes
 
 
@@ -35,7 +35,7 @@ async def test_runs_asked_together_share_one_query(jobs, checkpoints):
     """Deliveries load their jobs' runs in batches: one query for a burst."""
     stored_ids = [str(uuid.uuid4()) for _ in range(5)]
     for job_id in stored_ids:
-        await jobs.accept(Job(job_id, "acme", "summaries", {"text": "t", "notify": "a@x.io"}))
+        await jobs.accept(JobSpec(job_id, "acme", "summaries", {"text": "t", "notify": "a@x.io"}))
         assert await jobs.finish("summaries", job_id, {"summary": "s"}, None)
     missing_ids = [str(uuid.uuid4()) for _ in range(45)]
     asked = stored_ids + missing_ids + stored_ids[:1]  # a job asked about twice
@@ -50,7 +50,7 @@ async def test_runs_asked_together_share_one_query(jobs, checkpoints):
 async def test_finish_writes_result_rows_and_done_once(jobs, pool):
     """The second delivery's finish writes nothing: not the result, not its rows."""
     job_id = str(uuid.uuid4())
-    await jobs.accept(Job(job_id, "acme", "triage", {"subject": "s", "body": "b"}))
+    await jobs.accept(JobSpec(job_id, "acme", "triage", {"subject": "s", "body": "b"}))
     wf = load_app("oncely.builtin:app")["triage"]
     ctx = Context(wf, job_id, "acme", model=None, delivery=1)  # type: ignore[arg-type]
     ctx.emit("ticket.triaged", {"n": 1}, dedupe_key=f"ticket_triaged:{job_id}")

@@ -17,7 +17,7 @@ from oncely.bootstrap.clients import budgets, jobs_for, open_resources, shadow_s
 from oncely.bootstrap.configs import app_from
 from oncely.jobs import dead_letters
 from oncely.jobs.checkpoints import Cancelled, Checkpoints, Rewound
-from oncely.jobs.inspection import UNREPORTED_NOTE, JobView, inspect_job
+from oncely.jobs.inspection import UNREPORTED_NOTE, JobInspection, inspect_job
 from oncely.jobs.store import Jobs
 from oncely.outbox.store import OutboxRow, OutboxStore
 from oncely.settings import Settings
@@ -187,7 +187,7 @@ async def show_job(
     return True
 
 
-def _print_job(view: JobView) -> None:
+def _print_job(view: JobInspection) -> None:
     j = view.job
     out.print(f"{j.kind} job {j.job_id}: {j.status} (tenant {literal(j.tenant)})")
     out.print(f"created {_when(j.created_at)}, updated {_when(j.updated_at)}")
@@ -232,7 +232,7 @@ def _json(value: object) -> str:
     return literal(json.dumps(value, ensure_ascii=False, default=str))
 
 
-def _print_checkpoints(view: JobView) -> None:
+def _print_checkpoints(view: JobInspection) -> None:
     """Each checkpoint on its own lines (values can be long): ordinal, key,
     kind and status, when it finished, what it spent, then its value."""
     out.print(f"checkpoints ({len(view.checkpoints)}):")

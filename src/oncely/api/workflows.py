@@ -40,7 +40,7 @@ from oncely.api.problems import (
 from oncely.api.ratelimit import TenantLimiter
 from oncely.errors import KeyReused
 from oncely.jobs.checkpoints import Checkpoints, EventOutcome
-from oncely.jobs.store import Job, Jobs
+from oncely.jobs.store import Jobs, JobSpec
 from oncely.usage.budgets import Budgets
 from oncely.workflow import Workflow
 
@@ -145,7 +145,7 @@ def _add_intake(
         location = f"{request.scope['path'].rstrip('/')}/{idem.job_id}"
 
         async def accept() -> Response:
-            job = Job(idem.job_id, tenant_name, workflow.name, payload)
+            job = JobSpec(idem.job_id, tenant_name, workflow.name, payload)
             response, fresh = await accept_job(jobs(), job, idem, location)
             if fresh:
                 accepted_total.inc()
@@ -389,7 +389,7 @@ def _unstorable(value: Any, loc: tuple[str | int, ...]) -> tuple[str | int, ...]
 
 
 async def accept_job(
-    jobs: Jobs, job: Job, idem: IdempotentRequest, location: str
+    jobs: Jobs, job: JobSpec, idem: IdempotentRequest, location: str
 ) -> tuple[Response, bool]:
     """The intake's handler: 202 once the job row is committed (whatever
     becomes of the enqueue), the same bytes when the row was there before

@@ -28,6 +28,7 @@ from oncely.client.errors import (
     BadRequest,
     DeadlineExceeded,
     EventAlreadyReceived,
+    GaveUp,
     JobFinished,
     KeyReused,
     NotFound,
@@ -39,9 +40,23 @@ from oncely.client.errors import (
     ValidationFailed,
     WaitTimedOut,
 )
-from oncely.client.jobs import Accepted, Cancelled, EventReceived, Job, JobStep, Usage, Waiting
+from oncely.client.jobs import (
+    Accepted,
+    Cancelled,
+    EventReceived,
+    Job,
+    JobStep,
+    JobUsage,
+    Usage,
+    Waiting,
+)
 from oncely.client.policy import Backoff, retry_delay_s
 from oncely.client.sync import Client
+
+# ``DeadlineExceeded`` and ``Usage`` are the names of ``GaveUp`` and
+# ``JobUsage`` before 0.2, importable still; ``oncely`` has its own names
+# for a step's deadline and a model's usage.
+_OLD_NAMES = (DeadlineExceeded, Usage)
 
 __all__ = [
     "Accepted",
@@ -50,12 +65,13 @@ __all__ = [
     "BadRequest",
     "Cancelled",
     "Client",
-    "DeadlineExceeded",
     "EventAlreadyReceived",
     "EventReceived",
+    "GaveUp",
     "Job",
     "JobFinished",
     "JobStep",
+    "JobUsage",
     "KeyReused",
     "NotFound",
     "OncelyClientError",
@@ -63,7 +79,6 @@ __all__ = [
     "Unauthorized",
     "Unavailable",
     "UnexpectedResponse",
-    "Usage",
     "ValidationFailed",
     "WaitTimedOut",
     "Waiting",

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ValidationError
 from pydantic_core import to_json
 
 from oncely.client.errors import (
-    DeadlineExceeded,
+    GaveUp,
     Problem,
     UnexpectedResponse,
     WaitTimedOut,
@@ -54,9 +54,9 @@ class Sleep:
     seconds: float
 
 
-Step = Send | Sleep
+PlanStep = Send | Sleep
 Outcome = httpx.Response | Exception | None
-Plan = Generator[Step, Outcome, T]
+Plan = Generator[PlanStep, Outcome, T]
 
 
 def new_idempotency_key() -> str:
@@ -171,11 +171,11 @@ def wait(
     while True:
         try:
             job = yield from get(policy, route, job_id, result_type, deadline_at)
-        except DeadlineExceeded as exc:
+        except GaveUp as exc:
             # A later read that ran out of the wait's time: the wait timed
             # out, on the job as last seen. (The first read failing, or the
             # service answering 503 to the end, is the error it is.)
-            if job is None or type(exc) is not DeadlineExceeded:
+            if job is None or type(exc) is not GaveUp:
                 raise
             raise WaitTimedOut(job, timeout_s=timeout_s, polls=polls) from exc
         polls += 1

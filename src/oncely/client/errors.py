@@ -113,7 +113,7 @@ class UnexpectedResponse(OncelyClientError):
     JSON, or a result that does not fit the model it was asked to parse into."""
 
 
-class DeadlineExceeded(OncelyClientError):
+class GaveUp(OncelyClientError):
     """The client gave up: every try failed in a way that can succeed later
     (connection error, timeout, 408, 409, 429, 5xx) until the deadline. The
     last answer's status and problem are kept; a connection error or timeout
@@ -130,12 +130,17 @@ class DeadlineExceeded(OncelyClientError):
         return f"gave up after {self.attempts} attempts: {super()._message()}"
 
 
-class Unavailable(DeadlineExceeded):
+# The name before 0.2, kept for code written against it: ``oncely.DeadlineExceeded``
+# is a step's own deadline, on the server.
+DeadlineExceeded = GaveUp
+
+
+class Unavailable(GaveUp):
     """503 until the deadline: Redis or PostgreSQL did not answer the server;
     nothing was accepted on that answer, retrying with the same key is safe."""
 
 
-class WaitTimedOut(DeadlineExceeded):
+class WaitTimedOut(GaveUp):
     """``wait`` ran out of time while the job was still queued or waiting;
     ``job`` is the last state read."""
 
@@ -206,11 +211,11 @@ def error_for(response: httpx.Response, *, idempotency_key: str | None = None) -
 
 def gave_up(
     last: httpx.Response | Exception, *, attempts: int, idempotency_key: str | None = None
-) -> DeadlineExceeded:
+) -> GaveUp:
     """The error for the last failure once no time is left to retry it."""
     if isinstance(last, httpx.Response):
         problem = problem_of(last)
-        cls = Unavailable if last.status_code == 503 else DeadlineExceeded
+        cls = Unavailable if last.status_code == 503 else GaveUp
         return cls(problem, attempts=attempts, idempotency_key=idempotency_key)
     problem = Problem(status=None, title="No answer", detail=f"{type(last).__name__}: {last}")
-    return DeadlineExceeded(problem, attempts=attempts, idempotency_key=idempotency_key)
+    return GaveUp(problem, attempts=attempts, idempotency_key=idempotency_key)

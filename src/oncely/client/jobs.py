@@ -30,7 +30,7 @@ class Accepted(BaseModel):
     replayed: bool
 
 
-class Usage(BaseModel):
+class JobUsage(BaseModel):
     """Tokens, model calls and cost: of one model checkpoint, or of the whole
     job. ``cost_usd`` is None when a call's model has no price on the server;
     ``model``: the model that answered (the job's last model checkpoint)."""
@@ -44,6 +44,11 @@ class Usage(BaseModel):
     model: str | None = None
 
 
+# The name before 0.2, kept for code written against it: ``oncely.Usage``
+# is a model's usage inside a step.
+Usage = JobUsage
+
+
 class JobStep(BaseModel):
     """One checkpoint of a job (never its value)."""
 
@@ -53,7 +58,7 @@ class JobStep(BaseModel):
     kind: Literal["step", "model", "wait", "sleep"]
     status: Literal["done", "waiting", "failed"]
     finished_at: datetime | None = None
-    usage: Usage | None = None
+    usage: JobUsage | None = None
     # A model checkpoint's: the model that answered (a fallback, when one did).
     model: str | None = None
 
@@ -100,7 +105,7 @@ class Job(BaseModel, Generic[R]):
     result: R | None = None
     error: str | None = None
     # Every model checkpoint of the job, summed.
-    usage: Usage | None = None
+    usage: JobUsage | None = None
     waiting: Waiting | None = None
     steps: list[JobStep] = []
     created_at: datetime

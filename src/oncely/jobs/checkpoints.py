@@ -40,8 +40,8 @@ from redis.exceptions import RedisError
 from oncely import tracing
 from oncely.batching import GroupRead
 from oncely.jobs.store import (
-    Job,
     Jobs,
+    JobSpec,
     StatementResult,
     delivery_params,
     raced,
@@ -86,7 +86,7 @@ class EventOutcome:
 
     outcome: Literal["received", "duplicate", "conflict", "finished", "missing"]
     status: str | None = None
-    resumed: Job | None = None
+    resumed: JobSpec | None = None
 
 
 @dataclass(frozen=True)
@@ -110,7 +110,7 @@ class Rewound:
 
     status: str
     deleted: tuple[str, ...] = ()
-    job: Job | None = None
+    job: JobSpec | None = None
 
 
 class Checkpoints:
@@ -243,19 +243,19 @@ class Checkpoints:
             resume = status == "waiting" and waiting_for == event
             cur = await conn.execute(query("receive_event"), {**params, "resume": resume})
             row = await cur.fetchone()
-            resumed = None if row is None else Job(str(row[0]), row[1], row[2], row[3])
+            resumed = None if row is None else JobSpec(str(row[0]), row[1], row[2], row[3])
             return EventOutcome("received", status, resumed)
 
         return await run_transaction(self.pool, work, timeout_s=self.jobs.statement_timeout_s)
 
-    async def resume_due(self, limit: int = 500) -> list[Job]:
+    async def resume_due(self, limit: int = 500) -> list[JobSpec]:
         """Queue waiting jobs whose time has come, and enqueue them; the jobs.
         An enqueue that fails is logged and left to the reconciler.
         Only the workflows this process serves (``Jobs.streams``): another
         process's timers resume the others."""
         params = {"limit": limit, "kinds": list(self.jobs.streams)}
         rows = (await self._run("resume_due_jobs", params)).rows
-        resumed = [Job(str(job_id), tenant, kind, data) for job_id, tenant, kind, data in rows]
+        resumed = [JobSpec(str(job_id), tenant, kind, data) for job_id, tenant, kind, data in rows]
         if resumed:
             # One round trip; each failure logged (the reconciler restores it).
             redis = self.jobs.streams[resumed[0].kind].redis
@@ -300,7 +300,7 @@ class Checkpoints:
                 return Rewound(status)
             cur = await conn.execute(query("rewind_job"), {"job_id": job_id, "key": key})
             deleted = tuple(str(row[0]) for row in await cur.fetchall())
-            job = Job(str(job_id), tenant, kind, payload) if deleted else None
+            job = JobSpec(str(job_id), tenant, kind, payload) if deleted else None
             return Rewound(status, deleted, job)
 
         rewound = await run_transaction(self.pool, work, timeout_s=self.jobs.statement_timeout_s)

@@ -19,7 +19,7 @@ from datetime import datetime
 
 import structlog
 
-from oncely.jobs.store import DeadJob, Job, Jobs
+from oncely.jobs.store import DeadJob, Jobs, JobSpec
 from oncely.workflow import tenant_error
 
 log = structlog.get_logger("oncely.dlq")
@@ -63,7 +63,7 @@ async def list_dead(jobs: Jobs, workflow: str, limit: int = 100) -> list[DeadLet
     return [DeadLetter.of(job) for job in await jobs.dead(workflow, limit)]
 
 
-async def replay(jobs: Jobs, workflow: str | None, dead_id: str) -> Job | None:
+async def replay(jobs: Jobs, workflow: str | None, dead_id: str) -> JobSpec | None:
     """Put one dead job back in its stream (of ``workflow``, or any); the
     job, or None if there is no such dead job. ``dead_id`` is the job id, or
     the id of a dead entry in Redis (what earlier versions listed)."""

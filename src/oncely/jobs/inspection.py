@@ -30,7 +30,7 @@ UNREPORTED_NOTE = (
 
 
 @dataclass(frozen=True)
-class JobView:
+class JobInspection:
     job: JobDetail
     deliveries: list[DeliveryRecord]
     outbox: list[OutboxRow]
@@ -116,7 +116,7 @@ def _message_json(w: Whereabouts) -> dict[str, Any]:
 
 async def inspect_job(
     jobs: Jobs, outbox: OutboxStore, workflow: str | None, job_id: uuid.UUID
-) -> JobView | None:
+) -> JobInspection | None:
     """The job of ``workflow`` (any when None) with everything known about
     it; None if there is no such job."""
     job = await jobs.detail(workflow, job_id)
@@ -131,4 +131,4 @@ async def inspect_job(
             whereabouts = None  # the rows are worth showing without it
     checkpoints = await Checkpoints(jobs).of_job(job_id)
     deliveries, rows = await jobs.deliveries(job_id), await outbox.for_job(job_id)
-    return JobView(job, deliveries, rows, whereabouts, checkpoints)
+    return JobInspection(job, deliveries, rows, whereabouts, checkpoints)

@@ -19,7 +19,7 @@ import psycopg
 import redis.exceptions
 import structlog
 
-from oncely.jobs.store import Job, Jobs
+from oncely.jobs.store import Jobs, JobSpec
 from oncely.queue.stream import DELAYED, Stream
 
 log = structlog.get_logger("oncely.reconcile")
@@ -67,7 +67,7 @@ class Reconciler:
             log.warning("reconcile.requeued", workflow=self.workflow, job_id=job.job_id)
         return len(lost)
 
-    async def _without_entries(self, jobs: list[Job]) -> list[Job]:
+    async def _without_entries(self, jobs: list[JobSpec]) -> list[JobSpec]:
         if not jobs:
             return []
         entry_ids = await self.stream.index_entries([j.job_id for j in jobs])

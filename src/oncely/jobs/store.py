@@ -191,7 +191,7 @@ def outcome_unknown(exc: BaseException) -> bool:
 
 
 @dataclass(frozen=True)
-class Job:
+class JobSpec:
     """A job as it is dispatched: which workflow, for whom, with what request."""
 
     job_id: str
@@ -289,7 +289,7 @@ class Jobs:
 
     # -- dispatch: the row first, then the stream ------------------------------
 
-    async def accept(self, job: Job, *, fingerprint: str | None = None) -> Acceptance:
+    async def accept(self, job: JobSpec, *, fingerprint: str | None = None) -> Acceptance:
         """Record the job, then enqueue it. Idempotent per job id. Once the
         row is committed the job is accepted: a failed enqueue is logged and
         left to the reconciler. (The intake does the two steps itself, to
@@ -299,7 +299,7 @@ class Jobs:
             await call_together(self.streams[job.kind].redis, [self.enqueue_call(job)])
         return acceptance
 
-    async def record(self, job: Job, *, fingerprint: str | None = None) -> Acceptance:
+    async def record(self, job: JobSpec, *, fingerprint: str | None = None) -> Acceptance:
         """The intake's first step: one statement inserts the row with the
         request's ``fingerprint``, or answers the row already there. A fresh
         row must then be enqueued (``enqueue_call``, or ``accept`` does
@@ -323,7 +323,7 @@ class Jobs:
             raise
         return _acceptance(result)
 
-    def enqueue_call(self, job: Job) -> ScriptCall:
+    def enqueue_call(self, job: JobSpec) -> ScriptCall:
         """The enqueue of a recorded job, to send with other writes in one
         round trip (``redis_client.call_together``). Its failure is logged:
         the row is the record of acceptance, the reconciler dispatches it."""
@@ -338,7 +338,7 @@ class Jobs:
         """Wait up to ``within_s`` for pending withdrawals (shutdown)."""
         await self._withdrawals.finish(within_s)
 
-    async def replay(self, job: Job) -> bool:
+    async def replay(self, job: JobSpec) -> bool:
         """A dead job back to queued, then enqueued; False if it was not dead."""
         result = await self._run("mark_job_requeued", (job.job_id,))
         # A cancel remembered from an earlier run must not stop this one.
@@ -346,11 +346,11 @@ class Jobs:
         await self._enqueue(job)
         return result.rowcount > 0
 
-    async def restore(self, job: Job) -> None:
+    async def restore(self, job: JobSpec) -> None:
         """A queued job whose message is gone, enqueued again (same job id)."""
         await self._enqueue(job)
 
-    async def _enqueue(self, job: Job) -> None:
+    async def _enqueue(self, job: JobSpec) -> None:
         await self.streams[job.kind].enqueue(JobMessage.new(job.job_id, job.tenant, job.payload))
 
     # -- the worker's side -----------------------------------------------------
@@ -424,18 +424,18 @@ class Jobs:
         rows = (await self._run("dead_jobs", {"kind": kind, "limit": limit})).rows
         return [DeadJob(*row) for row in rows]
 
-    async def dead_job(self, job_id: uuid.UUID, kind: str | None = None) -> Job | None:
+    async def dead_job(self, job_id: uuid.UUID, kind: str | None = None) -> JobSpec | None:
         """A dead job, to replay (of workflow ``kind`` if given)."""
         rows = (await self._run("dead_job", {"job_id": job_id, "kind": kind})).rows
         if not rows:
             return None
         found, tenant, k, payload = rows[0]
-        return Job(str(found), tenant, k, payload)
+        return JobSpec(str(found), tenant, k, payload)
 
-    async def stale_queued(self, kind: str, older_than_s: float, limit: int) -> list[Job]:
+    async def stale_queued(self, kind: str, older_than_s: float, limit: int) -> list[JobSpec]:
         params = {"kind": kind, "age_s": older_than_s, "limit": limit}
         rows = (await self._run("queued_jobs_older_than", params)).rows
-        return [Job(str(job_id), tenant, k, payload) for job_id, tenant, k, payload in rows]
+        return [JobSpec(str(job_id), tenant, k, payload) for job_id, tenant, k, payload in rows]
 
     async def counts(self) -> dict[str, dict[str, int]]:
         """Jobs by workflow and status (withdrawn intakes are not jobs)."""
@@ -577,10 +577,10 @@ class _Withdrawals:
     def __init__(self, run: Callable[[str, Any], Awaitable[StatementResult]]) -> None:
         self._run = run
         # job id -> (job, the attempts' intake tokens)
-        self._pending: dict[str, tuple[Job, list[uuid.UUID]]] = {}
+        self._pending: dict[str, tuple[JobSpec, list[uuid.UUID]]] = {}
         self._task: asyncio.Task[None] | None = None
 
-    def add(self, job: Job, token: uuid.UUID) -> None:
+    def add(self, job: JobSpec, token: uuid.UUID) -> None:
         self._pending.setdefault(job.job_id, (job, []))[1].append(token)
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._drain())
@@ -610,7 +610,7 @@ class _Withdrawals:
                 continue
             self._done(batch, {str(job_id) for job_id, undone in result.rows if undone})
 
-    def _done(self, batch: list[tuple[Job, uuid.UUID]], undone: set[str]) -> None:
+    def _done(self, batch: list[tuple[JobSpec, uuid.UUID]], undone: set[str]) -> None:
         for job, token in batch:
             tokens = self._pending[job.job_id][1]
             tokens.remove(token)
@@ -620,7 +620,7 @@ class _Withdrawals:
             log.info("intake.withdrawn", job_id=job.job_id, undone=job.job_id in undone)
 
 
-def _withdraw_params(batch: list[tuple[Job, uuid.UUID]]) -> dict[str, Any]:
+def _withdraw_params(batch: list[tuple[JobSpec, uuid.UUID]]) -> dict[str, Any]:
     return {
         "job_ids": [job.job_id for job, _ in batch],
         "tenants": [job.tenant for job, _ in batch],
