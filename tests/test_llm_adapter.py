@@ -19,8 +19,8 @@ import pytest
 
 from oncely.errors import DeadlineExceeded, PermanentError, TransientError
 from oncely.fakes.llm import FakeLLMServer
-from oncely.llm import Completion, Message, OpenAICompatible, ResponseSchema
-from oncely.llm.openai_compat import translate_error
+from oncely.llm.base import Completion, Message, ResponseSchema
+from oncely.llm.openai_compat import OpenAICompatible, translate_error
 from oncely.retry import Deadline, RetryEvent, RetryPolicy, call_with_retries, classify
 
 COMPLETION = {

@@ -20,16 +20,9 @@ from prometheus_client import REGISTRY
 from pydantic import BaseModel, ValidationError
 
 from oncely.errors import DeadlineExceeded, PermanentError, TransientError
-from oncely.llm import (
-    Completion,
-    InvalidOutput,
-    Message,
-    Model,
-    OpenAICompatible,
-    ResponseSchema,
-    Usage,
-)
-from oncely.llm.model import response_schema, short_errors
+from oncely.llm.base import Completion, Message, ResponseSchema
+from oncely.llm.model import InvalidOutput, Model, Usage, response_schema, short_errors
+from oncely.llm.openai_compat import OpenAICompatible
 from oncely.retry import Deadline, RetryPolicy
 
 FAST = RetryPolicy(per_call_timeout_s=1.0, max_attempts=3, backoff_base_s=0.001, backoff_max_s=0.01)

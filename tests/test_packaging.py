@@ -348,6 +348,16 @@ def test_a_public_name_means_one_thing_in_oncely_and_its_client() -> None:
     assert oncely.client.Usage is oncely.client.JobUsage
 
 
+def test_operator_commands_load_neither_the_model_sdk_nor_the_web_servers() -> None:
+    """`oncely status`, `jobs show`, `dlq list` and the like import what
+    talks to Redis and PostgreSQL, not the model's SDK, the senders' HTTP
+    client or the API server."""
+    heavy = ("openai", "aiohttp", "fastapi", "uvicorn")
+    probe = f"import sys, oncely.ops; print(','.join(m for m in {heavy!r} if m in sys.modules))"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "", f"import oncely.ops loaded {done.stdout.strip()}"
+
+
 def test_every_public_name_is_exported_and_resolves() -> None:
     assert set(oncely.__all__) == {*oncely._EXPORTS, "__version__"}
     for name in oncely.__all__:

@@ -23,8 +23,8 @@ from structlog.testing import capture_logs
 from oncely.bootstrap import relay_config
 from oncely.effects import Email, Payload, email
 from oncely.fakes.mail import FakeMailServer, Faults
-from oncely.outbox import OutboxStore, Relay, RelayConfig
-from oncely.outbox.relay import LISTENER_APPLICATION_NAME
+from oncely.outbox.relay import LISTENER_APPLICATION_NAME, Relay, RelayConfig
+from oncely.outbox.store import OutboxStore
 from oncely.retry import backoff_s
 from oncely.senders import EffectRouter, Sender, SendersConfig, SendResult, build_router
 from oncely.settings import Settings

@@ -7,7 +7,7 @@ import math
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from psycopg import conninfo
 from psycopg_pool import AsyncConnectionPool
@@ -21,7 +21,6 @@ from oncely import names
 from oncely.app import App
 from oncely.bootstrap.configs import client_bounds, shadow_plan
 from oncely.jobs.store import Jobs
-from oncely.llm.openai_compat import OpenAICompatible
 from oncely.queue.stream import Stream
 from oncely.redis_client import ClusterClient, HiredisPacked, RedisClient, SharedConnectionRedis
 from oncely.settings import Settings
@@ -29,6 +28,9 @@ from oncely.sql.migrate import SchemaMismatch, schema_state
 from oncely.usage.budgets import BudgetLimits, Budgets
 from oncely.usage.ledger import Ledger
 from oncely.usage.prices import Prices
+
+if TYPE_CHECKING:
+    from oncely.llm.openai_compat import OpenAICompatible
 
 
 @dataclass(frozen=True)
@@ -155,6 +157,10 @@ def jobs_for(app: App, res: Resources) -> Jobs:
 
 
 def connect_llm(s: Settings) -> OpenAICompatible:
+    """The model client (the provider's SDK is imported here, by the
+    processes that call a model: not by `oncely status` and the like)."""
+    from oncely.llm.openai_compat import OpenAICompatible
+
     return OpenAICompatible.connect(s.llm_base_url, s.llm_api_key.get_secret_value(), s.llm_model)
 
 

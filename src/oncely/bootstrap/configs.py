@@ -10,15 +10,15 @@ from oncely.app import App, load_app
 from oncely.jobs.handler import StepConfig
 from oncely.llm.limiter import Limits
 from oncely.llm.routing import CooldownPolicy
-from oncely.outbox.relay import RelayConfig
 from oncely.queue.worker import WorkerConfig
 from oncely.retry import RetryPolicy
-from oncely.senders import SendersConfig
 from oncely.settings import Settings
 from oncely.shadow.config import ShadowSpec, check_workflows, parse_primary, parse_shadow
 
 if TYPE_CHECKING:
     from oncely.api.app import ApiConfig
+    from oncely.outbox.relay import RelayConfig
+    from oncely.senders import SendersConfig
 
 
 def api_config(s: Settings) -> ApiConfig:
@@ -92,6 +92,8 @@ def cooldown_policy(s: Settings) -> CooldownPolicy:
 
 
 def relay_config(s: Settings) -> RelayConfig:
+    from oncely.outbox.relay import RelayConfig  # with the senders' HTTP clients
+
     return RelayConfig(
         max_attempts=s.relay_max_attempts,
         lease_s=s.relay_lease_s,
@@ -103,6 +105,8 @@ def relay_config(s: Settings) -> RelayConfig:
 
 
 def senders_config(s: Settings) -> SendersConfig:
+    from oncely.senders import SendersConfig  # with the senders' HTTP clients
+
     return SendersConfig(
         email=s.sender,
         email_url=s.sender_url,

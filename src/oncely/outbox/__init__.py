@@ -1,6 +1,4 @@
-"""The outbox: rows written with a job's result, relayed to a provider once."""
-
-from oncely.outbox.relay import Relay, RelayConfig
-from oncely.outbox.store import OutboxCounts, OutboxRow, OutboxStore
-
-__all__ = ["OutboxCounts", "OutboxRow", "OutboxStore", "Relay", "RelayConfig"]
+"""The outbox: rows written with a job's result (``store``), relayed to a
+provider once (``relay``), the relay woken after a commit (``wakeup``).
+Import from the modules: the package imports nothing, so that a worker's
+handler does not load the senders' HTTP clients."""
