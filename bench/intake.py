@@ -396,10 +396,12 @@ class Bench:
         return run
 
     async def settle(
-        self, db: psycopg.AsyncConnection[Any], stream: str, within_s: float = 5.0
+        self, db: psycopg.AsyncConnection[Any], stream: str, within_s: float = 30.0
     ) -> None:
         """Until requests cut off when wrk stopped have finished in the server:
-        rows (in ``db``) and stream entries unchanged for 0.3 s."""
+        rows (in ``db``) and stream entries unchanged for a second (a server
+        on a busy machine, the suite's smoke run among others, can take that
+        long between two late requests)."""
         deadline = time.monotonic() + within_s
         last: tuple[int, int] | None = None
         while time.monotonic() < deadline:
@@ -408,7 +410,7 @@ class Bench:
             if now == last:
                 return
             last = now
-            await asyncio.sleep(0.3)
+            await asyncio.sleep(1.0)
 
     async def _stream_ids(self, stream: str) -> collections.Counter[str]:
         seen: collections.Counter[str] = collections.Counter()
