@@ -104,6 +104,8 @@ class WorkflowHandler:
         self.variant = variant
         # None without shadow variants: the primary path pays nothing for them.
         self.shadows = shadows
+        # Bound once: a labels() lookup per job shows up in profiles.
+        self._checkpoints_written = metrics.CHECKPOINTS_WRITTEN.labels(workflow=workflow.name)
 
     async def __call__(self, message: JobMessage, delivery: Delivery) -> str:
         with tracing.span(
@@ -206,9 +208,7 @@ class WorkflowHandler:
                 delivery=delivery.report("done"),
             )
         if stored and writes.checkpoints:
-            metrics.CHECKPOINTS_WRITTEN.labels(workflow=self.workflow.name).inc(
-                len(writes.checkpoints)
-            )
+            self._checkpoints_written.inc(len(writes.checkpoints))
         if stored and writes.effects:
             self.wake_relay.soon()
         return stored
