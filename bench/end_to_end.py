@@ -299,6 +299,8 @@ async def run_load(stack: Stack, spec: Load, spy_dir: Path | None) -> dict[str, 
         warm = await warm_up(session, stack, tail, spec.warmup)
         busy_before = await stack.ctx.noise.quiet()
         spies = start_spies(stack, spy_dir)
+        for spy in spies.values():
+            await spy.attached()
         cpu_before, started = stack.cpu(), time.monotonic()
         timed = await open_loop(session, stack, spec, spec.warmup)
         await tail.wait_for([dedupe_key(p.job_id) for p in timed if p.job_id], within_s=60)

@@ -565,7 +565,7 @@ async def profile_server(
     spy = profile.Spy(
         bench.ctx.children, f"{c.name}-api", bench.procs[c.server].pid, bench.ctx.log_dir
     )
-    await asyncio.sleep(1.0)  # py-spy attaches
+    await spy.attached()
     load = Load(seconds, bench.load.connections, bench.load.threads)
     wrk = await bench.wrk(c, load, bench.ctx.log_dir / f"profile-wrk-{c.name}")
     folded = await spy.stop()

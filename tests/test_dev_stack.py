@@ -11,6 +11,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -42,6 +43,24 @@ def _oncely(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]
     )
 
 
+def _free_with_fakes() -> int:
+    """A free port whose + 101 and + 102 (the fakes') are free too."""
+    for _ in range(50):
+        port = free_port()
+        if port + 102 < 65536 and all(_bindable(port + n) for n in (101, 102)):
+            return port
+    raise AssertionError("no free port with its two neighbours free")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
 def _start(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         [sys.executable, "-m", "oncely", *args],
@@ -55,7 +74,7 @@ def _start(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[
 async def test_the_cli_finds_a_running_dev_stack_and_a_second_is_refused(tmp_path: Path) -> None:
     data_dir = tmp_path / "stack"
     env = _env(data_dir)
-    port = free_port()
+    port = _free_with_fakes()
     log = tmp_path / "dev.log"
     dev = _start(["--app", "examples.refunds:app", "dev", "--port", str(port)], env, log)
     try:

@@ -169,6 +169,7 @@ class Drain(ABC, Generic[T, F]):
         under_test = psutil.Process(proc.pid)
         cpu_before = cpu_s(under_test)
         spy = profile.Spy(self.ctx.children, spy_name or trial.name, proc.pid, self.ctx.log_dir)
+        await spy.attached()
         await self.drained(proc, trial, trial.timeout_s * 3)
         cpu_ms = (cpu_s(under_test) - cpu_before) * 1000 / trial.items
         folded = await spy.stop()

@@ -17,6 +17,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -105,9 +106,24 @@ class Spy:
         self.children = children
         self.proc: subprocess.Popen[bytes] = children.start(self.name, argv, clean_env())
 
+    async def attached(self, within_s: float = 30.0) -> None:
+        """Until py-spy samples: an interrupt before it attached (a busy
+        machine makes that slow) would leave no profile at all."""
+        deadline = time.monotonic() + within_s
+        while _SAMPLING not in self.children.log_tail(self.name):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"py-spy did not start: {self.children.log_tail(self.name)}")
+            await asyncio.sleep(0.05)
+
     async def stop(self) -> Path:
         self.proc.send_signal(signal.SIGINT)
         await asyncio.to_thread(self.proc.wait, 30)
         if not self.folded.exists():
-            raise RuntimeError(f"py-spy wrote nothing: {self.children.log_tail(self.name)}")
+            if _SAMPLING not in self.children.log_tail(self.name):
+                raise RuntimeError(f"py-spy wrote nothing: {self.children.log_tail(self.name)}")
+            self.folded.write_text("")  # it sampled a process that stayed idle throughout
         return self.folded
+
+
+# What py-spy prints once it samples.
+_SAMPLING = "py-spy> Sampling process"
