@@ -51,7 +51,11 @@ async def test_worker_and_relay_serve_metrics_health_and_readiness(
                     'oncely_jobs_total{outcome="done",workflow="summaries"} 3.0' in r.text
                 )
 
+            async def relay_up() -> bool:
+                return await get(f"{relay}/metrics") is not None
+
             await wait_for(three_done, what="the worker's metrics to count 3 jobs")
+            await wait_for(relay_up, what="the relay's metrics port")
             await asyncio.sleep(0.1)
             worker_metrics = (await get(f"{worker}/metrics")).text  # type: ignore[union-attr]
             relay_metrics = (await get(f"{relay}/metrics")).text  # type: ignore[union-attr]
