@@ -10,7 +10,11 @@ from typing import Any
 
 import pytest
 
+from oncely.bootstrap import connect_llm, step_config
+from oncely.builtin.summaries import summaries
 from oncely.errors import TransientError
+from oncely.jobs.handler import WorkflowHandler
+from oncely.outbox.wakeup import OutboxWakeUp
 from oncely.queue.stream import JobMessage, Stream
 from oncely.queue.worker import Delivery
 from tests.helpers import count, drain, job_status, make_worker, pending, submit
@@ -280,15 +284,25 @@ async def test_lease_renewal_keeps_a_slow_live_handler(pool, stream):
     assert await pending(stream) == 0
 
 
-async def test_worker_holds_many_model_calls_in_flight(pool, stream, summary_job, fake_llm):
+async def test_worker_holds_many_model_calls_in_flight(
+    pool, stream, jobs, worker_settings, fake_llm
+):
+    # Bounds no busy machine reaches (a call cut off by its timeout would be
+    # retried, and this test counts calls).
+    patient = worker_settings.model_copy(update={"llm_timeout_s": 60.0, "job_budget_s": 120.0})
+    llm = connect_llm(patient)
+    handler = WorkflowHandler(summaries, jobs, llm, step_config(patient), OutboxWakeUp(pool))
     for i in range(200):
         await submit(pool, stream, f"Job {i} takes a while. [[fake:sleep=0.2]]")
-    worker = make_worker(stream, summary_job, pool, concurrency=50)
+    worker = make_worker(stream, handler, pool, concurrency=50)
     run = asyncio.create_task(worker.run())
-    while await count(pool, "SELECT count(*) FROM jobs WHERE status = 'done'") < 200:
-        await asyncio.sleep(0.05)
-    worker.stop()
-    await run
+    try:
+        while await count(pool, "SELECT count(*) FROM jobs WHERE status = 'done'") < 200:
+            await asyncio.sleep(0.05)
+    finally:
+        worker.stop()
+        await run
+        await llm.aclose()
     assert fake_llm.stats().max_in_flight >= 40
     assert fake_llm.stats().total == 200
     assert await count(pool, "SELECT count(*) FROM outbox") == 200
