@@ -185,13 +185,16 @@ async def test_with_every_model_cooling_the_call_fails_transiently_with_a_wait(
     assert fake_llm.stats().total == calls
 
 
-async def cooled_off(redis: Any) -> None:
-    """Until the primary's cooldown is over, by Redis' own clock."""
+async def cooled_off(redis: Any, *views: Cooldown) -> None:
+    """Until the primary's cooldown is over, by Redis' own clock, and in
+    each process view given (a view counts the rest of a cooldown from when
+    it read it, so it may end a round trip later)."""
 
     async def over() -> bool:
         until = await redis.hget(f"oncely:cooldown:{PRIMARY}", "until")
         seconds, micros = await redis.time()
-        return until is not None and int(until) <= seconds * 1000 + micros // 1000
+        in_redis = until is not None and int(until) <= seconds * 1000 + micros // 1000
+        return in_redis and not any(view.cooling(PRIMARY) for view in views)
 
     await wait_for(over, within_s=30, what="the cooldown's end")
 
@@ -209,7 +212,7 @@ async def test_after_the_cooldown_one_probe_decides_for_everyone(llm, fake_llm, 
 
     # Past the cooldown, with the model still hanging: among concurrent
     # calls of two processes, one probe goes out; the others skip.
-    await cooled_off(redis)
+    await cooled_off(redis, cooldown)
     other = Cooldown(redis, policy)
     models = [routed(llm, cooldown=c, policy=slow) for c in (cooldown, other) * 4]
     await asyncio.gather(*(m.complete(f"Probe round {i}. Once.") for i, m in enumerate(models)))
@@ -221,7 +224,7 @@ async def test_after_the_cooldown_one_probe_decides_for_everyone(llm, fake_llm, 
     # The model is back: past the next cooldown the probe answers, and then
     # every call goes to it again.
     del fake_llm.model.model_outages[PRIMARY]
-    await cooled_off(redis)
+    await cooled_off(redis, cooldown, other)
     probe = routed(llm, cooldown=other)
     await probe.complete("The probe answers. Good.")
     assert probe.usage.model == PRIMARY
