@@ -378,7 +378,10 @@ async def test_a_cancelled_job_rewound_runs_to_its_end(custom):
     outcomes = await h.rows(
         "SELECT outcome FROM job_deliveries WHERE job_id = %s ORDER BY id", job_id
     )
-    assert [o[0] for o in outcomes] == ["cancelled", "done"]
+    # The old delivery is reported cancelled, or (when the rewound run
+    # finished before it reported, on a busy machine) as a duplicate.
+    assert outcomes[0][0] in ("cancelled", "duplicate")
+    assert [o[0] for o in outcomes][1:] == ["done"]
 
 
 async def test_a_stale_cancel_in_redis_does_not_stop_a_running_job(custom, redis):
