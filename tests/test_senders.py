@@ -10,7 +10,6 @@ import email.policy
 import email.utils
 import json
 import socket
-import time
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from email.message import EmailMessage
@@ -523,11 +522,12 @@ async def test_smtp_server_that_never_answers_is_transient_within_the_timeout() 
         sender = SmtpSender(
             "127.0.0.1", server.port, "oncely@example.com", 0.1, local_hostname="test.local"
         )
-        started = time.monotonic()
-        with pytest.raises(TransientError):
+        with pytest.raises(TransientError) as raised:
             await sender.send(EMAIL, KEY)
 
-    assert time.monotonic() - started < 15.0  # the server stalls for good: the 0.1 s timeout cut it
+    # The server stalls for good: only the 0.1 s timeout can have ended the
+    # send (a hang meets the test's own timeout instead).
+    assert isinstance(raised.value.__cause__, TimeoutError)
 
 
 async def test_smtp_connection_refused_is_transient() -> None:
