@@ -10,8 +10,9 @@ oncely.client`` (the HTTP client) loads none of the server's libraries.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from oncely.lazy import exports
 
 __version__ = "0.1.0"
 
@@ -97,13 +98,7 @@ if TYPE_CHECKING:
     )
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'oncely' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = exports(globals(), _EXPORTS)
 
 
 def __dir__() -> list[str]:

@@ -14,47 +14,48 @@ that needs the clients does not load the API server.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from oncely.lazy import exports
 
 # Each name, and the module of this package that defines it.
 _HOMES = {
-    "api_config": "configs",
-    "ApiServer": "processes",
-    "app_from": "configs",
-    "asgi_app": "processes",
-    "budgets": "clients",
-    "build_relay": "processes",
-    "client_bounds": "configs",
-    "ClientBounds": "configs",
-    "connect_llm": "clients",
-    "cooldown_policy": "configs",
-    "health_server": "processes",
-    "http_api": "processes",
-    "jobs_for": "clients",
-    "ledger_for": "clients",
-    "limits": "configs",
-    "make_redis": "clients",
-    "open_resources": "clients",
-    "postgres_pool": "clients",
-    "relay_config": "configs",
-    "require_current_schema": "clients",
-    "require_urls": "clients",
-    "Resources": "clients",
-    "retry_policy": "configs",
-    "run_relay": "processes",
-    "run_services": "processes",
-    "run_worker": "processes",
-    "senders_config": "configs",
-    "serve_api": "processes",
-    "settle_heap": "processes",
-    "shadow_plan": "configs",
-    "shadow_streams": "clients",
-    "ShadowPlan": "configs",
-    "step_config": "configs",
-    "stop_on_signals": "processes",
-    "worker_config": "configs",
-    "WorkerGroup": "processes",
+    "api_config": "oncely.bootstrap.configs",
+    "ApiServer": "oncely.bootstrap.processes",
+    "app_from": "oncely.bootstrap.configs",
+    "asgi_app": "oncely.bootstrap.processes",
+    "budgets": "oncely.bootstrap.clients",
+    "build_relay": "oncely.bootstrap.processes",
+    "client_bounds": "oncely.bootstrap.configs",
+    "ClientBounds": "oncely.bootstrap.configs",
+    "connect_llm": "oncely.bootstrap.clients",
+    "cooldown_policy": "oncely.bootstrap.configs",
+    "health_server": "oncely.bootstrap.processes",
+    "http_api": "oncely.bootstrap.processes",
+    "jobs_for": "oncely.bootstrap.clients",
+    "ledger_for": "oncely.bootstrap.clients",
+    "limits": "oncely.bootstrap.configs",
+    "make_redis": "oncely.bootstrap.clients",
+    "open_resources": "oncely.bootstrap.clients",
+    "postgres_pool": "oncely.bootstrap.clients",
+    "relay_config": "oncely.bootstrap.configs",
+    "require_current_schema": "oncely.bootstrap.clients",
+    "require_urls": "oncely.bootstrap.clients",
+    "Resources": "oncely.bootstrap.clients",
+    "retry_policy": "oncely.bootstrap.configs",
+    "run_relay": "oncely.bootstrap.processes",
+    "run_services": "oncely.bootstrap.processes",
+    "run_worker": "oncely.bootstrap.processes",
+    "senders_config": "oncely.bootstrap.configs",
+    "serve_api": "oncely.bootstrap.processes",
+    "settle_heap": "oncely.bootstrap.processes",
+    "shadow_plan": "oncely.bootstrap.configs",
+    "shadow_streams": "oncely.bootstrap.clients",
+    "ShadowPlan": "oncely.bootstrap.configs",
+    "step_config": "oncely.bootstrap.configs",
+    "stop_on_signals": "oncely.bootstrap.processes",
+    "worker_config": "oncely.bootstrap.configs",
+    "WorkerGroup": "oncely.bootstrap.processes",
 }
 
 __all__ = [
@@ -141,10 +142,4 @@ if TYPE_CHECKING:
     )
 
 
-def __getattr__(name: str) -> Any:
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module 'oncely.bootstrap' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"oncely.bootstrap.{home}"), name)
-    globals()[name] = value
-    return value
+__getattr__ = exports(globals(), _HOMES)

@@ -1,4 +1,4 @@
--- Shadow runs (docs/shadow.md): a variant's result
+-- Shadow runs (README: "Trial a model change safely"): a variant's result
 -- for a job, stored beside the primary's and never acted on. One row per
 -- job and variant, whatever the deliveries. `result` and `score` are NULL
 -- when the run failed (then `error` says why); `emitted` is what the step
