@@ -41,12 +41,16 @@ async def scalar(pool, sql: str) -> Any:
     return row[0] if row else None
 
 
+@pytest.mark.parametrize("llm_client", ["openai", "lean"])
 async def test_retried_and_concurrent_posts_end_in_exactly_one_email(
-    e2e_settings, redis, pool, auth, fake_llm, mail, tmp_path
+    e2e_settings, redis, pool, auth, fake_llm, mail, tmp_path, llm_client
 ):
+    e2e_settings = e2e_settings.model_copy(update={"llm_client": llm_client})
     res = Resources(e2e_settings, redis, pool)
     app = asgi_app(e2e_settings, redis, pool)
     llm = connect_llm(e2e_settings)
+    expected = {"openai": "OpenAICompatible", "lean": "LeanOpenAICompatible"}[llm_client]
+    assert type(llm).__name__ == expected  # ONCELY_LLM_CLIENT picks the client
     worker = WorkerGroup(builtin_app, res, llm)
     relay, sender = build_relay(builtin_app, res)
     services = [asyncio.create_task(worker.run()), asyncio.create_task(relay.run())]

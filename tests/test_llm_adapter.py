@@ -1,26 +1,33 @@
-"""The model adapter and the retry policy against the real ``openai`` SDK: first
-over an ``httpx.MockTransport`` (exact control of each response), then over
-real HTTP to the fake model server, whose ``/_calls`` counts what was paid for.
+"""The two model clients (``ONCELY_LLM_CLIENT``: ``openai``, the SDK's
+``OpenAICompatible``, and ``lean``, ``LeanOpenAICompatible``) and the retry
+policy, each test run against both: first against a scripted HTTP server
+(exact control of each answer, and of a connection cut or a stall), then
+against the fake model server, whose ``/_calls`` counts what was paid for.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import email.utils
-import json
+import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 import httpx
 import openai
 import pytest
+from aiohttp import web
 
 from oncely.errors import DeadlineExceeded, PermanentError, TransientError
 from oncely.fakes.llm import FakeLLMServer
-from oncely.llm.base import Completion, Message, ResponseSchema
-from oncely.llm.openai_compat import OpenAICompatible, translate_error
+from oncely.llm import lean, openai_compat
+from oncely.llm.base import Completion, Message, ModelClient, ResponseSchema
+from oncely.llm.lean import LeanOpenAICompatible
+from oncely.llm.openai_compat import OpenAICompatible
 from oncely.retry import Deadline, RetryEvent, RetryPolicy, call_with_retries, classify
 
 COMPLETION = {
@@ -35,33 +42,97 @@ COMPLETION = {
 HI = [Message("user", "hi")]
 
 
-class ScriptedTransport:
-    """Answers (or raises) from a list, the last entry repeating; counts and keeps requests."""
+@dataclass(frozen=True)
+class Answer:
+    status: int
+    json: Any = None
+    headers: dict[str, str] = field(default_factory=dict)
+    text: str | None = None  # a body that is not JSON
 
-    def __init__(self, *script: httpx.Response | Exception) -> None:
+
+class Cut:
+    """Close the connection without answering."""
+
+
+@dataclass(frozen=True)
+class Stall:
+    """Answer nothing for this long."""
+
+    seconds: float
+
+
+class ScriptedModel:
+    """A chat-completions server answering from a script, the last step
+    repeating; keeps every request's body."""
+
+    def __init__(self, *script: Answer | Cut | Stall) -> None:
         self.script = list(script)
         self.bodies: list[dict[str, Any]] = []
+        self.headers: list[dict[str, str]] = []
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", self._answer)
+        self._runner = web.AppRunner(app, shutdown_timeout=0.1)
+        self.url = ""
 
     @property
     def requests(self) -> int:
         return len(self.bodies)
 
-    def __call__(self, request: httpx.Request) -> httpx.Response:
-        self.bodies.append(json.loads(request.content))
+    async def _answer(self, request: web.Request) -> web.StreamResponse:
+        self.bodies.append(await request.json())
+        self.headers.append(dict(request.headers))
         step = self.script.pop(0) if len(self.script) > 1 else self.script[0]
-        if isinstance(step, Exception):
-            raise step
-        return step
+        if isinstance(step, Cut):
+            assert request.transport is not None
+            request.transport.close()
+            return web.Response()
+        if isinstance(step, Stall):
+            await asyncio.sleep(step.seconds)
+            return web.Response(status=500)
+        if step.text is not None:
+            return web.Response(status=step.status, text=step.text, headers=step.headers)
+        return web.json_response(step.json, status=step.status, headers=step.headers)
+
+    async def __aenter__(self) -> ScriptedModel:
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        port = self._runner.addresses[0][1]
+        self.url = f"http://127.0.0.1:{port}/v1"
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self._runner.cleanup()
 
 
-def mock_llm(transport: ScriptedTransport) -> OpenAICompatible:
-    client = openai.AsyncOpenAI(
-        base_url="http://model.test/v1",
-        api_key="test",
-        max_retries=0,
-        http_client=httpx.AsyncClient(transport=httpx.MockTransport(transport)),
-    )
-    return OpenAICompatible(client, "m")
+Connect = Callable[[str], ModelClient]
+
+
+@pytest.fixture(params=["openai", "lean"])
+def client_kind(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def connect(client_kind: str) -> Connect:
+    """A client of model "m" at a base URL, of the kind under test."""
+    cls = OpenAICompatible if client_kind == "openai" else LeanOpenAICompatible
+    return lambda url: cls.connect(url, "test-key", "m")
+
+
+@pytest.fixture
+def scripted(connect: Connect) -> Callable[..., Any]:
+    """``async with scripted(*steps) as (server, llm)``: a scripted server and
+    a client of it, both closed at the end."""
+
+    @contextlib.asynccontextmanager
+    async def serve(
+        *script: Answer | Cut | Stall,
+    ) -> AsyncIterator[tuple[ScriptedModel, ModelClient]]:
+        async with ScriptedModel(*script) as server, connect(server.url) as llm:
+            yield server, llm
+
+    return serve
 
 
 def policy(deadline: Deadline | None = None, **overrides: Any) -> dict[str, Any]:
@@ -79,7 +150,7 @@ def policy(deadline: Deadline | None = None, **overrides: Any) -> dict[str, Any]
     }
 
 
-async def complete_with_retries(llm: OpenAICompatible, prompt: str, **options: Any) -> str:
+async def complete_with_retries(llm: ModelClient, prompt: str, **options: Any) -> str:
     async def call(timeout_s: float) -> Completion:
         return await llm.complete([Message("user", prompt)], timeout_s)
 
@@ -87,81 +158,123 @@ async def complete_with_retries(llm: OpenAICompatible, prompt: str, **options: A
     return completion.text
 
 
-# --- the adapter's requests and answers ------------------------------------------------
+# --- the clients' requests and answers ---------------------------------------------
 
 
-async def test_messages_go_in_order_and_usage_comes_back() -> None:
+async def test_messages_go_in_order_and_usage_comes_back(scripted) -> None:
     answer = COMPLETION | {
         "usage": {"prompt_tokens": 12, "completion_tokens": 3, "total_tokens": 15}
     }
-    transport = ScriptedTransport(httpx.Response(200, json=answer))
-    async with mock_llm(transport) as llm:
+    async with scripted(Answer(200, answer)) as (server, llm):
         messages = [Message("system", "Be brief."), Message("user", "hi")]
         assert await llm.complete(messages, 1.0) == Completion("fine", 12, 3)
     assert llm.model == "m"
-    body = transport.bodies[0]
+    body = server.bodies[0]
     assert body["model"] == "m"
     assert body["messages"] == [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "hi"},
     ]
     assert "response_format" not in body
+    assert server.headers[0]["Authorization"] == "Bearer test-key"
 
 
-async def test_a_schema_is_sent_as_json_schema_response_format() -> None:
+async def test_a_schema_is_sent_as_json_schema_response_format(scripted) -> None:
     schema = {"type": "object", "properties": {"label": {"type": "string"}}}
-    transport = ScriptedTransport(httpx.Response(200, json=COMPLETION))
-    async with mock_llm(transport) as llm:
+    async with scripted(Answer(200, COMPLETION)) as (server, llm):
         await llm.complete(HI, 1.0, schema=ResponseSchema("Triage", schema))
-    assert transport.bodies[0]["response_format"] == {
+    assert server.bodies[0]["response_format"] == {
         "type": "json_schema",
         "json_schema": {"name": "Triage", "schema": schema},
     }
 
 
-async def test_usage_is_zero_when_the_provider_reports_none() -> None:
-    async with mock_llm(ScriptedTransport(httpx.Response(200, json=COMPLETION))) as llm:
+async def test_another_model_shares_the_endpoint(scripted) -> None:
+    async with scripted(Answer(200, COMPLETION)) as (server, llm):
+        other = llm.with_model("m2")
+        assert llm.with_model("m") is llm
+        await other.complete(HI, 1.0)
+        await llm.complete(HI, 1.0)
+    assert [b["model"] for b in server.bodies] == ["m2", "m"]
+
+
+async def test_usage_is_zero_when_the_provider_reports_none(scripted) -> None:
+    async with scripted(Answer(200, COMPLETION)) as (_, llm):
         assert await llm.complete(HI, 1.0) == Completion("fine", 0, 0)
 
 
 @pytest.mark.parametrize(
-    "choices",
+    ("choices", "why"),
     [
-        [],
-        [{"index": 0, "message": {"role": "assistant", "content": ""}, "finish_reason": "length"}],
-        [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": None, "refusal": "no"},
-                "finish_reason": "stop",
-            }
-        ],
+        ([], "no choices"),
+        (
+            [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": ""},
+                    "finish_reason": "length",
+                }
+            ],
+            "length",
+        ),
+        (
+            [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": None, "refusal": "no"},
+                    "finish_reason": "stop",
+                }
+            ],
+            "refused",
+        ),
     ],
     ids=["no choices", "empty", "refused"],
 )
-async def test_an_empty_answer_is_permanent_and_sent_once(choices: list[Any]) -> None:
-    transport = ScriptedTransport(httpx.Response(200, json=COMPLETION | {"choices": choices}))
-    async with mock_llm(transport) as llm:
-        with pytest.raises(PermanentError, match="no content"):
+async def test_an_empty_answer_is_permanent_and_sent_once(
+    scripted, choices: list[Any], why: str
+) -> None:
+    async with scripted(Answer(200, COMPLETION | {"choices": choices})) as (server, llm):
+        with pytest.raises(PermanentError) as raised:
             await complete_with_retries(llm, "hi")
-    assert transport.requests == 1
+    assert str(raised.value) == f"model returned no content ({why})"
+    assert server.requests == 1
 
 
-# --- SDK errors translated at the edge --------------------------------------------------
+@pytest.mark.parametrize(
+    "page",
+    [
+        Answer(200, text="<html>a proxy's page</html>", headers={"Content-Type": "text/html"}),
+        Answer(200, text="{not json", headers={"Content-Type": "application/json"}),
+    ],
+    ids=["html", "broken json"],
+)
+async def test_a_200_that_is_not_json_is_permanent_and_sent_once(scripted, page: Answer) -> None:
+    async with scripted(page) as (server, llm):
+        with pytest.raises(PermanentError) as raised:
+            await complete_with_retries(llm, "hi")
+    assert str(raised.value) == "model returned no content (not JSON)"
+    assert server.requests == 1
 
 
-async def test_sdk_429_becomes_a_transient_error_and_the_retry_succeeds() -> None:
-    limited = httpx.Response(429, headers={"retry-after-ms": "20"}, json={"error": {}})
-    transport = ScriptedTransport(limited, limited, httpx.Response(200, json=COMPLETION))
-    llm = mock_llm(transport)
-    with pytest.raises(TransientError) as raised:
-        await llm.complete(HI, 1.0)
-    assert (raised.value.status, raised.value.retry_after_s) == (429, 0.02)
-    assert isinstance(raised.value.__cause__, openai.RateLimitError)
-    assert classify(raised.value) is True
-    assert await complete_with_retries(llm, "hi") == "fine"
-    assert transport.requests == 3  # the direct call, then 429 and success
-    await llm.aclose()
+# --- errors translated at the edge -------------------------------------------------------
+
+# What a status error's cause is: the SDK's own error, or none (the lean
+# client reads the status itself).
+STATUS_CAUSE = {"openai": openai.APIStatusError, "lean": type(None)}
+# What a connection's failure is caused by.
+TRANSPORT_CAUSE = {"openai": openai.APIConnectionError, "lean": aiohttp.ClientError}
+
+
+async def test_429_becomes_a_transient_error_and_the_retry_succeeds(client_kind, scripted) -> None:
+    limited = Answer(429, {"error": {}}, headers={"retry-after-ms": "20"})
+    async with scripted(limited, limited, Answer(200, COMPLETION)) as (server, llm):
+        with pytest.raises(TransientError) as raised:
+            await llm.complete(HI, 1.0)
+        assert (raised.value.status, raised.value.retry_after_s) == (429, 0.02)
+        assert isinstance(raised.value.__cause__, STATUS_CAUSE[client_kind])
+        assert classify(raised.value) is True
+        assert await complete_with_retries(llm, "hi") == "fine"
+    assert server.requests == 3  # the direct call, then 429 and success
 
 
 @pytest.mark.parametrize(
@@ -174,43 +287,45 @@ async def test_sdk_429_becomes_a_transient_error_and_the_retry_succeeds() -> Non
     ],
 )
 async def test_retry_after_is_parsed_from_the_providers_headers(
-    headers: dict[str, str], expected: float | None
+    scripted, headers: dict[str, str], expected: float | None
 ) -> None:
-    transport = ScriptedTransport(httpx.Response(503, headers=headers, json={"error": {}}))
-    async with mock_llm(transport) as llm:
+    async with scripted(Answer(503, {"error": {}}, headers=headers)) as (_, llm):
         with pytest.raises(TransientError) as raised:
             await llm.complete(HI, 1.0)
     assert (raised.value.status, raised.value.retry_after_s) == (503, expected)
 
 
-async def test_retry_after_accepts_an_http_date() -> None:
+async def test_retry_after_accepts_an_http_date(scripted) -> None:
     future = email.utils.formatdate(time.time() + 30, usegmt=True)
-    limited = httpx.Response(429, headers={"Retry-After": future}, json={"error": {}})
-    async with mock_llm(ScriptedTransport(limited)) as llm:
+    async with scripted(Answer(429, {"error": {}}, headers={"Retry-After": future})) as (_, llm):
         with pytest.raises(TransientError) as raised:
             await llm.complete(HI, 1.0)
     assert 28 < (raised.value.retry_after_s or 0) <= 30
 
 
-async def test_sdk_400_is_permanent_and_sent_exactly_once() -> None:
-    transport = ScriptedTransport(httpx.Response(400, json={"error": {"message": "bad"}}))
-    llm = mock_llm(transport)
-    with pytest.raises(PermanentError) as raised:
-        await complete_with_retries(llm, "hi")
+async def test_400_is_permanent_and_sent_exactly_once(scripted) -> None:
+    async with scripted(Answer(400, {"error": {"message": "bad"}})) as (server, llm):
+        with pytest.raises(PermanentError) as raised:
+            await complete_with_retries(llm, "hi")
     assert raised.value.status == 400
     assert classify(raised.value) is False
-    assert transport.requests == 1
-    await llm.aclose()
+    assert server.requests == 1
 
 
-async def test_error_messages_are_short_and_never_carry_the_prompt() -> None:
+async def test_error_messages_are_short_and_never_carry_the_prompt(scripted) -> None:
     secret = "the customer's private text " * 20
     echo = {"error": {"message": f"cannot process {secret}", "code": "invalid_prompt"}}
-    transport = ScriptedTransport(httpx.Response(400, json=echo))
-    async with mock_llm(transport) as llm:
+    async with scripted(Answer(400, echo)) as (_, llm):
         with pytest.raises(PermanentError) as raised:
             await llm.complete([Message("user", secret)], 1.0)
     assert str(raised.value) == "model answered 400 (invalid_prompt)"
+
+
+async def test_an_error_body_that_is_not_json_still_gives_the_status(scripted) -> None:
+    async with scripted(Answer(502, text="Bad Gateway")) as (_, llm):
+        with pytest.raises(TransientError) as raised:
+            await llm.complete(HI, 1.0)
+    assert (str(raised.value), raised.value.status) == ("model answered 502", 502)
 
 
 RETRYABLE_STATUSES = [408, 409, 500, 502, 503, 504]
@@ -218,38 +333,47 @@ PERMANENT_STATUSES = [401, 403, 404, 422]
 
 
 @pytest.mark.parametrize("status", RETRYABLE_STATUSES + PERMANENT_STATUSES)
-async def test_sdk_status_errors_are_translated_by_status(status: int) -> None:
+async def test_status_errors_are_translated_by_status(scripted, status: int) -> None:
     retryable = status in RETRYABLE_STATUSES
-    transport = ScriptedTransport(httpx.Response(status, json={"error": {}}))
-    llm = mock_llm(transport)
-    with pytest.raises(TransientError if retryable else PermanentError) as raised:
-        await complete_with_retries(llm, "hi")
+    async with scripted(Answer(status, {"error": {}})) as (server, llm):
+        with pytest.raises(TransientError if retryable else PermanentError) as raised:
+            await complete_with_retries(llm, "hi")
     assert raised.value.status == status
     assert classify(raised.value) is retryable
-    assert transport.requests == (3 if retryable else 1)
-    await llm.aclose()
+    assert server.requests == (3 if retryable else 1)
 
 
-@pytest.mark.parametrize(
-    ("failure", "translated"),
-    [
-        (httpx.ConnectError("refused"), TransientError),
-        (httpx.RemoteProtocolError("peer closed"), TransientError),
-        (httpx.ReadTimeout("slow"), TimeoutError),
-    ],
-)
-async def test_sdk_connection_errors_and_timeouts_are_translated_and_retried(
-    failure: Exception, translated: type[Exception]
+# The SDK's aiohttp transport reports a connection refused or dropped as a
+# connect timeout, so the SDK path says "timeout" where the lean client says
+# "unreachable"; both are retried.
+DROPPED = {"openai": TimeoutError, "lean": TransientError}
+
+
+@pytest.mark.parametrize("failure", [Cut(), Stall(30)], ids=["connection cut", "read stalled"])
+async def test_a_cut_connection_or_a_stalled_read_is_translated_and_retried(
+    client_kind, scripted, failure: Cut | Stall
 ) -> None:
-    transport = ScriptedTransport(failure, failure, httpx.Response(200, json=COMPLETION))
-    llm = mock_llm(transport)
-    with pytest.raises(translated) as raised:
-        await llm.complete(HI, 1.0)
-    assert isinstance(raised.value.__cause__, openai.APIConnectionError)
+    translated = DROPPED[client_kind] if isinstance(failure, Cut) else TimeoutError
+    async with scripted(failure, failure, Answer(200, COMPLETION)) as (server, llm):
+        with pytest.raises(translated) as raised:
+            await llm.complete(HI, 0.3)  # the client's own read timeout, no wall clock
+        assert type(raised.value) is translated
+        assert isinstance(raised.value.__cause__, TRANSPORT_CAUSE[client_kind])
+        assert classify(raised.value) is True
+        assert await complete_with_retries(llm, "hi", **policy(per_call_timeout_s=0.3)) == "fine"
+    assert server.requests == 3  # the direct call, then the failure and success
+
+
+async def test_a_refused_connection_is_retried(client_kind, connect: Connect) -> None:
+    with socket.socket() as unused:  # a port nothing listens on
+        unused.bind(("127.0.0.1", 0))
+        port = unused.getsockname()[1]
+    async with connect(f"http://127.0.0.1:{port}/v1") as llm:
+        with pytest.raises(DROPPED[client_kind]) as raised:
+            await llm.complete(HI, 1.0)
+    assert type(raised.value) is DROPPED[client_kind]
+    assert isinstance(raised.value.__cause__, TRANSPORT_CAUSE[client_kind])
     assert classify(raised.value) is True
-    assert await complete_with_retries(llm, "hi") == "fine"
-    assert transport.requests == 3  # the direct call, then the failure and success
-    await llm.aclose()
 
 
 @pytest.mark.parametrize(
@@ -258,26 +382,51 @@ async def test_sdk_connection_errors_and_timeouts_are_translated_and_retried(
     ids=repr,
 )
 def test_transport_errors_that_escape_the_sdk_are_transient(failure: Exception) -> None:
-    translated = translate_error(failure)
+    translated = openai_compat.translate_error(failure)
     assert isinstance(translated, TransientError)
     assert classify(translated) is True
+
+
+@pytest.mark.parametrize(
+    ("failure", "translated"),
+    [
+        (aiohttp.ServerDisconnectedError(), TransientError),
+        (aiohttp.ClientPayloadError(), TransientError),
+        (aiohttp.ClientOSError(), TransientError),
+        (aiohttp.ServerTimeoutError(), TimeoutError),
+        (aiohttp.ConnectionTimeoutError(), TimeoutError),
+    ],
+    ids=repr,
+)
+def test_the_lean_clients_transport_errors_are_retried(
+    failure: aiohttp.ClientError, translated: type[Exception]
+) -> None:
+    error = lean.translate_error(failure)
+    assert type(error) is translated
+    assert classify(error) is True
 
 
 def test_other_sdk_errors_are_permanent() -> None:
     request = httpx.Request("POST", "http://model.test/v1/chat/completions")
     response = httpx.Response(200, request=request)
-    translated = translate_error(openai.APIResponseValidationError(response, body=None))
+    translated = openai_compat.translate_error(
+        openai.APIResponseValidationError(response, body=None)
+    )
     assert isinstance(translated, PermanentError)
     assert classify(translated) is False
 
 
 async def test_unknown_exception_is_not_retried() -> None:
-    transport = ScriptedTransport(LookupError("a bug somewhere"))
-    llm = mock_llm(transport)
+    calls = []
+
+    class Broken:
+        async def complete(self, messages: Any, *_: Any, **__: Any) -> Completion:
+            calls.append(messages)
+            raise LookupError("a bug somewhere")
+
     with pytest.raises(LookupError):
-        await complete_with_retries(llm, "hi")
-    assert transport.requests == 1
-    await llm.aclose()
+        await complete_with_retries(Broken(), "hi")  # type: ignore[arg-type]
+    assert len(calls) == 1
 
 
 # --- the adapter against the real fake model server ---------------------------------
@@ -290,8 +439,9 @@ async def fake() -> AsyncIterator[FakeLLMServer]:
 
 
 @pytest.fixture
-async def llm(fake: FakeLLMServer) -> AsyncIterator[OpenAICompatible]:
-    async with OpenAICompatible.connect(fake.url, "test", "oncely-fake") as adapter:
+async def llm(fake: FakeLLMServer, client_kind: str) -> AsyncIterator[ModelClient]:
+    cls = OpenAICompatible if client_kind == "openai" else LeanOpenAICompatible
+    async with cls.connect(fake.url, "test", "oncely-fake") as adapter:
         yield adapter
 
 
@@ -303,7 +453,7 @@ async def calls_for(fake: FakeLLMServer, contains: str) -> list[dict[str, Any]]:
 
 
 async def test_adapter_returns_the_fakes_extractive_summary_and_its_usage(
-    fake: FakeLLMServer, llm: OpenAICompatible
+    fake: FakeLLMServer, llm: ModelClient
 ) -> None:
     text = "Oncely makes LLM steps safe. Effects happen once! The rest is detail."
     completion = await llm.complete([Message("system", "Summarise."), Message("user", text)], 2.0)
@@ -313,7 +463,7 @@ async def test_adapter_returns_the_fakes_extractive_summary_and_its_usage(
 
 
 async def test_scripted_429_is_retried_after_the_capped_retry_after(
-    fake: FakeLLMServer, llm: OpenAICompatible
+    fake: FakeLLMServer, llm: ModelClient
 ) -> None:
     events: list[RetryEvent] = []
 
@@ -326,9 +476,7 @@ async def test_scripted_429_is_retried_after_the_capped_retry_after(
     assert [p["count"] for p in await calls_for(fake, "Busy provider")] == [2]
 
 
-async def test_scripted_400_is_called_exactly_once(
-    fake: FakeLLMServer, llm: OpenAICompatible
-) -> None:
+async def test_scripted_400_is_called_exactly_once(fake: FakeLLMServer, llm: ModelClient) -> None:
     with pytest.raises(PermanentError) as raised:
         await complete_with_retries(llm, "Bad input. [[fake:400]]")
     assert raised.value.status == 400
@@ -336,7 +484,7 @@ async def test_scripted_400_is_called_exactly_once(
 
 
 async def test_hanging_model_gives_up_within_the_deadline(
-    fake: FakeLLMServer, llm: OpenAICompatible
+    fake: FakeLLMServer, llm: ModelClient
 ) -> None:
     options = policy(Deadline.after(0.5), per_call_timeout_s=0.2, max_attempts=10)
     with pytest.raises(DeadlineExceeded):
@@ -346,7 +494,7 @@ async def test_hanging_model_gives_up_within_the_deadline(
 
 
 async def test_dripping_model_is_cut_off_by_the_wall_clock(
-    fake: FakeLLMServer, llm: OpenAICompatible
+    fake: FakeLLMServer, llm: ModelClient
 ) -> None:
     """A byte a second resets every read timeout; only the wall clock stops it."""
     options = policy(per_call_timeout_s=1.1, max_attempts=1)
@@ -362,7 +510,7 @@ async def test_dripping_model_is_cut_off_by_the_wall_clock(
 
 
 async def test_fifty_concurrent_calls_are_in_flight_together(
-    fake: FakeLLMServer, llm: OpenAICompatible
+    fake: FakeLLMServer, llm: ModelClient
 ) -> None:
     prompts = [f"Request {n}. [[fake:sleep=0.2]]" for n in range(50)]
     answers = await asyncio.gather(*(llm.complete([Message("user", p)], 30.0) for p in prompts))
@@ -376,7 +524,7 @@ async def test_fifty_concurrent_calls_are_in_flight_together(
 # --- the fake's own bookkeeping -----------------------------------------------------
 
 
-async def test_faults_run_in_the_order_written(fake: FakeLLMServer, llm: OpenAICompatible) -> None:
+async def test_faults_run_in_the_order_written(fake: FakeLLMServer, llm: ModelClient) -> None:
     prompt = [Message("user", "Script. [[fake:503*2]] [[fake:429*1]]")]
     failures = []
     for _ in range(3):
@@ -388,7 +536,7 @@ async def test_faults_run_in_the_order_written(fake: FakeLLMServer, llm: OpenAIC
 
 
 async def test_calls_filters_prompts_and_reset_clears_counters(
-    fake: FakeLLMServer, llm: OpenAICompatible
+    fake: FakeLLMServer, llm: ModelClient
 ) -> None:
     await llm.complete([Message("user", "Alpha text.")], 1.0)
     await llm.complete([Message("user", "Beta text.")], 1.0)

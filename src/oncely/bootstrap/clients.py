@@ -30,7 +30,7 @@ from oncely.usage.ledger import Ledger
 from oncely.usage.prices import Prices
 
 if TYPE_CHECKING:
-    from oncely.llm.openai_compat import OpenAICompatible
+    from oncely.llm.base import ModelClient
 
 
 @dataclass(frozen=True)
@@ -156,12 +156,22 @@ def jobs_for(app: App, res: Resources) -> Jobs:
     return Jobs(res.pool, streams, statement_timeout_s=res.settings.pg_statement_timeout_s)
 
 
-def connect_llm(s: Settings) -> OpenAICompatible:
-    """The model client (the provider's SDK is imported here, by the
-    processes that call a model: not by `oncely status` and the like)."""
+def connect_llm(s: Settings) -> ModelClient:
+    """The primary model's client."""
+    return connect_model(s, s.llm_base_url, s.llm_api_key.get_secret_value(), s.llm_model)
+
+
+def connect_model(s: Settings, base_url: str, api_key: str, model: str) -> ModelClient:
+    """A client of one endpoint, as ``ONCELY_LLM_CLIENT`` says (each module
+    is imported here, by the processes that call a model: not by `oncely
+    status` and the like)."""
+    if s.llm_client == "lean":
+        from oncely.llm.lean import LeanOpenAICompatible
+
+        return LeanOpenAICompatible.connect(base_url, api_key, model)
     from oncely.llm.openai_compat import OpenAICompatible
 
-    return OpenAICompatible.connect(s.llm_base_url, s.llm_api_key.get_secret_value(), s.llm_model)
+    return OpenAICompatible.connect(base_url, api_key, model)
 
 
 def budgets(s: Settings, redis: RedisClient) -> Budgets:

@@ -19,6 +19,7 @@ from oncely.app import App
 from oncely.bootstrap.clients import (
     Resources,
     connect_llm,
+    connect_model,
     jobs_for,
     ledger_for,
     open_resources,
@@ -42,10 +43,9 @@ from oncely.jobs.handler import StepConfig, WorkflowHandler
 from oncely.jobs.reconcile import Reconciler
 from oncely.jobs.retention import Retention
 from oncely.jobs.timers import Timers
-from oncely.llm.base import LLM
+from oncely.llm.base import LLM, ModelClient
 from oncely.llm.limiter import FleetLimiter, LimitedLLM
 from oncely.llm.model import ModelRoute
-from oncely.llm.openai_compat import OpenAICompatible
 from oncely.llm.routing import Cooldown, ModelSpec, Target, parse_models
 from oncely.outbox.relay import Relay
 from oncely.outbox.store import OutboxStore
@@ -208,7 +208,7 @@ class WorkerGroup:
         self.cooldown = Cooldown(res.redis, cooldown_policy(s))
         self.ledger = ledger_for(res)
         # Adapters of fallbacks on endpoints of their own, closed with the group.
-        self._endpoints: dict[tuple[ModelSpec, str], OpenAICompatible] = {}
+        self._endpoints: dict[tuple[ModelSpec, str], ModelClient] = {}
         plan = shadow_plan(s)
         self.shadow_workers = [
             self._shadow_worker(app[spec.workflow], spec, res)
@@ -295,7 +295,7 @@ class WorkerGroup:
             key = s.llm_api_keys.get(number, s.llm_api_key).get_secret_value()
             adapter = self._endpoints.get((spec, key))
             if adapter is None:
-                adapter = OpenAICompatible.connect(spec.base_url, key, spec.name)
+                adapter = connect_model(s, spec.base_url, key, spec.name)
                 self._endpoints[spec, key] = adapter
             targets.append(Target(spec.name, adapter))
         return tuple(targets)
@@ -342,7 +342,7 @@ class WorkerGroup:
 def _model_switch(llm: LLM) -> Callable[[str], LLM]:
     """Another model on the same endpoint (the adapter's ``with_model``); an
     adapter without one serves every model name itself."""
-    if isinstance(llm, OpenAICompatible):
+    if isinstance(llm, ModelClient):
         return llm.with_model
     return lambda _model: llm
 

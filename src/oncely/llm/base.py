@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from types import TracebackType
+from typing import Any, Literal, Protocol, runtime_checkable
 
 
 @dataclass(frozen=True)
@@ -47,3 +48,25 @@ class LLM(Protocol):
         *,
         schema: ResponseSchema | None = None,
     ) -> Completion: ...
+
+
+@runtime_checkable
+class ModelClient(LLM, Protocol):
+    """An OpenAI-compatible endpoint's client (``ONCELY_LLM_CLIENT``: the
+    SDK's ``OpenAICompatible`` or ``LeanOpenAICompatible``): one model name,
+    others on the same connections by ``with_model``, closed once."""
+
+    model: str
+
+    def with_model(self, model: str) -> ModelClient: ...
+
+    async def aclose(self) -> None: ...
+
+    async def __aenter__(self) -> ModelClient: ...
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None: ...

@@ -17,15 +17,21 @@ nowhere else (``oncely.retry`` imports no SDK):
   timeout around every attempt, one "timeout" reason for both.
 - ``APIConnectionError`` and transport errors that escape the SDK unwrapped
   (httpx, aiohttp) become ``TransientError``.
-- Any other SDK error, and a 200 without an answer, is a ``PermanentError``.
+- Any other SDK error, and a 200 without an answer or that is not JSON, is a
+  ``PermanentError``.
+
+What a status means, and how an answer's usage and emptiness are read, is
+shared with the lean client (``oncely.llm.wire``, ``oncely.llm.lean``).
 
 Messages are short and never carry the prompt; the SDK error stays the cause.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from types import TracebackType
+from typing import cast
 
 import aiohttp
 import httpx
@@ -35,8 +41,8 @@ from openai.types.chat.chat_completion import Choice
 from openai.types.shared_params import ResponseFormatJSONSchema
 
 from oncely.errors import OncelyError, PermanentError, TransientError
+from oncely.llm import wire
 from oncely.llm.base import Completion, Message, ResponseSchema
-from oncely.retry import retry_after_from_headers, retryable_status
 
 _TRANSPORT_ERRORS: tuple[type[Exception], ...] = (httpx.TransportError, aiohttp.ClientError)
 try:  # the HTTP client of recent SDKs; older ones use httpx
@@ -47,9 +53,6 @@ else:
     _TRANSPORT_ERRORS = (*_TRANSPORT_ERRORS, httpx2.TransportError)
 
 _SDK_ERRORS: tuple[type[Exception], ...] = (openai.OpenAIError, *_TRANSPORT_ERRORS)
-
-# Enough of a provider's error code to tell errors apart, never a whole message.
-_CODE_CHARS = 60
 
 
 class OpenAICompatible:
@@ -95,6 +98,10 @@ class OpenAICompatible:
             )
         except _SDK_ERRORS as exc:
             raise translate_error(exc) from exc
+        except json.JSONDecodeError as exc:  # a 200 that says it is JSON and is not
+            raise wire.no_content("not JSON") from exc
+        if not isinstance(response, ChatCompletion):  # another content type: the SDK's text
+            raise wire.no_content("not JSON")
         return _completion(response)
 
     async def aclose(self) -> None:
@@ -115,23 +122,13 @@ class OpenAICompatible:
 def translate_error(exc: Exception) -> OncelyError | TimeoutError:
     """The oncely error an SDK or transport error stands for (see the module doc)."""
     if isinstance(exc, openai.APIStatusError):
-        return _status_error(exc)
+        return wire.status_error(exc.status_code, exc.code, exc.response.headers)
     if isinstance(exc, openai.APITimeoutError):  # before its base, APIConnectionError
         return TimeoutError("model call timed out")
     if isinstance(exc, (openai.APIConnectionError, *_TRANSPORT_ERRORS)):
         cause = exc.__cause__ if isinstance(exc, openai.APIConnectionError) else exc
         return TransientError(f"model unreachable ({type(cause or exc).__name__})")
     return PermanentError(f"model call failed ({type(exc).__name__})")
-
-
-def _status_error(exc: openai.APIStatusError) -> OncelyError:
-    status = exc.status_code
-    code = exc.code if isinstance(exc.code, str) else None
-    message = f"model answered {status}" + (f" ({code[:_CODE_CHARS]})" if code else "")
-    if retryable_status(status):
-        wait = retry_after_from_headers(exc.response.headers)
-        return TransientError(message, status=status, retry_after_s=wait)
-    return PermanentError(message, status=status)
 
 
 def _param(message: Message) -> ChatCompletionMessageParam:
@@ -144,10 +141,7 @@ def _param(message: Message) -> ChatCompletionMessageParam:
 
 
 def _response_format(schema: ResponseSchema) -> ResponseFormatJSONSchema:
-    return {
-        "type": "json_schema",
-        "json_schema": {"name": schema.name, "schema": dict(schema.schema)},
-    }
+    return cast("ResponseFormatJSONSchema", wire.response_format(schema))
 
 
 def _why_empty(choice: Choice | None) -> str:
@@ -160,7 +154,7 @@ def _completion(response: ChatCompletion) -> Completion:
     """The answer and its usage. A 200 without an answer will not change on a retry."""
     choice = response.choices[0] if response.choices else None
     if choice is None or not choice.message.content:
-        raise PermanentError(f"model returned no content ({_why_empty(choice)})")
+        raise wire.no_content(_why_empty(choice))
     usage = response.usage
     return Completion(
         choice.message.content,

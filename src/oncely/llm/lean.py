@@ -1,0 +1,149 @@
+"""The lean model client (``ONCELY_LLM_CLIENT=lean``): the same chat
+completions as ``oncely.llm.openai_compat``, straight over aiohttp, with no
+SDK between the worker and the socket.
+
+Why it exists: the SDK builds typed request and response objects for every
+call, and with a fast model that is most of a worker's CPU per job
+(docs/performance.md). This client writes the request body as a dict and
+reads the answer's few fields from the parsed JSON.
+
+What a call means does not depend on the client. Both send the same body
+(messages in order, ``response_format: json_schema`` for structured output),
+bound every socket read by the attempt's timeout, and read statuses, usage
+and empty answers through ``oncely.llm.wire``. Errors translate here:
+
+- a status of 400 or more: ``wire.status_error`` (408, 409, 429, 5xx
+  transient with ``Retry-After``; the rest permanent), the body's
+  ``error.code`` when it is JSON;
+- a read or connect timeout: a plain ``TimeoutError`` (the retry policy's
+  "timeout", like the wall-clock one around every attempt);
+- any other aiohttp error (refused, reset, a truncated body): ``TransientError``;
+- a 200 that is not JSON, or has no content: ``PermanentError``.
+
+tests/test_llm_adapter.py runs the same tests against both clients.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Any
+
+import aiohttp
+
+from oncely.errors import OncelyError, TransientError
+from oncely.llm import wire
+from oncely.llm.base import Completion, Message, ResponseSchema
+
+# As many connections to one endpoint as the SDK's aiohttp transport allows.
+CONNECTIONS = 1000
+
+
+class _Endpoint:
+    """One base URL and key: the session every model name on it shares,
+    opened by the first call (inside the event loop that makes it)."""
+
+    def __init__(self, base_url: str, api_key: str) -> None:
+        self.url = base_url.rstrip("/") + "/chat/completions"
+        self._headers = {"Authorization": f"Bearer {api_key}", "Content-Type": "application/json"}
+        self._session: aiohttp.ClientSession | None = None
+        self._timeouts: dict[float, aiohttp.ClientTimeout] = {}
+
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            connector = aiohttp.TCPConnector(limit=CONNECTIONS)
+            self._session = aiohttp.ClientSession(connector=connector, headers=self._headers)
+        return self._session
+
+    def timeout(self, seconds: float) -> aiohttp.ClientTimeout:
+        """Every connect and socket read within ``seconds`` (the SDK's
+        ``timeout=``); the call's wall clock is the caller's."""
+        timeout = self._timeouts.get(seconds)
+        if timeout is None:
+            if len(self._timeouts) > 64:  # a caller's timeouts vary: keep a few
+                self._timeouts.clear()
+            timeout = aiohttp.ClientTimeout(
+                total=None, connect=seconds, sock_connect=seconds, sock_read=seconds
+            )
+            self._timeouts[seconds] = timeout
+        return timeout
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+
+class LeanOpenAICompatible:
+    """The ``LLM`` protocol over chat completions, without the SDK."""
+
+    def __init__(self, endpoint: _Endpoint, model: str) -> None:
+        self._endpoint = endpoint
+        self.model = model
+
+    @classmethod
+    def connect(cls, base_url: str, api_key: str, model: str) -> LeanOpenAICompatible:
+        """No connection opens until the first call."""
+        return cls(_Endpoint(base_url, api_key), model)
+
+    def with_model(self, model: str) -> LeanOpenAICompatible:
+        """The same endpoint and connections, asking for another model."""
+        return self if model == self.model else LeanOpenAICompatible(self._endpoint, model)
+
+    async def complete(
+        self,
+        messages: Sequence[Message],
+        timeout: float,  # noqa: ASYNC109 (LLM protocol)
+        *,
+        schema: ResponseSchema | None = None,
+    ) -> Completion:
+        body: dict[str, Any] = {
+            "model": self.model,
+            "messages": [{"role": m.role, "content": m.content} for m in messages],
+        }
+        if schema is not None:
+            body["response_format"] = wire.response_format(schema)
+        endpoint = self._endpoint
+        try:
+            async with endpoint.session().post(
+                endpoint.url, data=json.dumps(body), timeout=endpoint.timeout(timeout)
+            ) as response:
+                raw = await response.read()
+                status, headers = response.status, response.headers
+        except aiohttp.ClientError as exc:
+            raise translate_error(exc) from exc
+        if status >= 400:
+            raise wire.status_error(status, wire.error_code(_json(raw)), headers)
+        data = _json(raw)
+        if data is None:
+            raise wire.no_content("not JSON")
+        return wire.read_answer(data)
+
+    async def aclose(self) -> None:
+        await self._endpoint.aclose()
+
+    async def __aenter__(self) -> LeanOpenAICompatible:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+
+def translate_error(exc: aiohttp.ClientError) -> OncelyError | TimeoutError:
+    """The oncely error an aiohttp error stands for (see the module doc)."""
+    if isinstance(exc, aiohttp.ServerTimeoutError):  # connect or socket read
+        return TimeoutError("model call timed out")
+    return TransientError(f"model unreachable ({type(exc).__name__})")
+
+
+def _json(raw: bytes) -> object:
+    try:
+        return json.loads(raw)
+    except ValueError:  # not JSON, or not UTF-8
+        return None
