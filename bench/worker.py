@@ -5,6 +5,8 @@ Side by side on the same jobs, round-robin:
 - ``oncely``: a real ``oncely worker --workflow summaries`` process (pre-check,
   fleet limiter, classified retries, owner-checked Lua acks, leases, index,
   NOTIFY, reconciler);
+- ``oncely_lean``: the same worker with ``ONCELY_LLM_CLIENT=lean`` (the model
+  called straight over aiohttp, no SDK);
 - ``floor_openai``: the same work with none of the guarantees (this module
   with ``--floor-consumer``): batched XREADGROUP, one model call per message
   through the same openai SDK on its aiohttp transport, one statement
@@ -50,7 +52,9 @@ from bench.harness.servers import against_database, checkout_env, fresh_state, f
 from oncely.builtin.summaries import INSTRUCTION, SUMMARY_READY, dedupe_key, summaries
 
 GOAL = 0.85
-KINDS = ("oncely", "floor_openai", "floor_aiohttp")
+KINDS = ("oncely", "oncely_lean", "floor_openai", "floor_aiohttp")
+OURS = ("oncely", "oncely_lean")
+LEAN_GOAL = 0.8  # oncely_lean / floor_aiohttp @256
 MODEL = "oncely-fake"
 HTTP_CONNECTIONS = 1000  # the openai SDK's aiohttp limit; raw aiohttp gets the same
 SHOWN = ("jobs", "jobs_per_s", "cpu_ms_per_job", "machine_busy_cores")
@@ -78,6 +82,10 @@ BUCKETS = {
             ["openai.resources.chat.completions:AsyncCompletions.create"],
         ),
         ("model call: OpenAICompatible", ["oncely.llm.openai_compat:OpenAICompatible"]),
+        (
+            "model call: LeanOpenAICompatible (aiohttp, JSON)",
+            ["oncely.llm.lean:LeanOpenAICompatible"],
+        ),
         ("model call: Model._ask (retries, deadline, usage)", ["oncely.llm.model:Model._ask"]),
         ("step: summarise (prompt, emit)", ["oncely.builtin.summaries:summarise"]),
         (
@@ -132,7 +140,7 @@ BUCKETS = {
 
 @dataclass(frozen=True)
 class Contender:
-    kind: str  # "oncely" | "floor_openai" | "floor_aiohttp" | "against"
+    kind: str  # "oncely" | "oncely_lean" | "floor_openai" | "floor_aiohttp" | "against"
     concurrency: int
     jobs: int
 
@@ -182,8 +190,8 @@ def scenarios(smoke: bool, kinds: Sequence[str] = KINDS) -> list[Scenario]:
 
 
 def _lineup(many: int, one: int, kinds: Sequence[str]) -> tuple[Contender, ...]:
-    """oncely and each floor at 256; oncely and the SDK floor at 1 (and the
-    other checkout at both)."""
+    """oncely (both clients) and each floor at 256; oncely and the SDK floor
+    at 1 (and the other checkout at both)."""
     at_256 = [Contender(k, 256, many) for k in kinds]
     at_1 = [Contender(k, 1, one) for k in kinds if k in ("oncely", "floor_openai", "against")]
     return (*at_256, *at_1)
@@ -374,7 +382,7 @@ class Bench(Drain[Trial, FakeModel]):
 
     def spawn(self, trial: Trial) -> subprocess.Popen[bytes]:
         s, c = self.ctx.servers, trial.contender
-        if c.kind in ("oncely", "against"):
+        if c.kind in (*OURS, "against"):
             argv = ["-m", "oncely", "worker", "--workflow", summaries.name]
             database_url = s.database_url
             if c.kind == "against":
@@ -387,6 +395,7 @@ class Bench(Drain[Trial, FakeModel]):
                 "llm_api_key": API_KEY,
                 "worker_concurrency": str(c.concurrency),
                 "log_level": "WARNING",
+                "llm_client": "lean" if c.kind == "oncely_lean" else "openai",
             }
             env = (
                 checkout_env(self.ctx.args.against, **settings)
@@ -421,11 +430,12 @@ async def run_scenario(bench: Bench, scenario: Scenario) -> dict[str, Any]:
     trials = [Trial(c, scenario.model_sleep_s) for c in scenario.contenders]
     runs = await bench.run_rounds(trials, scenario.name)
     ratios = {}
+    pairs = [(o, t) for o in OURS for t in ("oncely", "floor_openai", "floor_aiohttp", "against")]
     for conc in (256, 1):
-        for other in ("floor_openai", "floor_aiohttp", "against"):
-            ours, theirs = runs.get(f"oncely@{conc}"), runs.get(f"{other}@{conc}")
-            if ours and theirs:
-                ratios[f"oncely_vs_{other}@{conc}"] = {
+        for mine, other in pairs:
+            ours, theirs = runs.get(f"{mine}@{conc}"), runs.get(f"{other}@{conc}")
+            if ours and theirs and mine != other:
+                ratios[f"{mine}_vs_{other}@{conc}"] = {
                     "throughput": ratio_json(ours, theirs, "jobs_per_s"),
                     "throughput_incl_startup": ratio_json(ours, theirs, "jobs_per_s_incl_startup"),
                     "cpu_per_job": ratio_json(ours, theirs, "cpu_ms_per_job"),
@@ -452,8 +462,8 @@ async def bench_main(ctx: Context) -> tuple[list[Headline], dict[str, Any], bool
         if ctx.args.profile:
             # A smoke run profiles oncely once; --against adds the other
             # checkout's worker, under oncely's buckets (matched by name).
-            kinds: tuple[str, ...] = ("oncely",) if ctx.smoke else ("oncely", "floor_openai")
-            kinds += ("against",) if ctx.args.against else ()
+            wanted = ("oncely",) if ctx.smoke else ("oncely", "oncely_lean", "floor_openai")
+            kinds = tuple(k for k in (*wanted, "against") if k in kinds_of(ctx.args))
             for kind in kinds:
                 rule = rules["floor" if kind.startswith("floor") else "oncely"]
                 n = 60 if ctx.smoke else 4000
@@ -462,24 +472,50 @@ async def bench_main(ctx: Context) -> tuple[list[Headline], dict[str, Any], bool
         await bench.close()
     ok = all(r.ok for s in results for rs in s["_runs"].values() for r in rs)
     ok = ok and all(p["checks_ok"] for p in profiles)
+    headline = [h for s in results for h in _headlines(s["scenario"], s.pop("_runs"))]
+    detail = {
+        "goal": GOAL,
+        "lean_goal": LEAN_GOAL,
+        "scenarios": results,
+        "profiles": profiles or None,
+    }
+    return headline, detail, ok
+
+
+def _headlines(scenario: str, runs: dict[str, Any]) -> list[Headline]:
+    """Each of oncely's workers over each floor, the lean over the SDK's, and
+    oncely over --against."""
     headline = []
-    for s in results:
-        runs = s.pop("_runs")
+    for mine in OURS:
         for floor in ("floor_openai", "floor_aiohttp"):
             for conc in (256, 1):
-                ours, theirs = runs.get(f"oncely@{conc}"), runs.get(f"{floor}@{conc}")
+                ours, theirs = runs.get(f"{mine}@{conc}"), runs.get(f"{floor}@{conc}")
                 if ours and theirs:
-                    what = f"worker {s['scenario']}: oncely / {floor} @{conc}, jobs/s"
-                    goal = {"at_least": GOAL} if floor == "floor_openai" and conc == 256 else {}
+                    what = f"worker {scenario}: {mine} / {floor} @{conc}, jobs/s"
+                    goal = _goal(mine, floor, conc)
                     headline.append(Headline.of(what, ratio(ours, theirs, "jobs_per_s"), **goal))
-        for conc in (256, 1):
-            ours, theirs = runs.get(f"oncely@{conc}"), runs.get(f"against@{conc}")
-            if ours and theirs:
-                what = f"worker {s['scenario']}: oncely / --against @{conc}"
-                for metric, unit in (("jobs_per_s", "jobs/s"), ("cpu_ms_per_job", "CPU per job")):
-                    headline.append(Headline.of(f"{what}, {unit}", ratio(ours, theirs, metric)))
-    detail = {"goal": GOAL, "scenarios": results, "profiles": profiles or None}
-    return headline, detail, ok
+    ours, theirs = runs.get("oncely_lean@256"), runs.get("oncely@256")
+    if ours and theirs:
+        what = f"worker {scenario}: oncely_lean / oncely @256"
+        for metric, unit in (("jobs_per_s", "jobs/s"), ("cpu_ms_per_job", "CPU per job")):
+            headline.append(Headline.of(f"{what}, {unit}", ratio(ours, theirs, metric)))
+    for conc in (256, 1):
+        ours, theirs = runs.get(f"oncely@{conc}"), runs.get(f"against@{conc}")
+        if ours and theirs:
+            what = f"worker {scenario}: oncely / --against @{conc}"
+            for metric, unit in (("jobs_per_s", "jobs/s"), ("cpu_ms_per_job", "CPU per job")):
+                headline.append(Headline.of(f"{what}, {unit}", ratio(ours, theirs, metric)))
+    return headline
+
+
+def _goal(mine: str, floor: str, concurrency: int) -> dict[str, float]:
+    """oncely's against the SDK floor, the lean client's against raw aiohttp
+    (both at 256 in flight)."""
+    if concurrency == 256 and (mine, floor) == ("oncely", "floor_openai"):
+        return {"at_least": GOAL}
+    if concurrency == 256 and (mine, floor) == ("oncely_lean", "floor_aiohttp"):
+        return {"at_least": LEAN_GOAL}
+    return {}
 
 
 def kinds_of(args: argparse.Namespace) -> tuple[str, ...]:
