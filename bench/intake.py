@@ -9,6 +9,9 @@ One load generator (``wrk``, with a Lua script making a fresh
 - ``floor``: a minimal FastAPI app in one uvicorn process (this module with
   ``--serve floor``), the same request model, the same durable work with no
   guarantees: INSERT of a ``jobs`` row and XADD, answering 202;
+- ``minimal``: the same app inserting into a table of its own with only a
+  primary key and the payload (no indexes, no other columns), then XADD: the
+  floor of the durable work itself, without oncely's schema;
 - ``xadd``: the same app doing the XADD only, for reference;
 - ``oncely_dup30``: oncely with 30 % of requests repeating a key the same wrk
   thread sent at least 64 requests earlier (mostly finished: replays).
@@ -70,6 +73,8 @@ from oncely.builtin.summaries import SummaryRequest, summaries
 TENANT = "bench"
 ROUTE = "/v1/summaries"
 FLOOR_STREAM = "bench:intake:floor"
+MINIMAL_STREAM = "bench:intake:minimal"
+MINIMAL_TABLE = "bench_intake_minimal"
 XADD_STREAM = "bench:intake:xadd"
 GOAL_THROUGHPUT, GOAL_P99 = 0.8, 1.5
 DUP_GAP = 64  # a duplicate repeats a key sent at least this many requests earlier
@@ -79,18 +84,23 @@ FLOOR_INSERT = (
     "INSERT INTO jobs (job_id, tenant, kind, payload) VALUES (%s, %s, %s, %s) "
     "ON CONFLICT (job_id) DO NOTHING"
 )
+MINIMAL_INSERT = f"INSERT INTO {MINIMAL_TABLE} (job_id, payload) VALUES (%s, %s)"
+MINIMAL_SCHEMA = (
+    f"CREATE TABLE IF NOT EXISTS {MINIMAL_TABLE} (job_id uuid PRIMARY KEY, payload jsonb NOT NULL)"
+)
 
 
 @dataclass(frozen=True)
 class Contender:
     name: str  # the row in the report
-    server: str  # "oncely" | "floor" | "xadd" | "against"
+    server: str  # "oncely" | "floor" | "minimal" | "xadd" | "against"
     dup_rate: float
 
 
 CONTENDERS = (
     Contender("oncely", "oncely", 0.0),
     Contender("floor", "floor", 0.0),
+    Contender("minimal", "minimal", 0.0),
     Contender("xadd", "xadd", 0.0),
     Contender("oncely_dup30", "oncely", 0.3),
 )
@@ -110,11 +120,12 @@ class Load:
 
 
 def floor_app(mode: str, redis_url: str, database_url: str) -> FastAPI:
-    """The durable floor (``floor``) or the XADD alone (``xadd``): the same
-    request model as oncely's route, no auth, no idempotency."""
+    """The durable floor on oncely's ``jobs`` (``floor``), on a table with
+    only a key and the payload (``minimal``), or the XADD alone (``xadd``):
+    the same request model as oncely's route, no auth, no idempotency."""
     redis = Redis.from_url(redis_url)
     pools: list[AsyncConnectionPool] = []  # the one pool, once the lifespan opened it
-    stream = FLOOR_STREAM if mode == "floor" else XADD_STREAM
+    stream = {"floor": FLOOR_STREAM, "minimal": MINIMAL_STREAM}.get(mode, XADD_STREAM)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -134,6 +145,9 @@ def floor_app(mode: str, redis_url: str, database_url: str) -> FastAPI:
         if mode == "floor":
             async with pools[0].connection() as conn:
                 await conn.execute(FLOOR_INSERT, (job_id, TENANT, summaries.name, Jsonb(payload)))
+        elif mode == "minimal":
+            async with pools[0].connection() as conn:
+                await conn.execute(MINIMAL_INSERT, (job_id, Jsonb(payload)))
         fields = {"job_id": job_id, "tenant": TENANT, "payload": json.dumps(payload)}
         await redis.xadd(stream, fields)  # type: ignore[arg-type]
         return JSONResponse({"job_id": job_id, "status": "queued"}, status_code=202)
@@ -294,6 +308,7 @@ class Bench:
         s, against = self.ctx.servers, self.ctx.args.against
         self.keys["main"] = await migrate_and_key(s.database_url, TENANT)
         self.dbs["main"] = await psycopg.AsyncConnection.connect(s.database_url, autocommit=True)
+        await self.dbs["main"].execute(MINIMAL_SCHEMA)
         env = clean_env(redis_url=s.redis_url, database_url=s.database_url, log_level="WARNING")
         if against:
             against_url = await against_database(s, against)
@@ -304,7 +319,7 @@ class Bench:
             against_env = checkout_env(
                 against, redis_url=s.redis_url, database_url=against_url, log_level="WARNING"
             )
-        for name in ["oncely", "floor", "xadd"] + (["against"] if against else []):
+        for name in ["oncely", "floor", "minimal", "xadd"] + (["against"] if against else []):
             port = self.ports[name] = free_port()
             argv = ["-m", "oncely", "api", "--port", str(port)]
             server_env = env
@@ -330,8 +345,13 @@ class Bench:
     @staticmethod
     def stream(c: Contender) -> str:
         """The stream ``c``'s server adds to (oncely's, whichever checkout)."""
-        streams = {"floor": FLOOR_STREAM, "xadd": XADD_STREAM}
+        streams = {"floor": FLOOR_STREAM, "minimal": MINIMAL_STREAM, "xadd": XADD_STREAM}
         return streams.get(c.server, summaries.keys.stream)
+
+    @staticmethod
+    def table(c: Contender) -> str:
+        """The table ``c``'s server inserts into."""
+        return MINIMAL_TABLE if c.server == "minimal" else "jobs"
 
     async def fresh(self, c: Contender) -> None:
         """A flushed Redis and empty tables in ``c``'s database (``--against``'s
@@ -340,6 +360,7 @@ class Bench:
             await fresh_tables(self.redis, self.dbs["against"])
         else:
             await fresh_state(self.redis, self.dbs["main"])
+            await self.dbs["main"].execute(f"TRUNCATE {MINIMAL_TABLE}")
 
     def url(self, name: str) -> str:
         return f"http://127.0.0.1:{self.ports[name]}"
@@ -353,11 +374,11 @@ class Bench:
         server). Each settles before the next flushes Redis: a request cut off
         when wrk stopped must not add to the stream the next run checks (oncely
         and --against's share one)."""
-        for c in (*CONTENDERS[:3], *((AGAINST,) if self.ctx.args.against else ())):
+        for c in (*CONTENDERS[:4], *((AGAINST,) if self.ctx.args.against else ())):
             await self.fresh(c)
             warm = Load(seconds, self.load.connections, self.load.threads)
             await self.wrk(c, warm, self.ctx.log_dir / f"warm-{c.name}")
-            await self.settle(self.dbs[self.database(c)], self.stream(c))
+            await self.settle(self.dbs[self.database(c)], self.stream(c), self.table(c))
 
     async def run(self, c: Contender, round_no: int) -> Run:
         attempt = len(list(self.ctx.log_dir.glob(f"r{round_no}-{c.name}-*")))
@@ -396,7 +417,11 @@ class Bench:
         return run
 
     async def settle(
-        self, db: psycopg.AsyncConnection[Any], stream: str, within_s: float = 30.0
+        self,
+        db: psycopg.AsyncConnection[Any],
+        stream: str,
+        table: str = "jobs",
+        within_s: float = 30.0,
     ) -> None:
         """Until requests cut off when wrk stopped have finished in the server:
         rows (in ``db``) and stream entries unchanged for a second (a server
@@ -405,7 +430,7 @@ class Bench:
         deadline = time.monotonic() + within_s
         last: tuple[int, int] | None = None
         while time.monotonic() < deadline:
-            row = await (await db.execute("SELECT count(*) FROM jobs")).fetchone()
+            row = await (await db.execute(f"SELECT count(*) FROM {table}")).fetchone()
             now = (int(row[0]) if row else 0, int(await self.redis.xlen(stream)))
             if now == last:
                 return
@@ -426,8 +451,11 @@ class Bench:
     async def checks(self, c: Contender, wrk: WrkOutput) -> dict[str, Any]:
         """On ``c``'s database (``--against``'s own for ``against``)."""
         db = self.dbs[self.database(c)]
-        await self.settle(db, self.stream(c))
-        cur = await db.execute("SELECT job_id FROM jobs WHERE kind = %s", (summaries.name,))
+        await self.settle(db, self.stream(c), self.table(c))
+        if c.server == "minimal":
+            cur = await db.execute(f"SELECT job_id FROM {MINIMAL_TABLE}")
+        else:
+            cur = await db.execute("SELECT job_id FROM jobs WHERE kind = %s", (summaries.name,))
         rows = [str(r[0]) for r in await cur.fetchall()]
         in_stream = await self._stream_ids(self.stream(c))
         checks: dict[str, Any] = {
@@ -440,7 +468,7 @@ class Bench:
         all_202 = set(wrk.statuses) == {202}
         if c.server == "xadd":
             checks["ok"] = all_202 and checks["stream_entries"] >= len(wrk.fresh_ids)
-        elif c.server == "floor":
+        elif c.server in ("floor", "minimal"):
             checks["ok"] = (
                 all_202 and len(rows) >= len(wrk.fresh_ids) and sorted(rows) == sorted(in_stream)
             )
@@ -613,7 +641,9 @@ async def bench_main(ctx: Context) -> tuple[list[Headline], dict[str, Any], bool
     finally:
         await bench.close()
     pairs = {
+        "oncely_vs_minimal": ("oncely", "minimal"),
         "oncely_vs_floor": ("oncely", "floor"),
+        "floor_vs_minimal": ("floor", "minimal"),
         "oncely_dup30_vs_floor": ("oncely_dup30", "floor"),
         "floor_vs_xadd": ("floor", "xadd"),
     }
@@ -626,8 +656,11 @@ async def bench_main(ctx: Context) -> tuple[list[Headline], dict[str, Any], bool
         return Headline.of(f"intake: {what}", ratio(runs[ours], runs[theirs], metric), **goal)
 
     headline = [
-        of("oncely / floor, req/s", "oncely", "floor", "req_per_s", at_least=GOAL_THROUGHPUT),
-        of("oncely / floor, p99", "oncely", "floor", "p99_ms", at_most=GOAL_P99),
+        of("oncely / minimal, req/s", "oncely", "minimal", "req_per_s", at_least=GOAL_THROUGHPUT),
+        of("oncely / minimal, p99", "oncely", "minimal", "p99_ms", at_most=GOAL_P99),
+        of("oncely / floor (jobs table), req/s", "oncely", "floor", "req_per_s"),
+        of("oncely / floor (jobs table), p99", "oncely", "floor", "p99_ms"),
+        of("floor (jobs table) / minimal, req/s", "floor", "minimal", "req_per_s"),
         of("oncely 30 % duplicates / floor, req/s", "oncely_dup30", "floor", "req_per_s"),
         of("oncely 30 % duplicates / floor, p99", "oncely_dup30", "floor", "p99_ms"),
         of("floor / XADD only, req/s", "floor", "xadd", "req_per_s"),
@@ -664,7 +697,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--no-profile", action="store_true", help="skip the py-spy profiles (oncely, floor)"
     )
     p.add_argument(
-        "--only", help="comma-separated contenders (oncely,floor,xadd,oncely_dup30); all by default"
+        "--only",
+        help="comma-separated contenders (oncely,floor,minimal,xadd,oncely_dup30); all by default",
     )
     p.add_argument(
         "--against",
@@ -674,7 +708,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "revision) in every round, as the contender 'against'",
     )
     # The floor / XADD-only server, run by the benchmark itself:
-    p.add_argument("--serve", choices=("floor", "xadd"), help=argparse.SUPPRESS)
+    p.add_argument("--serve", choices=("floor", "minimal", "xadd"), help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 

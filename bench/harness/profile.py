@@ -71,7 +71,10 @@ def shares(folded: Path, rules: list[Bucket], cpu_ms: float | None = None) -> di
         if "Thread._bootstrap" in stack:  # executor threads, idle or not
             threads += int(n)
             continue
-        name = next((b.name for b in rules if any(x in stack for x in b.needles)), REST)
+        # Frames are ";"-separated: a needle matches at a frame's start, so
+        # "OpenAICompatible." is not found in "LeanOpenAICompatible.complete".
+        framed = ";" + stack
+        name = next((b.name for b in rules if any(";" + x in framed for x in b.needles)), REST)
         counts[name] += int(n)
     total = sum(counts.values()) or 1
     table: dict[str, Any] = {}
