@@ -82,7 +82,7 @@ BUCKETS = {
         ),
         ("after send: Relay._sent (metrics, log)", ["oncely.outbox.relay:Relay._sent"]),
         ("mark sent: Relay._mark_sent_batch", ["oncely.outbox.relay:Relay._mark_sent_batch"]),
-        ("per row: Relay._deliver (lease, timeout)", ["oncely.outbox.relay:Relay._deliver"]),
+        ("per row: Relay._send (lease, timeout)", ["oncely.outbox.relay:Relay._send"]),
         ("per row: Relay._relay (slot)", ["oncely.outbox.relay:Relay._relay"]),
         ("wait: Relay._wait_for_work", ["oncely.outbox.relay:Relay._wait_for_work"]),
         (

@@ -17,8 +17,9 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
+from typing import Any
 from uuid import UUID, uuid4
 
 import psycopg
@@ -131,6 +132,7 @@ class Relay:
             "listens": 0,
         }
         self._slots = asyncio.Semaphore(config.concurrency)
+        self._sending = 0  # rows claimed whose send has not ended
         self._stopping = asyncio.Event()
         self._wake = asyncio.Event()
         self._woken_by = ""
@@ -171,7 +173,10 @@ class Relay:
     async def _relay_continuously(self) -> None:
         """Claim rows as send slots free up, a quarter of them at a time, so a
         slow provider never leaves the relay idle between batches. Rows are
-        claimed only for free slots: their lease starts when their send can."""
+        claimed only for free slots: their lease starts when their send can.
+        A slot frees when its send ends; recording the outcome (one batched
+        commit for many sends) goes on outside it, up to ``concurrency`` rows
+        more."""
         in_flight: set[asyncio.Task[None]] = set()
         wanted = max(1, self.config.concurrency // 4)
 
@@ -182,7 +187,10 @@ class Relay:
 
         while not self._stopping.is_set():
             self.progress.tick()
-            free = self.config.concurrency - len(in_flight)
+            free = min(
+                self.config.concurrency - self._sending,
+                2 * self.config.concurrency - len(in_flight),
+            )
             if free < wanted:
                 self._slot_freed.clear()
                 await self._slot_freed.wait()
@@ -193,7 +201,7 @@ class Relay:
                 continue
             lease = _Lease.starting_now(self.config.lease_s)
             for row in rows:
-                task = asyncio.create_task(self._relay(row, lease))
+                task = self._start(row, lease)
                 in_flight.add(task)
                 task.add_done_callback(finished)
         if in_flight:
@@ -214,7 +222,7 @@ class Relay:
         if rows:
             async with asyncio.TaskGroup() as sends:
                 for row in rows:
-                    sends.create_task(self._relay(row, lease))
+                    self._start(row, lease, sends.create_task)
         return len(rows)
 
     async def _wait_for_work(self) -> None:
@@ -235,27 +243,46 @@ class Relay:
 
     # -- one row -------------------------------------------------------------
 
-    async def _relay(self, row: OutboxRow, lease: _Lease) -> None:
-        async with self._slots:
-            try:
-                await self._deliver(row, lease)
-            except psycopg.Error as exc:
-                # The outcome was not recorded: the lease runs out and the row
-                # is sent again under the same dedupe key, one effect.
-                log.error("outbox.record_failed", outbox_id=row.id, error=_describe(exc))
+    def _start(
+        self,
+        row: OutboxRow,
+        lease: _Lease,
+        spawn: Callable[[Coroutine[Any, Any, None]], asyncio.Task[None]] = asyncio.create_task,
+    ) -> asyncio.Task[None]:
+        """The row's send and record, as a task; it holds a send slot until
+        its send ends."""
+        self._sending += 1
+        return spawn(self._relay(row, lease))
 
-    async def _deliver(self, row: OutboxRow, lease: _Lease) -> None:
+    async def _relay(self, row: OutboxRow, lease: _Lease) -> None:
+        try:
+            async with self._slots:
+                try:
+                    outcome = await self._send(row, lease)
+                finally:
+                    self._sending -= 1
+                    self._slot_freed.set()
+            if isinstance(outcome, SendResult):
+                await self._sent(row, outcome, lease)
+            elif outcome is not None:
+                await self._failed(row, outcome)
+        except psycopg.Error as exc:
+            # The outcome was not recorded: the lease runs out and the row
+            # is sent again under the same dedupe key, one effect.
+            log.error("outbox.record_failed", outbox_id=row.id, error=_describe(exc))
+
+    async def _send(self, row: OutboxRow, lease: _Lease) -> SendResult | Exception | None:
+        """The provider's answer, or the failure to record; None: not sent,
+        and nothing to record (the lease may be another relay's by now)."""
         if row.attempts > self.config.max_attempts:
             # Only expired leases get a row here (a failed send gives up at
             # max_attempts): relays kept dying or stalling on it. Stop rather
             # than let one row take relays down forever.
-            lost = PermanentError(f"lease ran out mid-send {row.attempts - 1} times")
-            await self._failed(row, lost)
-            return
+            return PermanentError(f"lease ran out mid-send {row.attempts - 1} times")
         if lease.remaining() <= 0:
             # It waited too long for a slot; another relay may hold it by now.
             self._lease_lost(row, "lease ended before the send")
-            return
+            return None
         # A send outliving the lease races another relay's resend of the row.
         window = asyncio.timeout(lease.remaining())
         try:
@@ -266,12 +293,10 @@ class Relay:
                     kind="client",
                     attributes={"oncely.outbox_id": row.id, "oncely.attempt": row.attempts},
                 ):
-                    result = await self.sender.send(row.topic, row.payload, row.dedupe_key)
+                    return await self.sender.send(row.topic, row.payload, row.dedupe_key)
         except Exception as exc:
             cut = TransientError(f"send cut off when its {lease.lease_s} s lease ended")
-            await self._failed(row, cut if window.expired() else exc)
-        else:
-            await self._sent(row, result, lease)
+            return cut if window.expired() else exc
 
     async def _sent(self, row: OutboxRow, result: SendResult, lease: _Lease) -> None:
         if not await self._mark_sent((row.id, result.provider_message_id)):
