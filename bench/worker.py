@@ -462,7 +462,7 @@ async def bench_main(ctx: Context) -> tuple[list[Headline], dict[str, Any], bool
         if ctx.args.profile:
             # A smoke run profiles oncely once; --against adds the other
             # checkout's worker, under oncely's buckets (matched by name).
-            wanted = ("oncely",) if ctx.smoke else ("oncely", "oncely_lean", "floor_openai")
+            wanted = ("oncely",) if ctx.smoke else (*OURS, "floor_openai", "floor_aiohttp")
             kinds = tuple(k for k in (*wanted, "against") if k in kinds_of(ctx.args))
             for kind in kinds:
                 rule = rules["floor" if kind.startswith("floor") else "oncely"]

@@ -56,8 +56,10 @@ class RelayConfig:
     """How one relay process claims, sends and backs off.
 
     ``lease_s`` must exceed the time a claimed row can wait for a send slot
-    plus the send itself (about ``batch / concurrency`` send timeouts): a row
-    whose lease ends before its send finishes may be sent by another relay too.
+    plus the send itself (at most ``concurrency`` claimed rows wait, each for
+    one send ahead of it: about two send timeouts): a row whose lease ends
+    before its send starts is left to its next claim, and one whose send
+    outlives it is cut off.
     """
 
     max_attempts: int = 10
@@ -132,7 +134,7 @@ class Relay:
             "listens": 0,
         }
         self._slots = asyncio.Semaphore(config.concurrency)
-        self._sending = 0  # rows claimed whose send has not ended
+        self._sending = 0  # rows claimed whose send has not ended (or begun)
         self._stopping = asyncio.Event()
         self._wake = asyncio.Event()
         self._woken_by = ""
@@ -172,11 +174,12 @@ class Relay:
 
     async def _relay_continuously(self) -> None:
         """Claim rows as send slots free up, a quarter of them at a time, so a
-        slow provider never leaves the relay idle between batches. Rows are
-        claimed only for free slots: their lease starts when their send can.
-        A slot frees when its send ends; recording the outcome (one batched
-        commit for many sends) goes on outside it, up to ``concurrency`` rows
-        more."""
+        slow provider never leaves the relay idle between batches. Up to
+        ``concurrency`` claimed rows wait for a slot, so a slot that frees
+        finds its next row already claimed (within a lease's reach: at most
+        one send ahead of it, as ``RelayConfig`` says). A slot frees when its
+        send ends; recording the outcome (one batched commit for many sends)
+        goes on outside it, up to ``concurrency`` rows more."""
         in_flight: set[asyncio.Task[None]] = set()
         wanted = max(1, self.config.concurrency // 4)
 
@@ -188,8 +191,8 @@ class Relay:
         while not self._stopping.is_set():
             self.progress.tick()
             free = min(
-                self.config.concurrency - self._sending,
-                2 * self.config.concurrency - len(in_flight),
+                2 * self.config.concurrency - self._sending,
+                3 * self.config.concurrency - len(in_flight),
             )
             if free < wanted:
                 self._slot_freed.clear()
