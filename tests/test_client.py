@@ -25,7 +25,7 @@ from oncely.client import (
     AsyncClient,
     Backoff,
     Client,
-    DeadlineExceeded,
+    GaveUp,
     KeyReused,
     NotFound,
     OncelyClientError,
@@ -266,7 +266,7 @@ async def test_wait_gives_up_on_a_job_still_queued(api, api_key):
     # Waited out its 0.3 s (the job stays queued: only the timeout ends it).
     assert time.monotonic() - started > 0.2
     assert timed_out.value.job.status == "queued"
-    assert isinstance(timed_out.value, DeadlineExceeded)
+    assert isinstance(timed_out.value, GaveUp)
 
 
 async def test_a_wait_whose_last_read_runs_out_of_time_is_a_wait_timeout(api, api_key):
@@ -288,7 +288,7 @@ async def test_a_wait_whose_last_read_runs_out_of_time_is_a_wait_timeout(api, ap
         with pytest.raises(WaitTimedOut) as timed_out:
             await client.wait("/v1/summaries", accepted.job_id, timeout_s=0.5)
     assert timed_out.value.job.status == "queued"
-    assert isinstance(timed_out.value.__cause__, DeadlineExceeded)
+    assert isinstance(timed_out.value.__cause__, GaveUp)
     assert len(reads) >= 2
 
 
@@ -452,7 +452,7 @@ async def test_a_server_that_stays_unavailable_is_given_up_on_at_the_deadline():
             await client.submit("/v1/summaries", SUMMARY, "order-1234-confirmation")
     assert time.monotonic() - started > 0.5  # retried until the deadline, not given up sooner
     error = gave_up.value
-    assert isinstance(error, DeadlineExceeded)
+    assert isinstance(error, GaveUp)
     assert error.status == 503 and error.attempts >= 2
     assert error.idempotency_key == "order-1234-confirmation"
 
@@ -462,7 +462,7 @@ async def test_no_answer_until_the_deadline_raises_deadline_exceeded():
         raise httpx.ConnectError("connection refused", request=request)
 
     async with AsyncClient(BASE, "k", transport=always(refuse), deadline_s=0.5) as client:
-        with pytest.raises(DeadlineExceeded) as gave_up:
+        with pytest.raises(GaveUp) as gave_up:
             await client.submit("/v1/summaries", SUMMARY)
     assert isinstance(gave_up.value.__cause__, httpx.ConnectError)
     assert gave_up.value.idempotency_key is not None
@@ -476,7 +476,7 @@ async def test_a_server_that_drips_its_answer_is_cut_at_the_attempt_timeout():
     async with AsyncClient(
         BASE, "k", transport=httpx.MockTransport(drip), timeout=0.2, deadline_s=0.6
     ) as client:
-        with pytest.raises(DeadlineExceeded):
+        with pytest.raises(GaveUp):
             await client.submit("/v1/summaries", SUMMARY)
     # The server drips for 30 s, past the test's timeout: it was cut.
 
@@ -485,7 +485,7 @@ async def test_a_retry_after_past_the_deadline_gives_up_at_once():
     busy = {"Retry-After": "120"}
     transport = always(lambda r: httpx.Response(429, headers=busy))
     async with AsyncClient(BASE, "k", transport=transport, deadline_s=5) as client:
-        with pytest.raises(DeadlineExceeded) as gave_up:
+        with pytest.raises(GaveUp) as gave_up:
             await client.submit("/v1/summaries", SUMMARY)
     # Not the 120 s asked for: that is past the test's timeout.
     assert (gave_up.value.status, gave_up.value.attempts) == (429, 1)
@@ -549,4 +549,4 @@ async def test_blocking_client_waits_for_an_api_that_is_not_up_yet(settings, red
 def test_every_client_error_shares_one_base():
     for cls in (KeyReused, ValidationFailed, Unauthorized, NotFound, PayloadTooLarge):
         assert issubclass(cls, OncelyClientError)
-    assert issubclass(Unavailable, DeadlineExceeded)
+    assert issubclass(Unavailable, GaveUp)

@@ -9,17 +9,20 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from datetime import datetime
+from decimal import Decimal
 from typing import Any
 
 import httpx
 import pytest
 from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict, Field
 from structlog.testing import capture_logs
 
 from oncely import names
 from oncely.api.idempotency import IdempotentRequest
+from oncely.builtin.summaries import SummaryRequest
 from oncely.redis_client import ScriptCall
 from tests.helpers import asgi_app
 
@@ -256,3 +259,42 @@ async def test_long_handler_renews_its_lock(settings, redis, pool, auth, behavio
         assert (await first).status_code == 201
     assert dup.status_code == 409
     assert behaviour.calls == 1
+
+
+class _Line(BaseModel):
+    sku: str = Field(alias="SKU")
+    quantity: int
+    price: Decimal
+
+
+class _Order(BaseModel):
+    model_config = ConfigDict(populate_by_name=True)
+
+    customer: str = Field(alias="customerName")
+    placed_at: datetime
+    lines: list[_Line]
+    note: str | None = None
+    tags: set[str] = Field(default_factory=set)
+
+
+def test_a_models_fingerprint_is_what_it_always_was() -> None:
+    """The intake fingerprints a model from its JSON dump by alias, not
+    through FastAPI's ``jsonable_encoder``: the same bytes, or every retry
+    spanning an upgrade would be refused as a reused key."""
+    from fastapi.encoders import jsonable_encoder
+
+    from oncely.api.idempotency import _jsonable
+    from oncely.api.keys import fingerprint
+
+    order = _Order.model_validate(
+        {
+            "customerName": "Ada",
+            "placed_at": "2026-12-02T10:00:00+01:00",
+            "lines": [{"SKU": "a-1", "quantity": 2, "price": "9.90"}],
+            "tags": ["gift"],
+        }
+    )
+    assert fingerprint(_jsonable(order)) == fingerprint(jsonable_encoder(order))
+    for builtin in (SummaryRequest(text="One. Two.", notify="ada@example.com"),):
+        assert fingerprint(_jsonable(builtin)) == fingerprint(jsonable_encoder(builtin))
+    assert _jsonable({"not": "a model"}) == {"not": "a model"}

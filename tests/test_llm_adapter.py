@@ -406,6 +406,37 @@ def test_the_lean_clients_transport_errors_are_retried(
     assert classify(error) is True
 
 
+@pytest.fixture
+def no_proxy_settings(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+        monkeypatch.delenv(name.lower(), raising=False)
+    return monkeypatch
+
+
+@pytest.mark.parametrize("bypassed", [False, True], ids=["proxied", "NO_PROXY"])
+async def test_the_lean_client_uses_the_environments_proxy(
+    no_proxy_settings: pytest.MonkeyPatch, bypassed: bool
+) -> None:
+    """A forward proxy gets the request for a host it alone can reach,
+    unless NO_PROXY names the host."""
+    async with ScriptedModel(Answer(200, COMPLETION)) as proxy:
+        no_proxy_settings.setenv("http_proxy", proxy.url.removesuffix("/v1"))
+        if bypassed:
+            no_proxy_settings.setenv("no_proxy", "model.invalid")
+        async with LeanOpenAICompatible.connect("http://model.invalid/v1", "k", "m") as llm:
+            if bypassed:
+                # Straight to a host that does not resolve: unreachable (or,
+                # on a machine whose resolver does not answer, timed out).
+                with pytest.raises((TransientError, TimeoutError)):
+                    await llm.complete(HI, 2.0)
+            else:
+                assert (await llm.complete(HI, 2.0)).text == "fine"
+    assert proxy.requests == (0 if bypassed else 1)
+    if not bypassed:
+        assert proxy.headers[0]["Host"] == "model.invalid"
+
+
 def test_other_sdk_errors_are_permanent() -> None:
     request = httpx.Request("POST", "http://model.test/v1/chat/completions")
     response = httpx.Response(200, request=request)

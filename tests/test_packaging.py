@@ -340,12 +340,18 @@ def test_every_type_in_a_public_signature_is_exported_too() -> None:
 
 def test_a_public_name_means_one_thing_in_oncely_and_its_client() -> None:
     """A step's deadline and the client giving up, a model's usage and a
-    job's: different names. The client's names before 0.2 still import."""
+    job's: different names. The client's names before 0.2 still import,
+    with a DeprecationWarning naming the new one."""
     import oncely.client
 
     assert set(oncely.__all__) & set(oncely.client.__all__) == set()
-    assert oncely.client.DeadlineExceeded is oncely.client.GaveUp
-    assert oncely.client.Usage is oncely.client.JobUsage
+    with pytest.warns(DeprecationWarning, match=r"oncely\.client\.GaveUp"):
+        assert oncely.client.DeadlineExceeded is oncely.client.GaveUp
+    with pytest.warns(DeprecationWarning, match=r"oncely\.client\.JobUsage"):
+        from oncely.client import Usage
+    assert Usage is oncely.client.JobUsage
+    with pytest.raises(AttributeError):
+        oncely.client.NoSuchName  # noqa: B018
 
 
 def test_operator_commands_load_neither_the_model_sdk_nor_the_web_servers() -> None:

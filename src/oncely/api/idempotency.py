@@ -31,6 +31,7 @@ import redis.exceptions
 import structlog
 from fastapi import Depends, Header, Request
 from fastapi.encoders import jsonable_encoder
+from pydantic import BaseModel
 from starlette.responses import Response
 
 from oncely import metrics
@@ -152,7 +153,7 @@ class IdempotentRequest:
         return await self._store.peek(self._digest) is not None
 
     async def run(self, body: Any, handler: Handler) -> Response:
-        fp = self._fingerprint = fingerprint(jsonable_encoder(body))
+        fp = self._fingerprint = fingerprint(_jsonable(body))
         token = new_token()
         outcome = await self._claim(fp, token)
         if isinstance(outcome, Finished):
@@ -275,6 +276,15 @@ class _LockKeeper:
         self._timer.cancel()
         if self._task is not None:
             self._task.cancel()
+
+
+def _jsonable(body: Any) -> Any:
+    """What FastAPI's ``jsonable_encoder`` makes of ``body``, which fingerprints
+    have always hashed; for a model, its JSON dump by alias is that already,
+    without the encoder's walk over every value (tests/test_idempotency.py)."""
+    if isinstance(body, BaseModel):
+        return body.model_dump(mode="json", by_alias=True)
+    return jsonable_encoder(body)
 
 
 def mark_replayed(response: Response) -> Response:

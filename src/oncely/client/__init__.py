@@ -23,10 +23,11 @@ The policy is written once, without I/O (``calls``, ``policy``); the two
 clients only perform its steps.
 """
 
+import warnings
+
 from oncely.client.aio import AsyncClient
 from oncely.client.errors import (
     BadRequest,
-    DeadlineExceeded,
     EventAlreadyReceived,
     GaveUp,
     JobFinished,
@@ -47,16 +48,28 @@ from oncely.client.jobs import (
     Job,
     JobStep,
     JobUsage,
-    Usage,
     Waiting,
 )
 from oncely.client.policy import Backoff, retry_delay_s
 from oncely.client.sync import Client
 
-# ``DeadlineExceeded`` and ``Usage`` are the names of ``GaveUp`` and
-# ``JobUsage`` before 0.2, importable still; ``oncely`` has its own names
-# for a step's deadline and a model's usage.
-_OLD_NAMES = (DeadlineExceeded, Usage)
+# The names of ``GaveUp`` and ``JobUsage`` before 0.2: they still import, with
+# a DeprecationWarning, because ``oncely`` has its own ``DeadlineExceeded``
+# (a step's deadline) and ``Usage`` (a model's usage inside a step).
+_OLD_NAMES = {"DeadlineExceeded": ("GaveUp", GaveUp), "Usage": ("JobUsage", JobUsage)}
+
+
+def __getattr__(name: str) -> object:
+    if name in _OLD_NAMES:
+        new, value = _OLD_NAMES[name]
+        warnings.warn(
+            f"oncely.client.{name} is now oncely.client.{new}; the old name goes in 1.0",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "Accepted",

@@ -130,11 +130,6 @@ class GaveUp(OncelyClientError):
         return f"gave up after {self.attempts} attempts: {super()._message()}"
 
 
-# The name before 0.2, kept for code written against it: ``oncely.DeadlineExceeded``
-# is a step's own deadline, on the server.
-DeadlineExceeded = GaveUp
-
-
 class Unavailable(GaveUp):
     """503 until the deadline: Redis or PostgreSQL did not answer the server;
     nothing was accepted on that answer, retrying with the same key is safe."""

@@ -44,11 +44,6 @@ class JobUsage(BaseModel):
     model: str | None = None
 
 
-# The name before 0.2, kept for code written against it: ``oncely.Usage``
-# is a model's usage inside a step.
-Usage = JobUsage
-
-
 class JobStep(BaseModel):
     """One checkpoint of a job (never its value)."""
 

@@ -26,6 +26,8 @@ tests/test_llm_adapter.py runs the same tests against both clients.
 from __future__ import annotations
 
 import json
+import urllib.parse
+import urllib.request
 from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
@@ -42,10 +44,13 @@ CONNECTIONS = 1000
 
 class _Endpoint:
     """One base URL and key: the session every model name on it shares,
-    opened by the first call (inside the event loop that makes it)."""
+    opened by the first call (inside the event loop that makes it). A proxy
+    named by ``HTTPS_PROXY`` / ``HTTP_PROXY`` (and not bypassed by
+    ``NO_PROXY``) is used, read once."""
 
     def __init__(self, base_url: str, api_key: str) -> None:
         self.url = base_url.rstrip("/") + "/chat/completions"
+        self.proxy = _proxy_for(self.url)
         self._headers = {"Authorization": f"Bearer {api_key}", "Content-Type": "application/json"}
         self._session: aiohttp.ClientSession | None = None
         self._timeouts: dict[float, aiohttp.ClientTimeout] = {}
@@ -107,7 +112,10 @@ class LeanOpenAICompatible:
         endpoint = self._endpoint
         try:
             async with endpoint.session().post(
-                endpoint.url, data=json.dumps(body), timeout=endpoint.timeout(timeout)
+                endpoint.url,
+                data=json.dumps(body),
+                timeout=endpoint.timeout(timeout),
+                proxy=endpoint.proxy,
             ) as response:
                 raw = await response.read()
                 status, headers = response.status, response.headers
@@ -140,6 +148,14 @@ def translate_error(exc: aiohttp.ClientError) -> OncelyError | TimeoutError:
     if isinstance(exc, aiohttp.ServerTimeoutError):  # connect or socket read
         return TimeoutError("model call timed out")
     return TransientError(f"model unreachable ({type(exc).__name__})")
+
+
+def _proxy_for(url: str) -> str | None:
+    """The environment's proxy for ``url`` (None: connect directly)."""
+    parts = urllib.parse.urlsplit(url)
+    if urllib.request.proxy_bypass(parts.hostname or ""):
+        return None
+    return urllib.request.getproxies().get(parts.scheme)
 
 
 def _json(raw: bytes) -> object:

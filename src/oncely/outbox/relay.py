@@ -28,7 +28,7 @@ import structlog
 from oncely import metrics, tracing
 from oncely.batching import GroupCommit
 from oncely.errors import PermanentError, TransientError
-from oncely.outbox.store import OutboxRow, OutboxStore
+from oncely.outbox.store import ClaimedRow, OutboxStore
 from oncely.retry import backoff_s, classify, retry_after_s
 from oncely.senders.base import Sender, SendResult
 from oncely.services import Progress, supervised
@@ -210,7 +210,7 @@ class Relay:
         if in_flight:
             await asyncio.wait(in_flight)
 
-    async def _claim(self, limit: int) -> list[OutboxRow]:
+    async def _claim(self, limit: int) -> list[ClaimedRow]:
         try:
             return await self.store.claim(self.owner, limit, self.config.lease_s)
         except psycopg.Error as exc:  # PoolTimeout included
@@ -248,7 +248,7 @@ class Relay:
 
     def _start(
         self,
-        row: OutboxRow,
+        row: ClaimedRow,
         lease: _Lease,
         spawn: Callable[[Coroutine[Any, Any, None]], asyncio.Task[None]] = asyncio.create_task,
     ) -> asyncio.Task[None]:
@@ -257,7 +257,7 @@ class Relay:
         self._sending += 1
         return spawn(self._relay(row, lease))
 
-    async def _relay(self, row: OutboxRow, lease: _Lease) -> None:
+    async def _relay(self, row: ClaimedRow, lease: _Lease) -> None:
         try:
             async with self._slots:
                 try:
@@ -274,7 +274,7 @@ class Relay:
             # is sent again under the same dedupe key, one effect.
             log.error("outbox.record_failed", outbox_id=row.id, error=_describe(exc))
 
-    async def _send(self, row: OutboxRow, lease: _Lease) -> SendResult | Exception | None:
+    async def _send(self, row: ClaimedRow, lease: _Lease) -> SendResult | Exception | None:
         """The provider's answer, or the failure to record; None: not sent,
         and nothing to record (the lease may be another relay's by now)."""
         if row.attempts > self.config.max_attempts:
@@ -301,7 +301,7 @@ class Relay:
             cut = TransientError(f"send cut off when its {lease.lease_s} s lease ended")
             return cut if window.expired() else exc
 
-    async def _sent(self, row: OutboxRow, result: SendResult, lease: _Lease) -> None:
+    async def _sent(self, row: ClaimedRow, result: SendResult, lease: _Lease) -> None:
         if not await self._mark_sent((row.id, result.provider_message_id)):
             self._lease_lost(row, "sent, but another relay holds the row")
             return
@@ -320,7 +320,7 @@ class Relay:
     async def _mark_sent_batch(self, sends: list[tuple[int, str | None]]) -> set[int]:
         return await self.store.mark_sent_many(self.owner, sends)
 
-    async def _failed(self, row: OutboxRow, exc: Exception) -> None:
+    async def _failed(self, row: ClaimedRow, exc: Exception) -> None:
         """Unclassified errors are permanent, as in the worker (docs/guarantees.md)."""
         error = _describe(exc)
         give_up = not classify(exc) or row.attempts >= self.config.max_attempts
@@ -350,14 +350,14 @@ class Relay:
             return min(hinted, self.config.retry_after_max_s)
         return backoff_s(attempts, self.config.backoff_base_s, self.config.backoff_max_s, self.rand)
 
-    def _gave_up(self, row: OutboxRow, error: str) -> None:
+    def _gave_up(self, row: ClaimedRow, error: str) -> None:
         self.stats["failed"] += 1
         _SENDS_FAILED.inc()
         log.error(
             "outbox.gave_up", outbox_id=row.id, topic=row.topic, attempts=row.attempts, error=error
         )
 
-    def _lease_lost(self, row: OutboxRow, reason: str) -> None:
+    def _lease_lost(self, row: ClaimedRow, reason: str) -> None:
         self.stats["lease_lost"] += 1
         _SENDS_LEASE_LOST.inc()
         log.warning("outbox.lease_lost", outbox_id=row.id, topic=row.topic, reason=reason)

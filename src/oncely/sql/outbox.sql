@@ -30,9 +30,7 @@ UPDATE outbox o
        attempts = o.attempts + 1
   FROM due
  WHERE o.id = due.id
-RETURNING o.id, o.topic, o.dedupe_key, o.payload, o.attempts, o.last_error,
-          o.next_attempt_at, o.locked_until, o.locked_by, o.sent_at, o.failed_at,
-          o.provider_message_id, o.created_at, o.trace_context,
+RETURNING o.id, o.topic, o.dedupe_key, o.payload, o.attempts, o.trace_context,
           extract(epoch FROM now() - o.created_at)::float8 AS age_s
 
 -- name: outbox_mark_sent_many
