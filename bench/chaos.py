@@ -219,6 +219,7 @@ class Options:
     app: str
     workers: int
     relays: int
+    llm_client: str
     model_faults: str
     mail_faults: str
     slow_s: float
@@ -254,6 +255,12 @@ def parse_options(argv: list[str] | None = None) -> Options:
     )
     p.add_argument("--workers", type=int, default=3)
     p.add_argument("--relays", type=int, default=2)
+    p.add_argument(
+        "--llm-client",
+        choices=("openai", "lean"),
+        default="openai",
+        help="the workers' model client (ONCELY_LLM_CLIENT)",
+    )
     p.add_argument("--model-faults", default=DEFAULT_MODEL_FAULTS, help="oncely fake-llm --faults")
     p.add_argument("--mail-faults", default=DEFAULT_MAIL_FAULTS, help="oncely fake-mail --faults")
     p.add_argument("--slow-s", type=float, default=1.5, help="a slow model call takes this long")
@@ -276,6 +283,7 @@ def parse_options(argv: list[str] | None = None) -> Options:
         app=a.app,
         workers=a.workers,
         relays=a.relays,
+        llm_client=a.llm_client,
         model_faults=a.model_faults,
         mail_faults=a.mail_faults,
         slow_s=a.slow_s,
@@ -2095,6 +2103,7 @@ def _config(options: Options) -> dict[str, Any]:
         "scenarios": list(options.scenarios),
         "workers": options.workers,
         "relays": options.relays,
+        "llm_client": options.llm_client,
         "model_faults": options.model_faults,
         "mail_faults": options.mail_faults,
         "settings": {k: v for k, v in FLEET_SETTINGS.items() if k != "ONCELY_WEBHOOK_SECRET"},
@@ -2133,6 +2142,7 @@ async def deploy(
         "ONCELY_LLM_BASE_URL": f"{llm_url}/v1",
         "ONCELY_SENDER_URL": f"{mail_url}/v1/messages",
         "ONCELY_WEBHOOK_URL": f"{mail_url}/v1/events",
+        "ONCELY_LLM_CLIENT": options.llm_client,
     }
     fleet.configure(env, api_port=api_port, model_port=llm_port)
     mailbox = run_dir / "mailbox.jsonl"

@@ -633,11 +633,11 @@ async def bench_main(ctx: Context) -> tuple[list[Headline], dict[str, Any], bool
         ran = await round_robin(names, ctx.rounds, one, ctx.noise, SHOWN)
         runs = {name: ran.get(name, []) for name in by_name}
         prof: dict[str, Any] | None = None
-        floor_prof: dict[str, Any] | None = None
+        minimal_prof: dict[str, Any] | None = None
         if not a.no_profile:
             seconds = 1 if ctx.smoke else 8
             prof = await profile_server(bench, by_name["oncely"], seconds, rules)
-            floor_prof = await profile_server(bench, by_name["floor"], seconds, rules)
+            minimal_prof = await profile_server(bench, by_name["minimal"], seconds, rules)
     finally:
         await bench.close()
     pairs = {
@@ -676,7 +676,7 @@ async def bench_main(ctx: Context) -> tuple[list[Headline], dict[str, Any], bool
         "results": {name: summary(rs) for name, rs in runs.items() if rs},
         "ratios": ratios,
         "profile": prof,
-        "profile_floor": floor_prof,
+        "profile_minimal": minimal_prof,
         "against": {"checkout": a.against, "revision": checkout_revision(a.against)}
         if a.against
         else None,

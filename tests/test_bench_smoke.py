@@ -79,14 +79,22 @@ def test_intake_smoke_checks_every_accepted_job_is_in_jobs_and_the_stream_once(
     )
 
     every = runs(result["results"])
-    assert {r["contender"] for r in every} == {"oncely", "floor", "xadd", "oncely_dup30"}
+    assert {r["contender"] for r in every} == {
+        "oncely",
+        "floor",
+        "minimal",
+        "xadd",
+        "oncely_dup30",
+    }
+    minimal = [r for r in every if r["contender"] == "minimal"]
+    assert all(r["checks"]["rows"] >= r["checks"]["fresh_202"] > 0 for r in minimal)
     assert all(r["ok"] and r["metrics"]["req_per_s"] > 0 for r in every)
     oncely = [r for r in every if r["contender"] == "oncely"]
     assert all(r["checks"]["every_202_in_jobs_once"] for r in oncely)
     assert all(r["checks"]["every_202_in_stream_once"] for r in oncely)
     assert all(r["checks"]["distinct_202_job_ids"] > 0 for r in oncely)
     if HAS_PY_SPY:
-        for name in ("profile", "profile_floor"):
+        for name in ("profile", "profile_minimal"):
             prof = result[name]
             assert prof["main_thread_samples"] > 0
             shares = [share for share, _ in prof["buckets"].values()]
@@ -104,6 +112,7 @@ def test_worker_smoke_does_every_job_once_for_oncely_and_both_floors(
     every = runs(result["scenarios"][0]["results"])
     assert {r["contender"] for r in every} == {
         "oncely@256",
+        "oncely_lean@256",
         "floor_openai@256",
         "floor_aiohttp@256",
     }

@@ -40,9 +40,9 @@ SOAK = [
 RUN_TIMEOUT_S = 270
 
 
-def run_soak(tmp_path: Path) -> tuple[int, dict[str, Any], str]:
+def run_soak(tmp_path: Path, *extra: str) -> tuple[int, dict[str, Any], str]:
     report = tmp_path / "report.json"
-    args = [sys.executable, "-m", "bench.chaos", *SOAK, "--dir", str(tmp_path / "run")]
+    args = [sys.executable, "-m", "bench.chaos", *SOAK, *extra, "--dir", str(tmp_path / "run")]
     with (tmp_path / "chaos.log").open("wb") as log:
         runner = subprocess.Popen(
             [*args, "--out", str(report)], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=log
@@ -61,9 +61,20 @@ def run_soak(tmp_path: Path) -> tuple[int, dict[str, Any], str]:
 @pytest.mark.soak
 @pytest.mark.timeout(300)
 @pytest.mark.standalone_redis("bench/chaos.py deploys on private single servers")
-def test_small_soak_with_kills_and_redis_restarted_empty_keeps_every_invariant(tmp_path):
-    code, report, progress = run_soak(tmp_path)
+@pytest.mark.parametrize("llm_client", ["openai", "lean"])
+def test_small_soak_with_kills_and_redis_restarted_empty_keeps_every_invariant(
+    tmp_path, llm_client
+):
+    code, report, progress = run_soak(tmp_path, "--llm-client", llm_client)
 
+    assert report["config"]["llm_client"] == llm_client
+    started = [
+        line
+        for log in (tmp_path / "run").rglob("worker*.log")
+        for line in log.read_text(errors="replace").splitlines()
+        if '"model.client"' in line
+    ]
+    assert started and all(f'"client": "{llm_client}"' in line for line in started)
     assert report["violations"] == [], progress
     assert code == 0
     assert report["accepted"] == REQUESTS

@@ -351,6 +351,7 @@ async def run_worker(settings: Settings, workflows: list[str] | None = None) -> 
     app = app_from(settings, workflows)
     async with open_resources(settings) as res, connect_llm(settings) as llm:
         await require_current_schema(res)
+        log.info("model.client", client=settings.llm_client, model=settings.llm_model)
         group = WorkerGroup(app, res, llm)
         health = health_server(
             res,
