@@ -27,21 +27,31 @@ def enabled() -> bool:
     return _TRACER is not None
 
 
-@contextlib.contextmanager
+# What ``span`` gives while nothing records: one shared context, no generator.
+_NO_SPAN: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+
+
 def span(
     name: str,
     *,
     parent: str | None = None,
     kind: str = "internal",
     attributes: Mapping[str, Any] | None = None,
-) -> Iterator[Any]:
+) -> contextlib.AbstractContextManager[Any]:
     """A span named ``name`` (child of ``parent``, a ``traceparent``, when
     given; else of the current span). Yields the span, or None without otel
     or while no tracer provider is configured (a span then records nothing
     and carries no context: skipping it saves every request its cost)."""
     if _TRACER is None or isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider):
-        yield None
-        return
+        return _NO_SPAN
+    return _recording(name, parent, kind, attributes)
+
+
+@contextlib.contextmanager
+def _recording(
+    name: str, parent: str | None, kind: str, attributes: Mapping[str, Any] | None
+) -> Iterator[Any]:
+    assert _TRACER is not None  # span() checked
     ctx = propagate.extract({"traceparent": parent}) if parent else None
     span_kind = getattr(trace.SpanKind, kind.upper())
     with _TRACER.start_as_current_span(
