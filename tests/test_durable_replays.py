@@ -12,6 +12,7 @@ import json
 import uuid
 from typing import Any
 
+import psycopg
 from structlog.testing import capture_logs
 
 from oncely import Context, PermanentError, TransientError
@@ -276,6 +277,47 @@ async def test_a_wait_inside_a_taskgroup_is_acknowledged(custom):
     await drain(worker)
     assert await h.status(job_id) == "done"
     assert (await h.get("/v1/tg", job_id))["result"]["said"].startswith("found approved=True")
+
+
+async def test_an_effect_one_branch_emits_while_another_stores_its_wait_is_sent_once(custom):
+    """Against PostgreSQL (tests/test_journal.py has it in process): the
+    event is there already, so the wait stores a done checkpoint; while that
+    statement waits on a lock the test holds, the other branch emits. That
+    effect rides with the result: each effect one outbox row."""
+    b_emitted = asyncio.Event()
+
+    async def emits_meanwhile(ctx: Context) -> None:
+        await asyncio.sleep(0.3)  # the wait's statement is stuck behind the lock
+        ctx.emit("gathered.said", {"job_id": ctx.job_id, "branch": "b"})
+        b_emitted.set()
+
+    async def step(request: Text, ctx: Context) -> Said:
+        ctx.emit("gathered.early", {"job_id": ctx.job_id})
+        approval, _ = await asyncio.gather(
+            ctx.wait_for_event("approval", Approval, timeout=60), emits_meanwhile(ctx)
+        )
+        return Said(said=f"approved={approval.approved}")
+
+    h = await custom(one_off("gathered", step, events={"approval": Approval}))
+    worker = h.worker("gathered")
+    job_id = await h.submit("/v1/gathered", {"text": "x"})
+    r = await h.send_event("/v1/gathered", job_id, "approval", {"approved": True, "by": "b"})
+    assert r.status_code == 202
+    async with await psycopg.AsyncConnection.connect(h.settings.database_url) as lock:
+        await lock.execute("SELECT 1 FROM jobs WHERE job_id = %s FOR UPDATE", (job_id,))
+        run = asyncio.create_task(drain(worker))
+        await asyncio.wait_for(b_emitted.wait(), 30)
+        stuck = await lock.execute(
+            "SELECT count(*) FROM pg_stat_activity"
+            " WHERE wait_event_type = 'Lock' AND datname = current_database()"
+        )
+        assert (await stuck.fetchone()) == (1,), "the wait's statement waited on the lock"
+        await lock.rollback()
+    await asyncio.wait_for(run, 30)
+    assert await h.status(job_id) == "done"
+    assert sorted(await h.outbox(job_id)) == ["gathered.early", "gathered.said"]
+    [key] = await h.keys(job_id)
+    assert key.endswith("approval")
 
 
 async def test_a_transient_error_inside_a_taskgroup_is_redelivered_not_dead(custom):
