@@ -17,6 +17,7 @@ from oncely.jobs.handler import WorkflowHandler
 from oncely.outbox.wakeup import OutboxWakeUp
 from oncely.queue.stream import JobMessage, Stream
 from oncely.queue.worker import Delivery
+from tests.durable import until
 from tests.helpers import count, drain, job_status, make_worker, pending, submit
 
 
@@ -98,10 +99,12 @@ async def test_slow_worker_and_reclaimer_race_to_one_outbox_row(
         outcomes.append(outcome)
         return outcome
 
-    await submit(pool, stream, "A slow model call. [[fake:sleep=0.3]]")
+    # Slow enough that the thief reaches its own call on a busy machine too
+    # (and within the call timeout of 2 s).
+    await submit(pool, stream, "A slow model call. [[fake:sleep=1]]")
     slow = make_worker(stream, recording, pool)
     await slow.run_once()
-    await asyncio.sleep(0.1)  # the slow worker is inside its model call
+    await until(lambda: fake_llm.stats().in_flight == 1)  # the slow worker's call is out
     thief = make_worker(stream, recording, pool, claim_idle_ms=0)
     await thief.run_once()
     await asyncio.gather(slow.wait_idle(), thief.wait_idle())
