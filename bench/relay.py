@@ -402,10 +402,11 @@ async def run_scenario(
 
 
 def profile_lineup(smoke: bool) -> list[Trial]:
-    """Both relays with both providers; a smoke run profiles oncely once."""
+    """Both relays with both providers; a smoke run profiles oncely once,
+    on enough rows for py-spy to see it work (300 took the relay 50 ms)."""
     if smoke:
-        return [Trial("oncely", Scenario("instant", 0.0, 300, KINDS))]
-    both = (Scenario("instant", 0.0, 6000, KINDS), Scenario("provider_50ms", 0.05, 6000, KINDS))
+        return [Trial("oncely", Scenario("instant", 0.0, 3000, KINDS))]
+    both = (Scenario("instant", 0.0, 15000, KINDS), Scenario("provider_50ms", 0.05, 6000, KINDS))
     return [Trial(kind, s) for s in both for kind in ("oncely", "minimal")]
 
 
