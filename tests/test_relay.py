@@ -71,17 +71,24 @@ class Crashing:
 
 
 class Blocking:
-    """A send that hangs until released, then goes to the real provider."""
+    """A send that hangs until released, then goes to the real provider;
+    counts the sends under way at once."""
 
     def __init__(self, inner: Sender) -> None:
         self.inner = inner
         self.keys: list[str] = []
         self.release = asyncio.Event()
+        self.in_flight = self.most_in_flight = 0
 
     async def send(self, topic: str, payload: dict[str, Any], dedupe_key: str) -> SendResult:
         self.keys.append(dedupe_key)
-        await self.release.wait()
-        return await self.inner.send(topic, payload, dedupe_key)
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        try:
+            await self.release.wait()
+            return await self.inner.send(topic, payload, dedupe_key)
+        finally:
+            self.in_flight -= 1
 
     async def aclose(self) -> None:
         pass
@@ -265,6 +272,77 @@ async def test_stuck_send_holds_no_row_lock_and_keeps_its_rows_until_the_lease_e
     assert other.stats["sent"] == 6
     deliveries = await fake_mail.deliveries()
     assert (deliveries["requests"], deliveries["effects"]) == (8, 6)
+
+
+async def leased_to(pool: AsyncConnectionPool, relay: Relay) -> int:
+    rows = await sql(
+        pool, "SELECT count(*) FROM outbox WHERE locked_by = %s AND sent_at IS NULL", relay.owner
+    )
+    return int(rows[0][0])
+
+
+async def test_the_loop_claims_a_slot_ahead_but_sends_no_more_than_its_concurrency(
+    pool: AsyncConnectionPool, store: OutboxStore, sender: Sender, fake_mail: FakeMailServer
+) -> None:
+    """Up to ``concurrency`` claimed rows wait for a slot: the next send's
+    row is leased before a slot frees, and the provider still never sees
+    more than ``concurrency`` sends at once."""
+    await add_rows(pool, 20)
+    blocking = Blocking(sender)
+    relay = make_relay(store, blocking, concurrency=4, batch=10)
+    loop = asyncio.create_task(relay.run())
+    try:
+        await eventually(lambda: len(blocking.keys) == 4)
+
+        async def claimed_ahead() -> bool:
+            return await leased_to(pool, relay) == 8  # four sending, four waiting
+
+        await eventually(claimed_ahead, timeout_s=5)
+        assert blocking.most_in_flight == 4
+        blocking.release.set()
+
+        async def all_sent() -> bool:
+            return await sql(pool, "SELECT count(*) FROM outbox WHERE sent_at IS NULL") == [(0,)]
+
+        await eventually(all_sent, timeout_s=10)
+    finally:
+        relay.stop()
+        await asyncio.wait_for(loop, 5)
+    assert blocking.most_in_flight == 4
+    deliveries = await fake_mail.deliveries()
+    assert deliveries["requests"] == deliveries["effects"] == 20
+    assert await sql(pool, "SELECT attempts, count(*) FROM outbox GROUP BY 1") == [(1, 20)]
+
+
+async def test_a_row_claimed_ahead_whose_lease_ends_before_its_slot_is_not_sent_by_it(
+    pool: AsyncConnectionPool, store: OutboxStore, sender: Sender, fake_mail: FakeMailServer
+) -> None:
+    """One slot, a 1 s lease: the first send hangs past its lease (cut off),
+    the row claimed behind it gets its slot with its lease over and is left
+    to its next claim. Every row is sent once in the end."""
+    ids = await add_rows(pool, 3)
+    blocking = Blocking(sender)
+    relay = make_relay(
+        store, blocking, concurrency=1, lease_s=1.0, backoff_base_s=0.05, backoff_max_s=0.05
+    )
+    loop = asyncio.create_task(relay.run())
+    try:
+        await eventually(lambda: relay.stats["lease_lost"] >= 1, timeout_s=10)
+        blocking.release.set()
+
+        async def all_sent() -> bool:
+            return await sql(pool, "SELECT count(*) FROM outbox WHERE sent_at IS NULL") == [(0,)]
+
+        await eventually(all_sent, timeout_s=10)
+    finally:
+        relay.stop()
+        await asyncio.wait_for(loop, 5)
+    deliveries = await fake_mail.deliveries()
+    assert deliveries["effects"] == 3
+    keys = await sql(pool, "SELECT dedupe_key FROM outbox")
+    assert set(deliveries["by_key"]) == {k for (k,) in keys}
+    attempts = dict(await sql(pool, "SELECT id, attempts FROM outbox"))
+    assert attempts[ids[0]] >= 2 and attempts[ids[1]] >= 2, "cut off, and left unsent: again"
 
 
 async def test_row_whose_lease_keeps_running_out_mid_send_gives_up_unsent(

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, Self, runtime_checkable
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,24 @@ class LLM(Protocol):
         *,
         schema: ResponseSchema | None = None,
     ) -> Completion: ...
+
+
+class ClosedOnExit:
+    """``async with client:`` closes it (``aclose``) at the block's end."""
+
+    async def aclose(self) -> None:
+        raise NotImplementedError
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
 
 
 @runtime_checkable

@@ -29,14 +29,13 @@ import json
 import urllib.parse
 import urllib.request
 from collections.abc import Sequence
-from types import TracebackType
 from typing import Any
 
 import aiohttp
 
 from oncely.errors import OncelyError, TransientError
 from oncely.llm import wire
-from oncely.llm.base import Completion, Message, ResponseSchema
+from oncely.llm.base import ClosedOnExit, Completion, Message, ResponseSchema
 
 # As many connections to one endpoint as the SDK's aiohttp transport allows.
 CONNECTIONS = 1000
@@ -53,7 +52,6 @@ class _Endpoint:
         self.proxy = _proxy_for(self.url)
         self._headers = {"Authorization": f"Bearer {api_key}", "Content-Type": "application/json"}
         self._session: aiohttp.ClientSession | None = None
-        self._timeouts: dict[float, aiohttp.ClientTimeout] = {}
 
     def session(self) -> aiohttp.ClientSession:
         if self._session is None:
@@ -61,26 +59,13 @@ class _Endpoint:
             self._session = aiohttp.ClientSession(connector=connector, headers=self._headers)
         return self._session
 
-    def timeout(self, seconds: float) -> aiohttp.ClientTimeout:
-        """Every connect and socket read within ``seconds`` (the SDK's
-        ``timeout=``); the call's wall clock is the caller's."""
-        timeout = self._timeouts.get(seconds)
-        if timeout is None:
-            if len(self._timeouts) > 64:  # a caller's timeouts vary: keep a few
-                self._timeouts.clear()
-            timeout = aiohttp.ClientTimeout(
-                total=None, connect=seconds, sock_connect=seconds, sock_read=seconds
-            )
-            self._timeouts[seconds] = timeout
-        return timeout
-
     async def aclose(self) -> None:
         if self._session is not None:
             await self._session.close()
             self._session = None
 
 
-class LeanOpenAICompatible:
+class LeanOpenAICompatible(ClosedOnExit):
     """The ``LLM`` protocol over chat completions, without the SDK."""
 
     def __init__(self, endpoint: _Endpoint, model: str) -> None:
@@ -114,7 +99,11 @@ class LeanOpenAICompatible:
             async with endpoint.session().post(
                 endpoint.url,
                 data=json.dumps(body),
-                timeout=endpoint.timeout(timeout),
+                # Every connect and socket read within the attempt's budget
+                # (the SDK's ``timeout=``); its wall clock is the caller's.
+                timeout=aiohttp.ClientTimeout(
+                    total=None, connect=timeout, sock_connect=timeout, sock_read=timeout
+                ),
                 proxy=endpoint.proxy,
             ) as response:
                 raw = await response.read()
@@ -130,17 +119,6 @@ class LeanOpenAICompatible:
 
     async def aclose(self) -> None:
         await self._endpoint.aclose()
-
-    async def __aenter__(self) -> LeanOpenAICompatible:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
 
 
 def translate_error(exc: aiohttp.ClientError) -> OncelyError | TimeoutError:

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from types import TracebackType
 from typing import cast
 
 import aiohttp
@@ -42,7 +41,7 @@ from openai.types.shared_params import ResponseFormatJSONSchema
 
 from oncely.errors import OncelyError, PermanentError, TransientError
 from oncely.llm import wire
-from oncely.llm.base import Completion, Message, ResponseSchema
+from oncely.llm.base import ClosedOnExit, Completion, Message, ResponseSchema
 
 _TRANSPORT_ERRORS: tuple[type[Exception], ...] = (httpx.TransportError, aiohttp.ClientError)
 try:  # the HTTP client of recent SDKs; older ones use httpx
@@ -55,7 +54,7 @@ else:
 _SDK_ERRORS: tuple[type[Exception], ...] = (openai.OpenAIError, *_TRANSPORT_ERRORS)
 
 
-class OpenAICompatible:
+class OpenAICompatible(ClosedOnExit):
     """The ``LLM`` protocol over chat completions, optionally with structured
     output (``response_format: json_schema``)."""
 
@@ -106,17 +105,6 @@ class OpenAICompatible:
 
     async def aclose(self) -> None:
         await self._client.close()
-
-    async def __aenter__(self) -> OpenAICompatible:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
 
 
 def translate_error(exc: Exception) -> OncelyError | TimeoutError:
