@@ -174,10 +174,6 @@ FLEET_SETTINGS = {
     "ONCELY_LLM_BACKOFF_BASE_S": "0.1",
     "ONCELY_LLM_BACKOFF_MAX_S": "1",
     "ONCELY_LLM_RETRY_AFTER_MAX_S": "0.5",
-    # The fleet's model cooldown stays on, short: at its default 60 s, a
-    # cooldown whose probe met another random fault outlasted the drain
-    # (every job deferred, "every model of the route is cooling down").
-    "ONCELY_LLM_COOLDOWN_S": "2",
     "ONCELY_JOB_BUDGET_S": "30",
     "ONCELY_JOB_GRACE_S": "3",
     "ONCELY_SENDER_TIMEOUT_S": "2",

@@ -43,11 +43,13 @@ def make_worker(
     )
 
 
-async def submit(pool: AsyncConnectionPool, stream: Stream, text: str, job_id: str = "") -> str:
+async def submit(
+    pool: AsyncConnectionPool, stream: Stream, text: str, job_id: str = "", tenant: str = "acme"
+) -> str:
     """A summaries job accepted the way the API accepts it: row, then message."""
     job_id = job_id or str(uuid.uuid4())
     payload = {"text": text, "notify": "ada@example.com"}
-    await Jobs(pool, {"summaries": stream}).accept(JobSpec(job_id, "acme", "summaries", payload))
+    await Jobs(pool, {"summaries": stream}).accept(JobSpec(job_id, tenant, "summaries", payload))
     return job_id
 
 

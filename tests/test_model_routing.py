@@ -14,10 +14,11 @@ import pytest
 from prometheus_client import REGISTRY
 from pydantic import BaseModel
 
-from oncely.errors import PermanentError, TransientError
+from oncely.errors import PermanentError, ResumeLater, TransientError
+from oncely.llm.cooldown import Caller, Cooldown, CooldownPolicy
 from oncely.llm.model import Model, ModelRoute
 from oncely.llm.openai_compat import OpenAICompatible
-from oncely.llm.routing import Cooldown, CooldownPolicy, ModelSpec, Target, parse_models
+from oncely.llm.routing import ModelSpec, Target, parse_models
 from oncely.retry import Deadline, RetryPolicy
 from oncely.usage.budgets import BudgetLimits, Budgets, Spent, utc_day
 from oncely.usage.ledger import CallSite, Ledger
@@ -54,6 +55,8 @@ def routed(
     ledger: Ledger | None = None,
     fallbacks: tuple[str, ...] = (BACKUP,),
     policy: RetryPolicy = FAST,
+    job: str | None = None,
+    tenant: str = "acme",
 ) -> Model:
     targets = tuple(Target(name, llm.with_model(name)) for name in fallbacks)
     return Model(
@@ -63,7 +66,7 @@ def routed(
         workflow="routing",
         model_name=PRIMARY,
         route=ModelRoute(targets, cooldown, ledger),
-        site=CallSite("routing", str(uuid.uuid4()), "acme"),
+        site=CallSite("routing", job or str(uuid.uuid4()), tenant),
     )
 
 
@@ -150,76 +153,188 @@ async def test_invalid_answers_are_in_the_ledger_as_such(llm, ledger, pool) -> N
     ]
 
 
-async def test_the_cooldown_skips_a_failing_model_for_every_model_that_shares_it(
+def policy(**overrides: Any) -> CooldownPolicy:
+    settings: dict[str, Any] = {"failures": 3, "window_s": 30, "cooldown_s": 60, "refresh_s": 0.05}
+    return CooldownPolicy(**{**settings, **overrides})
+
+
+async def armed(redis: Any, model: str = PRIMARY) -> dict[str, int]:
+    """The scopes Redis has cooling (or awaiting a probe), until when (ms)."""
+    fields = await redis.hgetall(f"oncely:{{cooldown:{model}}}:scopes")
+    found = {text(k): v for k, v in fields.items()}
+    return {k[2:]: int(v) for k, v in found.items() if k.startswith("u:")}
+
+
+def text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+async def test_one_jobs_retries_and_redeliveries_are_one_failure(llm, fake_llm, redis) -> None:
+    """One job whose first seven calls fail (two deliveries' retries and one
+    more) cools nothing: it is one failing job, not seven."""
+    cooldown = Cooldown(redis, policy())
+    job = str(uuid.uuid4())
+    for _ in range(2):
+        with pytest.raises(TransientError):
+            await routed(llm, cooldown=cooldown, fallbacks=(), job=job).complete(
+                "Unlucky alone. [[fake:503*7]]"
+            )
+    model = routed(llm, cooldown=cooldown, fallbacks=(), job=job)
+    await model.complete("Unlucky alone. [[fake:503*7]]")
+    assert model.usage.model == PRIMARY
+    assert fake_llm.stats().models == {PRIMARY: 8}
+    assert not cooldown.cooling(PRIMARY, Caller(job, "acme"))
+    assert await armed(redis) == {}
+
+
+async def test_429s_never_cool_a_model(llm, fake_llm, redis) -> None:
+    """Six jobs each refused once with 429: pacing, not an outage."""
+    cooldown = Cooldown(redis, policy())
+    models = [routed(llm, cooldown=cooldown, fallbacks=()) for _ in range(6)]
+    await asyncio.gather(
+        *(m.complete(f"Paced, not down. [[fake:429*1]] Job {i}.") for i, m in enumerate(models))
+    )
+    assert fake_llm.stats().models == {PRIMARY: 12}
+    assert all(m.usage.model == PRIMARY for m in models)
+    assert await armed(redis) == {}
+    assert not await redis.exists(f"oncely:{{cooldown:{PRIMARY}}}:jobs")
+
+
+async def test_one_tenants_failing_jobs_cool_the_model_for_that_tenant_alone(
     llm, fake_llm, redis
 ) -> None:
-    fake_llm.model.model_outages[PRIMARY] = "503"
-    policy = CooldownPolicy(failures=3, window_s=30, cooldown_s=60, refresh_s=0.05)
-    first = Cooldown(redis, policy)
-    await routed(llm, cooldown=first).complete("The first call trips it. Once.")
-    assert fake_llm.stats().models[PRIMARY] == 3
-    assert first.cooling(PRIMARY)
+    """The attacker's prompts fail on every model; its jobs soon skip both,
+    while another tenant's calls, in another process, all go to the primary
+    at once, before and after."""
+    attacker, victim = Cooldown(redis, policy()), Cooldown(redis, policy())
+    victims: list[Model] = []
 
-    # Another process's view (its own Cooldown): it has seen no failure,
-    # and still never calls the primary.
-    second = Cooldown(redis, policy)
-    for i in range(5):
-        model = routed(llm, cooldown=second)
-        await model.complete(f"Call {i} goes straight to the backup. Fine.")
+    async def victim_call(i: int) -> None:
+        model = routed(llm, cooldown=victim, tenant="globex")
+        await model.complete(f"A victim's call {i}. Fine.")
+        victims.append(model)
+
+    for i in range(4):
+        with pytest.raises(TransientError):
+            model = routed(llm, cooldown=attacker, tenant="mallory")
+            await model.complete(f"Failing on purpose. [[fake:503]] Job {i}.")
+        await victim_call(i)
+    assert attacker.cooling(PRIMARY, Caller("any", "mallory"))
+    assert attacker.cooling(BACKUP, Caller("any", "mallory"))
+    for i in range(4, 8):
+        await victim_call(i)
+    assert [(m.usage.model, m.usage.model_calls) for m in victims] == [(PRIMARY, 1)] * 8
+    assert not victim.cooling(PRIMARY, Caller("any", "globex"))
+    assert not victim.cooling(PRIMARY)
+
+    # The attacker's next job pays for no call: it resumes later.
+    before = fake_llm.stats().total
+    with pytest.raises(ResumeLater):
+        await routed(llm, cooldown=attacker, tenant="mallory").complete("More. [[fake:503]]")
+    assert fake_llm.stats().total == before
+
+
+async def test_a_tenant_whose_calls_mostly_answer_is_not_cooled(llm, fake_llm, redis) -> None:
+    """Successes count: three failing jobs against ten answered calls are
+    under half of the tenant's calls."""
+    cooldown = Cooldown(redis, policy())
+    for i in range(10):
+        await routed(llm, cooldown=cooldown).complete(f"Answered {i}. Fine.")
+    for i in range(3):
+        model = routed(llm, cooldown=cooldown)
+        await model.complete(f"Unlucky {i}. [[fake:503*3]]")
         assert model.usage.model == BACKUP
-    assert fake_llm.stats().models == {PRIMARY: 3, BACKUP: 6}
-    assert second.cooling(PRIMARY)
+    assert not cooldown.cooling(PRIMARY, Caller("any", "acme"))
+    assert await armed(redis) == {}
 
 
-async def test_with_every_model_cooling_the_call_fails_transiently_with_a_wait(
-    llm, fake_llm, cooldown
+async def test_failing_jobs_of_several_tenants_cool_the_model_for_the_fleet(
+    llm, fake_llm, redis
+) -> None:
+    """An outage: three tenants' jobs fail, and a tenant never seen before,
+    in another process, goes straight to the backup."""
+    fake_llm.model.model_outages[PRIMARY] = "503"
+    first = Cooldown(redis, policy())
+    for i, tenant in enumerate(("initech", "hooli", "umbrella")):
+        model = routed(llm, cooldown=first, tenant=tenant)
+        await model.complete(f"An outage. Job {i}.")
+        assert model.usage.model == BACKUP
+    # The third job's first failure trips it: its retries skip the primary.
+    tripped = 2 * FAST.max_attempts + 1
+    assert fake_llm.stats().models[PRIMARY] == tripped
+    assert "*" in await armed(redis)
+
+    other = Cooldown(redis, policy())
+    for i in range(5):
+        model = routed(llm, cooldown=other, tenant="newcomer")
+        await model.complete(f"Straight to the backup {i}. Yes.")
+        assert model.usage.model == BACKUP
+    assert fake_llm.stats().models[PRIMARY] == tripped
+    assert other.cooling(PRIMARY)
+
+
+async def test_with_every_model_cooling_the_job_resumes_at_the_cooldowns_end(
+    llm, fake_llm, redis
 ) -> None:
     fake_llm.model.outage = "503"
-    with pytest.raises(TransientError):
-        await routed(llm, cooldown=cooldown).complete("Everything is down. For now.")
+    cooldown = Cooldown(redis, policy())
+    for i in range(3):
+        with pytest.raises(TransientError):
+            await routed(llm, cooldown=cooldown).complete(f"Everything is down {i}. For now.")
     calls = fake_llm.stats().total
-    with pytest.raises(TransientError) as raised:
+    with pytest.raises(ResumeLater) as raised:
         await routed(llm, cooldown=cooldown).complete("Nothing is called now. Nothing.")
     assert "cooling down" in str(raised.value)
-    assert raised.value.retry_after_s is not None and raised.value.retry_after_s > 30
+    assert 30 < raised.value.resume_in_s <= 60
     assert fake_llm.stats().total == calls
 
 
-async def cooled_off(redis: Any, *views: Cooldown) -> None:
-    """Until the primary's cooldown is over, by Redis' own clock, and in
-    each process view given (a view counts the rest of a cooldown from when
-    it read it, so it may end a round trip later)."""
+async def test_a_cooldown_lasts_no_longer_than_the_providers_retry_after(redis) -> None:
+    cooldown = Cooldown(redis, policy(cooldown_s=60))
+    for job in ("j1", "j2", "j3"):
+        await cooldown.failed("retry-after-model", Caller(job, "acme"), retry_after_s=5)
+    admission = await cooldown.admit("retry-after-model", Caller("j4", "acme"))
+    assert admission.verdict == "skip"
+    assert 3 < admission.wait_s <= 5
+
+
+async def cooled_off(redis: Any, *views: Cooldown, model: str = PRIMARY) -> None:
+    """Until every cooldown of ``model`` is over, by Redis' own clock, and
+    in each process view given (a view counts the rest of a cooldown from
+    when it read it, so it may end a round trip later)."""
 
     async def over() -> bool:
-        until = await redis.hget(f"oncely:cooldown:{PRIMARY}", "until")
         seconds, micros = await redis.time()
-        in_redis = until is not None and int(until) <= seconds * 1000 + micros // 1000
-        return in_redis and not any(view.cooling(PRIMARY) for view in views)
+        now = seconds * 1000 + micros // 1000
+        in_redis = all(until <= now for until in (await armed(redis, model)).values())
+        return in_redis and not any(view.cooling(model, Caller("any", "acme")) for view in views)
 
     await wait_for(over, within_s=30, what="the cooldown's end")
 
 
-async def test_after_the_cooldown_one_probe_decides_for_everyone(llm, fake_llm, redis) -> None:
-    policy = CooldownPolicy(failures=2, window_s=30, cooldown_s=2, refresh_s=0.05, probe_s=30)
-    cooldown = Cooldown(redis, policy)
+async def test_after_the_cooldown_one_probe_decides(llm, fake_llm, redis) -> None:
+    cooling = policy(failures=2, cooldown_s=2, probe_s=30)
+    cooldown = Cooldown(redis, cooling)
     fake_llm.model.model_outages[PRIMARY] = "hang"
     slow = RetryPolicy(per_call_timeout_s=0.3, max_attempts=2, backoff_base_s=0.001)
-    await routed(llm, cooldown=cooldown, policy=slow).complete(
-        "A hanging model cools down too. Timeouts count."
-    )
-    assert cooldown.cooling(PRIMARY)
-    assert fake_llm.stats().models[PRIMARY] == 2
+    for i in range(2):
+        await routed(llm, cooldown=cooldown, policy=slow).complete(
+            f"A hanging model cools down too. Timeouts count. Job {i}."
+        )
+    assert cooldown.cooling(PRIMARY, Caller("any", "acme"))
+    # The second job's first timeout trips it: its retry skips the model.
+    assert fake_llm.stats().models[PRIMARY] == 3
 
     # Past the cooldown, with the model still hanging: among concurrent
     # calls of two processes, one probe goes out; the others skip.
     await cooled_off(redis, cooldown)
-    other = Cooldown(redis, policy)
+    other = Cooldown(redis, cooling)
     models = [routed(llm, cooldown=c, policy=slow) for c in (cooldown, other) * 4]
     await asyncio.gather(*(m.complete(f"Probe round {i}. Once.") for i, m in enumerate(models)))
-    assert fake_llm.stats().models[PRIMARY] == 3, "one probe"
+    assert fake_llm.stats().models[PRIMARY] == 4, "one probe"
     # The probe failed: cooling again, for both.
-    assert (await cooldown.admit(PRIMARY)).verdict == "skip"
-    assert (await other.admit(PRIMARY)).verdict == "skip"
+    assert (await cooldown.admit(PRIMARY, Caller("j", "acme"))).verdict == "skip"
+    assert (await other.admit(PRIMARY, Caller("j", "acme"))).verdict == "skip"
 
     # The model is back: past the next cooldown the probe answers, and then
     # every call goes to it again.
@@ -231,18 +346,66 @@ async def test_after_the_cooldown_one_probe_decides_for_everyone(llm, fake_llm, 
     after = routed(llm, cooldown=cooldown)
     await after.complete("Back to normal. Yes.")
     assert after.usage.model == PRIMARY
-    assert not await redis.exists(f"oncely:cooldown:{PRIMARY}")
+    assert await armed(redis) == {}
+
+
+async def test_the_job_that_failed_a_probe_leaves_the_next_one_to_another(redis) -> None:
+    """A job whose own prompt fails cannot keep a model cooling by taking
+    every probe: within the grace another job probes; alone, it may again."""
+    model, cooling = "probed-model", policy(failures=2, cooldown_s=1, probe_grace_s=1.5)
+    cooldown = Cooldown(redis, cooling)
+    for job in ("j1", "j2"):
+        await cooldown.failed(model, Caller(job, "acme"))
+    await cooled_off(redis, cooldown, model=model)
+    admission = await cooldown.admit(model, Caller("j1", "acme"))
+    assert admission.verdict == "probe"
+    await cooldown.failed(model, Caller("j1", "acme"), probe=admission.scope)
+    await cooled_off(redis, model=model)
+
+    assert (await Cooldown(redis, cooling).admit(model, Caller("j1", "acme"))).verdict == "skip"
+    assert (await Cooldown(redis, cooling).admit(model, Caller("j3", "acme"))).verdict == "probe"
+
+    # Alone, once the grace is over, the same job may probe again.
+    await Cooldown(redis, cooling).failed(model, Caller("j3", "acme"), probe=admission.scope)
+    await cooled_off(redis, model=model)
+
+    async def probes() -> bool:
+        found = await Cooldown(redis, cooling).admit(model, Caller("j3", "acme"))
+        return found.verdict == "probe"
+
+    await wait_for(probes, within_s=30, what="the probe past the grace")
 
 
 async def test_failures_spread_beyond_the_window_never_trip_the_cooldown(
     llm, fake_llm, redis
 ) -> None:
-    cooldown = Cooldown(redis, CooldownPolicy(failures=3, window_s=0.2, cooldown_s=60))
+    cooldown = Cooldown(redis, policy(window_s=0.2))
     for i in range(4):
         await routed(llm, cooldown=cooldown).complete(f"Fails once. [[fake:503*1]] Call {i}.")
         await asyncio.sleep(0.25)
-    assert not cooldown.cooling(PRIMARY)
+    assert not cooldown.cooling(PRIMARY, Caller("any", "acme"))
     assert fake_llm.stats().models == {PRIMARY: 8}
+
+
+async def test_a_call_cancelled_from_outside_never_cools_its_model_down(
+    llm, fake_llm, redis
+) -> None:
+    """A job's cancel, a shutdown, a sibling branch's failure: the model said
+    nothing, and one such cancel must not take it out."""
+    cooldown = Cooldown(redis, policy(failures=1))
+    fake_llm.model.model_outages[PRIMARY] = "hang"
+    slow = RetryPolicy(per_call_timeout_s=30, max_attempts=1, backoff_base_s=0.001)
+    call = asyncio.create_task(routed(llm, cooldown=cooldown, policy=slow).complete("Cut. Now."))
+    await wait_for(_in_flight(fake_llm), what="the call at the model")
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    assert not cooldown.cooling(PRIMARY, Caller("any", "acme"))
+    assert await armed(redis) == {}
+    # A real timeout, by contrast, does count.
+    quick = RetryPolicy(per_call_timeout_s=0.2, max_attempts=1, backoff_base_s=0.001)
+    await routed(llm, cooldown=cooldown, policy=quick).complete("Timed out. Then backup.")
+    assert cooldown.cooling(PRIMARY, Caller("any", "acme"))
 
 
 async def test_the_ledger_keeps_a_batch_postgres_refused_and_writes_it_later(
@@ -282,27 +445,6 @@ async def test_budgets_count_each_tenants_day_and_refuse_only_the_one_over(redis
     await budgets.add({("acme", today): Spent(100, 0.0)})
     assert await budgets.refusal("acme") is not None  # 1000 tokens: at the budget
     assert await Budgets(redis).refusal("acme") is None  # no budgets: never refused
-
-
-async def test_a_call_cancelled_from_outside_never_cools_its_model_down(
-    llm, fake_llm, redis
-) -> None:
-    """A job's cancel, a shutdown, a sibling branch's failure: the model said
-    nothing, and one such cancel must not take it out for the fleet."""
-    cooldown = Cooldown(redis, CooldownPolicy(failures=1, window_s=30, cooldown_s=60))
-    fake_llm.model.model_outages[PRIMARY] = "hang"
-    slow = RetryPolicy(per_call_timeout_s=30, max_attempts=1, backoff_base_s=0.001)
-    call = asyncio.create_task(routed(llm, cooldown=cooldown, policy=slow).complete("Cut. Now."))
-    await wait_for(_in_flight(fake_llm), what="the call at the model")
-    call.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await call
-    assert not cooldown.cooling(PRIMARY)
-    assert not await redis.exists(f"oncely:cooldown:{PRIMARY}")
-    # A real timeout, by contrast, does cool it down.
-    quick = RetryPolicy(per_call_timeout_s=0.2, max_attempts=1, backoff_base_s=0.001)
-    await routed(llm, cooldown=cooldown, policy=quick).complete("Timed out. Then backup.")
-    assert cooldown.cooling(PRIMARY)
 
 
 def _in_flight(fake_llm: Any) -> Any:

@@ -12,7 +12,7 @@ import pytest
 
 from oncely.bootstrap import connect_llm, step_config
 from oncely.builtin.summaries import summaries
-from oncely.errors import TransientError
+from oncely.errors import ResumeLater, TransientError
 from oncely.jobs.handler import WorkflowHandler
 from oncely.outbox.wakeup import OutboxWakeUp
 from oncely.queue.stream import JobMessage, Stream
@@ -167,6 +167,37 @@ async def test_transient_failures_back_off_per_job_and_die_only_when_old(pool, s
     assert await job_status(pool, job_id) == "dead"
     assert await pending(stream) == 0
     assert await stream.redis.zcard(stream.keys.delayed) == 0
+
+
+async def test_a_job_whose_models_are_cooling_down_resumes_at_their_end_with_no_failure(
+    pool, stream
+):
+    """``ResumeLater`` (every model of the route cooling down) is no failure:
+    the job comes back at the cooldown's end plus at most a tenth, never
+    later than its redelivery backoff would have, and its backoff does not
+    grow however often it waits."""
+    waits = iter([20.0, 20.0, 2000.0])
+
+    async def cooling(message: JobMessage, delivery: Delivery) -> str:
+        raise ResumeLater("every model of the route is cooling down", resume_in_s=next(waits))
+
+    job_id = await submit(pool, stream, "its model cools down")
+    worker = make_worker(stream, cooling, pool, redelivery_base_s=60, redelivery_max_s=900)
+    # (the wait asked for, the earliest and latest return): a tenth of 20 s
+    # on top at most, and never past the first backoff's 60 s.
+    for low, high in ((20.0, 22.0), (20.0, 22.0), (60.0, 60.0)):
+        seconds, micros = await stream.redis.time()
+        now_ms = seconds * 1000 + micros // 1000
+        await drain(worker)
+        due_ms = await stream.redis.zscore(stream.keys.delayed, job_id)
+        assert due_ms is not None
+        raw = await stream.redis.hget(stream.keys.delayed_messages, job_id)
+        assert json.loads(raw)["failures"] == "0"
+        delay_s = (due_ms - now_ms) / 1000
+        assert low - 1 <= delay_s <= high + 1, delay_s
+        await stream.redis.zadd(stream.keys.delayed, {job_id: 0})
+        assert await stream.promote_due() == 1
+    assert await job_status(pool, job_id) == "queued"
 
 
 async def test_a_crash_loop_is_dead_lettered_after_max_deliveries(pool, stream):

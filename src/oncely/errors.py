@@ -24,6 +24,17 @@ class TransientError(OncelyError):
         self.status = status
 
 
+class ResumeLater(TransientError):
+    """Nothing failed, but the work cannot go on for ``resume_in_s`` seconds:
+    every model of the route is cooling down (docs/model-routing.md). The
+    worker defers the job by that long (plus jitter, never longer than its
+    redelivery backoff would) without counting a failure."""
+
+    def __init__(self, message: str, *, resume_in_s: float) -> None:
+        super().__init__(message, retry_after_s=resume_in_s)
+        self.resume_in_s = resume_in_s
+
+
 class PermanentError(OncelyError):
     """Never succeeds as is: dead-lettered at once."""
 

@@ -112,10 +112,13 @@ def console_login_failures(client_digest: str) -> str:
     return f"oncely:console:login-failures:{client_digest}"
 
 
-def model_cooldown(model: str) -> str:
-    """A model's failures and cooldown, shared by the fleet (oncely.llm.routing);
-    one key, so its scripts run on a cluster too. Expires."""
-    return f"oncely:cooldown:{model}"
+def model_cooldown(model: str) -> list[str]:
+    """A model's cooldown, shared by the fleet (oncely.llm.cooldown): its
+    scopes' cooldowns, the window's failing jobs, the window's counts per
+    tenant. Hash-tagged by the model, so its scripts run on a cluster too.
+    Each expires."""
+    base = f"oncely:{{cooldown:{model}}}"
+    return [f"{base}:scopes", f"{base}:jobs", f"{base}:counts"]
 
 
 def tenant_spend(tenant_digest: str, day: str) -> str:

@@ -322,5 +322,25 @@ def backoff_s(
     jitter so work that failed together (a provider outage) comes back spread
     out instead of in one burst.
     """
+    return _backoff_cap(attempts, base_s, max_s) * rand()
+
+
+def resume_s(
+    wait_s: float,
+    attempts: int,
+    base_s: float,
+    max_s: float,
+    rand: Callable[[], float] = random.random,
+) -> float:
+    """When work that waits for something with a known end (a model's
+    cooldown, ``wait_s`` from now) is tried again: at that end, spread by up
+    to a tenth of the wait (at least half a second) so that what waited
+    together does not come back in one burst, and never later than the
+    backoff of attempt ``attempts`` could have drawn (``backoff_s``)."""
+    spread = max(0.5, wait_s / 10) * rand()
+    return min(wait_s + spread, _backoff_cap(attempts, base_s, max_s))
+
+
+def _backoff_cap(attempts: int, base_s: float, max_s: float) -> float:
     exponent = min(max(attempts - 1, 0), 32)  # past the cap anyway; avoids float overflow
-    return min(max_s, base_s * 2.0**exponent) * rand()
+    return min(max_s, base_s * 2.0**exponent)

@@ -103,11 +103,16 @@ class Settings(BaseSettings):
     # ONCELY_LLM_API_KEY.
     llm_fallbacks: str = ""
     llm_api_keys: dict[int, SecretStr] = Field(default_factory=dict)
-    # A model failing transiently this often within the window is skipped
-    # by the whole fleet for the cooldown, then one probe call decides (0: off).
+    # The cooldown (docs/model-routing.md): a tenant with this many failing
+    # jobs (distinct; 429s never count) in the window, at least the share of
+    # its calls, has the model skipped for its calls; the fleet, once that
+    # many jobs of at least `_TENANTS` failing tenants (the share of those
+    # active) failed. Then one probe call decides (failures 0: off).
     llm_cooldown_failures: int = Field(5, ge=0)
     llm_cooldown_window_s: float = Field(30.0, gt=0)
     llm_cooldown_s: float = Field(60.0, gt=0)
+    llm_cooldown_share: float = Field(0.5, gt=0, le=1)
+    llm_cooldown_tenants: int = Field(3, ge=1)
     # USD per million tokens in/out, per model: `gpt-4.1-mini=0.40/1.60,llama3=0/0`.
     llm_prices: str = ""
     # Per tenant per UTC day (0: no budget): over it, the intake answers 429.

@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING
 
 from oncely.app import App, load_app
 from oncely.jobs.handler import StepConfig
+from oncely.llm.cooldown import CooldownPolicy
 from oncely.llm.limiter import Limits
-from oncely.llm.routing import CooldownPolicy
 from oncely.queue.worker import WorkerConfig
 from oncely.retry import RetryPolicy
 from oncely.settings import Settings
@@ -86,6 +86,8 @@ def cooldown_policy(s: Settings) -> CooldownPolicy:
         failures=s.llm_cooldown_failures,
         window_s=s.llm_cooldown_window_s,
         cooldown_s=s.llm_cooldown_s,
+        share=s.llm_cooldown_share,
+        tenants=s.llm_cooldown_tenants,
         # A probe is one call: out for at most one attempt's time.
         probe_s=s.llm_timeout_s + 5,
     )

@@ -44,9 +44,10 @@ from oncely.jobs.reconcile import Reconciler
 from oncely.jobs.retention import Retention
 from oncely.jobs.timers import Timers
 from oncely.llm.base import LLM, ModelClient
+from oncely.llm.cooldown import Cooldown
 from oncely.llm.limiter import FleetLimiter, LimitedLLM
 from oncely.llm.model import ModelRoute
-from oncely.llm.routing import Cooldown, ModelSpec, Target, parse_models
+from oncely.llm.routing import ModelSpec, Target, parse_models
 from oncely.outbox.relay import Relay
 from oncely.outbox.store import OutboxStore
 from oncely.outbox.wakeup import OutboxWakeUp

@@ -35,11 +35,12 @@ from prometheus_client import Counter, Histogram
 from pydantic import BaseModel, ValidationError
 
 from oncely import tracing
-from oncely.errors import OncelyError, PermanentError, TransientError
+from oncely.errors import OncelyError, PermanentError, ResumeLater, TransientError
 from oncely.journal import Journal, Recorded, check_name, current_checkpoint
 from oncely.llm.base import LLM, Completion, Message, ResponseSchema
+from oncely.llm.cooldown import Caller, Cooldown
 from oncely.llm.limiter import FleetLimited
-from oncely.llm.routing import Cooldown, Target
+from oncely.llm.routing import Target
 from oncely.metrics import (
     MODEL_CALL_SECONDS,
     MODEL_CALLS,
@@ -164,6 +165,8 @@ class Model:
         self._cooldown = route.cooldown
         self._ledger = route.ledger
         self._site = site or CallSite(workflow)
+        # Whose calls these are, for the cooldown: a job's failures count once.
+        self._caller = Caller(self._site.job_id or f"delivery:{id(self):x}", self._site.tenant)
 
     @property
     def deadline(self) -> Deadline:
@@ -241,13 +244,13 @@ class Model:
         failure: BaseException | None = None
         wait_s: float | None = None
         for target in self._route:
-            probe = False
+            probe = ""
             if self._cooldown is not None:
-                admission = await self._cooldown.admit(target.name)
+                admission = await self._cooldown.admit(target.name, self._caller)
                 if admission.verdict == "skip":
-                    wait_s = min(wait_s or admission.wait_s, admission.wait_s)
+                    wait_s = admission.wait_s if wait_s is None else min(wait_s, admission.wait_s)
                     continue
-                probe = admission.verdict == "probe"
+                probe = admission.scope
             try:
                 return await self._ask_one(target, probe, messages, schema, spent)
             except _Skipped:
@@ -270,12 +273,12 @@ class Model:
             # error: a step that catches it gets a failed checkpoint, and a
             # replay raises it again instead of paying for the call again.
             raise TransientError(f"model call failed: {type(failure).__name__}") from failure
-        raise TransientError("every model of the route is cooling down", retry_after_s=wait_s)
+        raise ResumeLater("every model of the route is cooling down", resume_in_s=wait_s or 1.0)
 
     async def _ask_one(
         self,
         target: Target,
-        probe: bool,
+        probe: str,
         messages: Sequence[Message],
         schema: ResponseSchema | None,
         spent: Usage,
@@ -290,7 +293,8 @@ class Model:
         async def attempt(timeout_s: float) -> _Answer:
             nonlocal tries, probe
             tries += 1
-            if tries > 1 and self._cooldown is not None and self._cooldown.cooling(target.name):
+            cooldown = self._cooldown
+            if tries > 1 and cooldown is not None and cooldown.cooling(target.name, self._caller):
                 raise _Skipped(target.name)
             spent.model_calls += 1
             self.usage.model_calls += 1
@@ -317,7 +321,7 @@ class Model:
                     # sibling branch. Only the first says the model is slow.
                     timed_out = took >= timeout_s * 1000 * _CUT_OFF_SHARE
                     await self._failed(target.name, step, number, exc, took, probe, timed_out)
-                    probe = False
+                    probe = ""
                     raise
                 finally:
                     meters.seconds.observe(time.monotonic() - started)
@@ -328,8 +332,8 @@ class Model:
                     span.set_attribute("gen_ai.usage.input_tokens", completion.prompt_tokens)
                     span.set_attribute("gen_ai.usage.output_tokens", completion.completion_tokens)
             meters.calls_ok.inc()
-            if probe and self._cooldown is not None:
-                await self._cooldown.recovered(target.name)
+            if self._cooldown is not None:
+                await self._cooldown.answered(target.name, self._caller, probe=probe)
             return _Answer(completion, target.name, step, number, took)
 
         return await call_with_retries(
@@ -347,13 +351,15 @@ class Model:
         attempt: int,
         exc: BaseException,
         took_ms: int,
-        probe: bool,
+        probe: str,
         timed_out: bool,
     ) -> None:
         """A failed attempt: in the ledger if it reached the provider, and
-        against the model's cooldown if the model may answer later (a 429,
-        a 5xx, a connection, its time running out; never a cancellation
-        from outside, which says nothing of the model)."""
+        against the model's cooldown if it says the model is unwell: a 5xx,
+        a connection, its time running out (oncely.llm.cooldown). Never a
+        429 (the limiter paces those) nor a cancellation from outside, which
+        say nothing of the model's health; a probe that got either, or a
+        permanent answer, found the model up."""
         if isinstance(exc, FleetLimited):
             return  # held back by the fleet's limits: never sent
         outcome = _outcome(exc)
@@ -361,10 +367,15 @@ class Model:
         if self._cooldown is None:
             return
         cancelled = isinstance(exc, asyncio.CancelledError) and not timed_out
-        if outcome in ("retryable", "timeout") and not cancelled:
-            await asyncio.shield(self._cooldown.failed(model, probe=probe))
-        elif probe and outcome == "permanent":
-            await self._cooldown.recovered(model)  # it answered: it is up
+        rate_limited = isinstance(exc, TransientError) and exc.status == 429
+        if outcome in ("retryable", "timeout") and not (cancelled or rate_limited):
+            retry_after = exc.retry_after_s if isinstance(exc, TransientError) else None
+            failed = self._cooldown.failed(
+                model, self._caller, probe=probe, retry_after_s=retry_after
+            )
+            await asyncio.shield(failed)
+        elif probe and not cancelled:
+            await self._cooldown.answered(model, self._caller, probe=probe)
 
     def _bill(self, answer: _Answer, outcome: Outcome, spent: Usage) -> None:
         """An answered call: its tokens and cost in the usage, the metrics

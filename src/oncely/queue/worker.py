@@ -24,10 +24,10 @@ import structlog
 
 from oncely import metrics
 from oncely.batching import GroupCommit
-from oncely.errors import DeadlineExceeded, PermanentError, TransientError
+from oncely.errors import DeadlineExceeded, PermanentError, ResumeLater, TransientError
 from oncely.logs import frames
 from oncely.queue.stream import Entry, JobMessage, Stream
-from oncely.retry import backoff_s, classify
+from oncely.retry import backoff_s, classify, resume_s
 from oncely.services import Progress, supervised
 
 log = structlog.get_logger("oncely.worker")
@@ -481,18 +481,28 @@ class Worker:
         """Out of the stream until a backoff has passed, counted per job across
         deliveries; past ``job_max_age_s`` the job is dead instead, with the
         error. A failure on a connection (a server restart) comes back within
-        a second the first time: the next try likely finds a fresh one."""
+        a second the first time: the next try likely finds a fresh one. A
+        job that could not go on (``ResumeLater``: its models are cooling
+        down) failed nothing: it comes back when they may answer again, and
+        its backoff does not grow."""
         if delivery.lease_lost:
             return
         error = _describe(exc)
-        failures = int(delivery.fields.get("failures", "0")) + 1
+        failures = int(delivery.fields.get("failures", "0"))
+        if not isinstance(exc, ResumeLater):
+            failures += 1
         accepted_at = float(delivery.fields.get("accepted_at") or delivery.fields["enqueued_at"])
         age_s = time.time() - accepted_at
         if age_s > self.config.job_max_age_s:
             await self._dead_letter(delivery, "max_age", f"{age_s:.0f} s old; last error: {error}")
             return
         c = self.config
-        delay_s = backoff_s(failures, c.redelivery_base_s, c.redelivery_max_s, self.rand)
+        if isinstance(exc, ResumeLater):
+            delay_s = resume_s(
+                exc.resume_in_s, failures + 1, c.redelivery_base_s, c.redelivery_max_s, self.rand
+            )
+        else:
+            delay_s = backoff_s(failures, c.redelivery_base_s, c.redelivery_max_s, self.rand)
         if failures == 1 and isinstance(exc, _CONNECTION_LOST):
             delay_s = min(delay_s, 1.0)
         fields = {
