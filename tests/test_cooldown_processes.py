@@ -159,6 +159,11 @@ async def test_one_tenants_failing_prompts_cool_nothing_for_another_tenant(
         )
         log = tmp_path / "worker.log"
         with running(start(["worker"], env, log)):
+
+            async def started() -> bool:
+                return bool(events(log, name="worker.started"))
+
+            await wait_for(started, what="the worker")
             victims: list[str] = []
             for i in range(10):
                 fault = "[[fake:503]]" if i % 2 else "[[fake:hang]]"
