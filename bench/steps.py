@@ -99,7 +99,7 @@ BUCKETS = (
     ("model call: Model._ask (retries, deadline, usage)", ["oncely.llm.model:Model._ask"]),
     (
         "side call: Context._retried (retries, a thread for a sync function, the call)",
-        ["oncely.workflow:Context._retried"],
+        ["oncely.context:Context._retried"],
     ),
     (
         "Postgres statements: run_statement's own task (job_runs, write_checkpoints, finish_job)",
@@ -117,7 +117,7 @@ BUCKETS = (
         ],
     ),
     ("checkpoints: Journal (replay, keys, pending writes)", ["oncely.journal:Journal"]),
-    ("side call: Context.step (name, JSON)", ["oncely.workflow:Context.step"]),
+    ("side call: Context.step (name, JSON)", ["oncely.context:Context.step"]),
     (
         "step: the workflow's own code",
         ["bench.steps_app:fulfil_in_four", "bench.steps_app:fulfil_in_one"],

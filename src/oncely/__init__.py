@@ -38,11 +38,11 @@ _EXPORTS = {
     "Evaluation": "oncely.shadow.evaluate",
     "ModelJudge": "oncely.shadow.evaluate",
     "field_agreement": "oncely.shadow.evaluate",
-    "Context": "oncely.workflow",
-    "JobView": "oncely.workflow",
-    "StepView": "oncely.workflow",
-    "UsageView": "oncely.workflow",
-    "WaitingView": "oncely.workflow",
+    "Context": "oncely.context",
+    "JobView": "oncely.views",
+    "StepView": "oncely.views",
+    "UsageView": "oncely.views",
+    "WaitingView": "oncely.views",
     "Variant": "oncely.workflow",
     "Workflow": "oncely.workflow",
 }
@@ -80,6 +80,7 @@ __all__ = [
 
 if TYPE_CHECKING:
     from oncely.app import App
+    from oncely.context import Context
     from oncely.effects import Email, EmailEffect, Event, WebhookEffect, email, webhook
     from oncely.errors import DeadlineExceeded, PermanentError, TransientError
     from oncely.jobs.store import JobRecord
@@ -87,15 +88,8 @@ if TYPE_CHECKING:
     from oncely.llm.model import InvalidOutput, Model, Usage
     from oncely.retry import Deadline, RetryPolicy
     from oncely.shadow.evaluate import Evaluation, ModelJudge, field_agreement
-    from oncely.workflow import (
-        Context,
-        JobView,
-        StepView,
-        UsageView,
-        Variant,
-        WaitingView,
-        Workflow,
-    )
+    from oncely.views import JobView, StepView, UsageView, WaitingView
+    from oncely.workflow import Variant, Workflow
 
 
 __getattr__ = exports(globals(), _EXPORTS)

@@ -46,6 +46,7 @@ from typing import Any, Generic, TypeVar
 
 from pydantic import BaseModel
 
+from oncely.context import Context
 from oncely.errors import Nondeterministic, PermanentError, TransientError
 from oncely.jobs.handler import checked_result, ungrouped
 from oncely.journal import Checkpoint, Emitted, Journal, Wait, Writes, current_checkpoint
@@ -53,7 +54,7 @@ from oncely.llm.base import Completion, Message, ResponseSchema
 from oncely.llm.model import Model, ModelRoute
 from oncely.llm.routing import Target, parse_models
 from oncely.retry import Deadline, RetryPolicy, retryable_status
-from oncely.workflow import Context, Workflow
+from oncely.workflow import Workflow
 
 __all__ = ["ModelCall", "ProviderError", "ReplayError", "StepRun", "run_step"]
 

@@ -20,7 +20,7 @@ from datetime import datetime
 import structlog
 
 from oncely.jobs.store import DeadJob, Jobs, JobSpec
-from oncely.workflow import tenant_error
+from oncely.views import tenant_error
 
 log = structlog.get_logger("oncely.dlq")
 

@@ -36,6 +36,7 @@ import structlog
 from pydantic import BaseModel, ValidationError
 
 from oncely import metrics, tracing
+from oncely.context import WAIT_MAX_S, Context
 from oncely.errors import DeadlineExceeded, Nondeterministic, PermanentError, TransientError
 from oncely.jobs.checkpoints import Checkpoints, JobRun
 from oncely.jobs.store import Jobs
@@ -47,7 +48,7 @@ from oncely.queue.stream import JobMessage
 from oncely.retry import Deadline, RetryPolicy, classify
 from oncely.shadow.dispatch import ShadowDispatch
 from oncely.usage.ledger import CallSite
-from oncely.workflow import WAIT_MAX_S, Context, Variant, Workflow
+from oncely.workflow import Variant, Workflow
 
 if TYPE_CHECKING:
     from oncely.queue.worker import Delivery

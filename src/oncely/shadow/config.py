@@ -14,7 +14,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from oncely.workflow import PRIMARY
+from oncely.context import PRIMARY
 
 _WORKFLOW = re.compile(r"^[a-z][a-z0-9_]{0,39}$")
 _VARIANT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,99}$")

@@ -27,6 +27,7 @@ import structlog
 from pydantic import BaseModel, ValidationError
 
 from oncely import tracing
+from oncely.context import Context
 from oncely.errors import DeadlineExceeded, PermanentError
 from oncely.jobs.handler import StepConfig, checked_result, step_model
 from oncely.journal import Ephemeral, Journal
@@ -38,7 +39,7 @@ from oncely.shadow.dispatch import PRIMARY_FIELD
 from oncely.shadow.evaluate import Evaluation, ModelJudge, evaluate
 from oncely.shadow.store import ShadowResults, ShadowRun
 from oncely.usage.ledger import CallSite, Ledger
-from oncely.workflow import Context, Variant, Workflow
+from oncely.workflow import Variant, Workflow
 
 if TYPE_CHECKING:
     from oncely.queue.worker import Delivery

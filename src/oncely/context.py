@@ -1,0 +1,273 @@
+"""What a workflow's step runs in: ``ctx`` (docs/durable-steps.md).
+
+The step may run more than once for a job (deliveries are at-least-once),
+so what it emits must depend only on the job; only the delivery whose
+result is stored writes its effects. Each model call, ``ctx.step``, wait
+and sleep is a checkpoint of the job's run (``oncely.journal``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import replace
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, overload
+
+from pydantic import BaseModel
+from pydantic_core import PydanticSerializationError, to_jsonable_python
+
+from oncely.errors import DeadlineExceeded, PermanentError, TransientError
+from oncely.journal import Emitted, Journal, Recorded, check_name
+from oncely.retry import Deadline, RetryPolicy, call_with_retries, classify
+
+if TYPE_CHECKING:
+    from oncely.llm.model import Model
+
+EventT = TypeVar("EventT", bound=BaseModel)
+ValueT = TypeVar("ValueT", bound=BaseModel)
+
+# What ``ctx.variant`` is for the configured model, with no variant named.
+PRIMARY = "primary"
+# The longest wait for an event, and the default one (ONCELY_WAIT_MAX_S).
+WAIT_MAX_S = 30 * 86400.0
+
+
+class Declared(Protocol):
+    """What a context needs of its workflow's declaration (``Workflow``)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def topics(self) -> frozenset[str]: ...
+
+    @property
+    def events(self) -> Mapping[str, type[BaseModel]]: ...
+
+
+class Trial(Protocol):
+    """What a context needs of the variant it runs (``Variant``)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def instructions(self) -> str | None: ...
+
+
+class Context:
+    """What a step gets besides its request: who and which job, the model
+    (each call a checkpoint), ``step`` for other work to keep, waits for
+    events and sleeps, and ``emit`` for effects (docs/durable-steps.md).
+
+    ``variant`` names the variant this run is for (``"primary"`` for the
+    configured model); ``shadow`` is true in a shadow run, whose emits are
+    recorded with its result and never sent."""
+
+    def __init__(
+        self,
+        workflow: Declared,
+        job_id: str,
+        tenant: str,
+        model: Model,
+        delivery: int,
+        *,
+        variant: Trial | None = None,
+        shadow: bool = False,
+        journal: Journal | None = None,
+        wait_max_s: float = WAIT_MAX_S,
+    ) -> None:
+        self.workflow = workflow.name
+        self.job_id = job_id
+        self.tenant = tenant
+        self.model = model
+        # 1 on the first delivery; more after crashes, timeouts or transient failures.
+        self.delivery = delivery
+        self.variant = variant.name if variant is not None else PRIMARY
+        self.shadow = shadow
+        self._instructions = variant.instructions if variant is not None else None
+        self._topics = workflow.topics
+        self._events = workflow.events
+        if journal is None:
+            journal = model.journal if model is not None else Journal(workflow=workflow.name)
+        self._journal = journal
+        self._wait_max_s = wait_max_s
+
+    @property
+    def emitted(self) -> tuple[Emitted, ...]:
+        """What this run emitted so far (read-only)."""
+        return self._journal.emitted
+
+    def instructions(self, default: str) -> str:
+        """The variant's instructions if it declares some, else ``default``:
+        steps that pass their system prompt through this can be trialled with
+        another prompt as a variant."""
+        return self._instructions if self._instructions is not None else default
+
+    def emit(
+        self, topic: str, payload: Mapping[str, Any] | BaseModel, *, dedupe_key: str | None = None
+    ) -> None:
+        """Queue an effect. It is stored in the same transaction as the result,
+        so it exists if and only if the result does; the relay then delivers it
+        once, with ``dedupe_key`` (default ``<topic>:<job_id>``) as the
+        provider's idempotency key."""
+        if topic not in self._topics:
+            raise PermanentError(f"workflow {self.workflow!r} does not declare topic {topic!r}")
+        key = dedupe_key or f"{topic}:{self.job_id}"
+        data = payload.model_dump(mode="json") if isinstance(payload, BaseModel) else payload
+        self._journal.emit(Emitted(topic, to_jsonable_python(data), key))
+
+    @overload
+    async def step(
+        self, name: str, fn: Callable[..., Any], *args: Any, returns: type[ValueT], **kwargs: Any
+    ) -> ValueT: ...
+    @overload
+    async def step(
+        self, name: str, fn: Callable[..., Any], *args: Any, returns: None = None, **kwargs: Any
+    ) -> Any: ...
+    async def step(
+        self,
+        name: str,
+        fn: Callable[..., Any],
+        *args: Any,
+        returns: type[BaseModel] | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """``fn(*args, **kwargs)`` (sync, run in a thread, or async) once per
+        job: its value is a checkpoint, returned again without running ``fn``
+        whenever the step function replays. The value must be JSON;
+        ``returns=SomeModel`` validates it and gives the model back, on the
+        first run and on replays alike. Errors that can succeed later
+        (``TransientError``, timeouts, connection errors, retryable statuses)
+        are retried under the delivery's deadline as model calls are; what
+        is left is raised as ``TransientError`` (redelivered), anything else
+        as ``PermanentError`` (the job dies), the original as ``__cause__``.
+        A failure the step catches and goes on past is kept: a replay raises
+        it again instead of running ``fn``."""
+        check_name(name)
+        decode = _decoder(returns)
+
+        async def work() -> Recorded[Any]:
+            value = await self._retried(name, fn, args, kwargs)
+            data = _json(name, value)
+            return Recorded(data, decode(data))
+
+        return await self._journal.record(name, "step", work, decode)
+
+    async def _retried(
+        self, name: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        deadline: Deadline = self.model.deadline
+        # One attempt may take what is left of the delivery's budget.
+        policy: RetryPolicy = replace(
+            self.model.policy, per_call_timeout_s=max(deadline.remaining(), 0.001)
+        )
+
+        async def attempt(_timeout_s: float) -> Any:
+            if is_async(fn):
+                return await fn(*args, **kwargs)
+            value = await asyncio.to_thread(functools.partial(fn, *args, **kwargs))
+            return await value if inspect.isawaitable(value) else value
+
+        try:
+            return await call_with_retries(
+                attempt, policy=policy, deadline=deadline, min_attempt_s=0
+            )
+        except (PermanentError, TransientError, DeadlineExceeded):
+            raise
+        except Exception as exc:
+            # As oncely's own, the same on the first run and on replays.
+            error = TransientError if classify(exc) else PermanentError
+            raise error(f"step {name!r}: {type(exc).__name__}: {exc}") from exc
+
+    @overload
+    async def wait_for_event(
+        self,
+        name: str,
+        *,
+        timeout: float | timedelta | None = None,  # noqa: ASYNC109 (a durable wait, not a bound)
+    ) -> Any: ...
+    @overload
+    async def wait_for_event(
+        self,
+        name: str,
+        event: type[EventT],
+        *,
+        timeout: float | timedelta | None = None,  # noqa: ASYNC109
+    ) -> EventT | None: ...
+    async def wait_for_event(
+        self,
+        name: str,
+        event: type[BaseModel] | None = None,
+        *,
+        timeout: float | timedelta | None = None,  # noqa: ASYNC109
+    ) -> Any:
+        """The event ``name`` (declared in the workflow's ``events``) as its
+        model, or None once ``timeout`` (at most ``ONCELY_WAIT_MAX_S``, and
+        that by default) has passed. While it waits the job is ``waiting``
+        and holds no worker slot: the event (``POST
+        <route>/{job_id}/events/<name>``) or the timeout enqueues it again,
+        and the step function replays to here. An event sent before the wait
+        began is kept for it. (``event`` only narrows the type for checkers;
+        the declared model is what validates.)"""
+        model = self._events.get(name)
+        if model is None:
+            raise PermanentError(f"workflow {self.workflow!r} declares no event {name!r}")
+        seconds = self._wait_seconds(timeout)
+
+        def decode(value: Any) -> Any:
+            return None if value is None else model.model_validate(value)
+
+        return await self._journal.wait(name, "wait", name, seconds, decode)
+
+    async def sleep(self, duration: float | timedelta) -> None:
+        """Wait ``duration`` (seconds or a ``timedelta``) holding nothing: the
+        job is ``waiting`` and resumes after that time, across restarts of
+        every process. Checkpoint ``sleep`` (``sleep#2``, …)."""
+        seconds = _seconds(duration)
+        await self._journal.wait("sleep", "sleep", None, seconds, lambda _: None)
+
+    def _wait_seconds(self, timeout: float | timedelta | None) -> float:
+        if timeout is None:
+            return self._wait_max_s
+        seconds = _seconds(timeout)
+        if seconds > self._wait_max_s:
+            raise PermanentError(
+                f"wait of {seconds:g} s: at most ONCELY_WAIT_MAX_S ({self._wait_max_s:g} s)"
+            )
+        return max(seconds, 0.0)
+
+
+def is_async(fn: Any) -> bool:
+    """An async function, or an object whose ``__call__`` is one."""
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+        getattr(fn, "__call__", None)  # noqa: B004 (the method, not callability)
+    )
+
+
+def _seconds(duration: float | timedelta) -> float:
+    return duration.total_seconds() if isinstance(duration, timedelta) else float(duration)
+
+
+def _decoder(returns: type[BaseModel] | None) -> Callable[[Any], Any]:
+    if returns is None:
+        return lambda value: value
+    return returns.model_validate
+
+
+def _json(name: str, value: Any) -> Any:
+    """A step's value as JSON (what is stored and what replays decode)."""
+    try:
+        return to_jsonable_python(value)
+    except PydanticSerializationError as exc:
+        raise PermanentError(f"step {name!r} returned a value that is not JSON: {exc}") from exc
+
+
+RequestT = TypeVar("RequestT", bound=BaseModel)
+ResultT = TypeVar("ResultT", bound=BaseModel)
+
+# A workflow's step: ``async (request, ctx) -> result``.
+Step = Callable[[RequestT, Context], Awaitable[ResultT]]

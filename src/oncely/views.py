@@ -1,0 +1,128 @@
+"""What ``GET <route>/{job_id}`` answers: a job as its tenant sees it
+(docs/http-api.md). Subclass ``JobView`` to add fields of your own."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from typing import TYPE_CHECKING, Any, Generic, Literal, Self, TypeVar, cast
+
+from pydantic import BaseModel, ConfigDict
+
+from oncely.usage.totals import summed
+
+if TYPE_CHECKING:
+    from oncely.jobs.store import JobRecord
+
+ResultT = TypeVar("ResultT", bound=BaseModel)
+
+
+class UsageView(BaseModel):
+    """Tokens, model calls and cost: of one model checkpoint, or of every
+    model checkpoint of a job."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    model_calls: int
+    # USD (ONCELY_LLM_PRICES); None when a call's model has no price.
+    cost_usd: float | None = None
+    # The model that answered (a job's: its last model checkpoint's).
+    model: str | None = None
+
+
+class StepView(BaseModel):
+    """One checkpoint of a job, as its tenant sees it (never its value)."""
+
+    key: str
+    kind: Literal["step", "model", "wait", "sleep"]
+    # failed: the work failed and the step went on past it (a replay raises it again).
+    status: Literal["done", "waiting", "failed"]
+    finished_at: datetime | None = None
+    # Model checkpoints: what the call spent (its retries, re-asks and
+    # fallbacks included), and the model that answered (a fallback, when one did).
+    usage: UsageView | None = None
+    model: str | None = None
+
+
+class WaitingView(BaseModel):
+    """What a waiting job waits for: ``event`` (None: a sleep) until ``until``."""
+
+    event: str | None = None
+    until: datetime
+
+
+# Why a job is dead, as its tenant sees it (docs/http-api.md). The job row
+# keeps the detail (the reason, then the last error, which may quote the
+# provider's answer) for operators: the console and ``oncely dlq list``.
+DEAD_REASONS = {
+    "permanent": "the step failed in a way retrying cannot fix",
+    "max_age": "the step kept failing until the job was too old to retry",
+    "max_deliveries": "deliveries of the job kept stopping before they finished",
+    "malformed": "the queued message could not be read",
+    "nondeterministic": "the step no longer reaches the checkpoints its stored run reached",
+}
+
+
+DeadReason = Literal[
+    "permanent", "max_age", "max_deliveries", "malformed", "nondeterministic", "failed"
+]
+
+
+def tenant_error(error: str | None) -> DeadReason | None:
+    """The stable reason of a job row's ``error`` (``failed`` if unknown)."""
+    if error is None:
+        return None
+    reason = error.partition(":")[0].strip()
+    return cast(DeadReason, reason) if reason in DEAD_REASONS else "failed"
+
+
+class JobView(BaseModel, Generic[ResultT]):
+    """What ``GET <route>/{job_id}`` answers. Subclass it (and pass ``view=``)
+    to add fields of your own; override ``from_record`` to fill them."""
+
+    model_config = ConfigDict(frozen=True)
+
+    job_id: uuid.UUID
+    status: Literal["queued", "waiting", "done", "dead", "cancelled"]
+    result: ResultT | None = None
+    # Set once the job is dead: one of DEAD_REASONS, or "failed".
+    error: DeadReason | None = None
+    # Every model checkpoint of the job, summed.
+    usage: UsageView | None = None
+    # While the job waits: for what, until when.
+    waiting: WaitingView | None = None
+    # Its checkpoints, in the order its run reached them.
+    steps: list[StepView] = []
+    created_at: datetime
+    updated_at: datetime
+
+    @classmethod
+    def from_record(cls, record: JobRecord) -> Self:
+        waiting = None
+        if record.status == "waiting" and record.wait_until is not None:
+            waiting = {"event": record.waiting_for, "until": record.wait_until}
+        return cls.model_validate(
+            {
+                "job_id": record.job_id,
+                "status": record.status,
+                "result": record.result,
+                "error": tenant_error(record.error),
+                "usage": record.usage or _summed(record.steps),
+                "waiting": waiting,
+                "steps": _steps(record.steps),
+                "created_at": record.created_at,
+                "updated_at": record.updated_at,
+            }
+        )
+
+
+def _summed(steps: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
+    """The usage of every model checkpoint (a job not done yet); None if none."""
+    usages = [s["usage"] for s in steps if s.get("usage")]
+    return summed(usages) if usages else None
+
+
+def _steps(steps: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Each checkpoint with the model that answered it, from its usage."""
+    return [{**s, "model": (s.get("usage") or {}).get("model")} for s in steps]
