@@ -580,7 +580,7 @@ async def test_the_console_shows_checkpoints_and_what_a_job_waits_for(harness: H
         assert (await console.post("/console/login", data={"key": key})).status_code == 303
         page = await console.get(f"/console/workflows/approvals/jobs/{job_id}")
     assert page.status_code == 200
-    assert 'id="waiting">event <code>approval</code>' in page.text
+    assert 'id="waiting">event &#39;approval&#39;, until' in page.text
     rows = re.findall(
         r'<tr class="checkpoint status-(\w+)"><td>(\d+)</td><td class="id">([^<]+)', page.text
     )

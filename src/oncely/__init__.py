@@ -25,6 +25,7 @@ _EXPORTS = {
     "WebhookEffect": "oncely.effects",
     "email": "oncely.effects",
     "webhook": "oncely.effects",
+    "CallFailed": "oncely.errors",
     "DeadlineExceeded": "oncely.errors",
     "PermanentError": "oncely.errors",
     "TransientError": "oncely.errors",
@@ -39,6 +40,7 @@ _EXPORTS = {
     "ModelJudge": "oncely.shadow.evaluate",
     "field_agreement": "oncely.shadow.evaluate",
     "Context": "oncely.context",
+    "ApprovalView": "oncely.views",
     "JobView": "oncely.views",
     "StepView": "oncely.views",
     "UsageView": "oncely.views",
@@ -49,6 +51,8 @@ _EXPORTS = {
 
 __all__ = [
     "App",
+    "ApprovalView",
+    "CallFailed",
     "Context",
     "Deadline",
     "DeadlineExceeded",
@@ -82,13 +86,13 @@ if TYPE_CHECKING:
     from oncely.app import App
     from oncely.context import Context
     from oncely.effects import Email, EmailEffect, Event, WebhookEffect, email, webhook
-    from oncely.errors import DeadlineExceeded, PermanentError, TransientError
+    from oncely.errors import CallFailed, DeadlineExceeded, PermanentError, TransientError
     from oncely.jobs.store import JobRecord
     from oncely.journal import Emitted
     from oncely.llm.model import InvalidOutput, Model, Usage
     from oncely.retry import Deadline, RetryPolicy
     from oncely.shadow.evaluate import Evaluation, ModelJudge, field_agreement
-    from oncely.views import JobView, StepView, UsageView, WaitingView
+    from oncely.views import ApprovalView, JobView, StepView, UsageView, WaitingView
     from oncely.workflow import Variant, Workflow
 
 

@@ -33,6 +33,8 @@ ValueT = TypeVar("ValueT", bound=BaseModel)
 PRIMARY = "primary"
 # The longest wait for an event, and the default one (ONCELY_WAIT_MAX_S).
 WAIT_MAX_S = 30 * 86400.0
+# A call's default timeout (ONCELY_CALL_TIMEOUT_S).
+CALL_TIMEOUT_S = 86400.0
 
 
 class Declared(Protocol):
@@ -46,6 +48,9 @@ class Declared(Protocol):
 
     @property
     def events(self) -> Mapping[str, type[BaseModel]]: ...
+
+    @property
+    def calls(self) -> Mapping[str, type[BaseModel] | bool]: ...
 
 
 class Trial(Protocol):
@@ -79,6 +84,7 @@ class Context:
         shadow: bool = False,
         journal: Journal | None = None,
         wait_max_s: float = WAIT_MAX_S,
+        call_timeout_s: float = CALL_TIMEOUT_S,
     ) -> None:
         self.workflow = workflow.name
         self.job_id = job_id
@@ -95,6 +101,8 @@ class Context:
             journal = model.journal if model is not None else Journal(workflow=workflow.name)
         self._journal = journal
         self._wait_max_s = wait_max_s
+        self._calls = workflow.calls
+        self._call_timeout_s = call_timeout_s
 
     @property
     def emitted(self) -> tuple[Emitted, ...]:
@@ -116,9 +124,51 @@ class Context:
         provider's idempotency key."""
         if topic not in self._topics:
             raise PermanentError(f"workflow {self.workflow!r} does not declare topic {topic!r}")
+        if topic in self._calls:
+            raise TypeError(f"{topic!r} is a call that answers: await ctx.call({topic!r}, ...)")
         key = dedupe_key or f"{topic}:{self.job_id}"
-        data = payload.model_dump(mode="json") if isinstance(payload, BaseModel) else payload
-        self._journal.emit(Emitted(topic, to_jsonable_python(data), key))
+        self._journal.emit(Emitted(topic, _payload(payload), key))
+
+    async def call(
+        self,
+        topic: str,
+        payload: Mapping[str, Any] | BaseModel,
+        *,
+        timeout: float | timedelta | None = None,  # noqa: ASYNC109 (a durable wait, not a bound)
+    ) -> Any:
+        """Send ``payload`` to the receiver of ``topic`` (declared with
+        ``webhook(topic, returns=...)``) once, and return its answer,
+        validated as ``returns`` (docs/agents.md). A checkpoint (key: the
+        topic, then ``topic#2``, ...): the call's outbox row is written with
+        it, and the job waits holding no worker slot until the relay stored
+        the answer; a replay gets the stored answer. The receiver gets the
+        dedupe key ``<topic>:<job_id>:<key>`` as ``webhook-id`` and
+        ``Idempotency-Key``. A 4xx, an invalid answer, the relay's attempts
+        running out or ``timeout`` (default ``ONCELY_CALL_TIMEOUT_S``)
+        raise ``CallFailed``."""
+        if topic not in self._topics:
+            raise PermanentError(f"workflow {self.workflow!r} does not declare topic {topic!r}")
+        returns = self._calls.get(topic)
+        if returns is None:
+            raise TypeError(
+                f"{topic!r} is a plain effect: ctx.emit({topic!r}, ...), or declare it"
+                " with webhook(..., returns=...) to call it"
+            )
+        seconds = self._call_timeout_s if timeout is None else max(_seconds(timeout), 0.0)
+        data = _payload(payload)
+
+        def row(key: str) -> Emitted:
+            return Emitted(topic, data, f"{topic}:{self.job_id}:{key}")
+
+        def decode(value: Any) -> Any:
+            if isinstance(returns, type) and issubclass(returns, BaseModel):
+                return returns.model_validate(value)
+            return value
+
+        detail = {"call": topic}
+        return await self._journal.wait(
+            check_name(topic), "call", None, seconds, decode, call=row, detail=detail
+        )
 
     @overload
     async def step(
@@ -256,6 +306,12 @@ def _decoder(returns: type[BaseModel] | None) -> Callable[[Any], Any]:
     if returns is None:
         return lambda value: value
     return returns.model_validate
+
+
+def _payload(payload: Mapping[str, Any] | BaseModel) -> Any:
+    """An effect's or a call's payload as JSON."""
+    data = payload.model_dump(mode="json") if isinstance(payload, BaseModel) else payload
+    return to_jsonable_python(data)
 
 
 def _json(name: str, value: Any) -> Any:

@@ -8,6 +8,9 @@ A workflow declares each topic it may emit and how that topic is delivered:
 - ``webhook(topic, render=None, url=None)``: a signed POST (Standard Webhooks)
   whose body is ``{"type": topic, "timestamp", "data": render(payload)}``
   (the payload itself when there is no ``render``).
+- ``webhook(topic, returns=Model)`` (or ``returns=True`` for any JSON): a
+  *call that answers* (``ctx.call``, docs/agents.md): the receiver's 2xx
+  answer, validated, is the step's value.
 
 Renderers must be deterministic: a resend after a crash must be the same
 message, and the provider dedupes it on the row's dedupe key.
@@ -15,9 +18,14 @@ message, and the provider dedupes it on the row's dedupe key.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from oncely.errors import CallFailed
 
 
 @dataclass(frozen=True)
@@ -44,15 +52,47 @@ class EmailEffect:
     render: Callable[[Payload], Email]
 
 
+# How many characters of a receiver's invalid answer an error names.
+_ANSWER_ERROR_CHARS = 300
+
+
 @dataclass(frozen=True)
 class WebhookEffect:
     topic: str
     render: Callable[[Payload], Mapping[str, Any]] | None = None
     # None: the workflow's configured webhook URL (docs/settings.md).
     url: str | None = None
+    # A call that answers: the model its answer must validate as (True: any
+    # JSON); None for a plain webhook.
+    returns: type[BaseModel] | bool | None = None
+
+    @property
+    def answers(self) -> bool:
+        return self.returns is not None and self.returns is not False
 
     def event(self, payload: Payload) -> Event:
         return Event(self.topic, self.render(payload) if self.render else payload)
+
+    def answer(self, body: bytes) -> Any:
+        """The receiver's 2xx answer as JSON valid for ``returns``; a
+        ``CallFailed`` (``invalid_answer``) if it is not."""
+        try:
+            value = json.loads(body)
+        except ValueError:
+            raise CallFailed(
+                f"{self.topic}: the receiver's answer is not JSON", reason="invalid_answer"
+            ) from None
+        if isinstance(self.returns, type) and issubclass(self.returns, BaseModel):
+            try:
+                return self.returns.model_validate(value).model_dump(mode="json")
+            except ValidationError as exc:
+                detail = str(exc.errors(include_url=False, include_input=False))
+                raise CallFailed(
+                    f"{self.topic}: the answer is not a valid {self.returns.__name__}:"
+                    f" {detail[:_ANSWER_ERROR_CHARS]}",
+                    reason="invalid_answer",
+                ) from None
+        return value
 
 
 Effect = EmailEffect | WebhookEffect
@@ -68,6 +108,14 @@ def webhook(
     *,
     render: Callable[[Payload], Mapping[str, Any]] | None = None,
     url: str | None = None,
+    returns: type[BaseModel] | bool | None = None,
 ) -> WebhookEffect:
-    """Declare a webhook topic (signed per Standard Webhooks)."""
-    return WebhookEffect(topic, render, url)
+    """Declare a webhook topic (signed per Standard Webhooks). With
+    ``returns`` (a pydantic model, or True for any JSON) it is a call that
+    answers: ``await ctx.call(topic, payload)`` sends it once and gives back
+    the receiver's answer, validated (docs/agents.md)."""
+    if returns is not None and not (
+        returns is True or (isinstance(returns, type) and issubclass(returns, BaseModel))
+    ):
+        raise ValueError(f"webhook {topic!r}: returns must be a pydantic model or True")
+    return WebhookEffect(topic, render, url, returns)

@@ -43,6 +43,21 @@ class PermanentError(OncelyError):
         self.status = status
 
 
+class CallFailed(PermanentError):
+    """A call that answers (``ctx.call``, a call tool) ended without a usable
+    answer. ``reason``: ``refused`` (the receiver answered 4xx: ``status``),
+    ``invalid_answer`` (its 2xx was not JSON valid for ``returns``),
+    ``attempts`` (the relay's attempts ran out), ``timeout`` (no answer in
+    the call's time) or ``undeliverable`` (the row could not be sent at all).
+    A step that catches it gets a failed checkpoint: a replay raises it again."""
+
+    def __init__(
+        self, message: str, *, status: int | None = None, reason: str | None = None
+    ) -> None:
+        super().__init__(message, status=status)
+        self.reason = reason or "failed"
+
+
 class DeadlineExceeded(OncelyError):
     """A delivery's budget ran out. Deliberately not a TimeoutError: the
     in-process retry loop must not retry it; the delivery is redelivered."""

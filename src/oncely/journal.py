@@ -50,7 +50,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -61,6 +61,7 @@ import structlog
 
 from oncely import metrics
 from oncely.errors import (
+    CallFailed,
     DeadlineExceeded,
     Nondeterministic,
     OncelyError,
@@ -73,7 +74,9 @@ log = structlog.get_logger("oncely.journal")
 
 T = TypeVar("T")
 
-Kind = Literal["step", "model", "wait", "sleep"]
+Kind = Literal["step", "model", "wait", "sleep", "tool", "call", "approval"]
+# The kinds of checkpoint a run waits at, holding nothing.
+WaitKind = Literal["wait", "sleep", "call", "approval"]
 
 _NAME = re.compile(r"^[a-z][a-z0-9_.-]{0,62}$")
 
@@ -160,13 +163,35 @@ class Writes:
 
 @dataclass(frozen=True)
 class Wait:
-    """A wait for ``event`` (None: a sleep) of at most ``seconds``."""
+    """A wait of at most ``seconds`` for ``event`` (a received event of that
+    name ends it; None: none does), or for ``call``'s answer (the call's
+    outbox row, written with the wait). ``waiting_for`` is the name the
+    job's wake-up is matched on (default: the event); ``detail`` what GET
+    shows the job waits on."""
 
     key: str
     ordinal: int
-    kind: Literal["wait", "sleep"]
+    kind: WaitKind
     event: str | None
     seconds: float
+    call: Emitted | None = None
+    waiting_for: str | None = None
+    detail: Mapping[str, Any] | None = None
+
+    @property
+    def wakes_on(self) -> str | None:
+        return self.waiting_for if self.waiting_for is not None else self.event
+
+
+@dataclass(frozen=True)
+class Reached:
+    """A checkpoint a run has reached (its key and ordinal) and not yet
+    recorded: its stored form, when a run before stored it."""
+
+    key: str
+    ordinal: int
+    kind: Kind
+    stored: Checkpoint | None
 
 
 @dataclass(frozen=True)
@@ -307,15 +332,40 @@ class Journal:
 
     # -- reaching checkpoints --------------------------------------------------
 
+    def reach(self, name: str, kind: Kind) -> Reached:
+        """Reach the checkpoint ``name`` now, in the running code's scope,
+        to record it later (``record(..., reached=)``): checkpoints reached
+        one after another in one task keep their order however their work
+        then interleaves (an agent's tool calls of one turn)."""
+        key, ordinal, stored = self._reach(name, kind)
+        return Reached(key, ordinal, kind, stored)
+
+    @contextlib.contextmanager
+    def scope(self, name: str) -> Iterator[str]:
+        """Checkpoints reached inside the block are keyed under ``name/``
+        (``name#2/`` the second time in this scope): an agent's run keeps
+        its turns and tool calls together. Yields the scope's path."""
+        parent = self._scope()
+        scope = Scope(parent.key(check_name(name)) + "/", asyncio.current_task())
+        token = _SCOPE.set((self, scope))
+        try:
+            yield scope.path
+        finally:
+            _SCOPE.reset(token)
+
     async def record(
         self,
         name: str,
         kind: Kind,
         work: Callable[[], Awaitable[Recorded[T]]],
         decode: Callable[[Any], T],
+        *,
+        reached: Reached | None = None,
     ) -> T:
         """The checkpoint ``name``'s value: stored, or ``work``'s (then kept)."""
-        key, ordinal, stored = self._reach(name, kind)
+        if reached is None:
+            reached = self.reach(name, kind)
+        key, ordinal, stored = reached.key, reached.ordinal, reached.stored
         if stored is not None:
             return self._replayed(stored, decode)
         # What came before is durable before this one is paid for.
@@ -341,36 +391,45 @@ class Journal:
         return recorded.native
 
     def _failed(self, key: str, ordinal: int, kind: Kind, exc: BaseException) -> NewCheckpoint:
-        value = {
-            "error": type(exc).__name__,
-            "message": str(exc)[:2000],
-            "transient": isinstance(exc, TransientError),
-        }
+        value = failure_value(exc)
         emitted, self._since = tuple(self._since), []
         return NewCheckpoint(key, ordinal, kind, value, None, emitted, failure=exc)
 
     async def wait(
         self,
         name: str,
-        kind: Literal["wait", "sleep"],
+        kind: WaitKind,
         event: str | None,
         seconds: float,
         decode: Callable[[Any], T],
+        *,
+        call: Callable[[str], Emitted] | None = None,
+        waiting_for: str | None = None,
+        detail: Mapping[str, Any] | None = None,
+        reached: Reached | None = None,
     ) -> T:
         """Wait for ``event`` (or, without one, sleep) up to ``seconds``:
-        the stored outcome, the event if it already arrived, or ``Suspended``."""
-        key, ordinal, stored = self._reach(name, kind)
+        the stored outcome, the event if it already arrived, or ``Suspended``.
+        ``call`` makes the outbox row (given the checkpoint's key) whose
+        answer ends the wait: written with it, in one transaction."""
+        if reached is None:
+            reached = self.reach(name, kind)
+        key, ordinal, stored = reached.key, reached.ordinal, reached.stored
         if stored is not None:
             return self._replayed(stored, decode)
         if kind == "sleep" and (seconds <= 0 or not self.sleeps):
             emitted, self._since = tuple(self._since), []
             self._pending.append(NewCheckpoint(key, ordinal, kind, None, None, emitted))
             return decode(None)
+        row = call(key) if call is not None else None
+        if row is not None and waiting_for is None:
+            waiting_for = f"call:{key}"
+        wait = Wait(key, ordinal, kind, event, seconds, row, waiting_for, detail)
         async with self._writing:
             self._check_open()
             batch = list(self._pending)
             writes = Writes(tuple(batch), tuple(self._since))
-            outcome = await self._store.wait(writes, Wait(key, ordinal, kind, event, seconds))
+            outcome = await self._store.wait(writes, wait)
             self._written(batch)
             # Only what was written: another branch may have emitted meanwhile.
             self._since = [e for e in self._since if all(e is not w for w in writes.emitted)]
@@ -527,10 +586,26 @@ def _causes(error: BaseException | None) -> set[int]:
     return seen
 
 
+def failure_value(exc: BaseException) -> dict[str, Any]:
+    """What a failed checkpoint stores of the error its work raised."""
+    value = {
+        "error": type(exc).__name__,
+        "message": str(exc)[:2000],
+        "transient": isinstance(exc, TransientError),
+    }
+    if isinstance(exc, CallFailed):
+        value |= {"error": "CallFailed", "status": exc.status, "reason": exc.reason}
+    return value
+
+
 def _replayed_failure(stored: Checkpoint) -> OncelyError:
     """A failed checkpoint's error, raised again on replay as oncely's own
     (the step caught it the first time, and takes the same path again)."""
     value = stored.value if isinstance(stored.value, Mapping) else {}
+    if value.get("error") == "CallFailed":
+        return CallFailed(
+            str(value.get("message", "")), status=value.get("status"), reason=value.get("reason")
+        )
     message = f"{value.get('error', 'Error')}: {value.get('message', '')}"
     if value.get("transient"):
         return TransientError(message)
@@ -549,5 +624,9 @@ class Ephemeral:
         return None
 
     async def wait(self, writes: Writes, wait: Wait) -> Checkpoint | None:
+        if wait.call is not None:
+            # Nothing is sent from here: the call fails, as a call can.
+            failed = CallFailed(f"{wait.call.topic}: no calls from this run", reason="unsent")
+            return Checkpoint(wait.key, wait.ordinal, wait.kind, "failed", failure_value(failed))
         value = self.events.get(wait.event) if wait.event is not None else None
         return Checkpoint(wait.key, wait.ordinal, wait.kind, "done", value)

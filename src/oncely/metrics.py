@@ -75,6 +75,17 @@ NONDETERMINISTIC = Counter(
     ["workflow"],
 )
 OUTBOX_SENDS = Counter("oncely_outbox_sends_total", "Relay sends by outcome", ["outcome"])
+CALLS = Counter(
+    "oncely_calls_total",
+    "Calls that answer, by how they ended (answered, refused, invalid_answer, attempts,"
+    " undeliverable, timeout)",
+    ["workflow", "topic", "outcome"],
+)
+TOOL_CALLS = Counter(
+    "oncely_tool_calls_total",
+    "Agents' tool calls by result status (ok, error, rejected)",
+    ["workflow", "tool", "status"],
+)
 OUTBOX_LAG = Histogram(
     "oncely_outbox_lag_seconds",
     "Outbox row creation to successful send",

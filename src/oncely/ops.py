@@ -27,6 +27,7 @@ from oncely.status import read_status
 from oncely.terminal import console, literal, print_rows
 from oncely.usage import ledger
 from oncely.usage.budgets import BudgetLimits, Spent, utc_day
+from oncely.views import waited_on
 
 out = console()
 
@@ -199,8 +200,7 @@ def _print_job(view: JobInspection) -> None:
     if j.error:
         out.print(f"error: {literal(j.error)}", soft_wrap=True)
     if j.status == "waiting" and j.wait_until is not None:
-        what = f"event {literal(j.waiting_for)!r}" if j.waiting_for else "its sleep to end"
-        out.print(f"waiting for {what} until {_when(j.wait_until)}")
+        out.print(f"waiting for {literal(waited_on(j))} until {_when(j.wait_until)}")
     _print_checkpoints(view)
     columns = ("#", "outcome", "started", "finished", "model calls", "consumer", "error")
     rows = [

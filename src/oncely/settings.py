@@ -190,6 +190,8 @@ class Settings(BaseSettings):
     job_max_age_s: float = Field(86400.0, gt=0)
     # The longest ctx.wait_for_event, and its default timeout (30 days).
     wait_max_s: float = Field(30 * 86400.0, gt=0)
+    # A call's default timeout (`ctx.call`, a call tool): then CallFailed.
+    call_timeout_s: float = Field(86400.0, gt=0)
     block_ms: int = Field(1000, ge=1)
     shutdown_grace_s: float = Field(25.0, ge=0)
     stream_trim_every_s: float = Field(30.0, gt=0)

@@ -35,7 +35,7 @@ class StepView(BaseModel):
     """One checkpoint of a job, as its tenant sees it (never its value)."""
 
     key: str
-    kind: Literal["step", "model", "wait", "sleep"]
+    kind: Literal["step", "model", "wait", "sleep", "tool", "call", "approval"]
     # failed: the work failed and the step went on past it (a replay raises it again).
     status: Literal["done", "waiting", "failed"]
     finished_at: datetime | None = None
@@ -43,12 +43,25 @@ class StepView(BaseModel):
     # fallbacks included), and the model that answered (a fallback, when one did).
     usage: UsageView | None = None
     model: str | None = None
+    # An agent's tool, approval and call-tool checkpoints: the tool's name.
+    tool: str | None = None
+
+
+class ApprovalView(BaseModel):
+    """A tool call waiting for a person's decision."""
+
+    call_id: str
+    tool: str
+    arguments: dict[str, Any]
 
 
 class WaitingView(BaseModel):
-    """What a waiting job waits for: ``event`` (None: a sleep) until ``until``."""
+    """What a waiting job waits for until ``until``: the ``event`` (a sleep:
+    none of these), a ``call``'s answer (its topic), or an ``approval``."""
 
     event: str | None = None
+    call: str | None = None
+    approval: ApprovalView | None = None
     until: datetime
 
 
@@ -101,7 +114,7 @@ class JobView(BaseModel, Generic[ResultT]):
     def from_record(cls, record: JobRecord) -> Self:
         waiting = None
         if record.status == "waiting" and record.wait_until is not None:
-            waiting = {"event": record.waiting_for, "until": record.wait_until}
+            waiting = waiting_of(record)
         return cls.model_validate(
             {
                 "job_id": record.job_id,
@@ -123,6 +136,43 @@ def _summed(steps: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
     return summed(usages) if usages else None
 
 
+def waiting_of(record: JobRecord) -> dict[str, Any]:
+    """What a waiting job waits on, until when."""
+    if record.waiting_detail is not None:
+        return {**record.waiting_detail, "until": record.wait_until}
+    return {"event": record.waiting_for, "until": record.wait_until}
+
+
+def waited_on(record: JobRecord) -> str:
+    """What a waiting job waits on, in words (the console and the CLI)."""
+    detail = record.waiting_detail or {}
+    if "call" in detail:
+        return f"the answer to call {detail['call']!r}"
+    if "approval" in detail:
+        approval = detail["approval"]
+        return f"a decision on {approval.get('tool')!r} (call {approval.get('call_id')!r})"
+    if record.waiting_for:
+        return f"event {record.waiting_for!r}"
+    return "its sleep to end"
+
+
 def _steps(steps: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Each checkpoint with the model that answered it, from its usage."""
-    return [{**s, "model": (s.get("usage") or {}).get("model")} for s in steps]
+    """Each checkpoint with the model that answered it, from its usage, and
+    an agent's tool from its key."""
+    return [
+        {**s, "model": (s.get("usage") or {}).get("model"), "tool": tool_of(s["key"], s["kind"])}
+        for s in steps
+    ]
+
+
+def tool_of(key: str, kind: str) -> str | None:
+    """The tool an agent's checkpoint ran (``support/refund#2`` → ``refund``;
+    an approval's ``support/refund.approval`` → ``refund``); None for other
+    kinds, and for a call made outside an agent."""
+    scope, _, name = key.rpartition("/")
+    name = name.partition("#")[0]
+    if kind == "tool" or (kind == "call" and scope):
+        return name
+    if kind == "approval":
+        return name.removesuffix(".approval")
+    return None

@@ -32,7 +32,7 @@ from pydantic import BaseModel
 
 from oncely import names
 from oncely.context import PRIMARY, WAIT_MAX_S, Step, is_async
-from oncely.effects import Effect
+from oncely.effects import Effect, WebhookEffect
 from oncely.journal import check_name
 from oncely.llm.routing import parse_models
 from oncely.views import JobView
@@ -101,6 +101,8 @@ class Workflow(Generic[RequestT, ResultT]):
     # ONCELY_LLM_FALLBACKS, [] none at all.
     fallbacks: Sequence[str] | None = None
     topics: frozenset[str] = field(init=False)
+    # The topics that are calls that answer, with what their answer validates as.
+    calls: Mapping[str, type[BaseModel] | bool] = field(init=False)
 
     def __post_init__(self) -> None:
         if not _NAME.match(self.name):
@@ -133,6 +135,12 @@ class Workflow(Generic[RequestT, ResultT]):
         object.__setattr__(self, "effects", tuple(self.effects))
         object.__setattr__(self, "variants", tuple(self.variants))
         object.__setattr__(self, "topics", frozenset(topics))
+        calls = {
+            e.topic: e.returns
+            for e in self.effects
+            if isinstance(e, WebhookEffect) and e.returns is not None
+        }
+        object.__setattr__(self, "calls", calls)
 
     @property
     def keys(self) -> names.WorkflowKeys:

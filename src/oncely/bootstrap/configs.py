@@ -74,6 +74,7 @@ def step_config(s: Settings) -> StepConfig:
         invalid_output_retries=s.llm_invalid_output_retries,
         model_name=s.llm_model,
         wait_max_s=s.wait_max_s,
+        call_timeout_s=s.call_timeout_s,
     )
 
 

@@ -16,6 +16,7 @@ import uvicorn
 
 from oncely import names
 from oncely.app import App
+from oncely.effects import WebhookEffect
 from oncely.bootstrap.clients import (
     Resources,
     connect_llm,
@@ -399,11 +400,19 @@ def settle_heap() -> None:
 def build_relay(app: App, res: Resources) -> tuple[Relay, EffectRouter]:
     """The relay and its router; the caller closes the router after the relay stops."""
     router = build_router(app.effects(), senders_config(res.settings))
+    checkpoints = Checkpoints(jobs_for(app, res))
+
+    async def resume(job_ids: list[str]) -> None:
+        await checkpoints.resume_due(len(job_ids), job_ids)
+
+    calls = {e.topic: w for w, e in app.effects() if isinstance(e, WebhookEffect) and e.answers}
     relay = Relay(
         OutboxStore(res.pool),
         router,
         relay_config(res.settings),
         database_url=res.settings.database_url,
+        resume=resume,
+        workflow_of=calls,
     )
     return relay, router
 

@@ -28,6 +28,7 @@ from oncely.jobs.inspection import UNREPORTED_NOTE, inspect_job
 from oncely.jobs.store import JOB_STATUSES, Jobs
 from oncely.outbox.store import OutboxStore
 from oncely.usage import ledger
+from oncely.views import waited_on
 
 if TYPE_CHECKING:
     from oncely.api.clients import Host
@@ -269,6 +270,7 @@ def _add_jobs(router: APIRouter, console: Console) -> None:
             unreported_note=UNREPORTED_NOTE,
             outbox=view.outbox,
             checkpoints=view.checkpoints,
+            waited_on=waited_on(view.job),
         )
 
 

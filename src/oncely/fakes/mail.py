@@ -10,7 +10,12 @@ Routes:
 - ``POST /v1/events``: a Standard Webhooks receiver that verifies nothing. The
   ``webhook-id`` header is required and dedupes like ``Idempotency-Key``; the
   body must be a JSON object. Events and emails are separate key spaces (two
-  providers in one), both counted in ``effects``.
+  providers in one), both counted in ``effects``. It answers calls (docs/agents.md):
+  ``{"ok": true, "id", "data"}``, ``data`` being the event's data as first
+  received under that ``webhook-id``, so a repeat gets the same answer.
+  Directives in the data's strings script its failures, counted per
+  ``webhook-id``: ``[[fake:400]]`` refuses every request (400, no effect),
+  ``[[fake:503*N]]`` answers the first N requests 503 (without ``*N``: all).
 - ``GET /_deliveries``: ``{"requests", "effects", "by_key"}``; ``requests`` and
   ``by_key`` count every POST to either route.
 - ``GET /_events``: the events received, as their mailbox lines (with headers
@@ -45,6 +50,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -67,6 +73,8 @@ _ID_PREFIX: dict[EffectKind, str] = {"email": "msg", "event": "evt"}
 _IDEMPOTENCY_KEY = "Idempotency-Key"
 _WEBHOOK_ID = "webhook-id"
 _WEBHOOK_HEADERS = (_WEBHOOK_ID, "webhook-timestamp", "webhook-signature")
+# A receiver's scripted failure in an event's data: [[fake:400]], [[fake:503*2]].
+_REFUSAL = re.compile(r"\[\[fake:(400|503)(?:\*(\d+))?\]\]")
 
 # Long enough for a delayed request to finish, short enough not to stall a
 # test's teardown.
@@ -116,13 +124,15 @@ class MailState:
     random: RandomFaults = field(default_factory=lambda: RandomFaults(RANDOM_FAULTS))
     hold_s: float = DEFAULT_HOLD_S
     random_met: dict[str, int] = field(default_factory=dict)
+    # Each event's data as first received, by webhook-id: the call's answer.
+    answers: dict[str, Any] = field(default_factory=dict)
     # Events' lines when there is no mailbox to read them back from.
     _events: list[dict[str, Any]] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         if self.mailbox is not None:
             self.mailbox.parent.mkdir(parents=True, exist_ok=True)
-            self.effect_ids = _recover_mailbox(self.mailbox)
+            self.effect_ids, self.answers = _recover_mailbox(self.mailbox)
 
     def deliveries(self) -> Deliveries:
         answer: Deliveries = {
@@ -171,6 +181,8 @@ class MailState:
         if known is not None:
             return known, False
         effect_id = _new_id(kind)
+        if kind == "event":
+            self.answers[key] = fields.get("data")
         line = _mailbox_line(kind, key, effect_id, fields)
         if self.mailbox is not None:
             _append(self.mailbox, line)
@@ -181,6 +193,7 @@ class MailState:
 
     def reset(self) -> None:
         self.requests, self.by_key, self.effect_ids, self._events = 0, {}, {}, []
+        self.answers = {}
         self.random_met = {}
         self.script(Faults())
         if self.mailbox is not None:
@@ -223,21 +236,25 @@ def _parse_lines(text: str) -> Iterator[dict[str, Any]]:
             yield line
 
 
-def _recover_mailbox(mailbox: Path) -> dict[tuple[EffectKind, str], str]:
-    """Keys already delivered (a real provider remembers them across restarts)."""
+def _recover_mailbox(mailbox: Path) -> tuple[dict[tuple[EffectKind, str], str], dict[str, Any]]:
+    """Keys already delivered (a real provider remembers them across
+    restarts), and the events' data by key (their answers)."""
     if not mailbox.exists():
-        return {}
+        return {}, {}
     text = mailbox.read_text(encoding="utf-8")
     if text and not text.endswith("\n"):
         _append_raw(mailbox, "\n")  # end a line torn by a kill, or the next one fuses with it
     known: dict[tuple[EffectKind, str], str] = {}
+    answers: dict[str, Any] = {}
     for line in _parse_lines(text):
         # Lines written before events existed have no kind: they are emails.
         kind: EffectKind = "event" if line.get("kind") == "event" else "email"
         key = line.get("idempotency_key")
         if isinstance(key, str):
             known.setdefault((kind, key), line.get("id") or _new_id(kind))
-    return known
+            if kind == "event":
+                answers.setdefault(key, line.get("data"))
+    return known, answers
 
 
 _STATE = web.AppKey("state", MailState)
@@ -272,8 +289,37 @@ async def _post_event(request: web.Request) -> web.Response:
     fields = _event_fields(body, request)
     if fields is None:
         return _error(400, "the body must be a JSON object")
-    delivered = request.app[_STATE].deliver("event", key, fields)
-    return _dropped(request) if drop else _delivered(delivered)
+    state = request.app[_STATE]
+    refusal = _refusal(fields.get("data"), state.by_key[key])
+    if refusal is not None:
+        return _error(refusal, f"scripted refusal ({refusal})")
+    effect_id, created = state.deliver("event", key, fields)
+    if drop:
+        return _dropped(request)
+    answer = {"ok": True, "id": effect_id, "data": state.answers.get(key)}
+    return web.json_response(answer, status=201 if created else 200)
+
+
+def _refusal(data: Any, attempt: int) -> int | None:
+    """The status a directive in ``data``'s strings scripts for this
+    request with its webhook-id (``attempt``: 1 for the first), if any."""
+    for text in _strings(data):
+        for match in _REFUSAL.finditer(text):
+            status, times = int(match[1]), match[2]
+            if times is None or attempt <= int(times):
+                return status
+    return None
+
+
+def _strings(value: Any) -> Iterator[str]:
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _strings(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from _strings(item)
 
 
 async def _admit(request: web.Request, key: str) -> tuple[bytes, web.Response | None, bool]:

@@ -37,7 +37,7 @@ from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 from redis.exceptions import RedisError
 
-from oncely import tracing
+from oncely import metrics, tracing
 from oncely.batching import GroupRead
 from oncely.jobs.store import (
     Jobs,
@@ -183,6 +183,11 @@ class Checkpoints:
             "kind": wait.kind,
             "event": wait.event,
             "seconds": wait.seconds,
+            "waiting_for": wait.wakes_on,
+            "detail": None if wait.detail is None else Jsonb(wait.detail),
+            "call_topic": wait.call.topic if wait.call is not None else None,
+            "call_dedupe_key": wait.call.dedupe_key if wait.call is not None else None,
+            "call_payload": Jsonb(wait.call.payload) if wait.call is not None else None,
             **writes_params(writes),
             **delivery_params(delivery),
         }
@@ -248,14 +253,21 @@ class Checkpoints:
 
         return await run_transaction(self.pool, work, timeout_s=self.jobs.statement_timeout_s)
 
-    async def resume_due(self, limit: int = 500) -> list[JobSpec]:
-        """Queue waiting jobs whose time has come, and enqueue them; the jobs.
-        An enqueue that fails is logged and left to the reconciler.
-        Only the workflows this process serves (``Jobs.streams``): another
-        process's timers resume the others."""
-        params = {"limit": limit, "kinds": list(self.jobs.streams)}
+    async def resume_due(self, limit: int = 500, ids: list[str] | None = None) -> list[JobSpec]:
+        """Queue waiting jobs whose time has come (of ``ids`` only, when
+        given: the jobs whose call just ended), and enqueue them; the jobs.
+        An enqueue that fails is logged and left to the reconciler. Only
+        the workflows this process serves (``Jobs.streams``): another
+        process's timers resume the others. A call that timed out counts
+        in ``oncely_calls_total``."""
+        params = {"limit": limit, "kinds": list(self.jobs.streams), "ids": ids}
         rows = (await self._run("resume_due_jobs", params)).rows
-        resumed = [JobSpec(str(job_id), tenant, kind, data) for job_id, tenant, kind, data in rows]
+        resumed = []
+        for job_id, tenant, kind, data, timed_out in rows:
+            resumed.append(JobSpec(str(job_id), tenant, kind, data))
+            for key in timed_out or ():
+                topic = key.rpartition("/")[2].partition("#")[0]
+                metrics.CALLS.labels(workflow=kind, topic=topic, outcome="timeout").inc()
         if resumed:
             # One round trip; each failure logged (the reconciler restores it).
             redis = self.jobs.streams[resumed[0].kind].redis

@@ -36,7 +36,7 @@ import structlog
 from pydantic import BaseModel, ValidationError
 
 from oncely import metrics, tracing
-from oncely.context import WAIT_MAX_S, Context
+from oncely.context import CALL_TIMEOUT_S, WAIT_MAX_S, Context
 from oncely.errors import DeadlineExceeded, Nondeterministic, PermanentError, TransientError
 from oncely.jobs.checkpoints import Checkpoints, JobRun
 from oncely.jobs.store import Jobs
@@ -75,6 +75,8 @@ class StepConfig:
     model_name: str = ""
     # The longest ``ctx.wait_for_event`` (and its default timeout).
     wait_max_s: float = WAIT_MAX_S
+    # A call's default timeout (``ctx.call``).
+    call_timeout_s: float = CALL_TIMEOUT_S
 
 
 class WorkflowHandler:
@@ -158,6 +160,7 @@ class WorkflowHandler:
             variant=self.variant,
             journal=journal,
             wait_max_s=self.config.wait_max_s,
+            call_timeout_s=self.config.call_timeout_s,
         )
         step = self.variant.step if self.variant and self.variant.step else self.workflow.step
         try:
@@ -294,7 +297,7 @@ class _JobStore:
         outcome = await h.checkpoints.start_wait(
             h.workflow.name, self.job_id, self.generation, writes, wait, report
         )
-        if writes.effects:
+        if writes.effects or wait.call is not None:
             h.wake_relay.soon()
         return outcome
 

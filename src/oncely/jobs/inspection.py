@@ -22,6 +22,7 @@ from oncely.jobs.store import DeliveryRecord, JobDetail, Jobs
 from oncely.journal import Checkpoint
 from oncely.outbox.store import OutboxRow, OutboxStore
 from oncely.queue.stream import Whereabouts
+from oncely.views import waiting_of
 
 UNREPORTED_NOTE = (
     "A delivery whose worker was killed mid-job never reports: it is not listed and its "
@@ -54,7 +55,7 @@ class JobInspection:
             "created_at": j.created_at.isoformat(),
             "updated_at": j.updated_at.isoformat(),
             "waiting": (
-                {"event": j.waiting_for, "until": j.wait_until.isoformat()}
+                {**waiting_of(j), "until": j.wait_until.isoformat()}
                 if j.status == "waiting" and j.wait_until is not None
                 else None
             ),

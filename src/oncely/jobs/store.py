@@ -223,9 +223,12 @@ class JobRecord:
     error: str | None
     created_at: datetime
     updated_at: datetime
-    # While waiting: the event it waits for (None: a sleep), and until when.
+    # While waiting: the name its wake-up is matched on (an event's; None:
+    # a sleep), until when, and what it waits on as GET shows it (a call,
+    # an approval; None: an event or a sleep).
     waiting_for: str | None
     wait_until: datetime | None
+    waiting_detail: dict[str, Any] | None
     # Its checkpoints in the order the run reached them, without their
     # values: {"key", "kind", "status", "finished_at", "usage"}.
     steps: list[dict[str, Any]]

@@ -10,6 +10,12 @@ the provider's idempotency makes that one effect.
 Sends run outside any transaction. A relay wakes on ``NOTIFY oncely_outbox``
 (sent by the transaction that wrote the row) and polls as a fallback, so a
 missed notification costs at most one poll interval.
+
+A *call that answers* (a row with a ``call_key``, docs/agents.md) is sent the
+same way; its answer is written with the row's ``sent_at``, as the value of
+the job's waiting checkpoint, in one statement, and the job resumed. One
+that will never be answered (refused, an invalid answer, its attempts spent)
+ends its wait with a ``CallFailed``.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from typing import Any
 from uuid import UUID, uuid4
@@ -27,7 +33,8 @@ import structlog
 
 from oncely import metrics, tracing
 from oncely.batching import GroupCommit
-from oncely.errors import PermanentError, TransientError
+from oncely.errors import CallFailed, PermanentError, TransientError
+from oncely.journal import failure_value
 from oncely.outbox.store import ClaimedRow, OutboxStore
 from oncely.retry import backoff_s, classify, retry_after_s
 from oncely.senders.base import Sender, SendResult
@@ -35,6 +42,10 @@ from oncely.services import Progress, supervised
 from oncely.sql import query
 
 log = structlog.get_logger("oncely.relay")
+
+# Queues jobs whose call ended (their ids) at once; the workers' timers do
+# it within a second otherwise.
+Resume = Callable[[list[str]], Awaitable[object]]
 
 # Bound once: a labels() lookup per row shows up in profiles.
 _SENDS_SENT = metrics.OUTBOX_SENDS.labels(outcome="sent")
@@ -111,6 +122,8 @@ class Relay:
         database_url: str | None = None,
         owner: UUID | None = None,
         rand: Callable[[], float] = random.random,
+        resume: Resume | None = None,
+        workflow_of: Mapping[str, str] | None = None,
     ) -> None:
         self.store = store
         self.sender = sender
@@ -120,6 +133,9 @@ class Relay:
         # Fences every write after the claim; fresh per relay, never reused.
         self.owner = owner or uuid4()
         self.rand = rand
+        self._resume = resume
+        # Each call topic's workflow, for the calls' metric.
+        self._workflow_of = dict(workflow_of or {})
         # Set while the listener's LISTEN is in place (tests wait for it).
         self.listening = asyncio.Event()
         # Ticks whenever the loop goes round or a send ends (``/healthz``).
@@ -265,7 +281,9 @@ class Relay:
                 finally:
                     self._sending -= 1
                     self._slot_freed.set()
-            if isinstance(outcome, SendResult):
+            if isinstance(outcome, SendResult) and row.call_key is not None:
+                await self._answered(row, outcome, lease)
+            elif isinstance(outcome, SendResult):
                 await self._sent(row, outcome, lease)
             elif outcome is not None:
                 await self._failed(row, outcome)
@@ -317,6 +335,51 @@ class Relay:
             lag_s=round(lag_s, 3),
         )
 
+    async def _answered(self, row: ClaimedRow, result: SendResult, lease: _Lease) -> None:
+        """A call's answer: stored with the row, its job resumed."""
+        held, woken = await self.store.mark_answered(
+            row.id, self.owner, result.provider_message_id, result.answer
+        )
+        if not held:
+            self._lease_lost(row, "answered, but another relay holds the row")
+            return
+        self.stats["sent"] += 1
+        _SENDS_SENT.inc()
+        self._count_call(row, "answered")
+        log.info(
+            "call.answered",
+            outbox_id=row.id,
+            topic=row.topic,
+            attempts=row.attempts,
+            lag_s=round(row.age_s + lease.elapsed(), 3),
+        )
+        await self._wake_job(woken)
+
+    async def _call_failed(self, row: ClaimedRow, exc: Exception, error: str) -> None:
+        """A call that will never be answered: its wait ends with a CallFailed."""
+        failed = _call_failure(row, exc)
+        held, woken = await self.store.call_failed(row.id, self.owner, error, failure_value(failed))
+        if not held:
+            self._lease_lost(row, "call failed, and another relay holds the row")
+            return
+        self._gave_up(row, error)
+        self._count_call(row, failed.reason)
+        await self._wake_job(woken)
+
+    async def _wake_job(self, job_id: str | None) -> None:
+        """Queue the job whose call ended now; the workers' timers would
+        within a second anyway, so a failure here is only logged."""
+        if job_id is None or self._resume is None:
+            return
+        try:
+            await self._resume([job_id])
+        except Exception as exc:
+            log.warning("call.resume_deferred", job_id=job_id, error=_describe(exc))
+
+    def _count_call(self, row: ClaimedRow, outcome: str) -> None:
+        workflow = self._workflow_of.get(row.topic, "")
+        metrics.CALLS.labels(workflow=workflow, topic=row.topic, outcome=outcome).inc()
+
     async def _mark_sent_batch(self, sends: list[tuple[int, str | None]]) -> set[int]:
         return await self.store.mark_sent_many(self.owner, sends)
 
@@ -324,6 +387,9 @@ class Relay:
         """Unclassified errors are permanent, as in the worker (docs/guarantees.md)."""
         error = _describe(exc)
         give_up = not classify(exc) or row.attempts >= self.config.max_attempts
+        if give_up and row.call_key is not None:
+            await self._call_failed(row, exc, error)
+            return
         delay_s = 0.0 if give_up else self._retry_delay_s(row.attempts, exc)
         recorded = await self.store.mark_failed_attempt(
             row.id, self.owner, error, next_attempt_at_delay_s=delay_s, give_up=give_up
@@ -414,6 +480,23 @@ class Relay:
         if deleted:
             log.info("outbox.cleaned_up", deleted=deleted)
         return deleted
+
+
+def _call_failure(row: ClaimedRow, exc: Exception) -> CallFailed:
+    """Why a call ended without an answer, as the step gets it."""
+    if isinstance(exc, CallFailed):
+        return exc
+    status = getattr(exc, "status", None)
+    if classify(exc):
+        message = f"{row.topic}: no answer after {row.attempts} attempts ({_describe(exc)})"
+        return CallFailed(message, status=status, reason="attempts")
+    if isinstance(status, int) and 400 <= status < 500:
+        return CallFailed(
+            f"{row.topic}: the receiver refused it ({status})", status=status, reason="refused"
+        )
+    return CallFailed(
+        f"{row.topic}: could not be sent ({_describe(exc)})", status=status, reason="undeliverable"
+    )
 
 
 def _describe(exc: BaseException) -> str:

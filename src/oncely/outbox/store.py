@@ -10,12 +10,14 @@ another one.
 from __future__ import annotations
 
 import builtins
+import json
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 from uuid import UUID
 
 from psycopg.rows import class_row
+from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
 from oncely.sql import query
@@ -58,6 +60,8 @@ class ClaimedRow:
     payload: dict[str, Any]
     attempts: int
     trace_context: str | None
+    # A call's checkpoint key (its answer goes there); None for a plain effect.
+    call_key: str | None
     age_s: float
 
 
@@ -99,6 +103,43 @@ class OutboxStore:
         async with self.pool.connection() as conn:
             cur = await conn.execute(query("outbox_mark_sent_many"), params)
             return {int(row[0]) for row in await cur.fetchall()}
+
+    async def mark_answered(
+        self, row_id: int, owner: UUID, provider_message_id: str | None, answer: Any
+    ) -> tuple[bool, str | None]:
+        """A call's answer, with the row marked sent and the call's wait
+        ended (``outbox_mark_answered``): whether ``owner`` still held the
+        row, and the job to resume (None: none waits for it)."""
+        params = {
+            "id": row_id,
+            "owner": owner,
+            "provider_message_id": provider_message_id,
+            "answer": Jsonb(answer),
+        }
+        return await self._call_outcome("outbox_mark_answered", params)
+
+    async def call_failed(
+        self, row_id: int, owner: UUID, error: str, failure: dict[str, Any]
+    ) -> tuple[bool, str | None]:
+        """A call that will never be answered: the row failed and its wait
+        ended with ``failure`` (a failed checkpoint's value); as
+        ``mark_answered``."""
+        params = {
+            "id": row_id,
+            "owner": owner,
+            "error": error[:_ERROR_CHARS],
+            "failure": json.dumps(failure),
+        }
+        return await self._call_outcome("outbox_call_failed", params)
+
+    async def _call_outcome(self, name: str, params: dict[str, Any]) -> tuple[bool, str | None]:
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(query(name), params)
+            row = await cur.fetchone()
+        if row is None:  # one row always
+            return False, None
+        held, woken = row
+        return bool(held), None if woken is None else str(woken)
 
     async def mark_failed_attempt(
         self,

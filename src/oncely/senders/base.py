@@ -32,7 +32,13 @@ _TRANSIENT_4XX = frozenset({408, 409, 429})
 
 @dataclass(frozen=True)
 class SendResult:
+    """A provider's acceptance: its message id, the answer's body as sent
+    (``body``), and, for a call that answers, that answer as validated
+    JSON (``answer``)."""
+
     provider_message_id: str | None
+    body: bytes = b""
+    answer: Any = None
 
 
 class Sender(Protocol):

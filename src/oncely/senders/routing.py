@@ -17,7 +17,7 @@ workflow's effects and a ``SendersConfig``.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, TypeVar
 
 import structlog
@@ -88,7 +88,11 @@ class _EventRoute:
 
     async def deliver(self, payload: Payload, dedupe_key: str) -> SendResult:
         event = _rendered(self.effect.topic, self.effect.event, payload)
-        return await self.sender.send(event, dedupe_key)
+        sent = await self.sender.send(event, dedupe_key)
+        if not self.effect.answers:
+            return sent
+        # A call: its answer, validated, is what the job resumes with.
+        return replace(sent, answer=self.effect.answer(sent.body))
 
 
 def _route(

@@ -131,7 +131,7 @@ class WebhookSender:
             IDEMPOTENCY_KEY: dedupe_key,
         }
         answer = await self._poster.post(self._url, body, headers)
-        return SendResult(provider_message_id=message_id_from(answer))
+        return SendResult(provider_message_id=message_id_from(answer), body=answer)
 
     async def aclose(self) -> None:
         await self._poster.aclose()

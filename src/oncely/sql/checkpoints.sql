@@ -52,12 +52,18 @@ SELECT status FROM jobs
 -- name: start_wait
 -- The second statement of a wait's transaction (the row is locked, so this
 -- snapshot sees every event committed before the lock): the run's unwritten
--- checkpoints, the wait (or sleep) itself, the effects emitted before it,
--- and the delivery in the job's history. An event already received ends
--- the wait at once (`done`, its payload the value) and the job keeps
--- running; otherwise the job is `waiting` until the event or `until`.
+-- checkpoints, the wait (or sleep, or call) itself, the effects emitted
+-- before it, a call's own outbox row, and the delivery in the job's
+-- history. An event already received, or a call already answered (a rewound
+-- job reaching it again), ends the wait at once (`done`, its payload the
+-- value) and the job keeps running; otherwise the job is `waiting` until
+-- the event, the answer or `until`. A call whose row failed before (a
+-- rewind) is tried again with fresh attempts.
 WITH event AS (
-    SELECT payload FROM job_events WHERE job_id = %(job_id)s AND name = %(event)s
+    (SELECT payload FROM job_events WHERE job_id = %(job_id)s AND name = %(event)s)
+    UNION ALL
+    (SELECT answer FROM outbox WHERE dedupe_key = %(call_dedupe_key)s AND answer IS NOT NULL)
+    LIMIT 1
 ), steps AS (
     INSERT INTO checkpoints (job_id, key, ordinal, kind, status, value, usage, finished_at)
     SELECT %(job_id)s, s.key, s.ordinal, s.kind, s.status, s.value, s.usage, now()
@@ -76,9 +82,18 @@ WITH event AS (
     SELECT e.topic, e.dedupe_key, e.payload, %(workflow)s, %(job_id)s, %(trace_context)s
       FROM jsonb_to_recordset(%(effects)s) AS e (topic text, dedupe_key text, payload jsonb)
     ON CONFLICT (dedupe_key) DO NOTHING
+), call_row AS (
+    INSERT INTO outbox (topic, dedupe_key, payload, workflow, job_id, trace_context, call_key)
+    SELECT %(call_topic)s, %(call_dedupe_key)s, %(call_payload)s, %(workflow)s, %(job_id)s,
+           %(trace_context)s, %(key)s
+     WHERE %(call_topic)s::text IS NOT NULL AND NOT EXISTS (SELECT 1 FROM event)
+    ON CONFLICT (dedupe_key) DO UPDATE
+       SET failed_at = NULL, attempts = 0, next_attempt_at = now(),
+           locked_until = NULL, locked_by = NULL
+     WHERE outbox.failed_at IS NOT NULL
 ), job AS (
     UPDATE jobs
-       SET status = 'waiting', waiting_for = %(event)s,
+       SET status = 'waiting', waiting_for = %(waiting_for)s, waiting_detail = %(detail)s,
            wait_until = now() + make_interval(secs => %(seconds)s), updated_at = now()
      WHERE job_id = %(job_id)s AND NOT EXISTS (SELECT 1 FROM event)
 ), delivery AS (
@@ -107,35 +122,54 @@ WITH stored AS (
     VALUES (%(job_id)s, %(event)s, %(payload)s, %(fingerprint)s)
 ), wait AS (
     UPDATE checkpoints SET status = 'done', value = (%(payload)s)::text, finished_at = now()
-     WHERE job_id = %(job_id)s AND status = 'waiting' AND kind = 'wait' AND %(resume)s
+     WHERE job_id = %(job_id)s AND status = 'waiting' AND kind IN ('wait', 'approval')
+       AND %(resume)s
     RETURNING job_id
 )
 UPDATE jobs
-   SET status = 'queued', waiting_for = NULL, wait_until = NULL,
+   SET status = 'queued', waiting_for = NULL, waiting_detail = NULL, wait_until = NULL,
        resumed_at = now(), updated_at = now()
  WHERE job_id IN (SELECT job_id FROM wait)
 RETURNING job_id, tenant, kind, payload
 
 -- name: resume_due_jobs
 -- The timer service, safe in every worker at once (SKIP LOCKED): waiting
--- jobs whose time has come. The wait ends with no event (JSON null), the
--- sleep ends; the jobs are queued again and returned, to be enqueued.
+-- jobs whose time has come (of `ids` only, when given: the relay resuming
+-- a job whose call ended, which set its time to now). The wait ends with no
+-- event (JSON null), the sleep ends, a call times out (a failed checkpoint:
+-- CallFailed); the jobs are queued again and returned, to be enqueued, with
+-- the keys of their calls that timed out.
 WITH due AS (
     SELECT job_id FROM jobs
      WHERE status = 'waiting' AND wait_until <= now() AND kind = ANY(%(kinds)s)
+       AND (%(ids)s::uuid[] IS NULL OR job_id = ANY(%(ids)s::uuid[]))
      ORDER BY wait_until
      LIMIT %(limit)s
        FOR NO KEY UPDATE SKIP LOCKED
 ), ended AS (
-    UPDATE checkpoints c SET status = 'done', value = 'null', finished_at = now()
+    UPDATE checkpoints c
+       SET status = CASE WHEN c.kind = 'call' THEN 'failed' ELSE 'done' END,
+           value = CASE WHEN c.kind = 'call'
+                        THEN '{"error": "CallFailed", "message": "no answer within the call''s timeout", "transient": false, "status": null, "reason": "timeout"}'
+                        ELSE 'null' END,
+           finished_at = now()
       FROM due WHERE c.job_id = due.job_id AND c.status = 'waiting'
+    RETURNING c.job_id, c.key, c.kind
+), unanswered AS (
+    -- A call that timed out is not sent any more (unless a relay holds it now).
+    UPDATE outbox o SET failed_at = now(), last_error = 'the call timed out'
+      FROM ended e
+     WHERE e.kind = 'call' AND o.job_id = e.job_id AND o.call_key = e.key
+       AND o.sent_at IS NULL AND o.failed_at IS NULL
+       AND (o.locked_until IS NULL OR o.locked_until < now())
 )
 UPDATE jobs j
-   SET status = 'queued', waiting_for = NULL, wait_until = NULL,
+   SET status = 'queued', waiting_for = NULL, waiting_detail = NULL, wait_until = NULL,
        resumed_at = now(), updated_at = now()
   FROM due
  WHERE j.job_id = due.job_id
-RETURNING j.job_id, j.tenant, j.kind, j.payload
+RETURNING j.job_id, j.tenant, j.kind, j.payload,
+          ARRAY(SELECT e.key FROM ended e WHERE e.job_id = j.job_id AND e.kind = 'call')
 
 -- name: cancel_job
 -- A queued (running) or waiting job becomes `cancelled`; answers the status
@@ -149,7 +183,7 @@ WITH target AS (
        AND status <> 'withdrawn'
        FOR NO KEY UPDATE
 ), cancelled AS (
-    UPDATE jobs SET status = 'cancelled', waiting_for = NULL, wait_until = NULL,
+    UPDATE jobs SET status = 'cancelled', waiting_for = NULL, waiting_detail = NULL, wait_until = NULL,
                     error = NULL, updated_at = now()
      WHERE job_id IN (SELECT job_id FROM target WHERE status IN ('queued', 'waiting'))
 )
@@ -171,7 +205,7 @@ WITH target AS (
     RETURNING key
 ), job AS (
     UPDATE jobs
-       SET status = 'queued', error = NULL, waiting_for = NULL, wait_until = NULL,
+       SET status = 'queued', error = NULL, waiting_for = NULL, waiting_detail = NULL, wait_until = NULL,
            generation = generation + 1, resumed_at = now(), updated_at = now()
      WHERE job_id = %(job_id)s AND EXISTS (SELECT 1 FROM target)
 )

@@ -68,7 +68,7 @@ RETURNING j.job_id,
 -- the `steps` tenants see), in the order its run reached them: the rows,
 -- and those kept with the result.
 SELECT j.job_id, j.tenant, j.kind, j.status, r.result, r.usage, j.error,
-       j.created_at, j.updated_at, j.waiting_for, j.wait_until,
+       j.created_at, j.updated_at, j.waiting_for, j.wait_until, j.waiting_detail,
        (SELECT coalesce(json_agg(json_build_object(
                    'key', s.key, 'kind', s.kind, 'status', s.status,
                    'finished_at', s.finished_at, 'usage', s.usage) ORDER BY s.ordinal), '[]')
@@ -257,7 +257,7 @@ SELECT (SELECT count(*) FROM job_rows) AS jobs,
 -- The console's listing: one workflow's jobs, newest first, optionally of
 -- one status (NULL: any but withdrawn, which are not jobs).
 SELECT j.job_id, j.tenant, j.kind, j.status, r.result, r.usage, j.error,
-       j.created_at, j.updated_at, j.waiting_for, j.wait_until, '[]'::json
+       j.created_at, j.updated_at, j.waiting_for, j.wait_until, j.waiting_detail, '[]'::json
   FROM jobs j LEFT JOIN results r USING (job_id)
  WHERE j.kind = %(kind)s AND j.status <> 'withdrawn'
    AND (%(status)s::text IS NULL OR j.status = %(status)s::text)
@@ -268,7 +268,7 @@ SELECT j.job_id, j.tenant, j.kind, j.status, r.result, r.usage, j.error,
 -- A job whatever its tenant, with its request: for operators only. Of one
 -- workflow, or (kind NULL) of any.
 SELECT j.job_id, j.tenant, j.kind, j.status, r.result, r.usage, j.error,
-       j.created_at, j.updated_at, j.waiting_for, j.wait_until, '[]'::json, j.payload
+       j.created_at, j.updated_at, j.waiting_for, j.wait_until, j.waiting_detail, '[]'::json, j.payload
   FROM jobs j LEFT JOIN results r USING (job_id)
  WHERE j.job_id = %(job_id)s AND (%(kind)s::text IS NULL OR j.kind = %(kind)s::text)
    AND j.status <> 'withdrawn'

@@ -30,7 +30,7 @@ UPDATE outbox o
        attempts = o.attempts + 1
   FROM due
  WHERE o.id = due.id
-RETURNING o.id, o.topic, o.dedupe_key, o.payload, o.attempts, o.trace_context,
+RETURNING o.id, o.topic, o.dedupe_key, o.payload, o.attempts, o.trace_context, o.call_key,
           extract(epoch FROM now() - o.created_at)::float8 AS age_s
 
 -- name: outbox_mark_sent_many
@@ -44,6 +44,57 @@ UPDATE outbox o
        AS v (id, provider_message_id)
  WHERE o.id = v.id AND o.locked_by = %(owner)s AND o.sent_at IS NULL
 RETURNING o.id
+
+-- name: outbox_mark_answered
+-- A call the receiver answered (docs/agents.md): the row marked sent with
+-- its answer and, in the same statement, the call's checkpoint given the
+-- answer as its value and its job due to resume now (the relay queues it at
+-- once; the workers' timers would within a second). Owner-checked as every
+-- write after a claim. A call whose wait ended before (its timeout) keeps
+-- the answer on its row only. Answers the job woken, if any.
+WITH sent AS (
+    UPDATE outbox o
+       SET sent_at = now(), provider_message_id = %(provider_message_id)s,
+           answer = %(answer)s, locked_until = NULL, locked_by = NULL
+     WHERE o.id = %(id)s AND o.locked_by = %(owner)s AND o.sent_at IS NULL
+    RETURNING o.job_id, o.call_key
+), answered AS (
+    UPDATE checkpoints c
+       SET status = 'done', value = (%(answer)s)::text, finished_at = now()
+      FROM sent
+     WHERE c.job_id = sent.job_id AND c.key = sent.call_key AND c.status = 'waiting'
+    RETURNING c.job_id
+), woken AS (
+    UPDATE jobs j SET wait_until = now()
+      FROM answered
+     WHERE j.job_id = answered.job_id AND j.status = 'waiting'
+    RETURNING j.job_id
+)
+SELECT EXISTS (SELECT 1 FROM sent) AS held, (SELECT job_id FROM woken) AS woken
+
+-- name: outbox_call_failed
+-- A call that will never be answered (refused, an invalid answer, its
+-- attempts spent): the row failed and, in the same statement, the call's
+-- checkpoint failed with the reason (a CallFailed the step gets) and its
+-- job due to resume now. Owner-checked.
+WITH failed AS (
+    UPDATE outbox
+       SET last_error = %(error)s, failed_at = now(), locked_until = NULL, locked_by = NULL
+     WHERE id = %(id)s AND locked_by = %(owner)s AND sent_at IS NULL
+    RETURNING job_id, call_key
+), ended AS (
+    UPDATE checkpoints c
+       SET status = 'failed', value = %(failure)s, finished_at = now()
+      FROM failed
+     WHERE c.job_id = failed.job_id AND c.key = failed.call_key AND c.status = 'waiting'
+    RETURNING c.job_id
+), woken AS (
+    UPDATE jobs j SET wait_until = now()
+      FROM ended
+     WHERE j.job_id = ended.job_id AND j.status = 'waiting'
+    RETURNING j.job_id
+)
+SELECT EXISTS (SELECT 1 FROM failed) AS held, (SELECT job_id FROM woken) AS woken
 
 -- name: outbox_mark_failed_attempt
 UPDATE outbox
