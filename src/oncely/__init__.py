@@ -18,6 +18,11 @@ __version__ = "0.1.0"
 
 # Each public name, and the module that defines it.
 _EXPORTS = {
+    "Agent": "oncely.agent",
+    "AgentLimitReached": "oncely.agent",
+    "AgentRun": "oncely.agent",
+    "ApprovalDecision": "oncely.agent",
+    "ToolCallRecord": "oncely.agent",
     "App": "oncely.app",
     "Email": "oncely.effects",
     "EmailEffect": "oncely.effects",
@@ -33,6 +38,12 @@ _EXPORTS = {
     "Emitted": "oncely.journal",
     "InvalidOutput": "oncely.llm.model",
     "Model": "oncely.llm.model",
+    "Reply": "oncely.llm.model",
+    "ToolCall": "oncely.llm.model",
+    "Tool": "oncely.tools",
+    "ToolContext": "oncely.tools",
+    "call_tool": "oncely.tools",
+    "tool": "oncely.tools",
     "Usage": "oncely.llm.model",
     "Deadline": "oncely.retry",
     "RetryPolicy": "oncely.retry",
@@ -50,7 +61,11 @@ _EXPORTS = {
 }
 
 __all__ = [
+    "Agent",
+    "AgentLimitReached",
+    "AgentRun",
     "App",
+    "ApprovalDecision",
     "ApprovalView",
     "CallFailed",
     "Context",
@@ -67,8 +82,13 @@ __all__ = [
     "Model",
     "ModelJudge",
     "PermanentError",
+    "Reply",
     "RetryPolicy",
     "StepView",
+    "Tool",
+    "ToolCall",
+    "ToolCallRecord",
+    "ToolContext",
     "TransientError",
     "Usage",
     "UsageView",
@@ -77,21 +97,25 @@ __all__ = [
     "WebhookEffect",
     "Workflow",
     "__version__",
+    "call_tool",
     "email",
     "field_agreement",
+    "tool",
     "webhook",
 ]
 
 if TYPE_CHECKING:
+    from oncely.agent import Agent, AgentLimitReached, AgentRun, ApprovalDecision, ToolCallRecord
     from oncely.app import App
     from oncely.context import Context
     from oncely.effects import Email, EmailEffect, Event, WebhookEffect, email, webhook
     from oncely.errors import CallFailed, DeadlineExceeded, PermanentError, TransientError
     from oncely.jobs.store import JobRecord
     from oncely.journal import Emitted
-    from oncely.llm.model import InvalidOutput, Model, Usage
+    from oncely.llm.model import InvalidOutput, Model, Reply, ToolCall, Usage
     from oncely.retry import Deadline, RetryPolicy
     from oncely.shadow.evaluate import Evaluation, ModelJudge, field_agreement
+    from oncely.tools import Tool, ToolContext, call_tool, tool
     from oncely.views import ApprovalView, JobView, StepView, UsageView, WaitingView
     from oncely.workflow import Variant, Workflow
 

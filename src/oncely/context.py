@@ -9,9 +9,10 @@ and sleep is a checkpoint of the job's run (``oncely.journal``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import inspect
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import replace
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, overload
@@ -20,7 +21,7 @@ from pydantic import BaseModel
 from pydantic_core import PydanticSerializationError, to_jsonable_python
 
 from oncely.errors import DeadlineExceeded, PermanentError, TransientError
-from oncely.journal import Emitted, Journal, Recorded, check_name
+from oncely.journal import Emitted, Journal, Kind, Recorded, check_name
 from oncely.retry import Deadline, RetryPolicy, call_with_retries, classify
 
 if TYPE_CHECKING:
@@ -104,10 +105,23 @@ class Context:
         self._calls = workflow.calls
         self._call_timeout_s = call_timeout_s
 
+    @contextlib.contextmanager
+    def scope(self, name: str) -> Iterator[str]:
+        """Checkpoints reached in the block are keyed under ``name/``
+        (``name#2/`` the second time): code that runs as one unit (an
+        agent's run) keeps its checkpoints together, named apart from the
+        rest of the step's. Yields the scope's path."""
+        with self._journal.scope(name) as path:
+            yield path
+
     @property
     def emitted(self) -> tuple[Emitted, ...]:
         """What this run emitted so far (read-only)."""
         return self._journal.emitted
+
+    def declares(self, topic: str) -> bool:
+        """Whether the workflow declares the effect ``topic``."""
+        return topic in self._topics
 
     def instructions(self, default: str) -> str:
         """The variant's instructions if it declares some, else ``default``:
@@ -135,6 +149,7 @@ class Context:
         payload: Mapping[str, Any] | BaseModel,
         *,
         timeout: float | timedelta | None = None,  # noqa: ASYNC109 (a durable wait, not a bound)
+        step: str | None = None,
     ) -> Any:
         """Send ``payload`` to the receiver of ``topic`` (declared with
         ``webhook(topic, returns=...)``) once, and return its answer,
@@ -145,7 +160,7 @@ class Context:
         dedupe key ``<topic>:<job_id>:<key>`` as ``webhook-id`` and
         ``Idempotency-Key``. A 4xx, an invalid answer, the relay's attempts
         running out or ``timeout`` (default ``ONCELY_CALL_TIMEOUT_S``)
-        raise ``CallFailed``."""
+        raise ``CallFailed``. ``step`` names the checkpoint instead of the topic."""
         if topic not in self._topics:
             raise PermanentError(f"workflow {self.workflow!r} does not declare topic {topic!r}")
         returns = self._calls.get(topic)
@@ -166,8 +181,9 @@ class Context:
             return value
 
         detail = {"call": topic}
+        name = check_name(step if step is not None else topic)
         return await self._journal.wait(
-            check_name(topic), "call", None, seconds, decode, call=row, detail=detail
+            name, "call", None, seconds, decode, call=row, detail=detail
         )
 
     @overload
@@ -197,15 +213,7 @@ class Context:
         as ``PermanentError`` (the job dies), the original as ``__cause__``.
         A failure the step catches and goes on past is kept: a replay raises
         it again instead of running ``fn``."""
-        check_name(name)
-        decode = _decoder(returns)
-
-        async def work() -> Recorded[Any]:
-            value = await self._retried(name, fn, args, kwargs)
-            data = _json(name, value)
-            return Recorded(data, decode(data))
-
-        return await self._journal.record(name, "step", work, decode)
+        return await record_step(self, name, "step", fn, args, kwargs, returns)
 
     async def _retried(
         self, name: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -289,6 +297,34 @@ class Context:
                 f"wait of {seconds:g} s: at most ONCELY_WAIT_MAX_S ({self._wait_max_s:g} s)"
             )
         return max(seconds, 0.0)
+
+
+async def record_step(
+    ctx: Context,
+    name: str,
+    kind: Kind,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    returns: type[BaseModel] | None = None,
+) -> Any:
+    """``ctx.step``'s checkpoint, of ``kind`` (an agent's function tool is a
+    ``tool``): ``fn`` run with the step's retries, its JSON value kept."""
+    check_name(name)
+    decode = _decoder(returns)
+
+    async def work() -> Recorded[Any]:
+        value = await ctx._retried(name, fn, args, kwargs)
+        data = _json(name, value)
+        return Recorded(data, decode(data))
+
+    return await ctx._journal.record(name, kind, work, decode)
+
+
+def journal_of(ctx: Context) -> Journal:
+    """The run's journal, for the library's own checkpoint kinds built on
+    it (an agent's tool calls)."""
+    return ctx._journal
 
 
 def is_async(fn: Any) -> bool:

@@ -340,18 +340,32 @@ class Journal:
         key, ordinal, stored = self._reach(name, kind)
         return Reached(key, ordinal, kind, stored)
 
-    @contextlib.contextmanager
-    def scope(self, name: str) -> Iterator[str]:
-        """Checkpoints reached inside the block are keyed under ``name/``
-        (``name#2/`` the second time in this scope): an agent's run keeps
-        its turns and tool calls together. Yields the scope's path."""
+    def open_scope(self, name: str) -> Scope:
+        """A scope keyed ``name/`` (``name#2/`` the second time) inside the
+        running code's scope, to enter with ``within``: an agent's run keeps
+        its turns under its name, and each tool call its own checkpoints.
+        Scopes opened one after another in one task are named in that order,
+        however the code run in them then interleaves, and each scope's
+        checkpoints are checked against the stored run on their own."""
         parent = self._scope()
-        scope = Scope(parent.key(check_name(name)) + "/", asyncio.current_task())
+        return Scope(parent.key(check_name(name)) + "/", None)
+
+    @contextlib.contextmanager
+    def within(self, scope: Scope) -> Iterator[str]:
+        """Checkpoints reached in the block (by this task; tasks it starts
+        are branches of it) are ``scope``'s. Yields its path."""
+        scope.owner = asyncio.current_task()
         token = _SCOPE.set((self, scope))
         try:
             yield scope.path
         finally:
             _SCOPE.reset(token)
+
+    @contextlib.contextmanager
+    def scope(self, name: str) -> Iterator[str]:
+        """``within(open_scope(name))``."""
+        with self.within(self.open_scope(name)) as path:
+            yield path
 
     async def record(
         self,
@@ -436,6 +450,8 @@ class Journal:
         if outcome is None:
             raise Suspended(key)
         self._stored.setdefault(scope_of(key), []).append(outcome)
+        if outcome.status == "failed":
+            raise _replayed_failure(outcome)
         return decode(outcome.value)
 
     def _reach(self, name: str, kind: Kind) -> tuple[str, int, Checkpoint | None]:

@@ -22,8 +22,17 @@ tells what it did::
   model of the workflow's ``fallbacks``), ``ProviderError(400)`` (never
   retried), ``TimeoutError()``. A call with no answer left fails the test.
   Retries and fallbacks take no time.
+  ``ToolCalls(("lookup_order", {"order_id": "A1"}), ...)`` is a turn that
+  calls those tools (``ctx.model.respond``, an ``oncely.Agent``).
 - ``events``: what each ``ctx.wait_for_event`` receives, at once. A wait for
   an event not given times out (the step gets None); sleeps end at once.
+- ``calls``: what the receiver of each call topic answers (``ctx.call``, a
+  call tool), by topic: the answer's JSON, or ``ProviderError(400)`` (the
+  call is refused: ``CallFailed``). A call with no answer scripted fails
+  the test.
+- ``approvals``: the decision on each approval tool, by tool name: True,
+  False, or an ``ApprovalDecision`` (edited arguments, a reason). A tool
+  with no decision given times out (``on_approval_timeout`` decides).
 - ``crash_after="key"``: the run stops right after checkpoint ``key`` is
   stored, as if its worker died, and runs again from the top as a
   redelivery would, over the stored checkpoints. The test fails
@@ -42,21 +51,30 @@ import json
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel
 
+from oncely.agent import ApprovalDecision
 from oncely.context import Context
-from oncely.errors import Nondeterministic, PermanentError, TransientError
+from oncely.errors import CallFailed, Nondeterministic, PermanentError, TransientError
 from oncely.jobs.handler import checked_result, ungrouped
-from oncely.journal import Checkpoint, Emitted, Journal, Wait, Writes, current_checkpoint
-from oncely.llm.base import Completion, Message, ResponseSchema
+from oncely.journal import (
+    Checkpoint,
+    Emitted,
+    Journal,
+    Wait,
+    Writes,
+    current_checkpoint,
+    failure_value,
+)
+from oncely.llm.base import Completion, Message, ResponseSchema, ToolChoice, ToolRequest, ToolSpec
 from oncely.llm.model import Model, ModelRoute
 from oncely.llm.routing import Target, parse_models
 from oncely.retry import Deadline, RetryPolicy, retryable_status
 from oncely.workflow import Workflow
 
-__all__ = ["ModelCall", "ProviderError", "ReplayError", "StepRun", "run_step"]
+__all__ = ["ModelCall", "ProviderError", "ReplayError", "StepRun", "ToolCalls", "run_step"]
 
 ResultT = TypeVar("ResultT", bound=BaseModel)
 
@@ -79,6 +97,15 @@ class ProviderError(Exception):
         super().__init__(f"the provider answered {status}")
         self.status = status
         self.retry_after_s = retry_after_s
+
+
+class ToolCalls:
+    """A scripted turn that calls tools: each ``(name, arguments)``; the
+    arguments a dict, or a string sent as it is (to script arguments that
+    are not JSON)."""
+
+    def __init__(self, *calls: tuple[str, Mapping[str, Any] | str]) -> None:
+        self.calls = calls
 
 
 class ReplayError(AssertionError):
@@ -127,6 +154,8 @@ async def run_step(
     *,
     answers: Sequence[Any] = (),
     events: Mapping[str, BaseModel | Mapping[str, Any]] | None = None,
+    calls: Mapping[str, Any] | None = None,
+    approvals: Mapping[str, bool | ApprovalDecision | Mapping[str, Any]] | None = None,
     crash_after: str | None = None,
     model: str = "test-model",
     fallbacks: Sequence[str] | None = None,
@@ -145,7 +174,7 @@ async def run_step(
     received = {name: _json(value) for name, value in (events or {}).items()}
     route = tuple(fallbacks if fallbacks is not None else workflow.fallbacks or ())
     harness = _Harness(workflow, script, model, route, job_id or str(uuid.uuid4()), tenant)
-    store = _Memory(received, crash_after)
+    store = _Memory(received, crash_after, _answers(calls), _decisions(approvals))
     try:
         journal, result = await harness.run(body, Journal(store=store, workflow=workflow.name))
     except _Crashed:
@@ -168,7 +197,7 @@ async def _replay(
 ) -> StepRun[Any]:
     """The second run, over what the first stored; checked against it."""
     first_calls = len(harness.script.calls)
-    store = _Memory(crashed.events, None, list(crashed.stored))
+    store = _Memory(crashed.events, None, crashed.calls, crashed.approvals, list(crashed.stored))
     journal = Journal(crashed.stored, store, workflow=harness.workflow.name)
     harness.script.replaying = True
     try:
@@ -246,6 +275,8 @@ class _Memory:
 
     events: Mapping[str, Any]
     crash_after: str | None
+    calls: Mapping[str, Any] = field(default_factory=dict)
+    approvals: Mapping[str, Any] = field(default_factory=dict)
     stored: list[Checkpoint] = field(default_factory=list)
     effects: list[Emitted] = field(default_factory=list)
 
@@ -255,11 +286,29 @@ class _Memory:
 
     async def wait(self, writes: Writes, wait: Wait) -> Checkpoint | None:
         self.keep(writes)
-        value = self.events.get(wait.event) if wait.event is not None else None
-        outcome = Checkpoint(wait.key, wait.ordinal, wait.kind, "done", value)
+        status, value = self._outcome(wait)
+        outcome = Checkpoint(wait.key, wait.ordinal, wait.kind, status, value)
         self.stored.append(outcome)
         self._crash_if_stored(writes, wait.key)
         return outcome
+
+    def _outcome(self, wait: Wait) -> tuple[Literal["done", "failed"], Any]:
+        """A wait's end: the event, the call's answer, the decision."""
+        if wait.call is not None:
+            if wait.call.topic not in self.calls:
+                raise AssertionError(
+                    f"the step called {wait.call.topic!r} but no answer was scripted in calls="
+                )
+            answer = self.calls[wait.call.topic]
+            if isinstance(answer, ProviderError):
+                reason = "attempts" if retryable_status(answer.status) else "refused"
+                failed = CallFailed(str(answer), status=answer.status, reason=reason)
+                return "failed", failure_value(failed)
+            return "done", answer
+        if wait.kind == "approval":
+            tool = (wait.detail or {}).get("approval", {}).get("tool")
+            return "done", self.approvals.get(tool)
+        return "done", self.events.get(wait.event) if wait.event is not None else None
 
     def keep(self, writes: Writes) -> None:
         self.stored += [c.stored() for c in writes.checkpoints]
@@ -278,9 +327,16 @@ class _Script:
     answers: list[Any]
     calls: list[ModelCall] = field(default_factory=list)
     replaying: bool = False
+    tool_calls: int = 0
 
     def as_model(self, name: str) -> _ScriptedModel:
         return _ScriptedModel(self, name)
+
+    def tool_request(self, name: str, arguments: Mapping[str, Any] | str) -> ToolRequest:
+        """A scripted tool call, numbered ``call_<n>`` across the run."""
+        self.tool_calls += 1
+        text = arguments if isinstance(arguments, str) else json.dumps(arguments)
+        return ToolRequest(f"call_{self.tool_calls}", name, text)
 
 
 @dataclass(frozen=True)
@@ -296,6 +352,8 @@ class _ScriptedModel:
         timeout: float,  # noqa: ASYNC109 (LLM protocol)
         *,
         schema: ResponseSchema | None = None,
+        tools: Sequence[ToolSpec] = (),
+        tool_choice: ToolChoice | None = None,
     ) -> Completion:
         s = self.script
         number = len(s.calls) + 1
@@ -323,8 +381,31 @@ class _ScriptedModel:
             raise PermanentError(str(answer), status=answer.status)
         if isinstance(answer, BaseException):
             raise answer
+        if isinstance(answer, ToolCalls):
+            requests = tuple(s.tool_request(name, args) for name, args in answer.calls)
+            return Completion(
+                "", prompt_tokens=_tokens(messages), completion_tokens=1, tool_calls=requests
+            )
         text = answer if isinstance(answer, str) else json.dumps(_json(answer))
         return Completion(text, prompt_tokens=_tokens(messages), completion_tokens=_tokens(text))
+
+
+def _answers(calls: Mapping[str, Any] | None) -> dict[str, Any]:
+    return {
+        topic: answer if isinstance(answer, ProviderError) else _json(answer)
+        for topic, answer in (calls or {}).items()
+    }
+
+
+def _decisions(
+    approvals: Mapping[str, bool | ApprovalDecision | Mapping[str, Any]] | None,
+) -> dict[str, Any]:
+    found = {}
+    for tool, decision in (approvals or {}).items():
+        if isinstance(decision, bool):
+            decision = ApprovalDecision(approved=decision)
+        found[tool] = _json(decision)
+    return found
 
 
 def _json(value: BaseModel | Mapping[str, Any] | Any) -> Any:

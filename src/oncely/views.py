@@ -25,6 +25,10 @@ class UsageView(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     model_calls: int
+    # Of the prompt tokens, those served from the provider's cache; of the
+    # completion tokens, those spent reasoning (when the provider says).
+    cached_tokens: int | None = None
+    reasoning_tokens: int | None = None
     # USD (ONCELY_LLM_PRICES); None when a call's model has no price.
     cost_usd: float | None = None
     # The model that answered (a job's: its last model checkpoint's).

@@ -243,6 +243,11 @@ def _deciding(group: BaseExceptionGroup[BaseException]) -> BaseException:
         found = next((e for e in leaves if isinstance(e, kind)), None)
         if found is not None:
             return found
+    # Anything else that is no error (an interrupt, a test's stand-in for
+    # kill -9) passes through as itself.
+    stopping = next((e for e in leaves if not isinstance(e, Exception)), None)
+    if stopping is not None:
+        return stopping
     if all(isinstance(e, TransientError | DeadlineExceeded) or classify(e) for e in leaves):
         return TransientError(f"{len(leaves)} failed in parallel: {_short_errors(leaves)}")
     permanent = next((e for e in leaves if isinstance(e, PermanentError)), None)

@@ -9,9 +9,40 @@ from typing import Any, Literal, Protocol, Self, runtime_checkable
 
 
 @dataclass(frozen=True)
+class ToolRequest:
+    """A tool call a model asked for: its ``id`` (the provider's), the tool's
+    ``name``, and its ``arguments`` as the provider sent them (JSON text,
+    which may not be JSON at all: the caller decides what that means)."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True)
 class Message:
-    role: Literal["system", "user", "assistant"]
+    """One message of a conversation: ``system``, ``user``, ``assistant``
+    (with the ``tool_calls`` it made, if any) or ``tool`` (the result of the
+    call ``tool_call_id``)."""
+
+    role: Literal["system", "user", "assistant", "tool"]
     content: str
+    tool_calls: tuple[ToolRequest, ...] = ()
+    tool_call_id: str | None = None
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    """A tool as a model is told it: name, description, JSON schema of its
+    arguments."""
+
+    name: str
+    description: str
+    parameters: Mapping[str, Any]
+
+
+# "auto" (the model decides), "none", "required", or a tool's name.
+ToolChoice = str
 
 
 @dataclass(frozen=True)
@@ -25,13 +56,20 @@ class ResponseSchema:
 
 @dataclass(frozen=True)
 class Completion:
-    """The answer's text and the tokens the provider reported (0 when it did not);
-    ``queued_s``: how long the call waited on the fleet limiter before it went."""
+    """The answer's text (or the tools it calls) and the tokens the provider
+    reported (0 when it did not); ``queued_s``: how long the call waited on
+    the fleet limiter before it went."""
 
     text: str
     prompt_tokens: int = 0
     completion_tokens: int = 0
     queued_s: float = field(default=0.0, compare=False)
+    # The tools the model asked to call (the text may then be empty).
+    tool_calls: tuple[ToolRequest, ...] = ()
+    # Of the prompt tokens, those served from the provider's cache; of the
+    # completion tokens, those spent reasoning (0 when not reported).
+    cached_tokens: int = 0
+    reasoning_tokens: int = 0
 
 
 class LLM(Protocol):
@@ -47,6 +85,8 @@ class LLM(Protocol):
         timeout: float,  # noqa: ASYNC109 (the contract)
         *,
         schema: ResponseSchema | None = None,
+        tools: Sequence[ToolSpec] = (),
+        tool_choice: ToolChoice | None = None,
     ) -> Completion: ...
 
 

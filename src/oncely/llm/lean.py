@@ -8,7 +8,9 @@ call, and with a fast model that is most of a worker's CPU per job
 reads the answer's few fields from the parsed JSON.
 
 What a call means does not depend on the client. Both send the same body
-(messages in order, ``response_format: json_schema`` for structured output),
+(``oncely.llm.wire.request_body``: messages in order with their tool calls and
+tool results, ``response_format: json_schema`` for structured output,
+``tools`` and ``tool_choice``),
 bound every socket read by the attempt's timeout, and read statuses, usage
 and empty answers through ``oncely.llm.wire``. Errors translate here:
 
@@ -29,13 +31,19 @@ import json
 import urllib.parse
 import urllib.request
 from collections.abc import Sequence
-from typing import Any
 
 import aiohttp
 
 from oncely.errors import OncelyError, TransientError
 from oncely.llm import wire
-from oncely.llm.base import ClosedOnExit, Completion, Message, ResponseSchema
+from oncely.llm.base import (
+    ClosedOnExit,
+    Completion,
+    Message,
+    ResponseSchema,
+    ToolChoice,
+    ToolSpec,
+)
 
 # As many connections to one endpoint as the SDK's aiohttp transport allows.
 CONNECTIONS = 1000
@@ -87,13 +95,10 @@ class LeanOpenAICompatible(ClosedOnExit):
         timeout: float,  # noqa: ASYNC109 (LLM protocol)
         *,
         schema: ResponseSchema | None = None,
+        tools: Sequence[ToolSpec] = (),
+        tool_choice: ToolChoice | None = None,
     ) -> Completion:
-        body: dict[str, Any] = {
-            "model": self.model,
-            "messages": [{"role": m.role, "content": m.content} for m in messages],
-        }
-        if schema is not None:
-            body["response_format"] = wire.response_format(schema)
+        body = wire.request_body(self.model, messages, schema, tools, tool_choice)
         endpoint = self._endpoint
         try:
             async with endpoint.session().post(

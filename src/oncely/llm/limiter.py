@@ -25,7 +25,7 @@ from redis.exceptions import RedisError
 
 from oncely import names
 from oncely.errors import TransientError
-from oncely.llm.base import LLM, Completion, Message, ResponseSchema
+from oncely.llm.base import LLM, Completion, Message, ResponseSchema, ToolChoice, ToolSpec
 from oncely.redis_client import RedisClient
 from oncely.retry import retry_after_s, status_of
 
@@ -236,6 +236,8 @@ class LimitedLLM:
         timeout: float,  # noqa: ASYNC109 (LLM protocol)
         *,
         schema: ResponseSchema | None = None,
+        tools: Sequence[ToolSpec] = (),
+        tool_choice: ToolChoice | None = None,
     ) -> Completion:
         started = time.monotonic()
         reserved = estimate_tokens(messages)
@@ -245,7 +247,13 @@ class LimitedLLM:
             await asyncio.sleep(wait)
         left = timeout - (time.monotonic() - started)
         try:
-            completion = await self.llm.complete(messages, left, schema=schema)
+            completion = await (
+                self.llm.complete(
+                    messages, left, schema=schema, tools=tools, tool_choice=tool_choice
+                )
+                if tools
+                else self.llm.complete(messages, left, schema=schema)
+            )
         except Exception as exc:
             # Adapters translate a provider's 429 into TransientError(status=429).
             if status_of(exc) == 429:

@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -37,7 +38,15 @@ from pydantic import BaseModel, ValidationError
 from oncely import tracing
 from oncely.errors import OncelyError, PermanentError, ResumeLater, TransientError
 from oncely.journal import Journal, Recorded, check_name, current_checkpoint
-from oncely.llm.base import LLM, Completion, Message, ResponseSchema
+from oncely.llm.base import (
+    LLM,
+    Completion,
+    Message,
+    ResponseSchema,
+    ToolChoice,
+    ToolRequest,
+    ToolSpec,
+)
 from oncely.llm.cooldown import Caller, Cooldown
 from oncely.llm.limiter import FleetLimited
 from oncely.llm.routing import Target
@@ -74,11 +83,15 @@ class Usage:
     completion_tokens: int = 0
     model_calls: int = 0
     model_ms: int = field(default=0, compare=False)
+    # Of the prompt tokens, those the provider served from its cache; of
+    # the completion tokens, those spent reasoning (reported by some only).
+    cached_tokens: int = 0
+    reasoning_tokens: int = 0
     cost_usd: float | None = field(default=0.0, compare=False)
     model: str | None = field(default=None, compare=False)
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        found: dict[str, Any] = {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "model_calls": self.model_calls,
@@ -86,9 +99,129 @@ class Usage:
             "cost_usd": None if self.cost_usd is None else round(self.cost_usd, 10),
             "model": self.model,
         }
+        if self.cached_tokens:
+            found["cached_tokens"] = self.cached_tokens
+        if self.reasoning_tokens:
+            found["reasoning_tokens"] = self.reasoning_tokens
+        return found
 
     def add_cost(self, cost: float | None) -> None:
         self.cost_usd = None if self.cost_usd is None or cost is None else self.cost_usd + cost
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A tool the model asked to call: ``arguments`` as a dict, or, when the
+    provider sent something that is not a JSON object, None with what it
+    sent in ``malformed`` (cut short): the caller answers the model with an
+    error instead of failing. ``raw_arguments`` is the text as sent."""
+
+    id: str
+    name: str
+    arguments: dict[str, Any] | None
+    raw_arguments: str = ""
+    malformed: str | None = None
+
+    @classmethod
+    def of(cls, request: ToolRequest) -> ToolCall:
+        try:
+            parsed = json.loads(request.arguments or "{}")
+        except ValueError:
+            parsed = None
+        if not isinstance(parsed, dict):
+            shown = request.arguments[:_MALFORMED_CHARS]
+            return cls(request.id, request.name, None, request.arguments, shown or "(nothing)")
+        return cls(request.id, request.name, parsed, request.arguments)
+
+
+@dataclass(frozen=True)
+class Reply:
+    """One model turn (``ctx.model.respond``): its ``text``, the
+    ``tool_calls`` it asked for, and ``usage`` (what the turn spent, its
+    retries and fallbacks included)."""
+
+    text: str
+    tool_calls: tuple[ToolCall, ...] = ()
+    usage: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        """What the turn's checkpoint stores."""
+        return {
+            "text": self.text,
+            "tool_calls": [
+                {"id": c.id, "name": c.name, "arguments": c.raw_arguments} for c in self.tool_calls
+            ],
+            "usage": self.usage,
+        }
+
+    @classmethod
+    def from_json(cls, value: Any) -> Reply:
+        """A stored turn, read as the turn that was answered."""
+        requests = [ToolRequest(c["id"], c["name"], c["arguments"]) for c in value["tool_calls"]]
+        calls = tuple(ToolCall.of(r) for r in requests)
+        return cls(value["text"], calls, dict(value.get("usage") or {}))
+
+
+def conversation(messages: Sequence[Mapping[str, Any]]) -> list[Message]:
+    """OpenAI-style message dicts as the model seam's messages; ValueError
+    for a message that is none of system, user, assistant, tool."""
+    found = []
+    for message in messages:
+        role = message.get("role")
+        content = message.get("content") or ""
+        if not isinstance(content, str):
+            content = json.dumps(content)
+        if role == "tool":
+            found.append(Message("tool", content, tool_call_id=str(message.get("tool_call_id"))))
+        elif role == "assistant":
+            calls = tuple(_tool_request(c) for c in message.get("tool_calls") or ())
+            found.append(Message("assistant", content, tool_calls=calls))
+        elif role in ("system", "user"):
+            found.append(Message(role, content))
+        else:
+            raise ValueError(f"a message's role must be system, user, assistant or tool: {role!r}")
+    return found
+
+
+def _tool_request(call: Mapping[str, Any]) -> ToolRequest:
+    function = call.get("function") or {}
+    arguments = function.get("arguments", "")
+    if not isinstance(arguments, str):
+        arguments = json.dumps(arguments)
+    return ToolRequest(str(call.get("id")), str(function.get("name")), arguments)
+
+
+def _tool_spec(spec: ToolSpec | Mapping[str, Any]) -> ToolSpec:
+    if isinstance(spec, ToolSpec):
+        return spec
+    return ToolSpec(str(spec["name"]), str(spec.get("description", "")), spec["parameters"])
+
+
+@dataclass(frozen=True)
+class _Request:
+    """What one call asks: the conversation, and structured output or tools."""
+
+    messages: Sequence[Message]
+    schema: ResponseSchema | None = None
+    tools: tuple[ToolSpec, ...] = ()
+    tool_choice: ToolChoice | None = None
+
+    async def send(self, llm: LLM, timeout_s: float) -> Completion:
+        """Ask ``llm``; tools only when there are some, so that an ``LLM``
+        written before tools existed still answers every other call."""
+        if not self.tools:
+            return await llm.complete(self.messages, timeout_s, schema=self.schema)
+        return await llm.complete(
+            self.messages,
+            timeout_s,
+            schema=self.schema,
+            tools=self.tools,
+            tool_choice=self.tool_choice,
+        )
+
+
+# How much of a tool call's arguments that are not JSON the model is shown.
+_MALFORMED_CHARS = 200
 
 
 class InvalidOutput(PermanentError):
@@ -187,7 +320,7 @@ class Model:
 
         async def work() -> Recorded[str]:
             spent = Usage()
-            answer = await self._ask(messages, None, spent)
+            answer = await self._ask(_Request(messages), spent)
             self._bill(answer, "ok", spent)
             text = answer.completion.text
             return Recorded(text, text, spent.to_json())
@@ -210,11 +343,46 @@ class Model:
 
         return await self.journal.record(_checkpoint(step), "model", work, result.model_validate)
 
+    async def respond(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[ToolSpec | Mapping[str, Any]] = (),
+        tool_choice: ToolChoice = "auto",
+        output: type[BaseModel] | None = None,
+        step: str | None = None,
+    ) -> Reply:
+        """One turn of a conversation with tools: the model's ``Reply``
+        (its text, the tools it calls, what it spent). ``messages`` are
+        OpenAI-style dicts (``system``, ``user``, ``assistant`` with
+        ``tool_calls``, ``tool`` with ``tool_call_id``); ``tools`` are
+        ``ToolSpec``s or ``{"name", "description", "parameters"}``;
+        ``output`` asks for a final answer that is JSON of that model's
+        schema. The checkpoint ``step`` (default ``model``, ``model#2``, …):
+        a turn that answered is never paid for again."""
+        request = _Request(
+            conversation(messages),
+            response_schema(output) if output is not None else None,
+            tuple(_tool_spec(t) for t in tools),
+            tool_choice if tools else None,
+        )
+
+        async def work() -> Recorded[Reply]:
+            spent = Usage()
+            answer = await self._ask(request, spent)
+            self._bill(answer, "ok", spent)
+            completion = answer.completion
+            calls = tuple(ToolCall.of(r) for r in completion.tool_calls)
+            reply = Reply(completion.text, calls, spent.to_json())
+            return Recorded(reply.to_json(), reply, spent.to_json())
+
+        return await self.journal.record(_checkpoint(step), "model", work, Reply.from_json)
+
     async def _structured(self, result: type[M], messages: list[Message], spent: Usage) -> M:
         schema = response_schema(result)
         asks = self._invalid_output_retries + 1
         for ask in range(1, asks + 1):
-            answer = await self._ask(messages, schema, spent)
+            answer = await self._ask(_Request(messages, schema), spent)
             try:
                 value = result.model_validate_json(answer.completion.text)
             except ValidationError as exc:
@@ -234,9 +402,7 @@ class Model:
             )
         raise InvalidOutput(result.__name__, errors, asks=asks)
 
-    async def _ask(
-        self, messages: Sequence[Message], schema: ResponseSchema | None, spent: Usage
-    ) -> _Answer:
+    async def _ask(self, request: _Request, spent: Usage) -> _Answer:
         """One answer, down the route: each model with transient retries
         under the delivery's deadline, the next once they are used up, the
         ones the fleet has cooling down skipped. Raises a permanent failure
@@ -252,7 +418,7 @@ class Model:
                     continue
                 probe = admission.scope
             try:
-                return await self._ask_one(target, probe, messages, schema, spent)
+                return await self._ask_one(target, probe, request, spent)
             except _Skipped:
                 continue
             except Exception as exc:
@@ -279,8 +445,7 @@ class Model:
         self,
         target: Target,
         probe: str,
-        messages: Sequence[Message],
-        schema: ResponseSchema | None,
+        request: _Request,
         spent: Usage,
     ) -> _Answer:
         """One model's answer, with transient retries; every attempt that
@@ -311,7 +476,7 @@ class Model:
                 },
             ) as span:
                 try:
-                    completion = await target.llm.complete(messages, timeout_s, schema=schema)
+                    completion = await request.send(target.llm, timeout_s)
                 except (Exception, asyncio.CancelledError) as exc:
                     took = _elapsed_ms(started)
                     self._count_ms(spent, took)
@@ -389,10 +554,13 @@ class Model:
             completion.prompt_tokens,
             completion.completion_tokens,
             answer.latency_ms,
+            (completion.cached_tokens, completion.reasoning_tokens),
         )
         for usage in (spent, self.usage):
             usage.prompt_tokens += completion.prompt_tokens
             usage.completion_tokens += completion.completion_tokens
+            usage.cached_tokens += completion.cached_tokens
+            usage.reasoning_tokens += completion.reasoning_tokens
             usage.add_cost(cost)
             usage.model = answer.model
         meters = self._meters[answer.model]
@@ -412,11 +580,13 @@ class Model:
         prompt_tokens: int,
         completion_tokens: int,
         latency_ms: int,
+        details: tuple[int, int] = (0, 0),
     ) -> float | None:
-        """The call's row in the ledger; what it cost (None: unknown)."""
+        """The call's row in the ledger; what it cost (None: unknown).
+        ``details``: its cached and reasoning tokens."""
         if self._ledger is None:
             return None
-        cost = self._ledger.cost(model, prompt_tokens, completion_tokens)
+        cost = self._ledger.cost(model, prompt_tokens, completion_tokens, details[0])
         self._ledger.record(
             Call(
                 self._site,
@@ -428,6 +598,8 @@ class Model:
                 completion_tokens,
                 latency_ms,
                 cost,
+                cached_tokens=details[0],
+                reasoning_tokens=details[1],
             )
         )
         return cost

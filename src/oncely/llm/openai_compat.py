@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from typing import cast
+from typing import Any, cast
 
 import aiohttp
 import httpx
@@ -41,7 +41,15 @@ from openai.types.shared_params import ResponseFormatJSONSchema
 
 from oncely.errors import OncelyError, PermanentError, TransientError
 from oncely.llm import wire
-from oncely.llm.base import ClosedOnExit, Completion, Message, ResponseSchema
+from oncely.llm.base import (
+    ClosedOnExit,
+    Completion,
+    Message,
+    ResponseSchema,
+    ToolChoice,
+    ToolRequest,
+    ToolSpec,
+)
 
 _TRANSPORT_ERRORS: tuple[type[Exception], ...] = (httpx.TransportError, aiohttp.ClientError)
 try:  # the HTTP client of recent SDKs; older ones use httpx
@@ -84,15 +92,24 @@ class OpenAICompatible(ClosedOnExit):
         timeout: float,  # noqa: ASYNC109 (LLM protocol)
         *,
         schema: ResponseSchema | None = None,
+        tools: Sequence[ToolSpec] = (),
+        tool_choice: ToolChoice | None = None,
     ) -> Completion:
         # The SDK's timeout bounds each socket read, not the call: a server that
         # drips a byte a second would never trip it. The wall-clock limit is the
-        # caller's (``call_with_retries`` runs every attempt under one).
+        # caller's (``call_with_retries`` runs every attempt under one). The
+        # body's parts are the lean client's (``wire``), typed for the SDK.
         try:
             response = await self._client.chat.completions.create(
                 model=self.model,
-                messages=[_param(message) for message in messages],
+                messages=cast("list[ChatCompletionMessageParam]", wire.messages_param(messages)),
                 response_format=openai.omit if schema is None else _response_format(schema),
+                tools=cast("Any", wire.tools_param(tools)) if tools else openai.omit,
+                tool_choice=(
+                    cast("Any", wire.tool_choice_param(tool_choice))
+                    if tools and tool_choice is not None
+                    else openai.omit
+                ),
                 timeout=timeout,
             )
         except _SDK_ERRORS as exc:
@@ -119,15 +136,6 @@ def translate_error(exc: Exception) -> OncelyError | TimeoutError:
     return PermanentError(f"model call failed ({type(exc).__name__})")
 
 
-def _param(message: Message) -> ChatCompletionMessageParam:
-    # One literal per role: the SDK types each role's message separately.
-    if message.role == "system":
-        return {"role": "system", "content": message.content}
-    if message.role == "assistant":
-        return {"role": "assistant", "content": message.content}
-    return {"role": "user", "content": message.content}
-
-
 def _response_format(schema: ResponseSchema) -> ResponseFormatJSONSchema:
     return cast("ResponseFormatJSONSchema", wire.response_format(schema))
 
@@ -139,13 +147,31 @@ def _why_empty(choice: Choice | None) -> str:
 
 
 def _completion(response: ChatCompletion) -> Completion:
-    """The answer and its usage. A 200 without an answer will not change on a retry."""
+    """The answer (its text, or the tools it calls) and its usage. A 200
+    without either will not change on a retry."""
     choice = response.choices[0] if response.choices else None
-    if choice is None or not choice.message.content:
+    calls = _tool_requests(choice)
+    if choice is None or not (choice.message.content or calls):
         raise wire.no_content(_why_empty(choice))
     usage = response.usage
+    prompt_details = usage.prompt_tokens_details if usage else None
+    completion_details = usage.completion_tokens_details if usage else None
     return Completion(
-        choice.message.content,
+        choice.message.content or "",
         prompt_tokens=usage.prompt_tokens if usage else 0,
         completion_tokens=usage.completion_tokens if usage else 0,
+        tool_calls=calls,
+        cached_tokens=(prompt_details.cached_tokens or 0) if prompt_details else 0,
+        reasoning_tokens=(completion_details.reasoning_tokens or 0) if completion_details else 0,
     )
+
+
+def _tool_requests(choice: Choice | None) -> tuple[ToolRequest, ...]:
+    """The function calls of the answer (another kind of tool call is left out)."""
+    calls = choice.message.tool_calls if choice is not None else None
+    found = []
+    for call in calls or ():
+        function = getattr(call, "function", None)
+        if function is not None:
+            found.append(ToolRequest(call.id, function.name, function.arguments or ""))
+    return tuple(found)

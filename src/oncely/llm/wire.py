@@ -10,11 +10,12 @@ cut to a few dozen characters, its message is never read.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import json
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from oncely.errors import OncelyError, PermanentError, TransientError
-from oncely.llm.base import Completion, ResponseSchema
+from oncely.llm.base import Completion, Message, ResponseSchema, ToolChoice, ToolRequest, ToolSpec
 from oncely.retry import retry_after_from_headers, retryable_status
 
 # Enough of a provider's error code to tell errors apart, never a whole message.
@@ -27,6 +28,69 @@ def response_format(schema: ResponseSchema) -> dict[str, Any]:
         "type": "json_schema",
         "json_schema": {"name": schema.name, "schema": dict(schema.schema)},
     }
+
+
+def messages_param(messages: Sequence[Message]) -> list[dict[str, Any]]:
+    """The conversation as chat completions take it: an assistant message's
+    tool calls as ``tool_calls`` (its content null when it has none), a tool
+    result with its ``tool_call_id``."""
+    return [_message(m) for m in messages]
+
+
+def _message(message: Message) -> dict[str, Any]:
+    if message.role == "tool":
+        return {"role": "tool", "tool_call_id": message.tool_call_id, "content": message.content}
+    if not message.tool_calls:
+        return {"role": message.role, "content": message.content}
+    return {
+        "role": "assistant",
+        "content": message.content or None,
+        "tool_calls": [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in message.tool_calls
+        ],
+    }
+
+
+def tools_param(tools: Sequence[ToolSpec]) -> list[dict[str, Any]]:
+    """``tools``: each a function with its name, description and parameters."""
+    return [
+        {
+            "type": "function",
+            "function": {
+                "name": t.name,
+                "description": t.description,
+                "parameters": dict(t.parameters),
+            },
+        }
+        for t in tools
+    ]
+
+
+def tool_choice_param(choice: ToolChoice) -> str | dict[str, Any]:
+    """``auto``, ``none`` and ``required`` as they are; a tool's name as the
+    choice of that function."""
+    if choice in ("auto", "none", "required"):
+        return choice
+    return {"type": "function", "function": {"name": choice}}
+
+
+def request_body(
+    model: str,
+    messages: Sequence[Message],
+    schema: ResponseSchema | None,
+    tools: Sequence[ToolSpec],
+    tool_choice: ToolChoice | None,
+) -> dict[str, Any]:
+    """A chat completion request's body, as both clients send it."""
+    body: dict[str, Any] = {"model": model, "messages": messages_param(messages)}
+    if schema is not None:
+        body["response_format"] = response_format(schema)
+    if tools:
+        body["tools"] = tools_param(tools)
+        if tool_choice is not None:
+            body["tool_choice"] = tool_choice_param(tool_choice)
+    return body
 
 
 def status_error(status: int, code: object, headers: Mapping[str, str]) -> OncelyError:
@@ -61,15 +125,42 @@ def read_answer(data: object) -> Completion:
     message = choice.get("message")
     message = message if isinstance(message, dict) else {}
     content = message.get("content")
-    if not isinstance(content, str) or not content:
+    calls = tool_requests(message.get("tool_calls"))
+    if not calls and (not isinstance(content, str) or not content):
         raise no_content("refused" if message.get("refusal") else str(choice.get("finish_reason")))
     usage = data.get("usage")
     usage = usage if isinstance(usage, dict) else {}
     return Completion(
-        content,
+        content if isinstance(content, str) else "",
         prompt_tokens=_count(usage.get("prompt_tokens")),
         completion_tokens=_count(usage.get("completion_tokens")),
+        tool_calls=calls,
+        cached_tokens=_count(_detail(usage, "prompt_tokens_details", "cached_tokens")),
+        reasoning_tokens=_count(_detail(usage, "completion_tokens_details", "reasoning_tokens")),
     )
+
+
+def tool_requests(calls: object) -> tuple[ToolRequest, ...]:
+    """An answer's ``tool_calls`` (function calls; any other kind is left
+    out). Arguments stay the text the provider sent: whether it is JSON is
+    the caller's to judge, never a reason to lose the answer."""
+    if not isinstance(calls, list):
+        return ()
+    found = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            continue
+        arguments = function.get("arguments")
+        if not isinstance(arguments, str):
+            arguments = json.dumps(arguments)
+        found.append(ToolRequest(str(call.get("id") or ""), function["name"], arguments))
+    return tuple(found)
+
+
+def _detail(usage: Mapping[str, Any], details: str, name: str) -> object:
+    found = usage.get(details)
+    return found.get(name) if isinstance(found, dict) else None
 
 
 def error_code(data: object) -> object:

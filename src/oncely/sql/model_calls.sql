@@ -5,15 +5,16 @@
 -- much faster than an array per column).
 INSERT INTO model_calls (job_id, workflow, tenant, step, model, attempt, outcome,
                          prompt_tokens, completion_tokens, latency_ms, cost_usd, shadow,
-                         created_at)
+                         created_at, cached_tokens, reasoning_tokens)
 SELECT c.job_id, c.workflow, c.tenant, c.step, c.model, c.attempt, c.outcome,
        c.prompt_tokens, c.completion_tokens, c.latency_ms, c.cost_usd, c.shadow,
-       to_timestamp(c.at)
+       to_timestamp(c.at), coalesce(c.cached_tokens, 0), coalesce(c.reasoning_tokens, 0)
   FROM jsonb_to_recordset(%s) AS c (job_id uuid, workflow text, tenant text, step text,
                                     model text, attempt integer, outcome text,
                                     prompt_tokens integer, completion_tokens integer,
                                     latency_ms integer, cost_usd numeric, shadow boolean,
-                                    at double precision)
+                                    at double precision, cached_tokens integer,
+                                    reasoning_tokens integer)
 
 -- name: usage_report
 -- Calls since a time, grouped by tenant, workflow, model or UTC day. A call

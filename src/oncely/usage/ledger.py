@@ -73,6 +73,8 @@ class Call:
     latency_ms: int
     cost_usd: float | None
     at: float = field(default_factory=time.time)
+    cached_tokens: int = 0
+    reasoning_tokens: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -89,6 +91,8 @@ class Call:
             "cost_usd": self.cost_usd,
             "shadow": self.site.shadow,
             "at": self.at,
+            "cached_tokens": self.cached_tokens,
+            "reasoning_tokens": self.reasoning_tokens,
         }
 
 
@@ -146,8 +150,10 @@ class Ledger:
         self._stopping = False
         self._pruned_at = float("-inf")
 
-    def cost(self, model: str, prompt_tokens: int, completion_tokens: int) -> float | None:
-        return self.prices.cost(model, prompt_tokens, completion_tokens)
+    def cost(
+        self, model: str, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0
+    ) -> float | None:
+        return self.prices.cost(model, prompt_tokens, completion_tokens, cached_tokens)
 
     def record(self, call: Call) -> None:
         """Keep ``call`` for the next write (no I/O)."""

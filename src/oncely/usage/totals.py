@@ -8,6 +8,8 @@ from typing import Any
 
 # The counts that add up.
 COUNTS = ("prompt_tokens", "completion_tokens", "model_calls", "model_ms")
+# Counts a provider reports only sometimes: in the sum only once one has them.
+DETAILS = ("cached_tokens", "reasoning_tokens")
 
 
 def summed(usages: Iterable[Mapping[str, Any] | None]) -> dict[str, Any]:
@@ -22,6 +24,9 @@ def summed(usages: Iterable[Mapping[str, Any] | None]) -> dict[str, Any]:
             continue
         for name in COUNTS:
             total[name] += int(usage.get(name, 0))
+        for name in DETAILS:
+            if usage.get(name):
+                total[name] = total.get(name, 0) + int(usage[name])
         part = usage.get("cost_usd")
         cost = None if cost is None or part is None else cost + float(part)
         model = usage.get("model") or model

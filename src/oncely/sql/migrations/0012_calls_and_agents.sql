@@ -25,3 +25,10 @@ ALTER TABLE outbox
 -- name its wake-up is matched on): {"call": topic}, {"approval": {"call_id",
 -- "tool", "arguments"}}, ... NULL for an event or a sleep.
 ALTER TABLE jobs ADD COLUMN waiting_detail jsonb;
+
+-- The ledger's calls: of their prompt tokens, those a provider served from
+-- its cache (priced apart when ONCELY_LLM_PRICES says so), and of their
+-- completion tokens, those spent reasoning (0 when not reported).
+ALTER TABLE model_calls
+    ADD COLUMN cached_tokens integer NOT NULL DEFAULT 0,
+    ADD COLUMN reasoning_tokens integer NOT NULL DEFAULT 0;
