@@ -16,7 +16,6 @@ import uvicorn
 
 from oncely import names
 from oncely.app import App
-from oncely.effects import WebhookEffect
 from oncely.bootstrap.clients import (
     Resources,
     connect_llm,
@@ -38,6 +37,7 @@ from oncely.bootstrap.configs import (
     step_config,
     worker_config,
 )
+from oncely.effects import WebhookEffect
 from oncely.health import HealthConfig, HealthServer
 from oncely.jobs.checkpoints import Checkpoints
 from oncely.jobs.handler import StepConfig, WorkflowHandler
