@@ -25,7 +25,7 @@ from aiohttp import web
 from oncely.errors import DeadlineExceeded, PermanentError, TransientError
 from oncely.fakes.llm import FakeLLMServer
 from oncely.llm import lean, openai_compat
-from oncely.llm.base import Completion, Message, ModelClient, ResponseSchema
+from oncely.llm.base import Completion, Message, ModelClient, ResponseSchema, ToolRequest, ToolSpec
 from oncely.llm.lean import LeanOpenAICompatible
 from oncely.llm.openai_compat import OpenAICompatible
 from oncely.retry import Deadline, RetryEvent, RetryPolicy, call_with_retries, classify
@@ -458,6 +458,174 @@ async def test_unknown_exception_is_not_retried() -> None:
     with pytest.raises(LookupError):
         await complete_with_retries(Broken(), "hi")  # type: ignore[arg-type]
     assert len(calls) == 1
+
+
+# --- tool calls --------------------------------------------------------------------
+
+LOOKUP = ToolSpec(
+    "lookup_order",
+    "Look an order up.",
+    {"type": "object", "properties": {"order_id": {"type": "string"}}},
+)
+
+
+def calling(*calls: tuple[str, str, str], **usage: Any) -> dict[str, Any]:
+    """An answer that calls tools: (id, name, arguments text) each."""
+    message = {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": i, "type": "function", "function": {"name": n, "arguments": a}}
+            for i, n, a in calls
+        ],
+    }
+    choice = {"index": 0, "message": message, "finish_reason": "tool_calls"}
+    return COMPLETION | {"choices": [choice], "usage": usage or {"prompt_tokens": 1}}
+
+
+async def test_tools_and_tool_choice_are_sent_and_tool_calls_read(scripted) -> None:
+    answer = calling(("call_a", "lookup_order", '{"order_id": "A1"}'))
+    async with scripted(Answer(200, answer)) as (server, llm):
+        completion = await llm.complete(HI, 1.0, tools=[LOOKUP], tool_choice="required")
+    assert completion.text == ""
+    assert completion.tool_calls == (ToolRequest("call_a", "lookup_order", '{"order_id": "A1"}'),)
+    body = server.bodies[0]
+    assert body["tools"] == [
+        {
+            "type": "function",
+            "function": {
+                "name": "lookup_order",
+                "description": "Look an order up.",
+                "parameters": LOOKUP.parameters,
+            },
+        }
+    ]
+    assert body["tool_choice"] == "required"
+
+
+async def test_a_tool_named_as_the_choice_is_sent_as_a_function(scripted) -> None:
+    async with scripted(Answer(200, COMPLETION)) as (server, llm):
+        await llm.complete(HI, 1.0, tools=[LOOKUP], tool_choice="lookup_order")
+    assert server.bodies[0]["tool_choice"] == {
+        "type": "function",
+        "function": {"name": "lookup_order"},
+    }
+
+
+async def test_parallel_tool_calls_come_back_in_order(scripted) -> None:
+    answer = calling(
+        ("c1", "lookup_order", '{"order_id": "A1"}'), ("c2", "lookup_order", '{"order_id": "B2"}')
+    )
+    async with scripted(Answer(200, answer)) as (_, llm):
+        completion = await llm.complete(HI, 1.0, tools=[LOOKUP])
+    assert [(c.id, c.arguments) for c in completion.tool_calls] == [
+        ("c1", '{"order_id": "A1"}'),
+        ("c2", '{"order_id": "B2"}'),
+    ]
+
+
+async def test_arguments_that_are_not_json_are_kept_as_sent(scripted) -> None:
+    answer = calling(("c1", "lookup_order", "{order_id: A1"))
+    async with scripted(Answer(200, answer)) as (_, llm):
+        completion = await llm.complete(HI, 1.0, tools=[LOOKUP])
+    assert completion.tool_calls[0].arguments == "{order_id: A1"
+
+
+async def test_a_conversation_with_tool_calls_and_results_goes_out_as_sent(scripted) -> None:
+    call = ToolRequest("c1", "lookup_order", '{"order_id": "A1"}')
+    conversation = [
+        Message("user", "Where is A1?"),
+        Message("assistant", "", tool_calls=(call,)),
+        Message("tool", '{"status": "shipped"}', tool_call_id="c1"),
+    ]
+    async with scripted(Answer(200, COMPLETION)) as (server, llm):
+        await llm.complete(conversation, 1.0, tools=[LOOKUP])
+    assert server.bodies[0]["messages"] == [
+        {"role": "user", "content": "Where is A1?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "c1",
+                    "type": "function",
+                    "function": {"name": "lookup_order", "arguments": '{"order_id": "A1"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": '{"status": "shipped"}'},
+    ]
+
+
+async def test_cached_and_reasoning_tokens_are_read_when_reported(scripted) -> None:
+    usage = {
+        "prompt_tokens": 100,
+        "completion_tokens": 40,
+        "total_tokens": 140,
+        "prompt_tokens_details": {"cached_tokens": 64},
+        "completion_tokens_details": {"reasoning_tokens": 25},
+    }
+    async with scripted(Answer(200, COMPLETION | {"usage": usage})) as (_, llm):
+        completion = await llm.complete(HI, 1.0)
+    assert (completion.cached_tokens, completion.reasoning_tokens) == (64, 25)
+    assert (completion.prompt_tokens, completion.completion_tokens) == (100, 40)
+
+
+async def test_the_fake_calls_scripted_tools_turn_by_turn_then_answers(
+    fake: FakeLLMServer, llm: ModelClient
+) -> None:
+    first = Message(
+        "user",
+        'Check it. [[fake:tool=lookup_order {"order_id": "A1"}]] [[fake:tool=refund {"c": 5}]]',
+    )
+    turn1 = await llm.complete([first], 2.0, tools=[LOOKUP])
+    assert [(c.id, c.name, c.arguments) for c in turn1.tool_calls] == [
+        ("call_1", "lookup_order", '{"order_id": "A1"}')
+    ]
+    answered = [
+        first,
+        Message("assistant", "", tool_calls=turn1.tool_calls),
+        Message("tool", "{}", tool_call_id="call_1"),
+    ]
+    turn2 = await llm.complete(answered, 2.0, tools=[LOOKUP])
+    assert [(c.id, c.name) for c in turn2.tool_calls] == [("call_2", "refund")]
+    done = [
+        *answered,
+        Message("assistant", "", tool_calls=turn2.tool_calls),
+        Message("tool", "{}", tool_call_id="call_2"),
+    ]
+    final = await llm.complete(done, 2.0, tools=[LOOKUP])
+    assert final.tool_calls == () and final.text == "Check it."
+    # Without tools declared, the directives are only text.
+    plain = await llm.complete([first], 2.0)
+    assert plain.tool_calls == ()
+
+
+async def test_the_fake_calls_tools_in_parallel_and_with_bad_arguments(
+    fake: FakeLLMServer, llm: ModelClient
+) -> None:
+    text = (
+        '[[fake:tools=parallel]] [[fake:badargs]] [[fake:tool=a {"x": 1}]] [[fake:tool=b {"y": 2}]]'
+    )
+    turn = await llm.complete([Message("user", text)], 2.0, tools=[LOOKUP])
+    assert [(c.name, c.arguments) for c in turn.tool_calls] == [
+        ("a", "{not json"),
+        ("b", '{"y": 2}'),
+    ]
+    schema = ResponseSchema(
+        "Verdict", {"type": "object", "properties": {"ok": {"type": "boolean"}}}
+    )
+    answered = [
+        Message("user", text),
+        Message("assistant", "", tool_calls=turn.tool_calls),
+        Message("tool", "{}", tool_call_id="call_1"),
+        Message("tool", "{}", tool_call_id="call_2"),
+    ]
+    final = await llm.complete(answered, 2.0, tools=[LOOKUP], schema=schema)
+    assert final.text == '{"ok": false}'
+    async with httpx.AsyncClient(base_url=fake.root_url) as http:
+        recent = (await http.get("/_calls", params={"messages": "1"})).json()["requests"]
+    assert [m["role"] for m in recent[-1]["messages"]] == ["user", "assistant", "tool", "tool"]
 
 
 # --- the adapter against the real fake model server ---------------------------------

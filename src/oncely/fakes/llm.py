@@ -27,6 +27,17 @@ a job's fate is written in its own text and survives redeliveries:
 Without ``*N`` a fault applies to every call. Faults run in the order written:
 ``[[fake:503*2]] [[fake:429*1]]`` answers 503, 503, 429, then a summary.
 
+Tool calls (docs/agents.md), when the request declares ``tools``: each
+``[[fake:tool=NAME {json arguments}]]`` in the conversation's *first* user
+message is one tool call, ``call_<n>`` for the n-th directive. The fake
+answers, turn by turn, the first call not yet answered by a ``tool`` message
+with that ``tool_call_id`` (``[[fake:tools=parallel]]``: all of them in one
+turn), then its usual final answer (text, or JSON for the schema). A name
+the request did not declare is called all the same (an agent must cope).
+``[[fake:badargs]]`` sends the first unanswered call's arguments as text
+that is not JSON. ``GET /_calls?messages=1`` adds ``requests``: the
+messages of the last 100 requests, oldest first.
+
 A whole-provider outage is switched by the test: ``POST /_outage {"fault":
 "503"}`` makes every call answer that fault until ``DELETE /_outage``. With
 ``"model": M`` in either body, only calls asking for model ``M`` (a broken
@@ -87,6 +98,13 @@ _DIRECTIVE = re.compile(
     r"\[\[fake:(?:(?P<fault>429|503|400|hang|drip|badjson)(?:\*(?P<times>\d+))?"
     r"|sleep=(?P<sleep>\d+(?:\.\d+)?))\]\]"
 )
+# Every directive, to take out of an answer (tool calls' JSON included).
+_ANY_DIRECTIVE = re.compile(r"\[\[fake:.*?\]\]")
+_TOOL = re.compile(r"\[\[fake:tool=(?P<name>[A-Za-z0-9_-]+)(?:\s+(?P<args>\{.*?\}))?\]\]")
+_PARALLEL = "[[fake:tools=parallel]]"
+_BAD_ARGS = "[[fake:badargs]]"
+# How many requests' messages ``/_calls?messages=1`` keeps.
+_RECENT = 100
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
 _SUMMARY_SENTENCES = 2
 _SUMMARY_MAX_CHARS = 280
@@ -127,6 +145,11 @@ class _ChatRequest:
     chars: int  # of all messages' text, for the token estimate
     schema: Mapping[str, Any] | None  # from a ``json_schema`` response format
     schema_key: str  # ``schema`` as canonical JSON; "" without one
+    # With tools declared: the first user message (its tool directives) and
+    # the tool calls already answered by a ``tool`` message.
+    tools: bool = False
+    first_user: str = ""
+    answered: frozenset[str] = frozenset()
 
     @property
     def prompt_tokens(self) -> int:
@@ -284,6 +307,8 @@ class FakeModel:
         self.models: dict[str, int] = {}
         self.tokens: dict[str, dict[str, int]] = {}
         self._prompts: dict[str, _Prompt] = {}
+        self._tool_scripts: dict[str, tuple[list[dict[str, Any]], bool, bool]] = {}
+        self.recent: deque[list[Any]] = deque(maxlen=_RECENT)
         self._limit = _RateLimit(*self._limits) if any(self._limits) else None
 
     def stats(self, contains: str | None = None) -> CallStats:
@@ -332,9 +357,11 @@ class FakeModel:
             self.in_flight -= 1
 
     async def _complete(self, request: web.Request, called: list[_Prompt]) -> web.StreamResponse:
-        chat = _parse_request(await request.read())
-        if isinstance(chat, web.Response):
-            return chat
+        parsed = _parse_request(await request.read())
+        if isinstance(parsed, web.Response):
+            return parsed
+        chat, messages = parsed
+        self.recent.append(messages)
         self.models[chat.model] = self.models.get(chat.model, 0) + 1
         refused = self._refuse_over_limit(chat.prompt_tokens)
         if refused is not None:
@@ -360,6 +387,11 @@ class FakeModel:
         elif fault is not None and fault != "slow":
             return await _FAULTS[fault](request)
         else:
+            calls = self._tool_calls(chat)
+            if calls:
+                prompt.billed += 1
+                prompt.billed_ports.append(port)
+                return web.json_response(_tool_completion(chat, calls, self.total))
             try:
                 content = prompt.answer(chat)
             except _InvalidSchema as exc:
@@ -393,6 +425,26 @@ class FakeModel:
             prompt = self._prompts[sha] = _Prompt.parse(sha, text)
         return prompt
 
+    def _tool_calls(self, chat: _ChatRequest) -> list[dict[str, Any]]:
+        """The tool calls this turn answers (none: the final answer)."""
+        if not chat.tools or "[[fake:tool" not in chat.first_user:
+            return []
+        script = self._tool_scripts.get(chat.first_user)
+        if script is None:
+            script = self._tool_scripts[chat.first_user] = _tool_script(chat.first_user)
+        calls, parallel, bad_args = script
+        pending = [c for c in calls if c["id"] not in chat.answered]
+        if not pending:
+            return []
+        turn = pending if parallel else pending[:1]
+        if bad_args:
+            first = turn[0]
+            turn = [
+                {**first, "function": {**first["function"], "arguments": "{not json"}},
+                *turn[1:],
+            ]
+        return turn
+
     def _random_fault(self, sha256: str, call: int) -> RandomFault | None:
         kind = self.random.draw(sha256, call)
         if kind is not None:
@@ -400,7 +452,10 @@ class FakeModel:
         return cast(RandomFault | None, kind)
 
     async def calls(self, request: web.Request) -> web.Response:
-        return web.json_response(self.stats(request.query.get("contains")).to_json())
+        body = self.stats(request.query.get("contains")).to_json()
+        if request.query.get("messages"):
+            body["requests"] = [{"messages": m} for m in self.recent]
+        return web.json_response(body)
 
     async def reset_route(self, request: web.Request) -> web.Response:
         self.reset()
@@ -440,19 +495,27 @@ def _with_fault_rate(faults: Mapping[str, float], fault_rate: float) -> dict[str
     return rates
 
 
-def _parse_request(raw: bytes) -> _ChatRequest | web.Response:
-    """What the fake needs from a request, or the 400 a real provider would send."""
+def _parse_request(raw: bytes) -> tuple[_ChatRequest, list[Any]] | web.Response:
+    """What the fake needs from a request, with its messages as sent, or the
+    400 a real provider would send."""
     try:
         body = json.loads(raw)
         messages = [(m["role"], _text(m.get("content"))) for m in body["messages"]]
         text = next(content for role, content in reversed(messages) if role == "user")
         schema = _response_schema(body.get("response_format"))
+        tools = bool(body.get("tools"))
+        first = next(content for role, content in messages if role == "user") if tools else ""
+        answered = frozenset(
+            str(m.get("tool_call_id")) for m in body["messages"] if m["role"] == "tool"
+        )
     except (ValueError, KeyError, TypeError, AttributeError, StopIteration):
         return _error(400, "expected a JSON body with a user message", "invalid_request_error")
     chars = sum(len(content) for _, content in messages)
     # Interned: the answer caches of all prompts asked with one schema share one key.
     schema_key = "" if schema is None else sys.intern(json.dumps(schema, sort_keys=True))
-    return _ChatRequest(str(body.get("model", "oncely-fake")), text, chars, schema, schema_key)
+    model = str(body.get("model", "oncely-fake"))
+    chat = _ChatRequest(model, text, chars, schema, schema_key, tools, first, answered)
+    return chat, body["messages"]
 
 
 def _text(content: object) -> str:
@@ -486,7 +549,7 @@ def _subject(text: str) -> str:
 
 def summarise(text: str, sentences: int = _SUMMARY_SENTENCES) -> str:
     """Extractive: the first sentences of the subject, directives removed."""
-    words = " ".join(_DIRECTIVE.sub(" ", _subject(text)).split())
+    words = " ".join(_ANY_DIRECTIVE.sub(" ", _subject(text)).split())
     summary = " ".join(_SENTENCE_END.split(words)[:sentences])
     if len(summary) > _SUMMARY_MAX_CHARS:
         summary = summary[: _SUMMARY_MAX_CHARS - 1].rstrip() + "…"
@@ -646,6 +709,46 @@ def _least_number(schema: _Schema, *, integer: bool) -> float:
 
 def _completion_tokens(content: str) -> int:
     return len(content) // _CHARS_PER_TOKEN + 1
+
+
+def _tool_script(text: str) -> tuple[list[dict[str, Any]], bool, bool]:
+    """The tool calls ``[[fake:tool=…]]`` directives script, in order (ids
+    ``call_<n>``), and whether they come at once and with bad arguments."""
+    calls = []
+    for number, match in enumerate(_TOOL.finditer(text), start=1):
+        arguments = match["args"] or "{}"
+        calls.append(
+            {
+                "id": f"call_{number}",
+                "type": "function",
+                "function": {"name": match["name"], "arguments": arguments},
+            }
+        )
+    return calls, _PARALLEL in text, _BAD_ARGS in text
+
+
+def _tool_completion(
+    chat: _ChatRequest, calls: list[dict[str, Any]], number: int
+) -> dict[str, object]:
+    completion_tokens = sum(len(c["function"]["arguments"]) for c in calls) // 4 + 1
+    return {
+        "id": f"chatcmpl-fake-{number}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": chat.model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": None, "tool_calls": calls},
+                "finish_reason": "tool_calls",
+            }
+        ],
+        "usage": {
+            "prompt_tokens": chat.prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": chat.prompt_tokens + completion_tokens,
+        },
+    }
 
 
 def _completion(chat: _ChatRequest, content: str, number: int) -> dict[str, object]:
