@@ -37,6 +37,7 @@ _EXPORTS = {
     "JobRecord": "oncely.jobs.store",
     "Emitted": "oncely.journal",
     "InvalidOutput": "oncely.llm.model",
+    "ToolSpec": "oncely.llm.base",
     "Model": "oncely.llm.model",
     "Reply": "oncely.llm.model",
     "ToolCall": "oncely.llm.model",
@@ -89,6 +90,7 @@ __all__ = [
     "ToolCall",
     "ToolCallRecord",
     "ToolContext",
+    "ToolSpec",
     "TransientError",
     "Usage",
     "UsageView",
@@ -112,6 +114,7 @@ if TYPE_CHECKING:
     from oncely.errors import CallFailed, DeadlineExceeded, PermanentError, TransientError
     from oncely.jobs.store import JobRecord
     from oncely.journal import Emitted
+    from oncely.llm.base import ToolSpec
     from oncely.llm.model import InvalidOutput, Model, Reply, ToolCall, Usage
     from oncely.retry import Deadline, RetryPolicy
     from oncely.shadow.evaluate import Evaluation, ModelJudge, field_agreement

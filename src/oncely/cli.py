@@ -640,6 +640,54 @@ def jobs_cancel(
         raise typer.Exit(EXIT_FAILED)
 
 
+@jobs_app.command("approve")
+def jobs_approve(
+    job_id: Annotated[str, typer.Argument(help="The job's id.")],
+    call_id: Annotated[str, typer.Argument(help="The tool call it waits on (jobs show).")],
+    reject: Annotated[bool, typer.Option("--reject", help="Reject it instead.")] = False,
+    reason: Annotated[str | None, typer.Option("--reason", help="Why (the model is told).")] = None,
+    arguments: Annotated[
+        str | None, typer.Option("--arguments", help="Edited arguments, as a JSON object.")
+    ] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Approve (or --reject) a tool call an agent's job waits on: the job
+    resumes. Exit 1 if it was decided otherwise before or the job is
+    finished, 3 if there is no such job or pending call."""
+    from oncely.ops import decide_approval
+
+    parsed = _job_id(job_id)
+    decision: dict[str, Any] = {"approved": not reject}
+    if reason is not None:
+        decision["reason"] = reason
+    if arguments is not None:
+        try:
+            edited = json.loads(arguments)
+        except ValueError:
+            edited = None
+        if not isinstance(edited, dict):
+            err.print("--arguments must be a JSON object", style="red")
+            raise typer.Exit(EXIT_USAGE)
+        decision["arguments"] = edited
+    outcome = _run(decide_approval(_settings(), parsed, call_id, decision))
+    if outcome is None or outcome.outcome == "missing":
+        err.print(f"no job {parsed} waiting on tool call {literal(repr(call_id))}", style="red")
+        raise typer.Exit(EXIT_NOT_FOUND)
+    if outcome.outcome in ("conflict", "finished"):
+        why = (
+            "it was decided otherwise before"
+            if outcome.outcome == "conflict"
+            else (f"the job is {outcome.status}")
+        )
+        err.print(f"not decided: {why}", style="red")
+        raise typer.Exit(EXIT_FAILED)
+    status = "rejected" if reject else "approved"
+    if as_json:
+        _print_json({"job_id": str(parsed), "call_id": call_id, "status": status})
+    else:
+        sys.stdout.write(f"{parsed} {call_id} {status}\n")
+
+
 @jobs_app.command("rewind")
 def jobs_rewind(
     job_id: Annotated[str, typer.Argument(help="The job's id (dead or cancelled).")],

@@ -11,12 +11,13 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import asdict
 from datetime import UTC, datetime
+from typing import Any
 
 from oncely.app import App
 from oncely.bootstrap.clients import budgets, jobs_for, open_resources, shadow_streams
 from oncely.bootstrap.configs import app_from
 from oncely.jobs import dead_letters
-from oncely.jobs.checkpoints import Cancelled, Checkpoints, Rewound
+from oncely.jobs.checkpoints import Cancelled, Checkpoints, EventOutcome, Rewound
 from oncely.jobs.inspection import UNREPORTED_NOTE, JobInspection, inspect_job
 from oncely.jobs.store import Jobs
 from oncely.outbox.store import OutboxRow, OutboxStore
@@ -253,6 +254,21 @@ async def cancel_job(
     named); what it was, or None if there is no such job."""
     async with _jobs(settings, [workflow] if workflow else None) as jobs:
         return await Checkpoints(jobs).cancel(job_id, kind=workflow)
+
+
+async def decide_approval(
+    settings: Settings, job_id: uuid.UUID, call_id: str, decision: dict[str, Any]
+) -> EventOutcome | None:
+    """A person's decision on a tool call the job waits on, as the API takes
+    it (``oncely.api.approvals``): stored, and the job queued again. None:
+    no such job."""
+    from oncely.jobs.approvals import decide
+
+    async with _jobs(settings) as jobs:
+        outcome = await decide(Checkpoints(jobs), job_id, call_id, decision)
+        if outcome is not None and outcome.resumed is not None:
+            await jobs.restore(outcome.resumed)
+        return outcome
 
 
 async def rewind_job(settings: Settings, job_id: uuid.UUID, key: str) -> Rewound | None:

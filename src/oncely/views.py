@@ -147,6 +147,14 @@ def waiting_of(record: JobRecord) -> dict[str, Any]:
     return {"event": record.waiting_for, "until": record.wait_until}
 
 
+def pending_approval(record: JobRecord) -> dict[str, Any] | None:
+    """The tool call a waiting job waits on a decision for, if it does."""
+    if record.status != "waiting" or not record.waiting_detail:
+        return None
+    approval = record.waiting_detail.get("approval")
+    return dict(approval) if isinstance(approval, dict) else None
+
+
 def waited_on(record: JobRecord) -> str:
     """What a waiting job waits on, in words (the console and the CLI)."""
     detail = record.waiting_detail or {}
@@ -170,13 +178,10 @@ def _steps(steps: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
 
 
 def tool_of(key: str, kind: str) -> str | None:
-    """The tool an agent's checkpoint ran (``support/refund#2`` → ``refund``;
-    an approval's ``support/refund.approval`` → ``refund``); None for other
-    kinds, and for a call made outside an agent."""
-    scope, _, name = key.rpartition("/")
-    name = name.partition("#")[0]
-    if kind == "tool" or (kind == "call" and scope):
-        return name
-    if kind == "approval":
-        return name.removesuffix(".approval")
-    return None
+    """The tool an agent's checkpoint belongs to: a tool call's checkpoints
+    are ``<agent>/<tool>/tool|call|approval`` (``support/refund#2/call`` →
+    ``refund``); None for any other checkpoint."""
+    parts = key.split("/")
+    if kind not in ("tool", "call", "approval") or len(parts) < 2 or parts[-1] != kind:
+        return None
+    return parts[-2].partition("#")[0]

@@ -38,7 +38,9 @@ from oncely.llm.routing import parse_models
 from oncely.views import JobView
 
 if TYPE_CHECKING:
+    from oncely.agent import Agent
     from oncely.shadow.evaluate import Evaluator, ModelJudge
+    from oncely.tools import Tool
 
 RequestT = TypeVar("RequestT", bound=BaseModel)
 ResultT = TypeVar("ResultT", bound=BaseModel)
@@ -100,25 +102,16 @@ class Workflow(Generic[RequestT, ResultT]):
     # ``name`` or ``name@base_url`` (docs/model-routing.md); None: those of
     # ONCELY_LLM_FALLBACKS, [] none at all.
     fallbacks: Sequence[str] | None = None
+    # The agents its step runs (oncely.Agent): their call tools' topics are
+    # checked against ``effects``, and a person's edited arguments for an
+    # approval tool are checked at the API (docs/agents.md).
+    agents: Sequence[Agent] = ()
     topics: frozenset[str] = field(init=False)
     # The topics that are calls that answer, with what their answer validates as.
     calls: Mapping[str, type[BaseModel] | bool] = field(init=False)
 
     def __post_init__(self) -> None:
-        if not _NAME.match(self.name):
-            raise ValueError(
-                f"workflow name {self.name!r}: 1-40 of a-z, 0-9 and _, starting with a letter"
-            )
-        if not _ROUTE.match(self.route):
-            raise ValueError(f"workflow {self.name!r}: route {self.route!r} must look like /v1/x")
-        topics = [e.topic for e in self.effects]
-        if len(set(topics)) != len(topics):
-            raise ValueError(f"workflow {self.name!r} declares a topic twice")
-        variants = [v.name for v in self.variants]
-        if len(set(variants)) != len(variants) or PRIMARY in variants:
-            raise ValueError(
-                f"workflow {self.name!r}: variant names must be unique, not {PRIMARY!r}"
-            )
+        self._check_names()
         for event, model in self.events.items():
             check_name(event)
             if not (isinstance(model, type) and issubclass(model, BaseModel)):
@@ -134,13 +127,48 @@ class Workflow(Generic[RequestT, ResultT]):
         object.__setattr__(self, "events", dict(self.events))
         object.__setattr__(self, "effects", tuple(self.effects))
         object.__setattr__(self, "variants", tuple(self.variants))
-        object.__setattr__(self, "topics", frozenset(topics))
+        object.__setattr__(self, "topics", frozenset(e.topic for e in self.effects))
         calls = {
             e.topic: e.returns
             for e in self.effects
             if isinstance(e, WebhookEffect) and e.returns is not None
         }
         object.__setattr__(self, "calls", calls)
+        object.__setattr__(self, "agents", tuple(self.agents))
+        self._check_agents()
+
+    def _check_names(self) -> None:
+        if not _NAME.match(self.name):
+            raise ValueError(
+                f"workflow name {self.name!r}: 1-40 of a-z, 0-9 and _, starting with a letter"
+            )
+        if not _ROUTE.match(self.route):
+            raise ValueError(f"workflow {self.name!r}: route {self.route!r} must look like /v1/x")
+        topics = [e.topic for e in self.effects]
+        if len(set(topics)) != len(topics):
+            raise ValueError(f"workflow {self.name!r} declares a topic twice")
+        variants = [v.name for v in self.variants]
+        if len(set(variants)) != len(variants) or PRIMARY in variants:
+            raise ValueError(
+                f"workflow {self.name!r}: variant names must be unique, not {PRIMARY!r}"
+            )
+
+    def _check_agents(self) -> None:
+        for agent in self.agents:
+            missing = sorted(agent.topics - set(self.calls))
+            if missing:
+                raise ValueError(
+                    f"workflow {self.name!r}: agent {agent.name!r} calls {', '.join(missing)}:"
+                    " declare each with webhook(topic, returns=...)"
+                )
+
+    def approval_tool(self, name: str) -> Tool | None:
+        """The approval tool ``name`` of one of the workflow's agents."""
+        for agent in self.agents:
+            found = agent.tools.get(name)
+            if found is not None and found.approval:
+                return found
+        return None
 
     @property
     def keys(self) -> names.WorkflowKeys:

@@ -100,6 +100,18 @@ def event_already_received(job_id: str, event: str) -> JSONResponse:
     )
 
 
+def approval_already_decided(job_id: str, call_id: str) -> JSONResponse:
+    """409: another decision on that tool call was received before."""
+    return problem(
+        409,
+        "approval-already-decided",
+        "Approval already decided",
+        f"the tool call {call_id!r} was decided otherwise before",
+        job_id=job_id,
+        call_id=call_id,
+    )
+
+
 def problem_schema(description: str) -> dict[str, Any]:
     """An OpenAPI ``responses`` entry for a problem+json answer."""
     return {

@@ -22,6 +22,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from oncely import metrics, tracing
+from oncely.api.approvals import add_approval_route
 from oncely.api.idempotency import (
     HEADER_PARAMETERS,
     IDEMPOTENCY_RESPONSES,
@@ -108,6 +109,8 @@ def add_workflow_routes(
     _add_cancel(router, workflow, control, tenant)
     for event, model in workflow.events.items():
         _add_event(router, workflow, event, model, jobs, control, event_idempotent or idempotent)
+    if any(t.approval for agent in workflow.agents for t in agent.tools.values()):
+        add_approval_route(router, workflow, jobs, control, event_idempotent or idempotent)
 
 
 @dataclass(frozen=True)

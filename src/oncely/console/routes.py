@@ -23,12 +23,13 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from jinja2 import Environment, PackageLoader, select_autoescape
 
 from oncely.console.session import COOKIE, SESSION_S, ConsoleKey, Sessions
-from oncely.jobs import dead_letters
+from oncely.jobs import approvals, dead_letters
+from oncely.jobs.checkpoints import Checkpoints
 from oncely.jobs.inspection import UNREPORTED_NOTE, inspect_job
 from oncely.jobs.store import JOB_STATUSES, Jobs
 from oncely.outbox.store import OutboxStore
 from oncely.usage import ledger
-from oncely.views import waited_on
+from oncely.views import pending_approval, waited_on
 
 if TYPE_CHECKING:
     from oncely.api.clients import Host
@@ -134,6 +135,7 @@ def console_router(api: Host, key: str) -> APIRouter:
     _add_login(router, console)
     _add_overview(router, console)
     _add_jobs(router, console)
+    _add_approvals(router, console)
     _add_dead_letters(router, console)
     _add_usage(router, console)
     _add_outbox(router, console)
@@ -246,7 +248,7 @@ def _add_jobs(router: APIRouter, console: Console) -> None:
         )
 
     @router.get("/workflows/{workflow}/jobs/{job_id}")
-    async def job_page(request: Request, workflow: str, job_id: str) -> Response:
+    async def job_page(request: Request, workflow: str, job_id: str, decided: str = "") -> Response:
         session = await console.session(request)
         if session is None:
             return _to_login()
@@ -271,7 +273,37 @@ def _add_jobs(router: APIRouter, console: Console) -> None:
             outbox=view.outbox,
             checkpoints=view.checkpoints,
             waited_on=waited_on(view.job),
+            approval=pending_approval(view.job),
+            decided=decided,
         )
+
+
+def _add_approvals(router: APIRouter, console: Console) -> None:
+    @router.post("/workflows/{workflow}/jobs/{job_id}/approvals/{call_id}")
+    async def decide_call(request: Request, workflow: str, job_id: str, call_id: str) -> Response:
+        session = await console.session(request)
+        if session is None:
+            return _to_login()
+        form = await _form(request)
+        if not console.key.csrf_ok(session, form.get("csrf")):
+            return console.page("forbidden.html", session, http_status=403)
+        try:
+            parsed = uuid.UUID(job_id)
+        except ValueError:
+            return console.not_found("job", session)
+        if workflow not in console.workflows:
+            return console.not_found("job", session)
+        decision: dict[str, Any] = {"approved": form.get("decision") == "approve"}
+        if form.get("reason"):
+            decision["reason"] = form["reason"]
+        checkpoints = Checkpoints(console.jobs)
+        outcome = await approvals.decide(checkpoints, parsed, call_id, decision, kind=workflow)
+        if outcome is not None and outcome.resumed is not None:
+            await console.jobs.restore(outcome.resumed)
+        found = outcome is not None and outcome.outcome in ("received", "duplicate")
+        log.info("console.approval_decided", job_id=job_id, decided=found)
+        state = ("approved" if decision["approved"] else "rejected") if found else "not-pending"
+        return _redirect(f"/console/workflows/{workflow}/jobs/{job_id}", decided=state)
 
 
 def _add_dead_letters(router: APIRouter, console: Console) -> None:

@@ -220,9 +220,13 @@ class Checkpoints:
         event: str,
         payload: Any,
         fingerprint: str,
+        *,
+        awaited: bool = False,
     ) -> EventOutcome:
         """Store ``event`` for the job; if the job waits for it, end the wait
-        and queue the job again (the caller enqueues ``resumed``)."""
+        and queue the job again (the caller enqueues ``resumed``). With
+        ``awaited`` (a decision on an approval), an event the job does not
+        wait for now is ``missing``, not kept."""
         params = {
             "job_id": job_id,
             "tenant": tenant,
@@ -246,12 +250,23 @@ class Checkpoints:
             if status in FINISHED:
                 return EventOutcome("finished", status)
             resume = status == "waiting" and waiting_for == event
+            if awaited and not resume:
+                return EventOutcome("missing")
             cur = await conn.execute(query("receive_event"), {**params, "resume": resume})
             row = await cur.fetchone()
             resumed = None if row is None else JobSpec(str(row[0]), row[1], row[2], row[3])
             return EventOutcome("received", status, resumed)
 
         return await run_transaction(self.pool, work, timeout_s=self.jobs.statement_timeout_s)
+
+    async def waiting_detail(
+        self, kind: str, job_id: uuid.UUID, tenant: str
+    ) -> tuple[str | None, dict[str, Any] | None]:
+        """What the tenant's job waits on now: its wake-up's name and detail
+        (both None when it does not wait)."""
+        params = {"job_id": job_id, "tenant": tenant, "kind": kind}
+        rows = (await self._run("job_waiting_detail", params)).rows
+        return (rows[0][0], rows[0][1]) if rows else (None, None)
 
     async def resume_due(self, limit: int = 500, ids: list[str] | None = None) -> list[JobSpec]:
         """Queue waiting jobs whose time has come (of ``ids`` only, when

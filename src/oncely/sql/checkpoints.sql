@@ -236,3 +236,8 @@ SELECT name, payload FROM job_events WHERE job_id = %(job_id)s
 
 -- name: waiting_jobs_by_kind
 SELECT kind, count(*) FROM jobs WHERE status = 'waiting' GROUP BY kind
+
+-- name: job_waiting_detail
+-- What a waiting job of this tenant and workflow waits on (none: no rows).
+SELECT waiting_for, waiting_detail FROM jobs
+ WHERE job_id = %(job_id)s AND tenant = %(tenant)s AND kind = %(kind)s AND status = 'waiting'
