@@ -246,7 +246,7 @@ class Agent:
             args = tool.args.model_validate(call.arguments)
         except ValidationError as exc:
             return _error(call, f"invalid arguments: {short_errors(exc)}")
-        if tool.approval:
+        if tool.needs_approval(args):
             decision = await self._approval(ctx, call, tool)
             if not decision.approved:
                 reason = decision.reason or "rejected by a person"

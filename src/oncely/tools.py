@@ -15,7 +15,8 @@ its arguments):
   that dedupes on the key.
 
 ``approval=True`` on either makes the agent wait for a person's decision
-before the tool runs.
+before the tool runs; a function of the validated arguments
+(``approval=lambda args: args.cents > 5000``) asks only when it says so.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ class Tool:
     args: type[BaseModel]
     fn: Callable[..., Any] | None = None
     topic: str | None = None
-    approval: bool = False
+    approval: bool | Callable[[Any], bool] = False
     # The parameter a ToolContext is passed as (function tools).
     context_param: str | None = None
 
@@ -73,6 +74,10 @@ class Tool:
             )
         if (self.fn is None) == (self.topic is None):
             raise ValueError(f"tool {self.name!r}: a function or a call topic, not both")
+
+    def needs_approval(self, args: BaseModel) -> bool:
+        """Whether this call waits for a person first."""
+        return self.approval(args) if callable(self.approval) else bool(self.approval)
 
     @property
     def parameters(self) -> dict[str, Any]:
@@ -92,7 +97,10 @@ class Tool:
 def tool(fn: Callable[..., Any], /) -> Tool: ...
 @overload
 def tool(
-    *, name: str | None = None, description: str | None = None, approval: bool = False
+    *,
+    name: str | None = None,
+    description: str | None = None,
+    approval: bool | Callable[[Any], bool] = False,
 ) -> Callable[[Callable[..., Any]], Tool]: ...
 def tool(
     fn: Callable[..., Any] | None = None,
@@ -100,7 +108,7 @@ def tool(
     *,
     name: str | None = None,
     description: str | None = None,
-    approval: bool = False,
+    approval: bool | Callable[[Any], bool] = False,
 ) -> Tool | Callable[[Callable[..., Any]], Tool]:
     """A function tool: ``@oncely.tool`` or ``@oncely.tool(approval=True)``.
     Its name is the function's (or ``name=``), its description the
@@ -125,7 +133,7 @@ def call_tool(
     args: type[BaseModel],
     description: str,
     name: str | None = None,
-    approval: bool = False,
+    approval: bool | Callable[[Any], bool] = False,
 ) -> Tool:
     """A tool that is a call that answers: the model's arguments, validated
     by ``args``, are sent to ``topic``'s receiver (declare it with

@@ -1,0 +1,93 @@
+"""Unit tests of the support agent with oncely.testing: no Redis, no
+PostgreSQL, no model. The model's turns are scripted (a turn that calls
+tools is ``ToolCalls``), so is the refund service's answer and a person's
+decision; each path, and a crash in the middle of the run."""
+
+from __future__ import annotations
+
+from examples.support_agent import workflow
+from oncely import ApprovalDecision
+from oncely.testing import ProviderError, ToolCalls, run_step
+
+TEAPOT = {"customer": "ada@example.com", "message": "My teapot, order A-1001, arrived broken."}
+REFUNDED = {"ok": True, "id": "evt_1", "data": {}}
+
+
+async def test_a_small_refund_is_made_at_once_and_the_customer_gets_one_email() -> None:
+    run = await run_step(
+        workflow,
+        TEAPOT,
+        answers=[
+            ToolCalls(("lookup_order", {"order_id": "A-1001"})),
+            ToolCalls(("refund", {"order_id": "A-1001", "cents": 4200, "reason": "broken"})),
+            "Sorry about the teapot: we refunded 42.00.",
+        ],
+        calls={"refund.issue": REFUNDED},
+    )
+    assert run.result.refunded_cents == 4200
+    assert run.result.tool_calls == ["lookup_order:ok", "refund:ok"]
+    assert run.steps == (
+        "support/model",
+        "support/lookup_order/tool",
+        "support/model#2",
+        "support/refund/call",
+        "support/model#3",
+    )
+    assert [e.topic for e in run.emitted] == ["support.reply"]
+
+
+async def test_a_large_refund_waits_for_a_person_and_a_rejection_refunds_nothing() -> None:
+    chair = {"customer": "bo@example.com", "message": "The armchair A-1002 is the wrong colour."}
+    script = [
+        ToolCalls(("lookup_order", {"order_id": "A-1002"})),
+        ToolCalls(("refund", {"order_id": "A-1002", "cents": 38900, "reason": "wrong item"})),
+        "A colleague will look at your refund.",
+    ]
+    rejected = await run_step(
+        workflow, chair, answers=script, approvals={"refund": ApprovalDecision(approved=False)}
+    )
+    assert rejected.result.refunded_cents == 0
+    assert rejected.result.tool_calls == ["lookup_order:ok", "refund:rejected"]
+    assert "support/refund/call" not in rejected.steps
+    assert [e.topic for e in rejected.emitted] == ["approval.requested", "support.reply"]
+
+    approved = await run_step(
+        workflow,
+        chair,
+        answers=script,
+        calls={"refund.issue": REFUNDED},
+        approvals={"refund": True},
+    )
+    assert approved.result.refunded_cents == 38900
+
+
+async def test_an_unknown_order_and_a_refused_refund_are_told_to_the_model() -> None:
+    run = await run_step(
+        workflow,
+        {"customer": "cy@example.com", "message": "Refund order Z-1 please."},
+        answers=[
+            ToolCalls(("lookup_order", {"order_id": "Z-1"})),
+            ToolCalls(("refund", {"order_id": "A-1001", "cents": 100, "reason": "x"})),
+            "I could not find that order.",
+        ],
+        calls={"refund.issue": ProviderError(422)},
+    )
+    assert run.result.tool_calls == ["lookup_order:error", "refund:error"]
+    told = [m.content for m in run.calls[-1].messages if m.role == "tool"]
+    assert "no order 'Z-1'" in told[0] and "refused" in told[1]
+
+
+async def test_a_crash_after_the_refund_call_repeats_nothing() -> None:
+    run = await run_step(
+        workflow,
+        TEAPOT,
+        answers=[
+            ToolCalls(("lookup_order", {"order_id": "A-1001"})),
+            ToolCalls(("refund", {"order_id": "A-1001", "cents": 4200, "reason": "broken"})),
+            "Refunded.",
+        ],
+        calls={"refund.issue": REFUNDED},
+        crash_after="support/refund/call",
+    )
+    assert run.result.refunded_cents == 4200
+    assert run.model_calls == 3, "no turn paid for twice"

@@ -1,0 +1,231 @@
+"""The support agent (examples/support_agent.py) through real `oncely api`,
+`worker` and `relay` processes, the fake model and the fake receiver: each
+turn paid once, the refund sent once and answered, an approval through the
+API; and a soak that SIGKILLs workers and relays while agents run
+(docs/agents.md)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import signal
+from typing import Any
+
+import httpx
+import pytest
+
+from oncely.api.auth import create_api_key
+from oncely.senders.webhook import verify
+from tests.processes import free_port, running, start, wait_for, wait_healthy
+from tests.test_workflows_processes import SECRET, deployment_env, processes, providers, scalar
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+
+__all__ = ["providers"]
+
+APP = "examples.support_agent:app"
+LOOKUP = '[[fake:tool=lookup_order {"order_id": "A-1001"}]]'
+
+
+def refund(order: str, cents: int) -> str:
+    args = json.dumps({"order_id": order, "cents": cents, "reason": "broken"})
+    return f"[[fake:tool=refund {args}]]"
+
+
+def request(text: str) -> dict[str, str]:
+    return {"customer": "ada@example.com", "message": text}
+
+
+async def done(client: httpx.AsyncClient, job_id: str) -> dict[str, Any]:
+    view: dict[str, Any] = {}
+
+    async def finished() -> bool:
+        nonlocal view
+        view = (await client.get(f"/v1/support/{job_id}")).json()
+        return view["status"] in ("done", "dead")
+
+    await wait_for(finished, within_s=120, what=f"job {job_id} finished")
+    return view
+
+
+async def test_an_agent_looks_up_refunds_once_and_replies(
+    redis_url, database_url, pool, providers, tmp_path
+):
+    model, mail = providers
+    key = await create_api_key(pool, "acme")
+    port = free_port()
+    env = deployment_env(redis_url, database_url, model, mail)
+    procs = processes(env, tmp_path, port, app=APP)
+    base = f"http://127.0.0.1:{port}"
+    with running(*procs):
+        await wait_healthy(base, procs[0], tmp_path / "api.log")
+        async with httpx.AsyncClient(
+            base_url=base, headers={"Authorization": f"Bearer {key}"}
+        ) as client:
+            text = f"My teapot A-1001 broke. {LOOKUP} {refund('A-1001', 4200)}"
+            posted = await client.post(
+                "/v1/support",
+                json=request(text),
+                headers={"Idempotency-Key": "agent-end-to-end-0001"},
+            )
+            assert posted.status_code == 202, posted.text
+            job_id = posted.json()["job_id"]
+            view = await done(client, job_id)
+
+            async def replied() -> bool:
+                return (await mail.deliveries())["effects"] == 2
+
+            await wait_for(replied, what="the refund and the reply")
+
+    assert view["status"] == "done", view
+    assert view["result"]["refunded_cents"] == 4200
+    assert view["result"]["tool_calls"] == ["lookup_order:ok", "refund:ok"]
+    assert [s["kind"] for s in view["steps"]] == ["model", "tool", "model", "call", "model"]
+    assert model.stats().total == 3, "one model call per turn"
+    by_key = (await mail.deliveries())["by_key"]
+    assert by_key[f"refund.issue:{job_id}:support/refund/call"] == 1
+    events = [
+        json.loads(line)
+        for line in (tmp_path / "mailbox.jsonl").read_text().splitlines()
+        if '"kind": "event"' in line
+    ]
+    [call] = [e for e in events if e["type"] == "refund.issue"]
+    assert verify(SECRET, call["headers"], call["body"].encode())
+    assert call["data"]["cents"] == 4200
+    assert await scalar(pool, "SELECT answer->>'ok' FROM outbox WHERE call_key IS NOT NULL") == (
+        "true"
+    )
+
+
+async def test_a_large_refund_is_approved_through_the_api(
+    redis_url, database_url, pool, providers, tmp_path
+):
+    model, mail = providers
+    key = await create_api_key(pool, "acme")
+    port = free_port()
+    env = deployment_env(redis_url, database_url, model, mail)
+    procs = processes(env, tmp_path, port, app=APP)
+    base = f"http://127.0.0.1:{port}"
+    with running(*procs):
+        await wait_healthy(base, procs[0], tmp_path / "api.log")
+        async with httpx.AsyncClient(
+            base_url=base, headers={"Authorization": f"Bearer {key}"}
+        ) as client:
+            text = f"Wrong armchair. {refund('A-1002', 38900)}"
+            posted = await client.post(
+                "/v1/support",
+                json=request(text),
+                headers={"Idempotency-Key": "agent-end-to-end-0002"},
+            )
+            job_id = posted.json()["job_id"]
+
+            async def waiting() -> bool:
+                view = (await client.get(f"/v1/support/{job_id}")).json()
+                return view["status"] == "waiting" and "approval" in (view["waiting"] or {})
+
+            await wait_for(waiting, what="the approval wait")
+            by_key = (await mail.deliveries())["by_key"]
+            assert not [k for k in by_key if k.startswith("refund.issue")], "nothing sent yet"
+            decided = await client.post(
+                f"/v1/support/{job_id}/approvals/call_1",
+                json={"approved": True},
+                headers={"Idempotency-Key": "agent-e2e-approve-0002"},
+            )
+            assert decided.status_code == 202, decided.text
+            view = await done(client, job_id)
+    assert view["result"]["refunded_cents"] == 38900
+    refunds = [k for k in (await mail.deliveries())["by_key"] if k.startswith("refund.issue")]
+    assert refunds == [f"refund.issue:{job_id}:support/refund/call"]
+
+
+@pytest.mark.soak
+async def test_agents_survive_sigkilled_workers_and_relays_with_each_refund_once(
+    redis_url, database_url, pool, providers, tmp_path
+):
+    """Thirty agents, each a lookup and a refund; workers and relays killed
+    with SIGKILL and restarted every second or so meanwhile. Every job ends
+    done, every refund reaches the receiver's effects once (one webhook-id
+    per job), and no answered turn is paid for twice beyond one per kill."""
+    model, mail = providers
+    key = await create_api_key(pool, "acme")
+    port = free_port()
+    env = deployment_env(
+        redis_url,
+        database_url,
+        model,
+        mail,
+        ONCELY_CLAIM_IDLE_MS="1500",
+        ONCELY_RELAY_LEASE_S="3",
+        ONCELY_RECONCILE_AFTER_S="3",
+        ONCELY_LLM_TIMEOUT_S="5",
+        ONCELY_REDELIVERY_BASE_S="0.5",
+        ONCELY_REDELIVERY_MAX_S="2",
+    )
+    api = start(["--app", APP, "api", "--port", str(port)], env, tmp_path / "api.log")
+    logs = iter(range(1000))
+
+    def spawn(kind: str) -> Any:
+        return start(["--app", APP, kind], env, tmp_path / f"{kind}{next(logs)}.log")
+
+    fleet = {"worker": [spawn("worker"), spawn("worker")], "relay": [spawn("relay")]}
+    rng = random.Random(7)
+    kills = 0
+    base = f"http://127.0.0.1:{port}"
+    try:
+        await wait_healthy(base, api, tmp_path / "api.log")
+        async with httpx.AsyncClient(
+            base_url=base, headers={"Authorization": f"Bearer {key}"}
+        ) as client:
+            ids = []
+            for i in range(30):
+                text = (
+                    f"Order A-1001, case {i}. [[fake:sleep=1]] {LOOKUP} {refund('A-1001', 100 + i)}"
+                )
+                r = await client.post(
+                    "/v1/support", json=request(text), headers={"Idempotency-Key": f"soak-{i:012}"}
+                )
+                assert r.status_code == 202, r.text
+                ids.append(r.json()["job_id"])
+
+            async def all_done() -> bool:
+                found = await scalar(
+                    pool,
+                    "SELECT count(*) FROM jobs WHERE status = 'done' AND job_id = ANY(%s::uuid[])",
+                    ids,
+                )
+                return bool(found == len(ids))
+
+            for _ in range(20):
+                if await all_done():
+                    break
+                await asyncio.sleep(0.3 + rng.random() / 2)
+                kind = rng.choice(["worker", "worker", "relay"])
+                victim = fleet[kind].pop(rng.randrange(len(fleet[kind])))
+                victim.send_signal(signal.SIGKILL)
+                victim.wait(10)
+                kills += 1
+                fleet[kind].append(spawn(kind))
+            await wait_for(all_done, within_s=240, what="every agent done")
+
+            async def refunded() -> bool:
+                by_key = (await mail.deliveries())["by_key"]
+                return len([k for k in by_key if k.startswith("refund.issue")]) == len(ids)
+
+            await wait_for(refunded, within_s=120, what="every refund delivered")
+    finally:
+        with running(api, *fleet["worker"], *fleet["relay"]):
+            pass
+
+    deliveries = await mail.deliveries()
+    refunds = sorted(k for k in deliveries["by_key"] if k.startswith("refund.issue"))
+    assert refunds == sorted(f"refund.issue:{j}:support/refund/call" for j in ids)
+    events = [
+        json.loads(line)
+        for line in (tmp_path / "mailbox.jsonl").read_text().splitlines()
+        if '"kind": "event"' in line
+    ]
+    assert len([e for e in events if e["type"] == "refund.issue"]) == len(ids), "one effect each"
+    paid = sum(p.billed for p in model.stats().prompts)
+    assert 3 * len(ids) <= paid <= 3 * len(ids) + kills, (paid, kills)
+    print(f"agent soak: {len(ids)} jobs, {kills} kills, {paid} model turns paid")
