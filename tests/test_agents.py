@@ -174,7 +174,8 @@ async def test_a_run_past_max_turns_raises_with_its_reason() -> None:
         )
     assert raised.value.reason == "max_turns"
     assert raised.value.run.turns == 2
-    assert str(raised.value).startswith("agent-limit: max_turns")
+    assert str(raised.value).startswith("max_turns (2 turns")
+    assert raised.value.dead_reason == "agent-limit"
 
 
 async def test_max_tokens_stops_before_the_turn_that_would_pass_it() -> None:

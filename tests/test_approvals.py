@@ -276,3 +276,24 @@ async def test_the_console_lists_a_pending_approval_and_decides_it_with_csrf(
     assert await harness.status(job_id) == "queued"
     await drain(harness.worker("helpdesk"))
     assert (await harness.get("/v1/helpdesk", job_id))["result"]["tools"] == ["refund:rejected"]
+
+
+async def test_a_run_past_max_turns_is_dead_with_its_reason(custom) -> None:
+    agent = Agent("looper", "Loop.", [lookup_order], max_turns=2)
+
+    async def step(request: Ask, ctx: Context) -> Answer:
+        run = await agent.run(ctx, request.text)
+        return Answer(reply=str(run.output), tools=[])
+
+    workflow = Workflow(
+        name="looping", route="/v1/looping", request=Ask, result=Answer, step=step, agents=[agent]
+    )
+    harness = await custom(App([workflow]))
+    lookups = " ".join(f'[[fake:tool=lookup_order {{"order_id": "A{i}"}}]]' for i in range(3))
+    job_id = await harness.submit("/v1/looping", {"text": f"Loop. {lookups}"})
+    await drain(harness.worker("looping"))
+    view = await harness.get("/v1/looping", job_id)
+    assert (view["status"], view["error"]) == ("dead", "agent-limit")
+    [(error,)] = await harness.rows("SELECT error FROM jobs WHERE job_id = %s", job_id)
+    assert error.startswith("agent-limit: ") and "max_turns (2 turns" in error
+    assert [s["kind"] for s in view["steps"]] == ["model", "tool", "model", "tool"]

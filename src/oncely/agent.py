@@ -98,10 +98,11 @@ class AgentLimitReached(PermanentError):
     ``max_turns``, ``max_tokens`` or ``max_cost_usd``; ``run`` what it did.
     Uncaught, the job is dead with the error ``agent-limit: <reason>``."""
 
-    reason: str
+    # The job's dead-letter reason when nothing catches it.
+    dead_reason = "agent-limit"
 
     def __init__(self, reason: str, run: AgentRun) -> None:
-        super().__init__(f"agent-limit: {reason} ({run.turns} turns, {run.tokens} tokens)")
+        super().__init__(f"{reason} ({run.turns} turns, {run.tokens} tokens)")
         self.reason = reason
         self.run = run
 

@@ -89,7 +89,7 @@ class Nondeterministic(PermanentError):
     the checkpoints were stored. The job is dead with the reason
     ``nondeterministic``; the message names both keys for operators."""
 
-    reason = "nondeterministic"
+    dead_reason = "nondeterministic"
 
     def __init__(self, ordinal: int, *, stored: str, asked: str) -> None:
         super().__init__(

@@ -78,11 +78,18 @@ DEAD_REASONS = {
     "max_deliveries": "deliveries of the job kept stopping before they finished",
     "malformed": "the queued message could not be read",
     "nondeterministic": "the step no longer reaches the checkpoints its stored run reached",
+    "agent-limit": "an agent reached one of its run limits (turns, tokens or cost)",
 }
 
 
 DeadReason = Literal[
-    "permanent", "max_age", "max_deliveries", "malformed", "nondeterministic", "failed"
+    "permanent",
+    "max_age",
+    "max_deliveries",
+    "malformed",
+    "nondeterministic",
+    "agent-limit",
+    "failed",
 ]
 
 

@@ -471,8 +471,9 @@ class Worker:
                 error_type=shown,
                 frames=frames(exc),
             )
-        # A stable reason of its own (``nondeterministic``), else ``permanent``.
-        reason = getattr(exc, "reason", None)
+        # A stable reason of its own (``nondeterministic``, ``agent-limit``),
+        # else ``permanent``.
+        reason = getattr(exc, "dead_reason", None)
         await self._dead_letter(
             delivery, reason if isinstance(reason, str) else "permanent", _describe(exc), shown
         )
