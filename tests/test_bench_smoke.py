@@ -124,6 +124,23 @@ def test_worker_smoke_does_every_job_once_for_oncely_and_both_floors(
 
 
 @pytest.mark.timeout(SMOKE_TIMEOUT_S + 30)
+def test_agents_smoke_runs_each_tool_and_call_once_and_measures_the_call_wait(tmp_path):
+    # Its own embedded servers: it loads pg_stat_statements, which needs a restart.
+    result = smoke("agents", tmp_path, None)
+
+    every = {r["contender"]: r for r in runs(result["results"])}
+    assert set(every) == {"agent@64", "by_hand@64"}
+    for r in every.values():
+        c = r["checks"]
+        n = c["jobs"]
+        assert r["ok"] and c["done"] == c["calls_effects"] == c["calls_answered"] == n > 0
+        assert c["model_calls"] == c["model_calls_expected"] == 4 * n
+        assert c["side_calls"] == c["side_calls_distinct"] == 2 * n
+        assert r["metrics"]["call_wait_p50_ms"] > 0
+    assert every["agent@64"]["checks"]["statements"]["write_checkpoints"] > 0
+
+
+@pytest.mark.timeout(SMOKE_TIMEOUT_S + 30)
 def test_steps_smoke_stores_every_checkpoint_once_and_counts_the_statements(tmp_path):
     # Its own embedded servers: it loads pg_stat_statements, which needs a restart.
     result = smoke("steps", tmp_path, None, *profile_args())

@@ -38,7 +38,7 @@ from oncely.context import Context, journal_of, record_step
 from oncely.errors import CallFailed, PermanentError
 from oncely.journal import Scope, check_name
 from oncely.llm.model import Reply, ToolCall, short_errors
-from oncely.tools import Tool, ToolContext, tool_specs
+from oncely.tools import Tool, ToolContext
 from oncely.usage.totals import summed
 
 ToolStatus = Literal["ok", "error", "rejected"]
@@ -131,6 +131,8 @@ class Agent:
         self.tools = {t.name: t for t in tools}
         if len(self.tools) != len(tools):
             raise ValueError(f"agent {name!r}: two tools share a name")
+        # What every turn tells the model of the tools, worked out once.
+        self._specs = tuple(t.spec for t in self.tools.values())
         if max_turns < 1:
             raise ValueError(f"agent {name!r}: max_turns must be at least 1")
         self.output = output
@@ -183,7 +185,7 @@ class Agent:
     async def _turn(self, ctx: Context, messages: list[dict[str, Any]]) -> Reply:
         return await ctx.model.respond(
             messages,
-            tools=tool_specs(self.tools),
+            tools=self._specs,
             output=self.output,
             step="model",
         )

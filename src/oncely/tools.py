@@ -21,13 +21,16 @@ before the tool runs; a function of the validated arguments
 
 from __future__ import annotations
 
+import functools
 import inspect
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, get_type_hints, overload
 
 from pydantic import BaseModel, ConfigDict, create_model
+
+from oncely.llm.base import ToolSpec
 
 # A tool's name: what model APIs allow, and a checkpoint name too.
 _NAME = re.compile(r"^[a-z][a-z0-9_-]{0,62}$")
@@ -82,7 +85,12 @@ class Tool:
     @property
     def parameters(self) -> dict[str, Any]:
         """The JSON schema of the tool's arguments, as the model is told it."""
-        return self.args.model_json_schema()
+        return _schema(self.args)
+
+    @property
+    def spec(self) -> ToolSpec:
+        """The tool as a model is told it."""
+        return ToolSpec(self.name, self.description, self.parameters)
 
     def keyword_arguments(self, args: BaseModel, context: ToolContext) -> dict[str, Any]:
         """What a function tool is called with: the validated arguments by
@@ -167,9 +175,7 @@ def _camel(name: str) -> str:
     return "".join(part.capitalize() for part in re.split(r"[_-]", name))
 
 
-def tool_specs(tools: Mapping[str, Tool]) -> list[dict[str, Any]]:
-    """The tools as a model is told them (name, description, parameters)."""
-    return [
-        {"name": t.name, "description": t.description, "parameters": t.parameters}
-        for t in tools.values()
-    ]
+@functools.cache
+def _schema(args: type[BaseModel]) -> dict[str, Any]:
+    """A model's JSON schema, worked out once per class."""
+    return args.model_json_schema()

@@ -1,0 +1,284 @@
+"""An agent with three tool turns and a call against the same work written by
+hand with ``ctx.step`` and ``ctx.call``: what does the agent loop cost in
+jobs/s and PostgreSQL statements, and how long does a call wait in the
+outbox?
+
+Side by side on the same cases, round-robin, each a real ``oncely worker``
+process (``--app bench.agents_app:app``) on the fake model, with one
+``oncely relay`` (shared, started once) sending the calls to the fake
+receiver:
+
+- ``agent``: four model turns (three call a tool: two function tools and a
+  call tool), so two tool checkpoints, one call, four model checkpoints;
+- ``by_hand``: the same four model calls, two ``ctx.step`` and one
+  ``ctx.call`` in a fixed order.
+
+Reported per contender: jobs/s and CPU per job, the worker's PostgreSQL
+statements per job and per model turn (``pg_stat_statements``, as in
+``bench.steps``), and the call's wait: from the call's checkpoint written
+(the job starts waiting) to the job queued again by the relay's answer,
+p50 and p99. Every run ends with its invariants: every job done once, four
+model calls per job, each side call once, one call per job at the receiver
+with one effect, nothing pending.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from psycopg.types.json import Jsonb
+
+from bench import agents_app
+from bench.harness.fakes import API_KEY, FakeMail, FakeModel
+from bench.harness.measure import Headline, Noise, ratio, ratio_json, say, summary
+from bench.harness.processes import clean_env
+from bench.harness.report import Context, main, parser
+from bench.harness.servers import count, fresh_state
+from bench.steps import Bench as StepsBench
+from bench.steps import Statements, _median, _per_round, count_statements
+from oncely.queue.stream import JobMessage, Stream
+from oncely.sql import query
+from oncely.workflow import Workflow
+
+APP = "bench.agents_app:app"
+SECRET = "bench-agents-webhook-secret"
+SHOWN = ("jobs", "jobs_per_s", "cpu_ms_per_job", "statements_per_turn", "call_wait_p50_ms")
+TURNS = 4  # model calls per job, either way
+OURS, THEIRS = "agent", "by_hand"
+WORKFLOWS = {OURS: agents_app.agent, THEIRS: agents_app.hand}
+
+
+@dataclass(frozen=True)
+class Contender:
+    kind: str
+    concurrency: int
+    jobs: int
+
+    @property
+    def key(self) -> str:
+        return f"{self.kind}@{self.concurrency}"
+
+    @property
+    def workflow(self) -> Workflow[Any, Any]:
+        return WORKFLOWS[self.kind]
+
+
+@dataclass(frozen=True)
+class Trial:
+    contender: Contender
+
+    @property
+    def name(self) -> str:
+        return self.contender.key
+
+    @property
+    def items(self) -> int:
+        return self.contender.jobs
+
+    @property
+    def timeout_s(self) -> float:
+        return 180 + self.contender.jobs * TURNS * 0.05
+
+
+def lineup(smoke: bool) -> tuple[Contender, ...]:
+    if smoke:
+        return (Contender(OURS, 64, 20), Contender(THEIRS, 64, 20))
+    return (Contender(OURS, 64, 400), Contender(THEIRS, 64, 400))
+
+
+def case(i: int) -> str:
+    sku = f"SKU-{i:05d}"
+    return f"{sku} The item arrived broken; please refund it. {agents_app.directives(sku)}"
+
+
+class Bench(StepsBench):
+    """``bench.steps``' course, with the relay and the fake receiver the
+    calls need, and this benchmark's invariants and call waits."""
+
+    def __init__(
+        self, ctx: Context, model: FakeModel, mail: FakeMail, statements: Statements | None
+    ) -> None:
+        super().__init__(ctx, model, statements)
+        self.mail = mail
+        self.relay: subprocess.Popen[bytes] | None = None
+
+    async def open(self) -> None:
+        await super().open()
+        await self.mail.ready()
+        s = self.ctx.servers
+        env = clean_env(
+            app=APP,
+            redis_url=s.redis_url,
+            database_url=s.database_url,
+            webhook_url=self.mail.root_url + "/v1/events",
+            webhook_secret=SECRET,
+            log_level="WARNING",
+        )
+        self.relay = self.ctx.children.python("relay", ["-m", "oncely", "relay"], env)
+
+    async def close(self) -> None:
+        if self.relay is not None:
+            self.ctx.children.kill(self.relay)
+        await super().close()
+
+    async def load(self, trial: Trial) -> None:  # type: ignore[override]
+        await fresh_state(self.redis, self.db)
+        await self.fake.reset()
+        await self.mail.reset()
+        self.side_calls.write_bytes(b"")
+        self.counted = {}
+        self.workflow = trial.contender.workflow
+        messages = [
+            JobMessage.new(str(uuid.uuid4()), "bench", {"text": case(i)})
+            for i in range(trial.items)
+        ]
+        async with self.db.cursor() as cur:
+            rows = [(m.job_id, m.tenant, self.workflow.name, Jsonb(m.payload)) for m in messages]
+            await cur.executemany(query("insert_job"), rows)
+        stream = Stream(self.redis, self.workflow.keys)
+        await stream.ensure_group()
+        for m in messages:
+            await stream.enqueue(m)
+        self.job_ids = [m.job_id for m in messages]
+        if self.statements is not None:
+            await self.statements.reset(self.db)
+
+    def spawn(self, trial: Trial) -> subprocess.Popen[bytes]:  # type: ignore[override]
+        s, c = self.ctx.servers, trial.contender
+        env = clean_env(
+            app=APP,
+            redis_url=s.redis_url,
+            database_url=self.statements.worker_url if self.statements else s.database_url,
+            llm_base_url=self.fake.url,
+            llm_api_key=API_KEY,
+            worker_concurrency=str(c.concurrency),
+            webhook_secret=SECRET,
+            log_level="WARNING",
+            bench_side_calls=str(self.side_calls),
+        )
+        argv = ["-m", "oncely", "worker", "--workflow", c.workflow.name]
+        return self.ctx.children.python(c.key, argv, env)
+
+    async def checks(self, trial: Trial) -> dict[str, Any]:  # type: ignore[override]
+        n = len(self.job_ids)
+        statements = await self._statements(trial)
+        waits = await self._call_waits()
+        calls = await self.fake.calls()
+        deliveries = await self.mail.deliveries()
+        side = self.side_calls.read_text().splitlines()
+        db = self.db
+        c: dict[str, Any] = {
+            "jobs": n,
+            "done": await count(db, "SELECT count(*) FROM jobs WHERE status = 'done'"),
+            "model_calls": int(calls["total"]),
+            "model_calls_expected": n * TURNS,
+            "side_calls": len(side),
+            "side_calls_distinct": len(set(side)),
+            "calls_sent": int(deliveries["requests"]),
+            "calls_effects": int(deliveries["effects"]),
+            "calls_answered": await count(
+                db, "SELECT count(*) FROM outbox WHERE answer IS NOT NULL"
+            ),
+            "pending_after_done": await self._settled(trial.contender.workflow),
+            "statements": statements,
+        }
+        c["ok"] = (
+            c["done"] == n
+            and c["model_calls"] == c["model_calls_expected"]
+            and c["side_calls"] == c["side_calls_distinct"] == 2 * n
+            and c["calls_effects"] == c["calls_answered"] == n
+            and c["pending_after_done"] == 0
+        )
+        if waits:
+            self.counted["call_wait_p50_ms"] = round(statistics.median(waits), 1)
+            self.counted["call_wait_p99_ms"] = round(
+                statistics.quantiles(waits, n=100)[98] if len(waits) > 1 else waits[0], 1
+            )
+        return c
+
+    async def _statements(self, trial: Trial) -> dict[str, int] | None:
+        if self.statements is None:
+            return None
+        counted = await self.statements.read(self.db)
+        n = trial.items
+        calls = sum(c.calls for c in counted)
+        self.counted = {
+            "statements_per_job": round(calls / n, 3),
+            "statements_per_turn": round(calls / (n * TURNS), 3),
+            "pg_exec_ms_per_job": round(sum(c.exec_ms for c in counted) / n, 3),
+        } | {f"statements_per_job.{c.name}": round(c.calls / n, 3) for c in counted}
+        return {c.name: c.calls for c in counted}
+
+    async def _call_waits(self) -> list[float]:
+        """Per job, ms from its call's checkpoint written to its resume."""
+        cur = await self.db.execute(
+            "SELECT extract(epoch FROM j.resumed_at - c.created_at) * 1000"
+            "  FROM checkpoints c JOIN jobs j USING (job_id)"
+            " WHERE c.kind = 'call' AND j.resumed_at IS NOT NULL"
+        )
+        return [float(r[0]) for r in await cur.fetchall()]
+
+
+async def bench_main(ctx: Context) -> tuple[list[Headline], dict[str, Any], bool]:
+    statements, counted_by = await count_statements(ctx)
+    if statements is None:
+        say(f"statements not counted: {counted_by}")
+    model = FakeModel.start(ctx.children)
+    mail = FakeMail.start(ctx.children, "fake-receiver")
+    bench = Bench(ctx, model, mail, statements)
+    await bench.open()
+    try:
+        contenders = lineup(ctx.smoke)
+        runs = await bench.run_rounds([Trial(c) for c in contenders], "agents ")  # type: ignore[misc]
+    finally:
+        await bench.close()
+    ok = all(r.ok for rs in runs.values() for r in rs)
+    conc = contenders[0].concurrency
+    ours, theirs = runs[f"{OURS}@{conc}"], runs[f"{THEIRS}@{conc}"]
+    headline = [
+        Headline.of(
+            f"agents @{conc}: an agent / the same work by hand, jobs/s",
+            ratio(ours, theirs, "jobs_per_s"),
+        )
+    ]
+    for kind, found in ((OURS, ours), (THEIRS, theirs)):
+        for metric, unit in (
+            ("statements_per_turn", "/ turn"),
+            ("call_wait_p50_ms", "ms"),
+            ("call_wait_p99_ms", "ms"),
+        ):
+            headline.append(
+                Headline(
+                    f"agents, {kind}: {metric}",
+                    _median(found, metric),
+                    unit,
+                    _per_round(found, metric),
+                )
+            )
+    detail = {
+        "statements_counted_by": counted_by,
+        "turns_per_job": TURNS,
+        "results": {key: summary(rs) for key, rs in runs.items()},
+        "ratios": {
+            f"{OURS}_vs_{THEIRS}@{conc}": {
+                "throughput": ratio_json(ours, theirs, "jobs_per_s"),
+                "cpu_per_job": ratio_json(ours, theirs, "cpu_ms_per_job"),
+                "statements_per_job": ratio_json(ours, theirs, "statements_per_job"),
+            }
+        },
+    }
+    return headline, detail, ok
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = parser("agents", __doc__ or "", rounds=3, noise=Noise(0.3, 30.0, 2, 90.0))
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    main("agents", "an agent vs the same work by hand", parse_args(), bench_main)
