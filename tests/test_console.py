@@ -390,6 +390,76 @@ async def test_a_dead_job_replayed_in_the_browser_ends_done(
         driver.quit()
 
 
+def _reject_in_the_browser(driver: Any, base: str, job_id: str) -> None:
+    """Sign in, find the pending approval on the job's page, reject it."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as ec
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    driver.get(f"{base}/console/login")
+    driver.find_element(By.ID, "key").send_keys(KEY)
+    driver.find_element(By.ID, "sign-in").click()
+    WebDriverWait(driver, 10).until(ec.presence_of_element_located((By.ID, "workflow-support")))
+    driver.get(f"{base}/console/workflows/support/jobs/{job_id}")
+    approval = driver.find_element(By.ID, "approval")
+    assert "refund" in approval.text and "call_1" in approval.text
+    _shot(driver, "approval")
+    driver.find_element(By.ID, "approval-reason").send_keys("too much")
+    driver.find_element(By.ID, "reject").click()
+    decided = WebDriverWait(driver, 10).until(ec.presence_of_element_located((By.ID, "decided")))
+    assert "rejected" in decided.text
+    _shot(driver, "rejected")
+
+
+@pytest.mark.slow
+async def test_a_pending_approval_is_rejected_in_the_browser(
+    redis_url, database_url, pool, fake_llm, tmp_path
+):
+    driver = _chrome(tmp_path / "chromium-profile")
+    key = await create_api_key(pool, "acme")
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    env = {
+        "ONCELY_APP": "examples.support_agent:app",
+        "ONCELY_REDIS_URL": redis_url,
+        "ONCELY_DATABASE_URL": database_url,
+        "ONCELY_LLM_BASE_URL": fake_llm.url,
+        "ONCELY_CONSOLE_KEY": KEY,
+        "ONCELY_LOG_FORMAT": "json",
+        "ONCELY_BLOCK_MS": "50",
+    }
+    api = start(["api", "--port", str(port)], env, tmp_path / "api.log")
+    worker = start(["worker"], env, tmp_path / "worker.log")
+    refund = '{"order_id": "A-1002", "cents": 38900, "reason": "wrong item"}'
+    message = f"Wrong armchair. [[fake:tool=refund {refund}]]"
+    try:
+        with running(api, worker):
+            await wait_healthy(base, api, tmp_path / "api.log")
+            async with httpx.AsyncClient(
+                base_url=base, headers={"Authorization": f"Bearer {key}"}
+            ) as c:
+                r = await c.post(
+                    "/v1/support",
+                    json={"customer": "ada@example.com", "message": message},
+                    headers={"Idempotency-Key": "console-approval-rejected"},
+                )
+                assert r.status_code == 202, r.text
+            job_id = r.json()["job_id"]
+
+            async def status_is(expected: str) -> bool:
+                return await job_status(pool, job_id) == expected
+
+            await wait_for(lambda: status_is("waiting"), what="the approval wait")
+            await asyncio.to_thread(_reject_in_the_browser, driver, base, job_id)
+            await wait_for(lambda: status_is("done"), what="the job done after the rejection")
+            severe = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
+            assert severe == [], severe
+        refunds = await count(pool, "SELECT count(*) FROM outbox WHERE topic = 'refund.issue'")
+        assert refunds == 0, "a rejected refund is never sent"
+    finally:
+        driver.quit()
+
+
 # -- sessions, sign-in, and what every page says -------------------------------------------
 
 
