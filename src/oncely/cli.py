@@ -688,25 +688,80 @@ def jobs_approve(
         sys.stdout.write(f"{parsed} {call_id} {status}\n")
 
 
+@jobs_app.command("list")
+def jobs_list(
+    workflow: Annotated[str | None, typer.Option("--workflow", "-w", help="Only this one.")] = None,
+    status: Annotated[
+        str | None, typer.Option("--status", help="queued, waiting, done, dead or cancelled.")
+    ] = None,
+    reason: Annotated[
+        str | None,
+        typer.Option("--reason", help="A dead job's reason (nondeterministic, max_age, ...)."),
+    ] = None,
+    limit: Annotated[int, typer.Option("--limit", min=1, max=10_000)] = 100,
+    as_json: JsonOpt = False,
+) -> None:
+    """Jobs newest first, of any tenant: of a workflow, a status, a dead reason."""
+    from oncely.ops import list_jobs, print_jobs
+
+    settings = _settings()
+    _workflows(settings, [workflow] if workflow else None)
+    found = _run(list_jobs(settings, workflow=workflow, status=status, reason=reason, limit=limit))
+    print_jobs(found, as_json=as_json)
+
+
 @jobs_app.command("rewind")
 def jobs_rewind(
-    job_id: Annotated[str, typer.Argument(help="The job's id (dead or cancelled).")],
+    job_id: Annotated[str | None, typer.Argument(help="The job's id (dead or cancelled).")] = None,
     to: Annotated[
-        str,
+        str | None,
         typer.Option(
             "--to",
             help="The checkpoint to run again from (jobs show lists them): it and "
             "every later one are deleted.",
         ),
-    ],
+    ] = None,
+    all_nondeterministic: Annotated[
+        bool,
+        typer.Option(
+            "--all-nondeterministic",
+            help="Every job dead as nondeterministic (a deploy changed its step).",
+        ),
+    ] = False,
+    to_last_match: Annotated[
+        bool,
+        typer.Option(
+            "--to-last-match",
+            help="With --all-nondeterministic: rerun each from its first checkpoint "
+            "that no longer matches the code, keeping the ones that do.",
+        ),
+    ] = False,
+    dry_run: DryRunOpt = False,
     as_json: JsonOpt = False,
 ) -> None:
-    """Rerun a dead or cancelled job from a checkpoint. Effects it emits again
-    keep their dedupe keys, so one already sent is not sent again. Exit 1 if
-    the job is not dead or cancelled, 3 if the job or the checkpoint is unknown."""
+    """Rerun a dead or cancelled job from a checkpoint, or every job a deploy
+    made nondeterministic. Effects it emits again keep their dedupe keys, so
+    one already sent is not sent again. Exit 1 if the job is not dead or
+    cancelled, 3 if the job or the checkpoint is unknown."""
+    if all_nondeterministic:
+        if job_id is not None or to is not None or not to_last_match:
+            err.print(
+                "--all-nondeterministic goes with --to-last-match, no job id or --to", style="red"
+            )
+            raise typer.Exit(EXIT_USAGE)
+        _rewind_nondeterministic(dry_run=dry_run, as_json=as_json)
+        return
+    if job_id is None or to is None or to_last_match or dry_run:
+        err.print(
+            "give a job id and --to KEY (or --all-nondeterministic --to-last-match)", style="red"
+        )
+        raise typer.Exit(EXIT_USAGE)
+    _rewind_one(_job_id(job_id), to, as_json=as_json)
+
+
+def _rewind_one(parsed: uuid.UUID, to: str, *, as_json: bool) -> None:
     from oncely.ops import checkpoint_keys, rewind_job
 
-    parsed = _job_id(job_id)
     settings = _settings()
     rewound = _run(rewind_job(settings, parsed, to))
     if rewound is None:
@@ -723,6 +778,21 @@ def jobs_rewind(
         _print_json({"job_id": str(parsed), "status": "queued", "deleted": rewound.deleted})
     else:
         sys.stdout.write(f"{parsed} queued; deleted {', '.join(rewound.deleted)}\n")
+
+
+def _rewind_nondeterministic(*, dry_run: bool, as_json: bool) -> None:
+    from oncely.ops import rewind_nondeterministic
+
+    done = _run(rewind_nondeterministic(_settings(), limit=10_000, dry_run=dry_run))
+    verb = "would rerun" if dry_run else "queued"
+    if as_json:
+        _print_json(
+            {"dry_run": dry_run, "jobs": [{"job_id": j, "from": key} for j, key, _ in done]}
+        )
+    else:
+        for job, key, _ in done:
+            sys.stdout.write(f"{job} {verb} from {key}\n")
+    err.print(f"{verb} {len(done)} job(s)")
 
 
 @tenants_app.command("erase")

@@ -119,6 +119,15 @@ class Context:
         """What this run emitted so far (read-only)."""
         return self._journal.emitted
 
+    def patched(self, name: str) -> bool:
+        """``if ctx.patched("name"):`` the new code, ``else:`` the old: True
+        for a run that reaches this point for the first time (a marker
+        checkpoint is stored), False for a replay of a run that passed this
+        point before the patch existed. Jobs in flight keep their old path
+        across a deploy while new jobs take the new one
+        (docs/durable-steps.md, "Deploying changed steps")."""
+        return self._journal.patched(name)
+
     def declares(self, topic: str) -> bool:
         """Whether the workflow declares the effect ``topic``."""
         return topic in self._topics

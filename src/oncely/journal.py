@@ -74,7 +74,7 @@ log = structlog.get_logger("oncely.journal")
 
 T = TypeVar("T")
 
-Kind = Literal["step", "model", "wait", "sleep", "tool", "call", "approval"]
+Kind = Literal["step", "model", "wait", "sleep", "tool", "call", "approval", "patch"]
 # The kinds of checkpoint a run waits at, holding nothing.
 WaitKind = Literal["wait", "sleep", "call", "approval"]
 
@@ -454,6 +454,26 @@ class Journal:
             raise _replayed_failure(outcome)
         return decode(outcome.value)
 
+    def patched(self, name: str) -> bool:
+        """Whether this run takes the code path patched in as ``name``
+        (docs/durable-steps.md, "Deploying changed steps"): True for a run
+        that reaches this point for the first time (a ``patch`` marker is
+        kept, written with the next checkpoint), and for its replays; False
+        for a replay of a run that passed this point before the patch
+        existed (its stored run has another checkpoint here): it goes on
+        down the old path, and nothing is kept."""
+        self._check_open()
+        scope = self._scope()
+        expected = self._stored.get(scope.path, ())
+        stored = expected[scope.reached] if scope.reached < len(expected) else None
+        if stored is not None and stored.kind != "patch":
+            return False
+        key, ordinal, found = self._reach(check_name(name), "patch")
+        if found is None:
+            emitted, self._since = tuple(self._since), []
+            self._pending.append(NewCheckpoint(key, ordinal, "patch", True, None, emitted))
+        return True
+
     def _reach(self, name: str, kind: Kind) -> tuple[str, int, Checkpoint | None]:
         self._check_open()
         scope = self._scope()
@@ -577,13 +597,14 @@ class Journal:
 
     # -- what the run spent ----------------------------------------------------
 
+    def checkpoints(self) -> list[Checkpoint]:
+        """Every checkpoint of the job, stored or reached, in ordinal order."""
+        stored = [c for scope in self._stored.values() for c in scope]
+        return sorted([*stored, *(c.stored() for c in self._pending)], key=attrgetter("ordinal"))
+
     def usage(self) -> dict[str, Any]:
         """Every model checkpoint of the job, stored or reached, summed."""
-        stored = [c for scope in self._stored.values() for c in scope]
-        checkpoints = sorted(
-            [*stored, *(c.stored() for c in self._pending)], key=attrgetter("ordinal")
-        )
-        return summed(c.usage for c in checkpoints)
+        return summed(c.usage for c in self.checkpoints())
 
 
 def _causes(error: BaseException | None) -> set[int]:

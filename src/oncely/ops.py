@@ -5,6 +5,7 @@ where a script wants to read the answer."""
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -19,7 +20,7 @@ from oncely.bootstrap.configs import app_from
 from oncely.jobs import dead_letters
 from oncely.jobs.checkpoints import Cancelled, Checkpoints, EventOutcome, Rewound
 from oncely.jobs.inspection import UNREPORTED_NOTE, JobInspection, inspect_job
-from oncely.jobs.store import Jobs
+from oncely.jobs.store import JobRecord, Jobs
 from oncely.outbox.store import OutboxRow, OutboxStore
 from oncely.settings import Settings
 from oncely.shadow.report import VariantReport, build_report
@@ -269,6 +270,67 @@ async def decide_approval(
         if outcome is not None and outcome.resumed is not None:
             await jobs.restore(outcome.resumed)
         return outcome
+
+
+async def list_jobs(
+    settings: Settings,
+    *,
+    workflow: str | None,
+    status: str | None,
+    reason: str | None,
+    limit: int,
+) -> list[JobRecord]:
+    """Jobs newest first, as ``oncely jobs list`` shows them."""
+    async with _jobs(settings, [workflow] if workflow else None) as jobs:
+        return await jobs.recent(workflow, status, limit, reason)
+
+
+def print_jobs(found: list[JobRecord], *, as_json: bool) -> None:
+    """``oncely jobs list``'s table (or JSON)."""
+    if as_json:
+        rows = [
+            {
+                "job_id": str(j.job_id),
+                "workflow": j.kind,
+                "tenant": j.tenant,
+                "status": j.status,
+                "error": j.error,
+                "updated_at": j.updated_at.isoformat(),
+            }
+            for j in found
+        ]
+        print(json.dumps(rows, indent=2))
+        return
+    columns = ("job", "workflow", "tenant", "status", "updated", "error")
+    shown = [
+        (str(j.job_id), j.kind, j.tenant, j.status, _when(j.updated_at), j.error or "")
+        for j in found
+    ]
+    print_rows(out, "jobs", columns, shown, ids=1)
+
+
+# Where a nondeterministic job's error names the checkpoint its stored run has.
+_STORED_KEY = re.compile(r"where the stored run has '([^']+)'")
+
+
+async def rewind_nondeterministic(
+    settings: Settings, *, limit: int, dry_run: bool
+) -> list[tuple[str, str, Rewound | None]]:
+    """Every job dead as ``nondeterministic`` rerun from its first checkpoint
+    that no longer matches the code (the matching ones before are kept: a
+    deploy that changed a step without ``ctx.patched``): (job, key, what the
+    rewind did; None on a dry run)."""
+    async with _jobs(settings) as jobs:
+        dead = await jobs.recent(None, "dead", limit, "nondeterministic")
+        done: list[tuple[str, str, Rewound | None]] = []
+        for job in dead:
+            found = _STORED_KEY.search(job.error or "")
+            if found is None:
+                continue
+            key = found.group(1)
+            rewound = None if dry_run else await Checkpoints(jobs).rewind(job.job_id, key)
+            done.append((str(job.job_id), key, rewound))
+        return done
 
 
 async def rewind_job(settings: Settings, job_id: uuid.UUID, key: str) -> Rewound | None:

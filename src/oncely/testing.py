@@ -33,6 +33,9 @@ tells what it did::
 - ``approvals``: the decision on each approval tool, by tool name: True,
   False, or an ``ApprovalDecision`` (edited arguments, a reason). A tool
   with no decision given times out (``on_approval_timeout`` decides).
+- ``resume_from=run.until("key")``: the run starts over the checkpoints of
+  an earlier run (of this step, or of the step before a deploy), as a job
+  in flight would resume: ``ctx.patched`` then says which path it takes.
 - ``crash_after="key"``: the run stops right after checkpoint ``key`` is
   stored, as if its worker died, and runs again from the top as a
   redelivery would, over the stored checkpoints. The test fails
@@ -146,6 +149,17 @@ class StepRun(Generic[ResultT]):
     calls: tuple[ModelCall, ...] = ()
     replayed: int = 0
     usage: Mapping[str, Any] = field(default_factory=dict)
+    # Every checkpoint of the run, in order, as a worker would have stored it.
+    checkpoints: tuple[Checkpoint, ...] = ()
+
+    def until(self, key: str) -> tuple[Checkpoint, ...]:
+        """The checkpoints up to ``key``: what a job stopped right after it
+        had stored, to resume with ``run_step(..., resume_from=...)`` (a
+        run started before a deploy, say)."""
+        keys = [c.key for c in self.checkpoints]
+        if key not in keys:
+            raise KeyError(f"no checkpoint {key!r}; the run has {keys}")
+        return self.checkpoints[: keys.index(key) + 1]
 
 
 async def run_step(
@@ -157,6 +171,7 @@ async def run_step(
     calls: Mapping[str, Any] | None = None,
     approvals: Mapping[str, bool | ApprovalDecision | Mapping[str, Any]] | None = None,
     crash_after: str | None = None,
+    resume_from: Sequence[Checkpoint] = (),
     model: str = "test-model",
     fallbacks: Sequence[str] | None = None,
     job_id: str | None = None,
@@ -174,9 +189,12 @@ async def run_step(
     received = {name: _json(value) for name, value in (events or {}).items()}
     route = tuple(fallbacks if fallbacks is not None else workflow.fallbacks or ())
     harness = _Harness(workflow, script, model, route, job_id or str(uuid.uuid4()), tenant)
-    store = _Memory(received, crash_after, _answers(calls), _decisions(approvals))
+    stored = list(resume_from)
+    store = _Memory(received, crash_after, _answers(calls), _decisions(approvals), stored)
     try:
-        journal, result = await harness.run(body, Journal(store=store, workflow=workflow.name))
+        journal, result = await harness.run(
+            body, Journal(stored, store=store, workflow=workflow.name)
+        )
     except _Crashed:
         return await _replay(harness, body, store, crash_after)
     if crash_after is not None:
@@ -261,6 +279,7 @@ class _Harness:
             calls=calls,
             replayed=journal.replayed,
             usage=journal.usage(),
+            checkpoints=tuple(journal.checkpoints()),
         )
 
 

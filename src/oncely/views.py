@@ -39,7 +39,7 @@ class StepView(BaseModel):
     """One checkpoint of a job, as its tenant sees it (never its value)."""
 
     key: str
-    kind: Literal["step", "model", "wait", "sleep", "tool", "call", "approval"]
+    kind: Literal["step", "model", "wait", "sleep", "tool", "call", "approval", "patch"]
     # failed: the work failed and the step went on past it (a replay raises it again).
     status: Literal["done", "waiting", "failed"]
     finished_at: datetime | None = None

@@ -448,9 +448,12 @@ class Jobs:
             counts.setdefault(kind, dict.fromkeys(JOB_STATUSES, 0))[status] = int(n)
         return counts
 
-    async def recent(self, kind: str, status: str | None, limit: int) -> list[JobRecord]:
-        """A workflow's jobs of any tenant, newest first; of one status if given."""
-        params = {"kind": kind, "status": status, "limit": limit}
+    async def recent(
+        self, kind: str | None, status: str | None, limit: int, reason: str | None = None
+    ) -> list[JobRecord]:
+        """Jobs of any tenant, newest first: of a workflow, a status and a
+        dead reason (``nondeterministic``) when given."""
+        params = {"kind": kind, "status": status, "limit": limit, "reason": reason}
         rows = (await self._run("list_jobs", params)).rows
         return [JobRecord(*row) for row in rows]
 

@@ -254,13 +254,15 @@ SELECT (SELECT count(*) FROM job_rows) AS jobs,
        (SELECT count(*) FROM event_rows) AS events
 
 -- name: list_jobs
--- The console's listing: one workflow's jobs, newest first, optionally of
--- one status (NULL: any but withdrawn, which are not jobs).
+-- The console's and `oncely jobs list`'s listing: jobs newest first, of one
+-- workflow (NULL: any), optionally of one status (NULL: any but withdrawn,
+-- which are not jobs) and one dead reason (the error's stable prefix).
 SELECT j.job_id, j.tenant, j.kind, j.status, r.result, r.usage, j.error,
        j.created_at, j.updated_at, j.waiting_for, j.wait_until, j.waiting_detail, '[]'::json
   FROM jobs j LEFT JOIN results r USING (job_id)
- WHERE j.kind = %(kind)s AND j.status <> 'withdrawn'
+ WHERE (%(kind)s::text IS NULL OR j.kind = %(kind)s::text) AND j.status <> 'withdrawn'
    AND (%(status)s::text IS NULL OR j.status = %(status)s::text)
+   AND (%(reason)s::text IS NULL OR starts_with(j.error, %(reason)s::text || ':'))
  ORDER BY j.created_at DESC, j.job_id
  LIMIT %(limit)s
 
