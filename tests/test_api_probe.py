@@ -8,6 +8,7 @@ bounds (header size, slow clients) are in ``test_http_limits.py``.
 from __future__ import annotations
 
 import re
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -254,6 +255,69 @@ def summaries_dead() -> str:
     return summaries.keys.dead
 
 
+def _stream_provokers(
+    route: str,
+    body: dict[str, str],
+    auth: dict[str, str],
+    pool: Any,
+    redis: Any,
+    via: Any,
+    no_postgres: Any,
+    broken_table: Any,
+) -> dict[tuple[str, str], Provoke]:
+    """A job's stream and its token, each documented status provoked."""
+    live, token = f"GET {route}/{{job_id}}/stream", f"POST {route}/{{job_id}}/stream-token"
+
+    async def finished(c: Any, r: str = route, b: Any = body) -> str:
+        accepted = await c.post(r, json=b, headers={**auth, "Idempotency-Key": key(200)})
+        async with pool.connection() as conn:
+            await conn.execute("UPDATE jobs SET status = 'done'")
+        return str(accepted.headers["location"])
+
+    async def streamed(c: Any, _: Any) -> Any:
+        return await c.get(await finished(c) + "/stream", headers=auth)
+
+    async def crowded(c: Any, _: Any) -> Any:
+        # The tenant's limit of open streams already taken.
+        location = await finished(c)
+        lapse = (time.time() + 600) * 1000
+        await redis.zadd(
+            names.open_streams(names.tenant_digest("acme")),
+            {f"held-{i}": lapse for i in range(100)},
+        )
+        try:
+            return await c.get(location + "/stream", headers=auth)
+        finally:
+            await redis.delete(names.open_streams(names.tenant_digest("acme")))
+
+    async def tokened(c: Any, _: Any) -> Any:
+        return await c.post(await finished(c) + "/stream-token", headers=auth)
+
+    return {
+        (live, "200"): streamed,
+        (live, "401"): lambda c, _, r=route: c.get(f"{r}/{uuid.uuid4()}/stream"),
+        (live, "404"): lambda c, _, r=route: c.get(f"{r}/{uuid.uuid4()}/stream", headers=auth),
+        (live, "429"): crowded,
+        (live, "500"): lambda c, _, r=route: broken_table(
+            c, lambda: c.get(f"{r}/{uuid.uuid4()}/stream", headers=auth)
+        ),
+        (live, "503"): lambda c, _, r=route: via(
+            no_postgres, "GET", f"{r}/{uuid.uuid4()}/stream", headers=auth
+        ),
+        (token, "200"): tokened,
+        (token, "401"): lambda c, _, r=route: c.post(f"{r}/{uuid.uuid4()}/stream-token"),
+        (token, "404"): lambda c, _, r=route: c.post(
+            f"{r}/{uuid.uuid4()}/stream-token", headers=auth
+        ),
+        (token, "500"): lambda c, _, r=route: broken_table(
+            c, lambda: c.post(f"{r}/{uuid.uuid4()}/stream-token", headers=auth)
+        ),
+        (token, "503"): lambda c, _, r=route: via(
+            no_postgres, "POST", f"{r}/{uuid.uuid4()}/stream-token", headers=auth
+        ),
+    }
+
+
 # -- every documented status, provoked ------------------------------------------------------
 
 
@@ -365,6 +429,7 @@ async def provokers(
                 no_postgres, "POST", f"{r}/{uuid.uuid4()}/cancel", headers=auth
             ),
         }
+        table |= _stream_provokers(route, body, auth, pool, redis, via, no_postgres, broken_table)
     table |= {
         ("GET /healthz", "200"): lambda c, _: c.get("/healthz"),
         ("GET /readyz", "200"): lambda c, _: c.get("/readyz"),

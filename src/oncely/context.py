@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import functools
 import inspect
+import json
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import replace
 from datetime import timedelta
@@ -21,10 +22,11 @@ from pydantic import BaseModel
 from pydantic_core import PydanticSerializationError, to_jsonable_python
 
 from oncely.errors import DeadlineExceeded, PermanentError, TransientError
-from oncely.journal import Emitted, Journal, Kind, Recorded, check_name
+from oncely.journal import Emitted, Journal, Kind, Recorded, check_name, current_checkpoint
 from oncely.retry import Deadline, RetryPolicy, call_with_retries, classify
 
 if TYPE_CHECKING:
+    from oncely.live.events import LiveJob
     from oncely.llm.model import Model
 
 EventT = TypeVar("EventT", bound=BaseModel)
@@ -36,6 +38,8 @@ PRIMARY = "primary"
 WAIT_MAX_S = 30 * 86400.0
 # A call's default timeout (ONCELY_CALL_TIMEOUT_S).
 CALL_TIMEOUT_S = 86400.0
+# The most a ``ctx.progress`` event may carry.
+PROGRESS_MAX_BYTES = 8192
 
 
 class Declared(Protocol):
@@ -86,6 +90,7 @@ class Context:
         journal: Journal | None = None,
         wait_max_s: float = WAIT_MAX_S,
         call_timeout_s: float = CALL_TIMEOUT_S,
+        live: LiveJob | None = None,
     ) -> None:
         self.workflow = workflow.name
         self.job_id = job_id
@@ -104,6 +109,7 @@ class Context:
         self._wait_max_s = wait_max_s
         self._calls = workflow.calls
         self._call_timeout_s = call_timeout_s
+        self._live = live
 
     @contextlib.contextmanager
     def scope(self, name: str) -> Iterator[str]:
@@ -127,6 +133,16 @@ class Context:
         across a deploy while new jobs take the new one
         (docs/durable-steps.md, "Deploying changed steps")."""
         return self._journal.patched(name)
+
+    def progress(self, data: Any) -> None:
+        """Tell whoever follows the job live how far it got: a ``progress``
+        event with ``data`` (JSON, at most 8 KB) on its stream
+        (docs/streaming.md). A view only: never stored, never replayed."""
+        text = json.dumps(to_jsonable_python(data), separators=(",", ":"))
+        if len(text.encode()) > PROGRESS_MAX_BYTES:
+            raise ValueError(f"progress of {len(text.encode())} bytes: at most 8 KB")
+        if self._live is not None:
+            self._live.progress(json.loads(text), current_checkpoint())
 
     def declares(self, topic: str) -> bool:
         """Whether the workflow declares the effect ``topic``."""

@@ -121,6 +121,22 @@ def model_cooldown(model: str) -> list[str]:
     return [f"{base}:scopes", f"{base}:jobs", f"{base}:counts"]
 
 
+def job_events(workflow: str, job_id: str) -> str:
+    """One job's live events (oncely.live.events), under its workflow's hash
+    tag. Bounded, and expires after its last event."""
+    return f"oncely:{{{workflow}}}:events:{job_id}"
+
+
+def open_streams(tenant_digest: str) -> str:
+    """The live streams one tenant has open, each scored by when it lapses
+    unless renewed (ONCELY_STREAMS_PER_TENANT). Expires."""
+    return f"oncely:streams:{tenant_digest}"
+
+
+# The key stream tokens are signed with, made once by the first API process.
+STREAM_TOKEN_KEY = "oncely:stream-token-key"
+
+
 def tenant_spend(tenant_digest: str, day: str) -> str:
     """What one tenant's model calls spent on one UTC day (``YYYY-MM-DD``):
     tokens and USD, for its budgets (oncely.usage.budgets). Expires."""

@@ -190,6 +190,13 @@ class Settings(BaseSettings):
     job_max_age_s: float = Field(86400.0, gt=0)
     # The longest ctx.wait_for_event, and its default timeout (30 days).
     wait_max_s: float = Field(30 * 86400.0, gt=0)
+    # Live job streams (docs/streaming.md): open streams per tenant (then
+    # 429), a job's events kept in Redis (about) and how long after the last.
+    streams_per_tenant: int = Field(100, ge=1)
+    stream_maxlen: int = Field(10_000, ge=100)
+    stream_ttl_s: float = Field(3600.0, gt=0)
+    # A comment line this often on an idle stream (proxies close idle ones).
+    stream_heartbeat_s: float = Field(15.0, gt=0, le=300)
     # A call's default timeout (`ctx.call`, a call tool): then CallFailed.
     call_timeout_s: float = Field(86400.0, gt=0)
     block_ms: int = Field(1000, ge=1)

@@ -108,7 +108,8 @@ class JobView(BaseModel, Generic[ResultT]):
     model_config = ConfigDict(frozen=True)
 
     job_id: uuid.UUID
-    status: Literal["queued", "waiting", "done", "dead", "cancelled"]
+    # queued: in line; running: a worker holds it (docs/streaming.md).
+    status: Literal["queued", "running", "waiting", "done", "dead", "cancelled"]
     result: ResultT | None = None
     # Set once the job is dead: one of DEAD_REASONS, or "failed".
     error: DeadReason | None = None

@@ -106,6 +106,10 @@ class Workflow(Generic[RequestT, ResultT]):
     # checked against ``effects``, and a person's edited arguments for an
     # approval tool are checked at the API (docs/agents.md).
     agents: Sequence[Agent] = ()
+    # Every model call of the step streams its tokens to the job's live
+    # stream (docs/streaming.md); one call can say otherwise
+    # (``ctx.model.complete(..., stream=False)``).
+    stream: bool = False
     topics: frozenset[str] = field(init=False)
     # The topics that are calls that answer, with what their answer validates as.
     calls: Mapping[str, type[BaseModel] | bool] = field(init=False)

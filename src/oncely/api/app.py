@@ -10,12 +10,12 @@ docs/embedding.md.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastapi import APIRouter, FastAPI
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -37,13 +37,22 @@ from oncely.api.problems import (
 )
 from oncely.api.ratelimit import TenantLimiter
 from oncely.api.store import IdempotencyStore
+from oncely.api.streaming import (
+    Live,
+    StreamConfig,
+    add_stream_routes,
+    stream_accepted,
+    wants_stream,
+)
 from oncely.api.workflows import DirectIntake, add_workflow_routes
 from oncely.app import App
 from oncely.console import console_router
 from oncely.jobs.checkpoints import Checkpoints
 from oncely.jobs.store import Jobs, run_statement
+from oncely.live.events import JobEvents, LiveConfig
 from oncely.queue.stream import Stream
 from oncely.usage.budgets import BudgetLimits, Budgets
+from oncely.workflow import Workflow
 
 DESCRIPTION = f"""
 Exactly-once effects for LLM steps. Every POST needs an `Idempotency-Key`.
@@ -93,6 +102,14 @@ class ApiConfig:
     # A request body must arrive in full within this, counted from the first
     # read (a body shorter than its Content-Length would hold the handler).
     body_timeout_s: float = 30.0
+    # Live job streams (docs/streaming.md): open streams per tenant, a
+    # job's events kept (about) and for how long after its last one.
+    streams_per_tenant: int = 100
+    stream_maxlen: int = 10_000
+    stream_ttl_s: float = 3600.0
+    # A comment line this often keeps proxies from closing an idle stream;
+    # the job's row is read again at each.
+    stream_heartbeat_s: float = 15.0
     # The operator key of the web console at /console (None: no console).
     # Kept out of repr so that it never reaches a log line.
     console_key: str | None = field(default=None, repr=False)
@@ -126,6 +143,7 @@ class OncelyAPI:
         # With oncely's own API keys, the intake resolves its requests itself
         # (workflows.DirectIntake); with an app's own auth, FastAPI does.
         self._direct: DirectIntake | None = None
+        self._bearer: Callable[[Request], Awaitable[str]] | None = None
         if auth is None:
             keys = ApiKeyAuth(
                 lambda: self.clients.pool,
@@ -135,6 +153,7 @@ class OncelyAPI:
                 unknown_per_minute=config.unknown_keys_per_minute,
             )
             auth = keys.dependency
+            self._bearer = keys.tenant_of
             self._direct = DirectIntake(
                 keys.tenant_of, idempotent_request_for(lambda: self._idempotency, config.max_hold_s)
             )
@@ -164,7 +183,26 @@ class OncelyAPI:
                 direct=self._direct,
                 checkpoints=lambda: self._checkpoints,
                 event_idempotent=self.idempotent,
+                answer=self._answer(workflow),
+                cancelled=lambda name, job_id: self.live.events.publish(
+                    name, job_id, "status", {"status": "cancelled"}
+                ),
             )
+            add_stream_routes(
+                router, workflow, lambda: self._jobs, lambda: self.live, self.tenant, self._bearer
+            )
+
+    def _answer(
+        self, workflow: Workflow[Any, Any]
+    ) -> Callable[[Response, Request, str], Awaitable[Response]]:
+        """The intake's answer: the accepted job's stream when asked for."""
+
+        async def answer(response: Response, request: Request, tenant: str) -> Response:
+            if not wants_stream(request):
+                return response
+            return await stream_accepted(self.live, workflow, self._jobs, tenant, response, request)
+
+        return answer
 
     @property
     def clients(self) -> Clients:
@@ -185,6 +223,11 @@ class OncelyAPI:
             clients.pool, streams, statement_timeout_s=self.config.statement_timeout_s
         )
         self._checkpoints = Checkpoints(self._jobs)
+        events = JobEvents(
+            clients.redis, LiveConfig(self.config.stream_maxlen, self.config.stream_ttl_s)
+        )
+        config = StreamConfig(self.config.streams_per_tenant, self.config.stream_heartbeat_s)
+        self.live = Live(clients.redis, events, config)
         self._idempotency = IdempotencyStore(
             clients.redis,
             lock_ttl_s=self.config.lock_ttl_s,
@@ -216,6 +259,8 @@ class OncelyAPI:
             return
         await self._jobs.finish_withdrawals(self.config.statement_timeout_s)
         await self._idempotency.aclose()
+        self.live.stop()
+        await self.live.aclose()
 
     def mount(self, host: FastAPI, prefix: str = "") -> None:
         """Add the workflows' routes to ``host`` with oncely's problem handlers
@@ -390,6 +435,15 @@ def _operations(schema: dict[str, Any]) -> list[dict[str, Any]]:
     return [op for path in schema.get("paths", {}).values() for op in path.values()]
 
 
+def _can_fail(parameter: dict[str, Any]) -> bool:
+    """Whether a value of the parameter can fail validation: anything but an
+    optional string without constraints."""
+    schema = parameter.get("schema", {})
+    options = schema.get("anyOf", [schema])
+    plain = all(set(o) <= {"type", "title"} and o.get("type") in ("string", "null") for o in options)
+    return parameter.get("required", False) or not plain
+
+
 def _complete_operation(operation: dict[str, Any]) -> None:
     """What FastAPI cannot tell from the code: the key is required (a
     missing one is oncely's 400, not FastAPI's 422), every error is a
@@ -401,7 +455,7 @@ def _complete_operation(operation: dict[str, Any]) -> None:
             parameter["schema"] = {**IDEMPOTENCY_KEY_SCHEMA, "title": "Idempotency-Key"}
     responses = operation.setdefault("responses", {})
     validated = "requestBody" in operation or any(
-        p["in"] == "query" for p in operation.get("parameters", [])
+        p["in"] == "query" and _can_fail(p) for p in operation.get("parameters", [])
     )
     if "422" in responses and not validated:
         del responses["422"]  # a path parameter alone cannot fail validation

@@ -11,7 +11,7 @@ import json
 import re
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, cast
 
 from fastapi import APIRouter, Depends, HTTPException, Request
@@ -19,6 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
+from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from oncely import metrics, tracing
@@ -41,8 +42,9 @@ from oncely.api.problems import (
 from oncely.api.ratelimit import TenantLimiter
 from oncely.errors import KeyReused
 from oncely.jobs.checkpoints import Checkpoints, EventOutcome
-from oncely.jobs.store import Jobs, JobSpec
+from oncely.jobs.store import JobRecord, Jobs, JobSpec
 from oncely.usage.budgets import Budgets
+from oncely.views import JobView
 from oncely.workflow import Workflow
 
 # What PostgreSQL refuses in JSON text (docs/decisions.md).
@@ -80,6 +82,14 @@ class DirectIntake:
     idempotent: Callable[[Request, str], IdempotentRequest]
 
 
+# The intake's answer, as the client gets it: (response, request, tenant).
+Answer = Callable[[Response, Request, str], Awaitable[Response]]
+
+
+async def _as_it_is(response: Response) -> Response:
+    return response
+
+
 def add_workflow_routes(
     router: APIRouter,
     workflow: Workflow[Any, Any],
@@ -92,6 +102,8 @@ def add_workflow_routes(
     checkpoints: Callable[[], Checkpoints] | None = None,
     event_idempotent: Callable[..., Awaitable[IdempotentRequest]] | None = None,
     budgets: Callable[[], Budgets | None] = lambda: None,
+    answer: Answer | None = None,
+    cancelled: Callable[[str, str], None] | None = None,
 ) -> None:
     """POST and GET for one workflow, its cancel and its events, added to
     ``router``. ``jobs`` and ``checkpoints`` are called per request, so the
@@ -103,10 +115,11 @@ def add_workflow_routes(
     ``direct_intake``, which reads and checks it in the same order with the
     same answers, for a fraction of the cost (bench/README.md, Intake);
     without (an app's own ``auth``), FastAPI solves the dependencies."""
-    _add_intake(router, workflow, jobs, idempotent, _Gates(limiter, budgets), direct)
+    gates = _Gates(limiter, budgets) if answer is None else _Gates(limiter, budgets, answer)
+    _add_intake(router, workflow, jobs, idempotent, gates, direct)
     _add_read(router, workflow, jobs, tenant)
     control = checkpoints or (lambda: Checkpoints(jobs()))
-    _add_cancel(router, workflow, control, tenant)
+    _add_cancel(router, workflow, control, tenant, cancelled)
     for event, model in workflow.events.items():
         _add_event(router, workflow, event, model, jobs, control, event_idempotent or idempotent)
     if any(t.approval for agent in workflow.agents for t in agent.tools.values()):
@@ -120,6 +133,9 @@ class _Gates:
 
     limiter: Callable[[], TenantLimiter | None]
     budgets: Callable[[], Budgets | None]
+    # What the client gets of the intake's answer (its job's stream, if it
+    # asked for one: oncely.api.streaming.stream_accepted).
+    answer: Answer = field(default=lambda response, request, tenant: _as_it_is(response))
 
 
 def _add_intake(
@@ -173,7 +189,9 @@ def _add_intake(
             kind="server",
             attributes={"http.request.method": "POST", "http.route": workflow.route},
         ):
-            return await idem.run(body, accept)
+            response = await idem.run(body, accept)
+        # ``Accept: text/event-stream``: the accepted job's stream instead.
+        return await gates.answer(response, request, tenant_name)
 
     route_class = APIRoute
     if direct is not None:
@@ -238,7 +256,23 @@ def _add_read(
             raise HTTPException(404, "job not found")
         # A job changes, and holds a tenant's data: no cache keeps it.
         response.headers["Cache-Control"] = "no-store"
-        return view_model.from_record(record)
+        return await current_view(view_model, record, jobs())
+
+
+async def current_view(
+    view_model: type[JobView[Any]], record: JobRecord, jobs: Jobs
+) -> JobView[Any]:
+    """What GET answers: the job's row, ``running`` while a worker holds a
+    queued job (Redis says so; unreadable: ``queued``, as the row says)."""
+    view = view_model.from_record(record)
+    if record.status != "queued":
+        return view
+    stream = jobs.streams.get(record.kind)
+    try:
+        held = stream is not None and await stream.held(str(record.job_id))
+    except RedisError:
+        held = False
+    return view.model_copy(update={"status": "running"}) if held else view
 
 
 def _job_uuid(job_id: str) -> uuid.UUID:
@@ -259,6 +293,7 @@ def _add_cancel(
     workflow: Workflow[Any, Any],
     checkpoints: Callable[[], Checkpoints],
     tenant: Callable[..., Awaitable[str]],
+    cancelled: Callable[[str, str], None] | None,
 ) -> None:
     Tenant = Annotated[str, Depends(tenant)]
 
@@ -289,6 +324,8 @@ def _add_cancel(
             raise HTTPException(404, "job not found")
         if found.finished:
             return job_finished(str(parsed), found.status)
+        if cancelled is not None:
+            cancelled(workflow.name, str(parsed))
         return JSONResponse({"job_id": str(parsed), "status": "cancelled"}, status_code=202)
 
 

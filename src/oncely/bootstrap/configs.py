@@ -39,6 +39,10 @@ def api_config(s: Settings) -> ApiConfig:
         max_header_bytes=s.http_max_header_bytes,
         body_timeout_s=s.http_body_timeout_s,
         console_key=s.console_key.get_secret_value() if s.console_key else None,
+        streams_per_tenant=s.streams_per_tenant,
+        stream_maxlen=s.stream_maxlen,
+        stream_ttl_s=s.stream_ttl_s,
+        stream_heartbeat_s=s.stream_heartbeat_s,
     )
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import signal
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -44,6 +44,7 @@ from oncely.jobs.handler import StepConfig, WorkflowHandler
 from oncely.jobs.reconcile import Reconciler
 from oncely.jobs.retention import Retention
 from oncely.jobs.timers import Timers
+from oncely.live.events import JobEvents, LiveConfig
 from oncely.llm.base import LLM, ModelClient
 from oncely.llm.cooldown import Cooldown
 from oncely.llm.limiter import FleetLimiter, LimitedLLM
@@ -53,7 +54,7 @@ from oncely.outbox.relay import Relay
 from oncely.outbox.store import OutboxStore
 from oncely.outbox.wakeup import OutboxWakeUp
 from oncely.queue.stream import Stream
-from oncely.queue.worker import Worker
+from oncely.queue.worker import DeliveryReport, Worker
 from oncely.senders import EffectRouter, build_router
 from oncely.services import Progress, Service
 from oncely.settings import Settings
@@ -165,6 +166,9 @@ class ApiServer:
             await self._api.aclose()
 
     def stop(self) -> None:
+        # Open streams end now (their clients resume with Last-Event-ID), or
+        # the server would wait for them to end on their own.
+        self._api.live.stop()
         self._server.should_exit = True
 
     async def serving(self, running: asyncio.Future[Any]) -> bool:
@@ -208,6 +212,7 @@ class WorkerGroup:
         self._config, self._steps = worker_config(s), step_config(s)
         self._settings = s
         self.cooldown = Cooldown(res.redis, cooldown_policy(s))
+        self.events = JobEvents(res.redis, LiveConfig(s.stream_maxlen, s.stream_ttl_s))
         self.ledger = ledger_for(res)
         # Adapters of fallbacks on endpoints of their own, closed with the group.
         self._endpoints: dict[tuple[ModelSpec, str], ModelClient] = {}
@@ -241,16 +246,38 @@ class WorkerGroup:
             shadows=ShadowDispatch(shadows) if shadows else None,
             checkpoints=self.checkpoints,
             route=ModelRoute(self._fallbacks(w), self.cooldown, self.ledger),
+            events=self.events,
         )
         return Worker(
             self.jobs.streams[w.name],
             handler,
             self._config,
             workflow=w.name,
-            on_dead=self.jobs.mark_dead,
-            on_failed=self.jobs.record_deliveries,
+            on_dead=self._on_dead(w.name),
+            on_failed=self._on_failed(w.name),
             is_cancelled=self.checkpoints.is_cancelled,
         )
+
+    def _on_dead(self, workflow: str) -> Callable[[str, str, int | None], Awaitable[None]]:
+        """A dead job's row, then its live stream told."""
+
+        async def dead(job_id: str, error: str, generation: int | None) -> None:
+            await self.jobs.mark_dead(job_id, error, generation)
+            self.events.publish(workflow, job_id, "status", {"status": "dead"})
+
+        return dead
+
+    def _on_failed(self, workflow: str) -> Callable[[Sequence[DeliveryReport]], Awaitable[None]]:
+        """Failed deliveries into their jobs' histories; the live streams of
+        those redelivered after a backoff told the job is back in line."""
+
+        async def failed(reports: Sequence[DeliveryReport]) -> None:
+            await self.jobs.record_deliveries(reports)
+            for r in reports:
+                if r.outcome == "retry":
+                    self.events.publish(workflow, r.job_id, "status", {"status": "queued"})
+
+        return failed
 
     def _shadow_worker(self, w: Workflow[Any, Any], spec: ShadowSpec, res: Resources) -> Worker:
         """Shadow calls count against their share of the fleet limits, and a

@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Iterator
 from dataclasses import dataclass, replace
+from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import structlog
@@ -41,6 +42,7 @@ from oncely.errors import DeadlineExceeded, Nondeterministic, PermanentError, Tr
 from oncely.jobs.checkpoints import Checkpoints, JobRun
 from oncely.jobs.store import Jobs
 from oncely.journal import Checkpoint, Journal, Replay, RunStopped, Suspended, Wait, Writes
+from oncely.live.events import JobEvents, LiveJob
 from oncely.llm.base import LLM
 from oncely.llm.model import Model, ModelRoute
 from oncely.outbox.wakeup import OutboxWakeUp
@@ -94,8 +96,11 @@ class WorkflowHandler:
         shadows: ShadowDispatch | None = None,
         checkpoints: Checkpoints | None = None,
         route: ModelRoute | None = None,
+        events: JobEvents | None = None,
     ) -> None:
         self.workflow = workflow
+        # Each job's live events (docs/streaming.md); None: none published.
+        self.events = events
         self.jobs = jobs
         self.checkpoints = checkpoints or Checkpoints(jobs)
         self.llm = llm
@@ -127,6 +132,8 @@ class WorkflowHandler:
         run = await self.checkpoints.run_of(message.job_id)
         if (stopped := _not_running(run)) is not None:
             return stopped
+        if (live := self._live(message.job_id)) is not None:
+            live.status("running")
         try:
             request = self.workflow.request.model_validate(message.payload)
         except ValidationError as exc:
@@ -147,21 +154,7 @@ class WorkflowHandler:
         """One run of the step over ``run``'s checkpoints: its outcome, or
         None when it lost a race for a checkpoint and must replay."""
         delivery.generation = run.generation
-        store = _JobStore(self, message.job_id, run.generation, delivery)
-        journal = Journal(run.checkpoints, store, workflow=self.workflow.name)
-        site = CallSite(self.workflow.name, message.job_id, message.tenant)
-        model = store.model = self._model(journal, site)
-        ctx = Context(
-            self.workflow,
-            message.job_id,
-            message.tenant,
-            model,
-            delivery.number,
-            variant=self.variant,
-            journal=journal,
-            wait_max_s=self.config.wait_max_s,
-            call_timeout_s=self.config.call_timeout_s,
-        )
+        journal, model, ctx = self._run_parts(message, delivery, run)
         step = self.variant.step if self.variant and self.variant.step else self.workflow.step
         try:
             try:
@@ -191,6 +184,35 @@ class WorkflowHandler:
             await self.shadows.after_commit(message, result)
         return "done"
 
+    def _run_parts(
+        self, message: JobMessage, delivery: Delivery, run: JobRun
+    ) -> tuple[Journal, Model, Context]:
+        """The run's journal over its checkpoints, its model and its context,
+        all publishing to the job's live stream when there is one."""
+        live = self._live(message.job_id)
+        store = _JobStore(self, message.job_id, run.generation, delivery, live=live)
+        journal = Journal(run.checkpoints, store, workflow=self.workflow.name)
+        site = CallSite(self.workflow.name, message.job_id, message.tenant)
+        model = store.model = self._model(journal, site)
+        if live is not None:
+            model.stream_to(live, streaming=self.workflow.stream, redelivered=delivery.number > 1)
+        ctx = Context(
+            self.workflow,
+            message.job_id,
+            message.tenant,
+            model,
+            delivery.number,
+            variant=self.variant,
+            journal=journal,
+            wait_max_s=self.config.wait_max_s,
+            live=live,
+            call_timeout_s=self.config.call_timeout_s,
+        )
+        return journal, model, ctx
+
+    def _live(self, job_id: str) -> LiveJob | None:
+        return None if self.events is None else LiveJob(self.events, self.workflow.name, job_id)
+
     async def _finish(
         self,
         message: JobMessage,
@@ -213,6 +235,10 @@ class WorkflowHandler:
             )
         if stored and writes.checkpoints:
             self._checkpoints_written.inc(len(writes.checkpoints))
+        live = self._live(message.job_id)
+        if stored and live is not None:
+            _published(live, writes)
+            live.status("done")
         if stored and writes.effects:
             self.wake_relay.soon()
         return stored
@@ -286,12 +312,16 @@ class _JobStore:
     delivery: Delivery
     # The run's model, for what the delivery spent before it waits.
     model: Model | None = None
+    # Where the job's live events go (None: nowhere).
+    live: LiveJob | None = None
 
     async def write(self, writes: Writes) -> None:
         h = self.handler
         await h.checkpoints.write(h.workflow.name, self.job_id, self.generation, writes)
         if writes.effects:
             h.wake_relay.soon()
+        if self.live is not None:
+            _published(self.live, writes)
 
     async def wait(self, writes: Writes, wait: Wait) -> Checkpoint | None:
         h = self.handler
@@ -304,7 +334,27 @@ class _JobStore:
         )
         if writes.effects or wait.call is not None:
             h.wake_relay.soon()
+        if self.live is not None:
+            _published(self.live, writes)
+            if outcome is None:
+                self.live.step(wait.key, wait.kind, "waiting")
+                self.live.status("waiting", waiting=_waiting(wait))
+            else:
+                self.live.step(wait.key, wait.kind, outcome.status)
         return outcome
+
+
+def _published(live: LiveJob, writes: Writes) -> None:
+    """A ``step`` event for each checkpoint just stored."""
+    for c in writes.checkpoints:
+        live.step(c.key, c.kind, c.status, c.usage)
+
+
+def _waiting(wait: Wait) -> dict[str, Any]:
+    """What a job waits on, as its ``status`` event says it (GET's ``waiting``)."""
+    until = datetime.now(UTC) + timedelta(seconds=wait.seconds)
+    detail = dict(wait.detail) if wait.detail is not None else {"event": wait.event}
+    return {**detail, "until": until.isoformat()}
 
 
 def step_model(

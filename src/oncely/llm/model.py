@@ -27,9 +27,9 @@ import asyncio
 import functools
 import json
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import structlog
 from prometheus_client import Counter, Histogram
@@ -60,6 +60,9 @@ from oncely.metrics import (
 )
 from oncely.retry import Deadline, RetryEvent, RetryPolicy, call_with_retries, classify
 from oncely.usage.ledger import Call, CallSite, Ledger, Outcome
+
+if TYPE_CHECKING:
+    from oncely.live.events import LiveJob
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -205,19 +208,20 @@ class _Request:
     schema: ResponseSchema | None = None
     tools: tuple[ToolSpec, ...] = ()
     tool_choice: ToolChoice | None = None
+    # Its tokens go to the job's live stream as they come.
+    streamed: bool = False
 
-    async def send(self, llm: LLM, timeout_s: float) -> Completion:
-        """Ask ``llm``; tools only when there are some, so that an ``LLM``
-        written before tools existed still answers every other call."""
-        if not self.tools:
-            return await llm.complete(self.messages, timeout_s, schema=self.schema)
-        return await llm.complete(
-            self.messages,
-            timeout_s,
-            schema=self.schema,
-            tools=self.tools,
-            tool_choice=self.tool_choice,
-        )
+    async def send(
+        self, llm: LLM, timeout_s: float, on_text: Callable[[str], None] | None = None
+    ) -> Completion:
+        """Ask ``llm``; tools and streaming only when asked for, so that an
+        ``LLM`` written before them still answers every other call."""
+        extra: dict[str, Any] = {}
+        if self.tools:
+            extra = {"tools": self.tools, "tool_choice": self.tool_choice}
+        if on_text is not None:
+            extra["on_text"] = on_text
+        return await llm.complete(self.messages, timeout_s, schema=self.schema, **extra)
 
 
 # How much of a tool call's arguments that are not JSON the model is shown.
@@ -298,8 +302,21 @@ class Model:
         self._cooldown = route.cooldown
         self._ledger = route.ledger
         self._site = site or CallSite(workflow)
+        # Where streamed calls' tokens go (``stream_to``): none by default.
+        self._live: LiveJob | None = None
+        self._streaming = False
+        self._redelivered = False
         # Whose calls these are, for the cooldown: a job's failures count once.
         self._caller = Caller(self._site.job_id or f"delivery:{id(self):x}", self._site.tenant)
+
+    def stream_to(self, live: LiveJob, *, streaming: bool, redelivered: bool) -> None:
+        """Stream calls' tokens to the job's live stream: every call when
+        ``streaming`` (``Workflow(stream=True)``), else those asked to
+        (``stream=True``). A redelivery's first attempt resets what the
+        step streamed before (docs/streaming.md)."""
+        self._live = live
+        self._streaming = streaming
+        self._redelivered = redelivered
 
     @property
     def deadline(self) -> Deadline:
@@ -312,15 +329,23 @@ class Model:
         return self._policy
 
     async def complete(
-        self, user: str, *, system: str | None = None, step: str | None = None
+        self,
+        user: str,
+        *,
+        system: str | None = None,
+        step: str | None = None,
+        stream: bool | None = None,
     ) -> str:
         """The model's answer to ``user`` (after ``system``, when given): the
-        checkpoint ``step`` (default ``model``, ``model#2``, …)."""
+        checkpoint ``step`` (default ``model``, ``model#2``, …). ``stream``:
+        its tokens go to the job's live stream as they come (default: the
+        workflow's ``stream``); the checkpoint keeps the whole answer."""
         messages = _messages(user, system)
+        request = _Request(messages, streamed=self._streaming if stream is None else stream)
 
         async def work() -> Recorded[str]:
             spent = Usage()
-            answer = await self._ask(_Request(messages), spent)
+            answer = await self._ask(request, spent)
             self._bill(answer, "ok", spent)
             text = answer.completion.text
             return Recorded(text, text, spent.to_json())
@@ -476,7 +501,7 @@ class Model:
                 },
             ) as span:
                 try:
-                    completion = await request.send(target.llm, timeout_s)
+                    completion = await self._send(request, target, timeout_s, step, tries)
                 except (Exception, asyncio.CancelledError) as exc:
                     took = _elapsed_ms(started)
                     self._count_ms(spent, took)
@@ -504,6 +529,18 @@ class Model:
         return await call_with_retries(
             attempt, policy=self._policy, deadline=self._deadline, on_retry=self._on_retry
         )
+
+    async def _send(
+        self, request: _Request, target: Target, timeout_s: float, step: str | None, tries: int
+    ) -> Completion:
+        """One attempt; a streamed one's tokens to the live stream."""
+        if not request.streamed or self._live is None:
+            return await request.send(target.llm, timeout_s)
+        tokens = self._live.tokens(step, tries, reset=tries > 1 or self._redelivered)
+        try:
+            return await request.send(target.llm, timeout_s, tokens.feed)
+        finally:
+            tokens.flush()
 
     def _count_ms(self, spent: Usage, ms: int) -> None:
         spent.model_ms += ms

@@ -36,6 +36,14 @@ DELAYED = "delayed"
 
 Entry = tuple[str, dict[str, str]]
 
+# KEYS[1] stream, KEYS[2] index; ARGV: group, job_id. 1 when a worker holds
+# the job's entry (delivered, not yet acknowledged).
+_HELD = """
+local entry = redis.call('HGET', KEYS[2], ARGV[2])
+if not entry or entry == 'delayed' then return 0 end
+return #redis.call('XPENDING', KEYS[1], ARGV[1], entry, entry, 1)
+"""
+
 # KEYS[1] stream, KEYS[2] index; ARGV: job_id, tenant, payload, enqueued_at,
 # then traceparent (may be empty: not added), then any extra field/value pairs.
 _ENQUEUE = """
@@ -171,6 +179,7 @@ class Stream:
         self._announce_cancel = redis.register_script(scripts.ANNOUNCE_CANCEL)
         self._drop_superseded = redis.register_script(scripts.DROP_SUPERSEDED)
         self._delay_keys = [keys.stream, keys.index, keys.delayed, keys.delayed_messages]
+        self._held = redis.register_script(_HELD)
 
     async def enqueue(self, message: JobMessage, extra: Mapping[str, str] | None = None) -> str:
         """XADD the message (with ``extra`` fields, if any) and index it;
@@ -405,6 +414,11 @@ class Stream:
                 Consumer(str(c["name"]), int(c["pending"]), int(c["idle"])) for c in consumers
             ],
         )
+
+    async def held(self, job_id: str) -> bool:
+        """Whether a worker holds the job now: its entry was delivered and is
+        not acknowledged (the job is ``running``: docs/streaming.md)."""
+        return bool(await self._held(keys=[self.stream, self.index], args=[self.group, job_id]))
 
     async def whereabouts(self, job_id: str) -> Whereabouts:
         """Where the job's message is now (a few round trips; for operators)."""

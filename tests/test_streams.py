@@ -1,0 +1,273 @@
+"""Live job streams (docs/streaming.md), read with an SSE client library
+(httpx-sse, not our own parser) from the real API served by uvicorn in
+this process, the jobs run by the real worker loop on real Redis and
+PostgreSQL: ids that only increase, an end that is exactly GET's answer,
+resumes that repeat nothing, a stream that survives Redis losing every
+event, tokens that open one job only, the intake's own stream, and the
+bound on open streams."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+from httpx_sse import aconnect_sse
+
+from oncely.api.auth import create_api_key
+from oncely.bootstrap import connect_llm, step_config
+from oncely.builtin.summaries import summaries
+from oncely.jobs.handler import WorkflowHandler
+from oncely.jobs.store import JobSpec
+from oncely.live.events import JobEvents
+from oncely.outbox.wakeup import OutboxWakeUp
+from oncely.queue.worker import Worker
+from tests.helpers import asgi_app, make_worker
+from tests.processes import free_port
+
+BODY = {"text": "Streams show the job. Each event once. The end is GET.", "notify": "a@example.com"}
+
+
+@dataclass
+class Served:
+    base: str
+    auth: dict[str, str]
+    worker: Worker
+    events: JobEvents
+
+    async def post(self, http: httpx.AsyncClient, key: str | None = None) -> str:
+        headers = {**self.auth, "Idempotency-Key": key or f"stream-{uuid.uuid4()}"}
+        r = await http.post(f"{self.base}/v1/summaries", json=BODY, headers=headers)
+        assert r.status_code == 202, r.text
+        return str(r.json()["job_id"])
+
+    async def run_jobs(self) -> None:
+        await self.worker.run_once()
+        await self.worker.wait_idle()
+        await self.events.drain()
+
+
+@contextlib.asynccontextmanager
+async def serving(app: Any) -> AsyncIterator[str]:
+    port = free_port()
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None, lifespan="off")
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        await asyncio.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        app.state.oncely.live.stop()
+        server.should_exit = True
+        await task
+
+
+@pytest.fixture
+async def served(settings, redis, pool, jobs, worker_settings) -> AsyncIterator[Served]:
+    key = await create_api_key(pool, "acme")
+    app = asgi_app(settings, redis, pool)
+    events = JobEvents(redis)
+    llm = connect_llm(worker_settings)
+    handler = WorkflowHandler(
+        summaries, jobs, llm, step_config(worker_settings), OutboxWakeUp(pool), events=events
+    )
+    stream = jobs.streams["summaries"]
+    await stream.ensure_group()
+    worker = make_worker(stream, handler, pool)
+    async with serving(app) as base:
+        yield Served(base, {"Authorization": f"Bearer {key}"}, worker, events)
+    await llm.aclose()  # type: ignore[attr-defined]
+
+
+async def read(
+    http: httpx.AsyncClient, url: str, headers: dict[str, str], until_end: bool = True
+) -> list[tuple[str, str, Any]]:
+    """Every event of the stream at ``url`` until ``end`` (or it closes)."""
+    found = []
+    async with aconnect_sse(http, "GET", url, headers=headers) as source:
+        assert source.response.status_code == 200, await source.response.aread()
+        async for sse in source.aiter_sse():
+            found.append((sse.id, sse.event, json.loads(sse.data)))
+            if until_end and sse.event == "end":
+                break
+    return found
+
+
+def ids(events: list[tuple[str, str, Any]]) -> list[tuple[int, int]]:
+    return [tuple(int(p) for p in i.split("-")) for i, _, _ in events if i]  # type: ignore[misc]
+
+
+async def test_a_job_streams_its_status_and_steps_then_ends_with_what_get_answers(served) -> None:
+    async with httpx.AsyncClient(timeout=30) as http:
+        job_id = await served.post(http)
+        url = f"{served.base}/v1/summaries/{job_id}/stream"
+        reading = asyncio.create_task(read(http, url, served.auth))
+        await asyncio.sleep(0.3)  # the reader is following before the job runs
+        await served.run_jobs()
+        events = await asyncio.wait_for(reading, 30)
+        got = (await http.get(f"{served.base}/v1/summaries/{job_id}", headers=served.auth)).json()
+
+    kinds = [kind for _, kind, _ in events]
+    assert kinds[0] == "snapshot" and kinds[-1] == "end"
+    assert ("status", "running") in [(k, d.get("status")) for _, k, d in events]
+    assert [d["key"] for _, k, d in events if k == "step"] == ["model"]
+    assert events[-1][2] == got, "end is exactly what GET answers"
+    assert ids(events) == sorted(set(ids(events))), "ids strictly increase"
+
+
+async def test_a_resume_after_an_id_repeats_nothing_and_a_finished_job_ends_at_once(
+    served,
+) -> None:
+    async with httpx.AsyncClient(timeout=30) as http:
+        job_id = await served.post(http)
+        await served.run_jobs()
+        url = f"{served.base}/v1/summaries/{job_id}/stream"
+        finished = await read(http, url, served.auth)
+        assert [k for _, k, _ in finished] == ["snapshot", "end"]
+
+        # From the first event on: only what came after it.
+        history = await served.events.after("summaries", job_id, None)
+        first = history[0].id
+        resumed = await read(http, url, {**served.auth, "Last-Event-ID": first})
+        assert all(
+            i is None or i == "" or ids([(i, "", None)])[0] > ids([(first, "", None)])[0]
+            for i, _, _ in resumed
+        )
+        by_query = await read(http, f"{url}?after={first}", served.auth)
+        assert [k for _, k, _ in by_query] == [k for _, k, _ in resumed]
+
+
+async def test_redis_losing_every_event_mid_job_still_ends_with_get(
+    settings, redis, pool, jobs, worker_settings
+) -> None:
+    """Every event lost, the terminal one included (the worker publishes
+    nothing here): the stream's heartbeat reads the row and ends it. After
+    the end, a new stream is the snapshot and the end from PostgreSQL."""
+    key = await create_api_key(pool, "acme")
+    auth = {"Authorization": f"Bearer {key}"}
+    app = asgi_app(settings.model_copy(update={"stream_heartbeat_s": 0.3}), redis, pool)
+    llm = connect_llm(worker_settings)
+    handler = WorkflowHandler(
+        summaries, jobs, llm, step_config(worker_settings), OutboxWakeUp(pool)
+    )
+    await jobs.streams["summaries"].ensure_group()
+    worker = make_worker(jobs.streams["summaries"], handler, pool)
+    async with serving(app) as base, httpx.AsyncClient(timeout=30) as http:
+        r = await http.post(
+            f"{base}/v1/summaries",
+            json=BODY,
+            headers={**auth, "Idempotency-Key": "lost-events-00001"},
+        )
+        job_id = r.json()["job_id"]
+        url = f"{base}/v1/summaries/{job_id}/stream"
+        reading = asyncio.create_task(read(http, url, auth))
+        await asyncio.sleep(0.2)
+        await redis.flushdb()
+        await jobs.streams["summaries"].ensure_group()
+        # Redis lost the job's message too: restored as the reconciler would.
+        await jobs.restore(JobSpec(job_id, "acme", "summaries", BODY))
+        await worker.run_once()
+        await worker.wait_idle()
+        events = await asyncio.wait_for(reading, 30)
+        got = (await http.get(f"{base}/v1/summaries/{job_id}", headers=auth)).json()
+        assert events[-1][1] == "end" and events[-1][2] == got
+        after = await read(http, url, auth)
+    await llm.aclose()  # type: ignore[attr-defined]
+    assert [k for _, k, _ in after] == ["snapshot", "end"] and after[-1][2] == got
+
+
+async def test_a_stream_token_opens_its_job_only_and_keys_are_checked(served, pool) -> None:
+    async with httpx.AsyncClient(timeout=30) as http:
+        job_id = await served.post(http)
+        other = await served.post(http)
+        await served.run_jobs()
+        r = await http.post(
+            f"{served.base}/v1/summaries/{job_id}/stream-token", headers=served.auth
+        )
+        assert r.status_code == 200, r.text
+        token = r.json()["token"]
+        own = await read(http, f"{served.base}/v1/summaries/{job_id}/stream?token={token}", {})
+        assert own[-1][1] == "end"
+        wrong = await http.get(f"{served.base}/v1/summaries/{other}/stream?token={token}")
+        assert wrong.status_code == 401
+        forged = await http.get(f"{served.base}/v1/summaries/{job_id}/stream?token={token[:-2]}xx")
+        assert forged.status_code == 401
+        assert (await http.get(f"{served.base}/v1/summaries/{job_id}/stream")).status_code == 401
+        stranger = {"Authorization": f"Bearer {await create_api_key(pool, 'globex')}"}
+        foreign = await http.get(f"{served.base}/v1/summaries/{job_id}/stream", headers=stranger)
+        assert foreign.status_code == 404
+        unknown = await http.get(
+            f"{served.base}/v1/summaries/{uuid.uuid4()}/stream", headers=served.auth
+        )
+        assert unknown.status_code == 404
+
+
+async def test_a_post_that_accepts_a_stream_streams_its_job_and_a_retry_streams_it_again(
+    served,
+) -> None:
+    async with httpx.AsyncClient(timeout=30) as http:
+        headers = {
+            **served.auth,
+            "Idempotency-Key": "streamed-intake-0001",
+            "Accept": "text/event-stream",
+        }
+        first: list[tuple[str, str, Any]] = []
+
+        async def post_and_read() -> None:
+            async with aconnect_sse(
+                http, "POST", f"{served.base}/v1/summaries", json=BODY, headers=headers
+            ) as source:
+                assert source.response.status_code == 200
+                assert source.response.headers["location"].startswith("/v1/summaries/")
+                async for sse in source.aiter_sse():
+                    first.append((sse.id, sse.event, json.loads(sse.data)))
+                    if sse.event == "end":
+                        return
+
+        reading = asyncio.create_task(post_and_read())
+        await asyncio.sleep(0.3)
+        await served.run_jobs()
+        await asyncio.wait_for(reading, 30)
+        job_id = first[-1][2]["job_id"]
+        again: list[str] = []
+        async with aconnect_sse(
+            http, "POST", f"{served.base}/v1/summaries", json=BODY, headers=headers
+        ) as source:
+            assert source.response.headers["idempotent-replayed"] == "true"
+            async for sse in source.aiter_sse():
+                again.append(sse.event)
+                if sse.event == "end":
+                    break
+        got = (await http.get(f"{served.base}/v1/summaries/{job_id}", headers=served.auth)).json()
+    assert first[-1][2] == got and again[-1] == "end"
+
+
+async def test_the_tenant_past_its_open_streams_gets_429(settings, redis, pool) -> None:
+    key = await create_api_key(pool, "acme")
+    auth = {"Authorization": f"Bearer {key}"}
+    app = asgi_app(settings.model_copy(update={"streams_per_tenant": 2}), redis, pool)
+    async with serving(app) as base, httpx.AsyncClient(timeout=30) as http:
+        r = await http.post(
+            f"{base}/v1/summaries",
+            json=BODY,
+            headers={**auth, "Idempotency-Key": "bounded-streams-000001"},
+        )
+        assert r.status_code == 202, r.text
+        job_id = r.json()["job_id"]
+        url = f"{base}/v1/summaries/{job_id}/stream"
+        opened = [http.stream("GET", url, headers=auth) for _ in range(2)]
+        responses = [await o.__aenter__() for o in opened]
+        assert [r.status_code for r in responses] == [200, 200]
+        third = await http.get(url, headers=auth)
+        assert third.status_code == 429, third.text
+        assert third.json()["type"].endswith("/rate-limited")
+        for o in opened:
+            await o.__aexit__(None, None, None)
