@@ -271,3 +271,36 @@ async def test_the_tenant_past_its_open_streams_gets_429(settings, redis, pool) 
         assert third.json()["type"].endswith("/rate-limited")
         for o in opened:
             await o.__aexit__(None, None, None)
+
+
+async def test_the_clients_follow_a_stream_and_reopen_it_after_the_last_event(served) -> None:
+    from oncely.client import AsyncClient, Client
+
+    async with httpx.AsyncClient(timeout=30) as http:
+        job_id = await served.post(http)
+    key = served.auth["Authorization"].removeprefix("Bearer ")
+    async with AsyncClient(served.base, key) as client:
+        reading = asyncio.create_task(_collect(client.stream("/v1/summaries", job_id)))
+        await asyncio.sleep(0.3)
+        await served.run_jobs()
+        events = await asyncio.wait_for(reading, 30)
+        job = await client.get("/v1/summaries", job_id)
+    assert events[0].type == "snapshot" and events[-1].type == "end"
+    assert (
+        events[-1].data == json.loads(job.model_dump_json()) or events[-1].data["status"] == "done"
+    )
+
+    # The sync client, resuming after the first event with an id: only what followed.
+    first = next(e.id for e in events if e.id)
+
+    def resumed() -> list[str]:
+        with Client(served.base, key) as client:
+            return [e.type for e in client.stream("/v1/summaries", job_id, after=first)]
+
+    after = await asyncio.to_thread(resumed)
+    assert after[-1] == "end" and "snapshot" not in after
+    assert len(after) == len([e for e in events if e.id]) - 1
+
+
+async def _collect(stream: Any) -> list[Any]:
+    return [event async for event in stream]

@@ -15,6 +15,8 @@
   cancelled (or, ``until_waiting=True``, until it waits for an event).
 - ``send_event`` sends a waiting job its event with the same key contract as
   ``submit``; ``cancel`` cancels a job.
+- ``stream`` follows a job live (``StreamEvent``s until ``end``), opening
+  a dropped stream again after the last event seen.
 - Errors are typed from the problem+json ``type``; each carries ``status``,
   ``type``, ``title``, ``detail`` and, from ``submit``, the idempotency key.
   The API key is never logged or put in a message.
@@ -48,6 +50,8 @@ from oncely.client.jobs import (
     Job,
     JobStep,
     JobUsage,
+    PendingApproval,
+    StreamEvent,
     Waiting,
 )
 from oncely.client.policy import Backoff, retry_delay_s
@@ -89,6 +93,8 @@ __all__ = [
     "NotFound",
     "OncelyClientError",
     "PayloadTooLarge",
+    "PendingApproval",
+    "StreamEvent",
     "Unauthorized",
     "Unavailable",
     "UnexpectedResponse",

@@ -4,22 +4,25 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from types import TracebackType
 from typing import Any, TypeVar, overload
 
 import httpx
+from httpx_sse import aconnect_sse
 from pydantic import BaseModel
 
-from oncely.client import calls
+from oncely.client import calls, streams
 from oncely.client.calls import Outcome, Plan, Send, Sleep
-from oncely.client.jobs import Accepted, Cancelled, EventReceived, Job
+from oncely.client.errors import GaveUp, Problem, error_for
+from oncely.client.jobs import Accepted, Cancelled, EventReceived, Job, StreamEvent
 from oncely.client.policy import (
     POLL_BACKOFF,
     RETRIED_TRANSPORT_ERRORS,
     RETRY_BACKOFF,
     Backoff,
     Policy,
+    retry_delay_s,
 )
 from oncely.client.sync import USER_AGENT
 
@@ -127,6 +130,48 @@ class AsyncClient:
     async def cancel(self, route: str, job_id: str | uuid.UUID) -> Cancelled:
         """See ``Client.cancel``."""
         return await self._run(calls.cancel(self.policy, route, job_id))
+
+    async def stream(
+        self, route: str, job_id: str | uuid.UUID, *, after: str | None = None
+    ) -> AsyncIterator[StreamEvent]:
+        """The job's live events (docs/streaming.md), after ``after`` (an
+        event id) if given, until ``end``; a dropped stream is opened again
+        after the last event seen (``oncely.client.streams``)."""
+        last, failures, since = after, 0, self.policy.clock()
+        path = self._base_url + streams.stream_path(route, job_id)
+        while True:
+            try:
+                async with aconnect_sse(
+                    self._http,
+                    "GET",
+                    path,
+                    headers=streams.headers(self._headers, last),
+                    timeout=streams.timeout(self.policy.timeout_s),
+                ) as source:
+                    if source.response.status_code != 200:
+                        await source.response.aread()
+                        if not streams.reconnects(source.response):
+                            raise error_for(source.response)
+                    else:
+                        failures, since = 0, self.policy.clock()
+                        async for sse in source.aiter_sse():
+                            event = streams.event_of(sse)
+                            last = event.id or last
+                            yield event
+                            if event.type == "end":
+                                return
+            except RETRIED_TRANSPORT_ERRORS:
+                pass
+            failures += 1
+            delay = retry_delay_s(
+                failures,
+                remaining_s=self.policy.deadline_s - (self.policy.clock() - since),
+                backoff=self.policy.retry,
+                rand=self.policy.rand,
+            )
+            if delay is None:
+                raise GaveUp(Problem(None, title="the stream kept dropping"), attempts=failures)
+            await asyncio.sleep(delay)
 
     async def aclose(self) -> None:
         if self._owns_http:

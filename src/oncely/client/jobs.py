@@ -13,7 +13,8 @@ from pydantic import BaseModel, ConfigDict
 R = TypeVar("R")
 M = TypeVar("M", bound=BaseModel)
 
-JobStatus = Literal["queued", "waiting", "done", "dead", "cancelled"]
+# queued: in line; running: a worker holds it.
+JobStatus = Literal["queued", "running", "waiting", "done", "dead", "cancelled"]
 # Statuses after which nothing about a job changes.
 FINISHED = frozenset({"done", "dead", "cancelled"})
 
@@ -42,6 +43,9 @@ class JobUsage(BaseModel):
     model_calls: int
     cost_usd: float | None = None
     model: str | None = None
+    # Reported by some providers only.
+    cached_tokens: int | None = None
+    reasoning_tokens: int | None = None
 
 
 class JobStep(BaseModel):
@@ -50,21 +54,47 @@ class JobStep(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     key: str
-    kind: Literal["step", "model", "wait", "sleep"]
+    kind: Literal["step", "model", "wait", "sleep", "tool", "call", "approval", "patch"]
     status: Literal["done", "waiting", "failed"]
     finished_at: datetime | None = None
     usage: JobUsage | None = None
     # A model checkpoint's: the model that answered (a fallback, when one did).
     model: str | None = None
+    # An agent's tool, approval and call-tool checkpoints: the tool.
+    tool: str | None = None
+
+
+class PendingApproval(BaseModel):
+    """A tool call waiting for a person's decision."""
+
+    model_config = ConfigDict(frozen=True)
+
+    call_id: str
+    tool: str
+    arguments: dict[str, object]
 
 
 class Waiting(BaseModel):
-    """What a waiting job waits for: ``event`` (None: a sleep) until ``until``."""
+    """What a waiting job waits for until ``until``: the ``event`` (a sleep:
+    none of these), a ``call``'s answer (its topic), or an ``approval``."""
 
     model_config = ConfigDict(frozen=True)
 
     event: str | None = None
+    call: str | None = None
+    approval: PendingApproval | None = None
     until: datetime
+
+
+class StreamEvent(BaseModel):
+    """One event of a job's live stream (docs/streaming.md): its ``id``
+    (None for a ``snapshot``), ``type`` and ``data``."""
+
+    model_config = ConfigDict(frozen=True)
+
+    id: str | None
+    type: str
+    data: object
 
 
 class EventReceived(BaseModel):

@@ -4,23 +4,26 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from types import TracebackType
 from typing import Any, TypeVar, overload
 
 import httpx
+from httpx_sse import connect_sse
 from pydantic import BaseModel
 
 from oncely import __version__
-from oncely.client import calls
+from oncely.client import calls, streams
 from oncely.client.calls import Outcome, Plan, Send, Sleep
-from oncely.client.jobs import Accepted, Cancelled, EventReceived, Job
+from oncely.client.errors import GaveUp, Problem, error_for
+from oncely.client.jobs import Accepted, Cancelled, EventReceived, Job, StreamEvent
 from oncely.client.policy import (
     POLL_BACKOFF,
     RETRIED_TRANSPORT_ERRORS,
     RETRY_BACKOFF,
     Backoff,
     Policy,
+    retry_delay_s,
 )
 
 T = TypeVar("T")
@@ -138,6 +141,48 @@ class Client:
         """Cancel a queued, running or waiting job (cancelling twice is
         fine); ``JobFinished`` if it is already done or dead."""
         return self._run(calls.cancel(self.policy, route, job_id))
+
+    def stream(
+        self, route: str, job_id: str | uuid.UUID, *, after: str | None = None
+    ) -> Iterator[StreamEvent]:
+        """The job's live events (docs/streaming.md), after ``after`` (an
+        event id) if given, until ``end``; a dropped stream is opened again
+        after the last event seen (``oncely.client.streams``)."""
+        last, failures, since = after, 0, self.policy.clock()
+        path = self._base_url + streams.stream_path(route, job_id)
+        while True:
+            try:
+                with connect_sse(
+                    self._http,
+                    "GET",
+                    path,
+                    headers=streams.headers(self._headers, last),
+                    timeout=streams.timeout(self.policy.timeout_s),
+                ) as source:
+                    if source.response.status_code != 200:
+                        source.response.read()
+                        if not streams.reconnects(source.response):
+                            raise error_for(source.response)
+                    else:
+                        failures, since = 0, self.policy.clock()
+                        for sse in source.iter_sse():
+                            event = streams.event_of(sse)
+                            last = event.id or last
+                            yield event
+                            if event.type == "end":
+                                return
+            except RETRIED_TRANSPORT_ERRORS:
+                pass
+            failures += 1
+            delay = retry_delay_s(
+                failures,
+                remaining_s=self.policy.deadline_s - (self.policy.clock() - since),
+                backoff=self.policy.retry,
+                rand=self.policy.rand,
+            )
+            if delay is None:
+                raise GaveUp(Problem(None, title="the stream kept dropping"), attempts=failures)
+            time.sleep(delay)
 
     def close(self) -> None:
         if self._owns_http:
