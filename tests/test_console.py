@@ -409,6 +409,11 @@ def _reject_in_the_browser(driver: Any, base: str, job_id: str) -> None:
     decided = WebDriverWait(driver, 10).until(ec.presence_of_element_located((By.ID, "decided")))
     assert "rejected" in decided.text
     _shot(driver, "rejected")
+    # No reload of our own: the page follows the job's live stream, and at
+    # its end shows the job as it ended.
+    WebDriverWait(driver, 30).until(lambda d: d.find_element(By.ID, "job-status").text == "done")
+    assert not driver.find_elements(By.ID, "live"), "a finished job's page is not live"
+    _shot(driver, "followed-live")
 
 
 @pytest.mark.slow

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     from psycopg_pool import AsyncConnectionPool
 
+    from oncely.api.streaming import Live
     from oncely.app import App
     from oncely.jobs.store import Jobs
     from oncely.redis_client import RedisClient
@@ -30,3 +31,5 @@ class Host(Protocol):
     def clients(self) -> Clients: ...
     @property
     def jobs(self) -> Jobs: ...
+    @property
+    def live(self) -> Live: ...

@@ -19,9 +19,10 @@ from urllib.parse import parse_qs, urlencode
 
 import structlog
 from fastapi import APIRouter, Request
-from fastapi.responses import HTMLResponse, RedirectResponse, Response
+from fastapi.responses import HTMLResponse, RedirectResponse, Response, StreamingResponse
 from jinja2 import Environment, PackageLoader, select_autoescape
 
+from oncely.api.streaming import EVENT_STREAM, JobStream
 from oncely.console.session import COOKIE, SESSION_S, ConsoleKey, Sessions
 from oncely.jobs import approvals, dead_letters
 from oncely.jobs.checkpoints import Checkpoints
@@ -46,6 +47,7 @@ _HEADERS = {
     "X-Frame-Options": "DENY",
     "Content-Security-Policy": (
         "default-src 'none'; img-src data:; style-src 'self'; script-src 'self'; "
+        "connect-src 'self'; "
         "form-action 'self'; frame-ancestors 'none'; base-uri 'none'"
     ),
 }
@@ -136,6 +138,7 @@ def console_router(api: Host, key: str) -> APIRouter:
     _add_overview(router, console)
     _add_jobs(router, console)
     _add_approvals(router, console)
+    _add_live(router, console)
     _add_dead_letters(router, console)
     _add_usage(router, console)
     _add_outbox(router, console)
@@ -261,10 +264,14 @@ def _add_jobs(router: APIRouter, console: Console) -> None:
         view = await inspect_job(console.jobs, console.outbox, workflow, parsed)
         if view is None:
             return console.not_found("job", session)
+        # An unfinished job's page follows its live stream (console.js); a
+        # finished one has nothing left to change.
+        unfinished = view.job.status not in ("done", "dead", "cancelled")
         return console.page(
             "job.html",
             session,
-            refresh=REFRESH_S,
+            refresh=None,
+            live=unfinished,
             workflow=workflow,
             job=view.job,
             deliveries=view.deliveries,
@@ -275,6 +282,30 @@ def _add_jobs(router: APIRouter, console: Console) -> None:
             waited_on=waited_on(view.job),
             approval=pending_approval(view.job),
             decided=decided,
+        )
+
+
+def _add_live(router: APIRouter, console: Console) -> None:
+    @router.get("/workflows/{workflow}/jobs/{job_id}/stream")
+    async def job_stream(request: Request, workflow: str, job_id: str) -> Response:
+        """The job's live stream for its page (the page's script follows it)."""
+        session = await console.session(request)
+        if session is None:
+            return Response(status_code=401)
+        try:
+            parsed = uuid.UUID(job_id)
+        except ValueError:
+            return Response(status_code=404)
+        record = (
+            await console.jobs.detail(workflow, parsed) if workflow in console.workflows else None
+        )
+        if record is None:
+            return Response(status_code=404)
+        declared = console.api.app[workflow]
+        stream = JobStream(console.api.live, declared, console.jobs, record.tenant, parsed)
+        after = request.headers.get("last-event-id")
+        return StreamingResponse(
+            stream.events(after), media_type=EVENT_STREAM, headers={"Cache-Control": "no-store"}
         )
 
 
