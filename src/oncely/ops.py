@@ -192,7 +192,7 @@ async def show_job(
 
 def _print_job(view: JobInspection) -> None:
     j = view.job
-    out.print(f"{j.kind} job {j.job_id}: {j.status} (tenant {literal(j.tenant)})")
+    out.print(f"{j.kind} job {j.job_id}: {view.status} (tenant {literal(j.tenant)})")
     out.print(f"created {_when(j.created_at)}, updated {_when(j.updated_at)}")
     out.print(f"request: {_json(j.payload)}", soft_wrap=True)
     if j.result is not None:

@@ -272,6 +272,7 @@ def _add_jobs(router: APIRouter, console: Console) -> None:
             session,
             refresh=None,
             live=unfinished,
+            status=view.status,
             workflow=workflow,
             job=view.job,
             deliveries=view.deliveries,

@@ -40,6 +40,13 @@ class JobInspection:
     # In the order the run reached them, with their values.
     checkpoints: list[Checkpoint]
 
+    @property
+    def status(self) -> str:
+        """The job's status as GET says it: ``running`` while a worker holds
+        a queued job (its message in flight), docs/streaming.md."""
+        held = self.whereabouts is not None and self.whereabouts.state == "in_flight"
+        return "running" if self.job.status == "queued" and held else self.job.status
+
     def to_json(self) -> dict[str, Any]:
         j = self.job
         w = self.whereabouts
@@ -47,7 +54,7 @@ class JobInspection:
             "job_id": str(j.job_id),
             "workflow": j.kind,
             "tenant": j.tenant,
-            "status": j.status,
+            "status": self.status,
             "request": j.payload,
             "result": j.result,
             "usage": j.usage,
