@@ -108,7 +108,7 @@ async def test_a_function_tool_and_a_call_tool_then_the_answer() -> None:
         "support/refund_now/call",
         "support/model#3",
     )
-    assert LOOKUPS == [{"order_id": "A1", "key": LOOKUPS[0]["key"]}]
+    assert [{"order_id": "A1", "key": LOOKUPS[0]["key"]}] == LOOKUPS
     assert LOOKUPS[0]["key"].endswith(":support/lookup_order/tool")
     # The model saw each tool's result after its call.
     last = run.calls[-1].messages

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import email.utils
+import json
 import socket
 import time
 from collections.abc import AsyncIterator, Callable
@@ -756,3 +757,101 @@ async def test_rpm_limit_refuses_with_retry_after_and_reports_rate_limited() -> 
         assert int(statuses[2].headers["Retry-After"]) >= 1
         report = (await http.get(f"{fake.root_url}/_calls")).json()
     assert (report["total"], report["rate_limited"], report["prompts"][0]["count"]) == (3, 1, 2)
+
+
+# --- streamed answers ----------------------------------------------------------------
+
+
+def sse_page(*chunks: object, done: bool = True) -> Answer:
+    """A 200 of server-sent chunks, as a provider streams an answer."""
+    lines = [f"data: {json.dumps(c)}\n\n" for c in chunks]
+    if done:
+        lines.append("data: [DONE]\n\n")
+    return Answer(200, text="".join(lines), headers={"Content-Type": "text/event-stream"})
+
+
+def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+    return {"id": "c", "object": "chat.completion.chunk", "created": 0, "model": "m",
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}  # fmt: skip
+
+
+async def test_a_streamed_answer_gives_its_text_piece_by_piece_and_whole(
+    fake: FakeLLMServer, llm: ModelClient
+) -> None:
+    text = "Streams arrive in pieces. Each piece is a word. The rest is left out."
+    pieces: list[str] = []
+    completion = await llm.complete([Message("user", text)], 2.0, on_text=pieces.append)
+    assert completion.text == "Streams arrive in pieces. Each piece is a word."
+    assert len(pieces) > 5 and "".join(pieces) == completion.text
+    # The usage comes in the stream's last chunk, as providers send it.
+    assert completion.prompt_tokens > 0 and completion.completion_tokens > 0
+    async with httpx.AsyncClient(base_url=fake.root_url) as http:
+        recent = (await http.get("/_calls", params={"messages": "1"})).json()
+    assert recent["prompts"][0]["billed"] == 1
+
+
+async def test_streamed_tool_calls_are_joined_from_their_pieces(scripted) -> None:
+    opening = {"index": 0, "id": "call_9", "type": "function",
+               "function": {"name": "lookup_order", "arguments": ""}}  # fmt: skip
+    page = sse_page(
+        chunk({"role": "assistant", "content": None}),
+        chunk({"tool_calls": [opening]}),
+        chunk({"tool_calls": [{"index": 0, "function": {"arguments": '{"order_'}}]}),
+        chunk({"tool_calls": [{"index": 0, "function": {"arguments": 'id": "A1"}'}}]}),
+        chunk({}, "tool_calls"),
+        {"id": "c", "choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 3}},
+    )
+    pieces: list[str] = []
+    async with scripted(page) as (server, llm):
+        completion = await llm.complete(HI, 2.0, tools=[LOOKUP], on_text=pieces.append)
+    assert completion.tool_calls == (ToolRequest("call_9", "lookup_order", '{"order_id": "A1"}'),)
+    assert (completion.prompt_tokens, completion.completion_tokens) == (7, 3)
+    assert pieces == []
+    assert server.bodies[0]["stream"] is True
+    assert server.bodies[0]["stream_options"] == {"include_usage": True}
+
+
+async def test_a_stream_that_stops_before_its_finish_is_transient(scripted) -> None:
+    page = sse_page(chunk({"content": "half an "}), chunk({"content": "answ"}), done=False)
+    pieces: list[str] = []
+    async with scripted(page) as (_, llm):
+        with pytest.raises(TransientError, match="cut off"):
+            await llm.complete(HI, 2.0, on_text=pieces.append)
+    assert pieces == ["half an ", "answ"]
+
+
+async def test_an_error_status_before_a_stream_is_translated_as_ever(scripted) -> None:
+    limited = Answer(429, {"error": {"code": "rate_limit"}}, {"Retry-After": "3"})
+    async with scripted(limited) as (_, llm):
+        with pytest.raises(TransientError) as caught:
+            await llm.complete(HI, 2.0, on_text=lambda _: None)
+    assert caught.value.status == 429 and caught.value.retry_after_s == 3
+
+
+async def test_a_cut_stream_is_transient_and_its_retry_answers_whole(
+    fake: FakeLLMServer, llm: ModelClient
+) -> None:
+    text = "[[fake:cut*1]] Cut streams start over. The retry answers whole."
+    attempts: list[list[str]] = []
+
+    async def call(timeout_s: float) -> Completion:
+        attempts.append([])
+        return await llm.complete([Message("user", text)], timeout_s, on_text=attempts[-1].append)
+
+    completion = await call_with_retries(call, **policy())
+    assert len(attempts) == 2
+    # The cut attempt streamed part of the answer, the retry all of it.
+    assert attempts[0] and "".join(attempts[0]) != completion.text
+    assert completion.text.startswith("".join(attempts[0]).strip())
+    assert "".join(attempts[1]) == completion.text
+    [prompt] = await calls_for(fake, "Cut streams")
+    assert prompt["faults"] == {"cut": 1} and prompt["billed"] == 2
+
+
+async def test_a_whole_answer_cut_halfway_is_transient(
+    fake: FakeLLMServer, llm: ModelClient
+) -> None:
+    with pytest.raises(TransientError):
+        await llm.complete([Message("user", "[[fake:cut*1]] Half a body.")], 2.0)
+    completion = await llm.complete([Message("user", "[[fake:cut*1]] Half a body.")], 2.0)
+    assert completion.text == "Half a body."

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import json
 import uuid
 from collections.abc import AsyncIterator
@@ -30,7 +31,7 @@ from oncely.live.events import JobEvents
 from oncely.outbox.wakeup import OutboxWakeUp
 from oncely.queue.worker import Worker
 from tests.helpers import asgi_app, make_worker
-from tests.processes import free_port
+from tests.processes import free_port, wait_for
 
 BODY = {"text": "Streams show the job. Each event once. The end is GET.", "notify": "a@example.com"}
 
@@ -88,17 +89,48 @@ async def served(settings, redis, pool, jobs, worker_settings) -> AsyncIterator[
 
 
 async def read(
-    http: httpx.AsyncClient, url: str, headers: dict[str, str], until_end: bool = True
+    http: httpx.AsyncClient,
+    url: str,
+    headers: dict[str, str],
+    until_end: bool = True,
+    opened: asyncio.Event | None = None,
 ) -> list[tuple[str, str, Any]]:
-    """Every event of the stream at ``url`` until ``end`` (or it closes)."""
+    """Every event of the stream at ``url`` until ``end`` (or it closes);
+    ``opened`` is set at the first event (the reader is following)."""
     found = []
     async with aconnect_sse(http, "GET", url, headers=headers) as source:
         assert source.response.status_code == 200, await source.response.aread()
         async for sse in source.aiter_sse():
             found.append((sse.id, sse.event, json.loads(sse.data)))
+            if opened is not None:
+                opened.set()
             if until_end and sse.event == "end":
                 break
     return found
+
+
+async def follow_then_run(
+    served: Served, http: httpx.AsyncClient, job_id: str
+) -> list[tuple[str, str, Any]]:
+    """Open the job's stream, run the queue once it is followed, and read
+    the stream to its end."""
+    url = f"{served.base}/v1/summaries/{job_id}/stream"
+    opened = asyncio.Event()
+    reading = asyncio.create_task(read(http, url, served.auth, opened=opened))
+    await asyncio.wait_for(opened.wait(), 30)
+    await served.run_jobs()
+    return await asyncio.wait_for(reading, 30)
+
+
+def streamed_text(events: list[tuple[str, str, Any]]) -> str:
+    """The tokens a client keeps: those after the last ``reset``."""
+    kept: list[str] = []
+    for _, kind, data in events:
+        if kind == "reset":
+            kept = []
+        elif kind == "token":
+            kept.append(data["text"])
+    return "".join(kept)
 
 
 def ids(events: list[tuple[str, str, Any]]) -> list[tuple[int, int]]:
@@ -108,11 +140,7 @@ def ids(events: list[tuple[str, str, Any]]) -> list[tuple[int, int]]:
 async def test_a_job_streams_its_status_and_steps_then_ends_with_what_get_answers(served) -> None:
     async with httpx.AsyncClient(timeout=30) as http:
         job_id = await served.post(http)
-        url = f"{served.base}/v1/summaries/{job_id}/stream"
-        reading = asyncio.create_task(read(http, url, served.auth))
-        await asyncio.sleep(0.3)  # the reader is following before the job runs
-        await served.run_jobs()
-        events = await asyncio.wait_for(reading, 30)
+        events = await follow_then_run(served, http, job_id)
         got = (await http.get(f"{served.base}/v1/summaries/{job_id}", headers=served.auth)).json()
 
     kinds = [kind for _, kind, _ in events]
@@ -121,6 +149,31 @@ async def test_a_job_streams_its_status_and_steps_then_ends_with_what_get_answer
     assert [d["key"] for _, k, d in events if k == "step"] == ["model"]
     assert events[-1][2] == got, "end is exactly what GET answers"
     assert ids(events) == sorted(set(ids(events))), "ids strictly increase"
+    # The built-in summaries stream their model call: the tokens are the answer.
+    assert "token" in kinds and "reset" not in kinds
+    assert kinds.index("token") < kinds.index("step")
+    assert streamed_text(events) == got["result"]["summary"]
+
+
+async def test_a_stream_cut_mid_answer_sends_reset_and_the_kept_tokens_are_the_answer(
+    served,
+) -> None:
+    body = {**BODY, "text": "[[fake:cut*1]] [[fake:typing=0.01]] " + BODY["text"]}
+    async with httpx.AsyncClient(timeout=30) as http:
+        headers = {**served.auth, "Idempotency-Key": f"cut-{uuid.uuid4()}"}
+        r = await http.post(f"{served.base}/v1/summaries", json=body, headers=headers)
+        job_id = r.json()["job_id"]
+        events = await follow_then_run(served, http, job_id)
+        got = (await http.get(f"{served.base}/v1/summaries/{job_id}", headers=served.auth)).json()
+
+    assert got["status"] == "done"
+    kinds = [kind for _, kind, _ in events]
+    first_reset = kinds.index("reset")
+    assert "token" in kinds[:first_reset], "the cut attempt streamed before it was cut"
+    assert [d["attempt"] for _, k, d in events if k == "reset"] == [2]
+    assert streamed_text(events) == got["result"]["summary"]
+    half = "".join(d["text"] for _, k, d in events[:first_reset] if k == "token")
+    assert half != got["result"]["summary"], "the cut attempt did not stream it all"
 
 
 async def test_a_resume_after_an_id_repeats_nothing_and_a_finished_job_ends_at_once(
@@ -168,8 +221,9 @@ async def test_redis_losing_every_event_mid_job_still_ends_with_get(
         )
         job_id = r.json()["job_id"]
         url = f"{base}/v1/summaries/{job_id}/stream"
-        reading = asyncio.create_task(read(http, url, auth))
-        await asyncio.sleep(0.2)
+        opened = asyncio.Event()
+        reading = asyncio.create_task(read(http, url, auth, opened=opened))
+        await asyncio.wait_for(opened.wait(), 30)
         await redis.flushdb()
         await jobs.streams["summaries"].ensure_group()
         # Redis lost the job's message too: restored as the reconciler would.
@@ -220,6 +274,7 @@ async def test_a_post_that_accepts_a_stream_streams_its_job_and_a_retry_streams_
             "Accept": "text/event-stream",
         }
         first: list[tuple[str, str, Any]] = []
+        opened = asyncio.Event()
 
         async def post_and_read() -> None:
             async with aconnect_sse(
@@ -229,11 +284,12 @@ async def test_a_post_that_accepts_a_stream_streams_its_job_and_a_retry_streams_
                 assert source.response.headers["location"].startswith("/v1/summaries/")
                 async for sse in source.aiter_sse():
                     first.append((sse.id, sse.event, json.loads(sse.data)))
+                    opened.set()
                     if sse.event == "end":
                         return
 
         reading = asyncio.create_task(post_and_read())
-        await asyncio.sleep(0.3)
+        await asyncio.wait_for(opened.wait(), 30)
         await served.run_jobs()
         await asyncio.wait_for(reading, 30)
         job_id = first[-1][2]["job_id"]
@@ -280,8 +336,9 @@ async def test_the_clients_follow_a_stream_and_reopen_it_after_the_last_event(se
         job_id = await served.post(http)
     key = served.auth["Authorization"].removeprefix("Bearer ")
     async with AsyncClient(served.base, key) as client:
-        reading = asyncio.create_task(_collect(client.stream("/v1/summaries", job_id)))
-        await asyncio.sleep(0.3)
+        opened = asyncio.Event()
+        reading = asyncio.create_task(_collect(client.stream("/v1/summaries", job_id), opened))
+        await asyncio.wait_for(opened.wait(), 30)
         await served.run_jobs()
         events = await asyncio.wait_for(reading, 30)
         job = await client.get("/v1/summaries", job_id)
@@ -302,5 +359,36 @@ async def test_the_clients_follow_a_stream_and_reopen_it_after_the_last_event(se
     assert len(after) == len([e for e in events if e.id]) - 1
 
 
-async def _collect(stream: Any) -> list[Any]:
-    return [event async for event in stream]
+async def _collect(stream: Any, opened: asyncio.Event) -> list[Any]:
+    found = []
+    async for event in stream:
+        found.append(event)
+        opened.set()
+    return found
+
+
+async def test_the_typing_example_leaves_the_stored_summary_on_screen(served) -> None:
+    from examples.watch_summary import watch
+
+    from oncely.client import AsyncClient
+
+    key = served.auth["Authorization"].removeprefix("Bearer ")
+    screen = io.StringIO()
+    body = {**BODY, "text": "[[fake:cut*1]] The example types. A cut starts over. Only this."}
+    async with httpx.AsyncClient(timeout=30) as http, AsyncClient(served.base, key) as client:
+        headers = {**served.auth, "Idempotency-Key": f"typing-{uuid.uuid4()}"}
+        job_id = (
+            await http.post(f"{served.base}/v1/summaries", json=body, headers=headers)
+        ).json()["job_id"]
+        watching = asyncio.create_task(watch(client, job_id, screen))
+
+        async def following() -> bool:
+            return "[queued]" in screen.getvalue()
+
+        await wait_for(following, within_s=30, what="the example follows the job")
+        await served.run_jobs()
+        shown = await asyncio.wait_for(watching, 30)
+        job = await client.get("/v1/summaries", job_id)
+    assert "[the model starts over]" in screen.getvalue()
+    assert job.result is not None
+    assert shown == job.result["summary"] == "The example types. A cut starts over."

@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, TypeVar
 
@@ -373,6 +373,7 @@ class _ScriptedModel:
         schema: ResponseSchema | None = None,
         tools: Sequence[ToolSpec] = (),
         tool_choice: ToolChoice | None = None,
+        on_text: Callable[[str], None] | None = None,
     ) -> Completion:
         s = self.script
         number = len(s.calls) + 1
@@ -406,6 +407,8 @@ class _ScriptedModel:
                 "", prompt_tokens=_tokens(messages), completion_tokens=1, tool_calls=requests
             )
         text = answer if isinstance(answer, str) else json.dumps(_json(answer))
+        if on_text is not None:
+            on_text(text)
         return Completion(text, prompt_tokens=_tokens(messages), completion_tokens=_tokens(text))
 
 

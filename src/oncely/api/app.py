@@ -440,7 +440,9 @@ def _can_fail(parameter: dict[str, Any]) -> bool:
     optional string without constraints."""
     schema = parameter.get("schema", {})
     options = schema.get("anyOf", [schema])
-    plain = all(set(o) <= {"type", "title"} and o.get("type") in ("string", "null") for o in options)
+    plain = all(
+        set(o) <= {"type", "title"} and o.get("type") in ("string", "null") for o in options
+    )
     return parameter.get("required", False) or not plain
 
 

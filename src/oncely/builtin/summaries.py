@@ -93,4 +93,6 @@ summaries = Workflow(
     view=SummaryJob,
     summary="Accept a text to summarise and email",
     evaluator=same_words,
+    # The summary types itself out on the job's live stream (docs/streaming.md).
+    stream=True,
 )

@@ -22,10 +22,19 @@ a job's fate is written in its own text and survives redeliveries:
   comes one byte a second, forever.
 - ``[[fake:badjson*N]]``: a 200 whose content is not what was asked for:
   truncated JSON (``{"oops": ``) when a schema was asked for, else ``not json``.
+- ``[[fake:cut*N]]``: the answer is generated (and billed), then the
+  connection drops halfway through it: a stream after half its chunks, a
+  whole answer after half its body.
 - ``[[fake:sleep=S]]``: every call takes S seconds first.
+- ``[[fake:typing=S]]``: a streamed answer waits S seconds between chunks.
 
 Without ``*N`` a fault applies to every call. Faults run in the order written:
 ``[[fake:503*2]] [[fake:429*1]]`` answers 503, 503, 429, then a summary.
+
+A request with ``stream: true`` gets the same answer as server-sent chunks,
+as providers send them: the role, the content a word a chunk (or each tool
+call's name, then its arguments), the finish reason, the usage in a last
+chunk of its own, then ``data: [DONE]``.
 
 Tool calls (docs/agents.md), when the request declares ``tools``: each
 ``[[fake:tool=NAME {json arguments}]]`` in the conversation's *first* user
@@ -89,14 +98,14 @@ from oncely.fakes.faults import RandomFaults
 log = structlog.get_logger(__name__)
 
 HttpFault = Literal["429", "503", "400", "hang", "drip"]
-FaultKind = HttpFault | Literal["badjson"]
+FaultKind = HttpFault | Literal["badjson", "cut"]
 # What ``--faults`` may name, in the order rates are drawn.
 RANDOM_FAULTS = ("429", "503", "hang", "drip", "slow", "badjson")
 RandomFault = FaultKind | Literal["slow"]
 
 _DIRECTIVE = re.compile(
-    r"\[\[fake:(?:(?P<fault>429|503|400|hang|drip|badjson)(?:\*(?P<times>\d+))?"
-    r"|sleep=(?P<sleep>\d+(?:\.\d+)?))\]\]"
+    r"\[\[fake:(?:(?P<fault>429|503|400|hang|drip|badjson|cut)(?:\*(?P<times>\d+))?"
+    r"|sleep=(?P<sleep>\d+(?:\.\d+)?)|typing=(?P<typing>\d+(?:\.\d+)?))\]\]"
 )
 # Every directive, to take out of an answer (tool calls' JSON included).
 _ANY_DIRECTIVE = re.compile(r"\[\[fake:.*?\]\]")
@@ -150,6 +159,8 @@ class _ChatRequest:
     tools: bool = False
     first_user: str = ""
     answered: frozenset[str] = frozenset()
+    # Asked for server-sent chunks (``stream: true``).
+    stream: bool = False
 
     @property
     def prompt_tokens(self) -> int:
@@ -170,6 +181,8 @@ class _Prompt:
     text: str
     script: tuple[Fault, ...]
     sleep_s: float
+    # Between a stream's chunks.
+    typing_s: float = 0.0
     count: int = 0
     billed: int = 0
     billed_ports: list[int] = field(default_factory=list)
@@ -181,14 +194,16 @@ class _Prompt:
     @classmethod
     def parse(cls, sha256: str, text: str) -> _Prompt:
         script: list[Fault] = []
-        sleep_s = 0.0
+        sleep_s = typing_s = 0.0
         for match in _DIRECTIVE.finditer(text):
             if match["sleep"] is not None:
                 sleep_s = float(match["sleep"])
+            elif match["typing"] is not None:
+                typing_s = float(match["typing"])
             else:
                 times = int(match["times"]) if match["times"] is not None else None
                 script.append(Fault(cast(FaultKind, match["fault"]), times))
-        return cls(sha256, text, tuple(script), sleep_s)
+        return cls(sha256, text, tuple(script), sleep_s, typing_s)
 
     def answer(self, request: _ChatRequest) -> str:
         """The content for this prompt, once per model variant and schema."""
@@ -384,14 +399,15 @@ class FakeModel:
             prompt.fault_ports.setdefault(fault, []).append(port)
         if fault == "badjson":
             content = _BAD_JSON if chat.schema is not None else _NOT_JSON
-        elif fault is not None and fault != "slow":
-            return await _FAULTS[fault](request)
+        elif fault is not None and fault not in ("slow", "cut"):
+            return await _FAULTS[cast(HttpFault, fault)](request)
         else:
             calls = self._tool_calls(chat)
             if calls:
                 prompt.billed += 1
                 prompt.billed_ports.append(port)
-                return web.json_response(_tool_completion(chat, calls, self.total))
+                answer = _tool_completion(chat, calls, self.total)
+                return await _respond(request, chat, answer, prompt, cut=fault == "cut")
             try:
                 content = prompt.answer(chat)
             except _InvalidSchema as exc:
@@ -406,7 +422,7 @@ class FakeModel:
         used = self.tokens.setdefault(chat.model, {"prompt": 0, "completion": 0})
         used["prompt"] += chat.prompt_tokens
         used["completion"] += _completion_tokens(content)
-        return web.json_response(answer)
+        return await _respond(request, chat, answer, prompt, cut=fault == "cut")
 
     def _refuse_over_limit(self, tokens: int) -> web.Response | None:
         if self._limit is None:
@@ -508,13 +524,14 @@ def _parse_request(raw: bytes) -> tuple[_ChatRequest, list[Any]] | web.Response:
         answered = frozenset(
             str(m.get("tool_call_id")) for m in body["messages"] if m["role"] == "tool"
         )
+        stream = body.get("stream") is True
     except (ValueError, KeyError, TypeError, AttributeError, StopIteration):
         return _error(400, "expected a JSON body with a user message", "invalid_request_error")
     chars = sum(len(content) for _, content in messages)
     # Interned: the answer caches of all prompts asked with one schema share one key.
     schema_key = "" if schema is None else sys.intern(json.dumps(schema, sort_keys=True))
     model = str(body.get("model", "oncely-fake"))
-    chat = _ChatRequest(model, text, chars, schema, schema_key, tools, first, answered)
+    chat = _ChatRequest(model, text, chars, schema, schema_key, tools, first, answered, stream)
     return chat, body["messages"]
 
 
@@ -771,6 +788,80 @@ def _completion(chat: _ChatRequest, content: str, number: int) -> dict[str, obje
             "total_tokens": chat.prompt_tokens + completion_tokens,
         },
     }
+
+
+async def _respond(
+    request: web.Request,
+    chat: _ChatRequest,
+    answer: dict[str, Any],
+    prompt: _Prompt,
+    *,
+    cut: bool,
+) -> web.StreamResponse:
+    """The answer, whole or (``stream: true``) as server-sent chunks, a
+    ``typing`` pause between them. ``cut``: the connection drops halfway."""
+    if not chat.stream:
+        if not cut:
+            return web.json_response(answer)
+        body = json.dumps(answer).encode()
+        response = web.StreamResponse(headers={"Content-Type": "application/json"})
+        response.content_length = len(body)
+        await response.prepare(request)
+        await response.write(body[: len(body) // 2])
+        return _drop(request, response)
+    response = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    )
+    await response.prepare(request)
+    chunks = _chunks(answer)
+    if cut:
+        chunks = chunks[: max(1, len(chunks) // 2)]
+    for number, chunk in enumerate(chunks):
+        if number and prompt.typing_s:
+            await asyncio.sleep(prompt.typing_s)
+        await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+    if cut:
+        return _drop(request, response)
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response
+
+
+def _drop(request: web.Request, response: web.StreamResponse) -> web.StreamResponse:
+    """Close the connection under an unfinished answer, as a crashed
+    provider or a proxy's timeout does."""
+    if request.transport is not None:
+        request.transport.abort()
+    return response
+
+
+# A stream's pieces of text: a word and the space after it.
+_PIECE = re.compile(r"\S+\s*|\s+")
+
+
+def _chunks(answer: dict[str, Any]) -> list[dict[str, Any]]:
+    """A completion as a provider streams it: the role, the content a word
+    at a time (or each tool call, then its arguments), the finish reason,
+    then the usage alone."""
+    choice = answer["choices"][0]
+    message = choice["message"]
+    head = {k: answer[k] for k in ("id", "created", "model")}
+    head["object"] = "chat.completion.chunk"
+
+    def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+        return {**head, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+
+    chunks = [chunk({"role": "assistant", "content": ""})]
+    chunks += [chunk({"content": piece}) for piece in _PIECE.findall(message["content"] or "")]
+    for index, call in enumerate(message.get("tool_calls") or ()):
+        function = call["function"]
+        opening = {"index": index, "id": call["id"], "type": "function"}
+        opening["function"] = {"name": function["name"], "arguments": ""}
+        arguments = {"index": index, "function": {"arguments": function["arguments"]}}
+        chunks += [chunk({"tool_calls": [opening]}), chunk({"tool_calls": [arguments]})]
+    chunks.append(chunk({}, choice["finish_reason"]))
+    chunks.append({**head, "choices": [], "usage": answer["usage"]})
+    return chunks
 
 
 def _error(status: int, message: str, kind: str, *, retry_after: int | None = None) -> web.Response:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Literal, Protocol, Self, runtime_checkable
@@ -77,7 +77,12 @@ class LLM(Protocol):
     caller enforces it on the wall clock (``oncely.retry.call_with_retries``
     runs every attempt under ``asyncio.timeout``). Errors are oncely's own:
     ``TransientError`` (with ``retry_after_s`` and ``status`` when the provider
-    sent them) or ``PermanentError``; adapters translate their SDK's errors."""
+    sent them) or ``PermanentError``; adapters translate their SDK's errors.
+
+    ``tools`` and ``on_text`` are passed only to calls that use them, so an
+    ``LLM`` without them still answers every other call. With ``on_text``
+    the answer is streamed: each piece of its text goes to ``on_text`` as it
+    arrives, and the ``Completion`` is still the whole answer."""
 
     async def complete(
         self,
@@ -87,6 +92,7 @@ class LLM(Protocol):
         schema: ResponseSchema | None = None,
         tools: Sequence[ToolSpec] = (),
         tool_choice: ToolChoice | None = None,
+        on_text: Callable[[str], None] | None = None,
     ) -> Completion: ...
 
 
@@ -128,3 +134,18 @@ class ModelClient(LLM, Protocol):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None: ...
+
+
+def call_options(
+    tools: Sequence[ToolSpec],
+    tool_choice: ToolChoice | None,
+    on_text: Callable[[str], None] | None,
+) -> dict[str, Any]:
+    """The keyword options of ``LLM.complete`` a call uses, and only those:
+    an ``LLM`` written before tools or streaming still answers the rest."""
+    options: dict[str, Any] = {}
+    if tools:
+        options = {"tools": tools, "tool_choice": tool_choice}
+    if on_text is not None:
+        options["on_text"] = on_text
+    return options

@@ -22,6 +22,11 @@ and empty answers through ``oncely.llm.wire``. Errors translate here:
 - any other aiohttp error (refused, reset, a truncated body): ``TransientError``;
 - a 200 that is not JSON, or has no content: ``PermanentError``.
 
+With ``on_text``, the answer comes streamed (``stream: true``): each piece
+of its text goes to ``on_text`` as it arrives, and the pieces are gathered
+into the same ``Completion`` (``wire.StreamedAnswer``). A stream cut off
+before its end is a ``TransientError``: the retry starts over.
+
 tests/test_llm_adapter.py runs the same tests against both clients.
 """
 
@@ -30,7 +35,7 @@ from __future__ import annotations
 import json
 import urllib.parse
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import aiohttp
 
@@ -97,8 +102,11 @@ class LeanOpenAICompatible(ClosedOnExit):
         schema: ResponseSchema | None = None,
         tools: Sequence[ToolSpec] = (),
         tool_choice: ToolChoice | None = None,
+        on_text: Callable[[str], None] | None = None,
     ) -> Completion:
         body = wire.request_body(self.model, messages, schema, tools, tool_choice)
+        if on_text is not None:
+            body = wire.stream_body(body)
         endpoint = self._endpoint
         try:
             async with endpoint.session().post(
@@ -111,6 +119,8 @@ class LeanOpenAICompatible(ClosedOnExit):
                 ),
                 proxy=endpoint.proxy,
             ) as response:
+                if on_text is not None and response.status < 400:
+                    return await _read_stream(response, on_text)
                 raw = await response.read()
                 status, headers = response.status, response.headers
         except aiohttp.ClientError as exc:
@@ -124,6 +134,20 @@ class LeanOpenAICompatible(ClosedOnExit):
 
     async def aclose(self) -> None:
         await self._endpoint.aclose()
+
+
+async def _read_stream(
+    response: aiohttp.ClientResponse, on_text: Callable[[str], None]
+) -> Completion:
+    """A streamed answer, each piece of its text to ``on_text`` as it comes."""
+    answer = wire.StreamedAnswer()
+    async for line in response.content:
+        chunk = wire.stream_line(line)
+        if chunk is wire.DONE:
+            break
+        if chunk is not None and (text := answer.add(chunk)):
+            on_text(text)
+    return answer.completion()
 
 
 def translate_error(exc: aiohttp.ClientError) -> OncelyError | TimeoutError:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import structlog
@@ -25,7 +25,15 @@ from redis.exceptions import RedisError
 
 from oncely import names
 from oncely.errors import TransientError
-from oncely.llm.base import LLM, Completion, Message, ResponseSchema, ToolChoice, ToolSpec
+from oncely.llm.base import (
+    LLM,
+    Completion,
+    Message,
+    ResponseSchema,
+    ToolChoice,
+    ToolSpec,
+    call_options,
+)
 from oncely.redis_client import RedisClient
 from oncely.retry import retry_after_s, status_of
 
@@ -238,6 +246,7 @@ class LimitedLLM:
         schema: ResponseSchema | None = None,
         tools: Sequence[ToolSpec] = (),
         tool_choice: ToolChoice | None = None,
+        on_text: Callable[[str], None] | None = None,
     ) -> Completion:
         started = time.monotonic()
         reserved = estimate_tokens(messages)
@@ -246,14 +255,9 @@ class LimitedLLM:
                 raise FleetLimited("fleet rate limit", retry_after_s=wait)
             await asyncio.sleep(wait)
         left = timeout - (time.monotonic() - started)
+        extra = call_options(tools, tool_choice, on_text)
         try:
-            completion = await (
-                self.llm.complete(
-                    messages, left, schema=schema, tools=tools, tool_choice=tool_choice
-                )
-                if tools
-                else self.llm.complete(messages, left, schema=schema)
-            )
+            completion = await self.llm.complete(messages, left, schema=schema, **extra)
         except Exception as exc:
             # Adapters translate a provider's 429 into TransientError(status=429).
             if status_of(exc) == 429:

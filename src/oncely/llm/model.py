@@ -46,6 +46,7 @@ from oncely.llm.base import (
     ToolChoice,
     ToolRequest,
     ToolSpec,
+    call_options,
 )
 from oncely.llm.cooldown import Caller, Cooldown
 from oncely.llm.limiter import FleetLimited
@@ -214,13 +215,8 @@ class _Request:
     async def send(
         self, llm: LLM, timeout_s: float, on_text: Callable[[str], None] | None = None
     ) -> Completion:
-        """Ask ``llm``; tools and streaming only when asked for, so that an
-        ``LLM`` written before them still answers every other call."""
-        extra: dict[str, Any] = {}
-        if self.tools:
-            extra = {"tools": self.tools, "tool_choice": self.tool_choice}
-        if on_text is not None:
-            extra["on_text"] = on_text
+        """Ask ``llm``; tools and streaming only when asked for."""
+        extra = call_options(self.tools, self.tool_choice, on_text)
         return await llm.complete(self.messages, timeout_s, schema=self.schema, **extra)
 
 

@@ -23,13 +23,17 @@ nowhere else (``oncely.retry`` imports no SDK):
 What a status means, and how an answer's usage and emptiness are read, is
 shared with the lean client (``oncely.llm.wire``, ``oncely.llm.lean``).
 
+With ``on_text`` the answer comes streamed, its text to ``on_text`` as it
+arrives, its chunks gathered as the lean client gathers them
+(``wire.StreamedAnswer``); a stream cut off is a ``TransientError``.
+
 Messages are short and never carry the prompt; the SDK error stays the cause.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import aiohttp
@@ -94,24 +98,28 @@ class OpenAICompatible(ClosedOnExit):
         schema: ResponseSchema | None = None,
         tools: Sequence[ToolSpec] = (),
         tool_choice: ToolChoice | None = None,
+        on_text: Callable[[str], None] | None = None,
     ) -> Completion:
         # The SDK's timeout bounds each socket read, not the call: a server that
         # drips a byte a second would never trip it. The wall-clock limit is the
         # caller's (``call_with_retries`` runs every attempt under one). The
         # body's parts are the lean client's (``wire``), typed for the SDK.
+        options: dict[str, Any] = {
+            "model": self.model,
+            "messages": cast("list[ChatCompletionMessageParam]", wire.messages_param(messages)),
+            "response_format": openai.omit if schema is None else _response_format(schema),
+            "tools": cast("Any", wire.tools_param(tools)) if tools else openai.omit,
+            "tool_choice": (
+                cast("Any", wire.tool_choice_param(tool_choice))
+                if tools and tool_choice is not None
+                else openai.omit
+            ),
+            "timeout": timeout,
+        }
         try:
-            response = await self._client.chat.completions.create(
-                model=self.model,
-                messages=cast("list[ChatCompletionMessageParam]", wire.messages_param(messages)),
-                response_format=openai.omit if schema is None else _response_format(schema),
-                tools=cast("Any", wire.tools_param(tools)) if tools else openai.omit,
-                tool_choice=(
-                    cast("Any", wire.tool_choice_param(tool_choice))
-                    if tools and tool_choice is not None
-                    else openai.omit
-                ),
-                timeout=timeout,
-            )
+            if on_text is not None:
+                return await self._streamed(options, on_text)
+            response = await self._client.chat.completions.create(**options)
         except _SDK_ERRORS as exc:
             raise translate_error(exc) from exc
         except json.JSONDecodeError as exc:  # a 200 that says it is JSON and is not
@@ -119,6 +127,21 @@ class OpenAICompatible(ClosedOnExit):
         if not isinstance(response, ChatCompletion):  # another content type: the SDK's text
             raise wire.no_content("not JSON")
         return _completion(response)
+
+    async def _streamed(
+        self, options: dict[str, Any], on_text: Callable[[str], None]
+    ) -> Completion:
+        """The answer streamed, its text to ``on_text`` piece by piece; the
+        chunks read as the lean client reads them (``wire.StreamedAnswer``)."""
+        answer = wire.StreamedAnswer()
+        stream = await self._client.chat.completions.create(
+            **options, stream=True, stream_options={"include_usage": True}
+        )
+        async with stream:
+            async for chunk in stream:
+                if text := answer.add(chunk.to_dict()):
+                    on_text(text)
+        return answer.completion()
 
     async def aclose(self) -> None:
         await self._client.close()

@@ -171,3 +171,97 @@ def error_code(data: object) -> object:
 
 def _count(value: object) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def stream_body(body: dict[str, Any]) -> dict[str, Any]:
+    """A request body asking for the answer as server-sent chunks, the usage
+    in the last one."""
+    return {**body, "stream": True, "stream_options": {"include_usage": True}}
+
+
+# What ``stream_line`` answers for the ``data: [DONE]`` that ends a stream.
+DONE = object()
+
+
+def stream_line(line: bytes) -> object:
+    """One line of a streamed answer: a ``data:`` line's JSON document (None
+    when it is not JSON), ``DONE`` at the end, None for any other line."""
+    if not line.startswith(b"data:"):
+        return None
+    data = line[5:].strip()
+    if data == b"[DONE]":
+        return DONE
+    try:
+        return json.loads(data)
+    except ValueError:
+        return None
+
+
+class StreamedAnswer:
+    """A streamed answer's chunks (each its JSON document), gathered into the
+    ``Completion`` the whole answer would have been: the text, the tool calls
+    (their pieces joined by index), the usage of the last chunk."""
+
+    def __init__(self) -> None:
+        self._text: list[str] = []
+        self._calls: dict[int, dict[str, Any]] = {}
+        self._usage: dict[str, Any] = {}
+        self._finish: str | None = None
+        self._refused = False
+
+    def add(self, chunk: object) -> str:
+        """Take one chunk; the text it adds (empty if none). An ``error``
+        chunk (a provider failing mid-answer) is a ``TransientError``."""
+        if not isinstance(chunk, dict):
+            raise no_content("not a completion chunk")
+        if isinstance(chunk.get("error"), dict):
+            raise status_error(503, error_code(chunk), {})
+        usage = chunk.get("usage")
+        if isinstance(usage, dict):
+            self._usage = usage
+        choices = chunk.get("choices")
+        choice = choices[0] if isinstance(choices, list) and choices else None
+        if not isinstance(choice, dict):
+            return ""
+        if isinstance(choice.get("finish_reason"), str):
+            self._finish = choice["finish_reason"]
+        delta = choice.get("delta")
+        if not isinstance(delta, dict):
+            return ""
+        self._refused = self._refused or bool(delta.get("refusal"))
+        for call in delta.get("tool_calls") or ():
+            if isinstance(call, dict):
+                self._add_call(call)
+        text = delta.get("content")
+        if not isinstance(text, str) or not text:
+            return ""
+        self._text.append(text)
+        return text
+
+    def _add_call(self, piece: dict[str, Any]) -> None:
+        index = piece.get("index")
+        call = self._calls.setdefault(
+            index if isinstance(index, int) else len(self._calls),
+            {"id": "", "type": "function", "function": {"name": "", "arguments": ""}},
+        )
+        if isinstance(piece.get("id"), str):
+            call["id"] = piece["id"]
+        function = piece.get("function")
+        if isinstance(function, dict):
+            for part in ("name", "arguments"):
+                if isinstance(function.get(part), str):
+                    call["function"][part] += function[part]
+
+    def completion(self) -> Completion:
+        """The answer, once the stream ended. One that ended before its
+        finish reason was cut off: a ``TransientError``, as a dropped
+        connection is."""
+        if self._finish is None:
+            raise TransientError("model stream cut off before the answer's end")
+        message: dict[str, Any] = {
+            "content": "".join(self._text),
+            "tool_calls": [self._calls[i] for i in sorted(self._calls)],
+            "refusal": self._refused,
+        }
+        choice = {"message": message, "finish_reason": self._finish}
+        return read_answer({"choices": [choice], "usage": self._usage})
