@@ -64,10 +64,16 @@ class Harness:
             handler,
             WorkerConfig(**{"block_ms": 10, "claim_idle_ms": 60_000, **config}),
             workflow=workflow,
-            on_dead=self.jobs.mark_dead,
+            on_dead=self.mark_dead,
             on_failed=self.jobs.record_deliveries,
             is_cancelled=self.checkpoints.is_cancelled,
         )
+
+    async def mark_dead(self, job_id: str, error: str, generation: int | None) -> None:
+        """What the worker process does with a dead job: its row, then its
+        end counted in its map if it is a child (bootstrap)."""
+        if await self.jobs.mark_dead(job_id, error, generation):
+            await self.checkpoints.children.ended([job_id])
 
     async def submit(self, route: str, body: dict[str, Any], key: str | None = None) -> str:
         headers = {**self.auth, "Idempotency-Key": key or f"key-{uuid.uuid4()}"}

@@ -51,8 +51,11 @@ _EXPORTS = {
     "Evaluation": "oncely.shadow.evaluate",
     "ModelJudge": "oncely.shadow.evaluate",
     "field_agreement": "oncely.shadow.evaluate",
+    "ChildResult": "oncely.context",
+    "Mapped": "oncely.context",
     "Context": "oncely.context",
     "ApprovalView": "oncely.views",
+    "ChildrenView": "oncely.views",
     "JobView": "oncely.views",
     "StepView": "oncely.views",
     "UsageView": "oncely.views",
@@ -69,6 +72,8 @@ __all__ = [
     "ApprovalDecision",
     "ApprovalView",
     "CallFailed",
+    "ChildResult",
+    "ChildrenView",
     "Context",
     "Deadline",
     "DeadlineExceeded",
@@ -80,6 +85,7 @@ __all__ = [
     "InvalidOutput",
     "JobRecord",
     "JobView",
+    "Mapped",
     "Model",
     "ModelJudge",
     "PermanentError",
@@ -109,7 +115,7 @@ __all__ = [
 if TYPE_CHECKING:
     from oncely.agent import Agent, AgentLimitReached, AgentRun, ApprovalDecision, ToolCallRecord
     from oncely.app import App
-    from oncely.context import Context
+    from oncely.context import ChildResult, Context, Mapped
     from oncely.effects import Email, EmailEffect, Event, WebhookEffect, email, webhook
     from oncely.errors import CallFailed, DeadlineExceeded, PermanentError, TransientError
     from oncely.jobs.store import JobRecord
@@ -119,7 +125,14 @@ if TYPE_CHECKING:
     from oncely.retry import Deadline, RetryPolicy
     from oncely.shadow.evaluate import Evaluation, ModelJudge, field_agreement
     from oncely.tools import Tool, ToolContext, call_tool, tool
-    from oncely.views import ApprovalView, JobView, StepView, UsageView, WaitingView
+    from oncely.views import (
+        ApprovalView,
+        ChildrenView,
+        JobView,
+        StepView,
+        UsageView,
+        WaitingView,
+    )
     from oncely.workflow import Variant, Workflow
 
 

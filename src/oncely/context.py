@@ -13,16 +13,24 @@ import contextlib
 import functools
 import inspect
 import json
-from collections.abc import Awaitable, Callable, Iterator, Mapping
-from dataclasses import replace
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, replace
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Generic, Literal, Protocol, TypeVar, overload
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 from pydantic_core import PydanticSerializationError, to_jsonable_python
 
 from oncely.errors import DeadlineExceeded, PermanentError, TransientError
-from oncely.journal import Emitted, Journal, Kind, Recorded, check_name, current_checkpoint
+from oncely.journal import (
+    Emitted,
+    Journal,
+    Kind,
+    MapStart,
+    Recorded,
+    check_name,
+    current_checkpoint,
+)
 from oncely.retry import Deadline, RetryPolicy, call_with_retries, classify
 
 if TYPE_CHECKING:
@@ -31,6 +39,7 @@ if TYPE_CHECKING:
 
 EventT = TypeVar("EventT", bound=BaseModel)
 ValueT = TypeVar("ValueT", bound=BaseModel)
+ResultT = TypeVar("ResultT", bound=BaseModel)
 
 # What ``ctx.variant`` is for the configured model, with no variant named.
 PRIMARY = "primary"
@@ -40,6 +49,11 @@ WAIT_MAX_S = 30 * 86400.0
 CALL_TIMEOUT_S = 86400.0
 # The most a ``ctx.progress`` event may carry.
 PROGRESS_MAX_BYTES = 8192
+# The most items one ``ctx.map`` takes (ONCELY_MAP_MAX_ITEMS).
+MAP_MAX_ITEMS = 10_000
+# A map waits for its children with no time limit of its own (each child
+# has its own retries and age): this stands for "until they end".
+MAP_WAIT_S = 10 * 365 * 86400.0
 
 
 class Declared(Protocol):
@@ -56,6 +70,37 @@ class Declared(Protocol):
 
     @property
     def calls(self) -> Mapping[str, type[BaseModel] | bool]: ...
+
+
+class Mapped(Protocol):
+    """What ``ctx.map`` needs of the children's workflow (a ``Workflow`` of
+    the same app)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def request(self) -> type[BaseModel]: ...
+
+    @property
+    def result(self) -> type[BaseModel]: ...
+
+
+@dataclass(frozen=True)
+class ChildResult(Generic[ResultT]):
+    """What became of one child of a map (``ctx.map``): its job id, its
+    ``status`` (``done``, ``dead`` or ``cancelled``), its ``result`` (the
+    children's workflow's result model, when done) and, when it is dead,
+    its ``error`` (the stable reason GET shows)."""
+
+    job_id: str
+    status: Literal["done", "dead", "cancelled"]
+    result: ResultT | None = None
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "done"
 
 
 class Trial(Protocol):
@@ -91,6 +136,7 @@ class Context:
         wait_max_s: float = WAIT_MAX_S,
         call_timeout_s: float = CALL_TIMEOUT_S,
         live: LiveJob | None = None,
+        map_max_items: int = MAP_MAX_ITEMS,
     ) -> None:
         self.workflow = workflow.name
         self.job_id = job_id
@@ -110,6 +156,7 @@ class Context:
         self._calls = workflow.calls
         self._call_timeout_s = call_timeout_s
         self._live = live
+        self._map_max_items = map_max_items
 
     @contextlib.contextmanager
     def scope(self, name: str) -> Iterator[str]:
@@ -209,6 +256,42 @@ class Context:
         name = check_name(step if step is not None else topic)
         return await self._journal.wait(
             name, "call", None, seconds, decode, call=row, detail=detail
+        )
+
+    async def map(
+        self,
+        workflow: Mapped,
+        items: Iterable[BaseModel | Mapping[str, Any]],
+        *,
+        concurrency: int = 50,
+        step: str | None = None,
+    ) -> list[ChildResult[Any]]:
+        """One child job of ``workflow`` (a workflow of the same app) per
+        item, each item its request; answers every child's outcome in item
+        order once all have ended, done or not (docs/fanout.md). A
+        checkpoint (key ``map``, ``map#2``, …; ``step`` names it): the
+        children start with it, at most ``concurrency`` of them queued or
+        running at once, and the job waits holding no worker slot; a replay
+        never starts a child twice (a child's id comes from this job's, the
+        key and the item's position). Children are ordinary jobs of this
+        tenant: their own retries, dead letters, usage and effects."""
+        if concurrency < 1:
+            raise ValueError("ctx.map: concurrency must be at least 1")
+        requests = tuple(_child_request(workflow, n, item) for n, item in enumerate(items))
+        if len(requests) > self._map_max_items:
+            raise PermanentError(
+                f"ctx.map of {len(requests)} items: at most ONCELY_MAP_MAX_ITEMS"
+                f" ({self._map_max_items})"
+            )
+        children = MapStart(workflow.name, requests, concurrency, declaration=workflow)
+        detail = {"children": {"workflow": workflow.name, "total": len(requests)}}
+
+        def decode(value: Any) -> list[ChildResult[Any]]:
+            return [_child_result(workflow, child) for child in value or ()]
+
+        name = check_name(step if step is not None else "map")
+        return await self._journal.wait(
+            name, "map", None, MAP_WAIT_S, decode, detail=detail, children=children
         )
 
     @overload
@@ -359,6 +442,34 @@ def is_async(fn: Any) -> bool:
     )
 
 
+def _child_request(
+    workflow: Mapped, position: int, item: BaseModel | Mapping[str, Any]
+) -> dict[str, Any]:
+    """An item as the children's workflow's request, in JSON."""
+    try:
+        request = (
+            item
+            if isinstance(item, workflow.request)
+            else workflow.request.model_validate(
+                item.model_dump() if isinstance(item, BaseModel) else item
+            )
+        )
+    except ValidationError as exc:
+        raise PermanentError(
+            f"ctx.map: item {position} is no {workflow.name} request:"
+            f" {exc.error_count()} validation error(s)"
+        ) from exc
+    dumped: dict[str, Any] = request.model_dump(mode="json")
+    return dumped
+
+
+def _child_result(workflow: Mapped, child: Mapping[str, Any]) -> ChildResult[Any]:
+    result = child.get("result")
+    if child["status"] == "done" and result is not None:
+        result = workflow.result.model_validate(result)
+    return ChildResult(str(child["job_id"]), child["status"], result, child.get("error"))
+
+
 def _seconds(duration: float | timedelta) -> float:
     return duration.total_seconds() if isinstance(duration, timedelta) else float(duration)
 
@@ -384,7 +495,6 @@ def _json(name: str, value: Any) -> Any:
 
 
 RequestT = TypeVar("RequestT", bound=BaseModel)
-ResultT = TypeVar("ResultT", bound=BaseModel)
 
 # A workflow's step: ``async (request, ctx) -> result``.
 Step = Callable[[RequestT, Context], Awaitable[ResultT]]

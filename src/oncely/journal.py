@@ -74,9 +74,9 @@ log = structlog.get_logger("oncely.journal")
 
 T = TypeVar("T")
 
-Kind = Literal["step", "model", "wait", "sleep", "tool", "call", "approval", "patch"]
+Kind = Literal["step", "model", "wait", "sleep", "tool", "call", "approval", "patch", "map"]
 # The kinds of checkpoint a run waits at, holding nothing.
-WaitKind = Literal["wait", "sleep", "call", "approval"]
+WaitKind = Literal["wait", "sleep", "call", "approval", "map"]
 
 _NAME = re.compile(r"^[a-z][a-z0-9_.-]{0,62}$")
 
@@ -162,6 +162,19 @@ class Writes:
 
 
 @dataclass(frozen=True)
+class MapStart:
+    """A map to start with its parent's wait (``ctx.map``): the children's
+    workflow, their requests in item order, how many may be queued or
+    running at once."""
+
+    workflow: str
+    items: tuple[Mapping[str, Any], ...]
+    concurrency: int
+    # The children's workflow itself, for runs in memory (oncely.testing).
+    declaration: Any = field(default=None, compare=False, repr=False)
+
+
+@dataclass(frozen=True)
 class Wait:
     """A wait of at most ``seconds`` for ``event`` (a received event of that
     name ends it; None: none does), or for ``call``'s answer (the call's
@@ -177,6 +190,8 @@ class Wait:
     call: Emitted | None = None
     waiting_for: str | None = None
     detail: Mapping[str, Any] | None = None
+    # The children a map starts with its wait.
+    children: MapStart | None = None
 
     @property
     def wakes_on(self) -> str | None:
@@ -421,6 +436,7 @@ class Journal:
         waiting_for: str | None = None,
         detail: Mapping[str, Any] | None = None,
         reached: Reached | None = None,
+        children: MapStart | None = None,
     ) -> T:
         """Wait for ``event`` (or, without one, sleep) up to ``seconds``:
         the stored outcome, the event if it already arrived, or ``Suspended``.
@@ -438,7 +454,9 @@ class Journal:
         row = call(key) if call is not None else None
         if row is not None and waiting_for is None:
             waiting_for = f"call:{key}"
-        wait = Wait(key, ordinal, kind, event, seconds, row, waiting_for, detail)
+        if children is not None and event is None:
+            event = f"map:{key}"
+        wait = Wait(key, ordinal, kind, event, seconds, row, waiting_for, detail, children)
         async with self._writing:
             self._check_open()
             batch = list(self._pending)

@@ -199,6 +199,8 @@ class Settings(BaseSettings):
     stream_heartbeat_s: float = Field(15.0, gt=0, le=300)
     # A call's default timeout (`ctx.call`, a call tool): then CallFailed.
     call_timeout_s: float = Field(86400.0, gt=0)
+    # The most items one `ctx.map` takes (docs/fanout.md).
+    map_max_items: int = Field(10_000, ge=1)
     block_ms: int = Field(1000, ge=1)
     shutdown_grace_s: float = Field(25.0, ge=0)
     stream_trim_every_s: float = Field(30.0, gt=0)

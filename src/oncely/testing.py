@@ -36,6 +36,10 @@ tells what it did::
 - ``resume_from=run.until("key")``: the run starts over the checkpoints of
   an earlier run (of this step, or of the step before a deploy), as a job
   in flight would resume: ``ctx.patched`` then says which path it takes.
+- ``ctx.map``: the children run in memory, one after another in item
+  order, on the same scripted model (their answers come in the script
+  after the parent's before the map); ``run.children`` has their runs. A
+  child that raises is ``dead`` in the map's results.
 - ``crash_after="key"``: the run stops right after checkpoint ``key`` is
   stored, as if its worker died, and runs again from the top as a
   redelivery would, over the stored checkpoints. The test fails
@@ -52,7 +56,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, TypeVar
 
@@ -61,11 +65,13 @@ from pydantic import BaseModel
 from oncely.agent import ApprovalDecision
 from oncely.context import Context
 from oncely.errors import CallFailed, Nondeterministic, PermanentError, TransientError
+from oncely.jobs.children import child_id
 from oncely.jobs.handler import checked_result, ungrouped
 from oncely.journal import (
     Checkpoint,
     Emitted,
     Journal,
+    MapStart,
     Wait,
     Writes,
     current_checkpoint,
@@ -151,6 +157,8 @@ class StepRun(Generic[ResultT]):
     usage: Mapping[str, Any] = field(default_factory=dict)
     # Every checkpoint of the run, in order, as a worker would have stored it.
     checkpoints: tuple[Checkpoint, ...] = ()
+    # The runs of its maps' children (``ctx.map``), in item order.
+    children: tuple[StepRun[Any], ...] = ()
 
     def until(self, key: str) -> tuple[Checkpoint, ...]:
         """The checkpoints up to ``key``: what a job stopped right after it
@@ -191,6 +199,7 @@ async def run_step(
     harness = _Harness(workflow, script, model, route, job_id or str(uuid.uuid4()), tenant)
     stored = list(resume_from)
     store = _Memory(received, crash_after, _answers(calls), _decisions(approvals), stored)
+    store.children = harness.run_children
     try:
         journal, result = await harness.run(
             body, Journal(stored, store=store, workflow=workflow.name)
@@ -216,6 +225,7 @@ async def _replay(
     """The second run, over what the first stored; checked against it."""
     first_calls = len(harness.script.calls)
     store = _Memory(crashed.events, None, crashed.calls, crashed.approvals, list(crashed.stored))
+    store.children = harness.run_children
     journal = Journal(crashed.stored, store, workflow=harness.workflow.name)
     harness.script.replaying = True
     try:
@@ -250,6 +260,47 @@ class _Harness:
     fallbacks: tuple[str, ...]
     job_id: str
     tenant: str
+    children: list[StepRun[Any]] = field(default_factory=list)
+
+    async def run_children(self, key: str, start: MapStart) -> list[dict[str, Any]]:
+        """A map's children, one after another in item order, each a run of
+        its workflow's step on the same scripted model: their outcomes as
+        the map stores them (a child that raises is dead)."""
+        outcomes = []
+        for position, item in enumerate(start.items):
+            child = _Harness(
+                start.declaration,
+                self.script,
+                self.model_name,
+                tuple(start.declaration.fallbacks or ()),
+                child_id(self.job_id, key, position),
+                self.tenant,
+            )
+            body = start.declaration.request.model_validate(item)
+            store = _Memory({}, None)
+            store.children = child.run_children
+            try:
+                journal, result = await child.run(
+                    body, Journal([], store, workflow=start.declaration.name)
+                )
+            except Exception as exc:
+                reason = getattr(exc, "dead_reason", None)
+                reason = reason or ("permanent" if isinstance(exc, PermanentError) else "failed")
+                outcomes.append(
+                    {"job_id": child.job_id, "status": "dead", "result": None, "error": reason}
+                )
+                continue
+            run = child.outcome(journal, result)
+            self.children.append(run)
+            outcomes.append(
+                {
+                    "job_id": child.job_id,
+                    "status": "done",
+                    "result": result.model_dump(mode="json"),
+                    "error": None,
+                }
+            )
+        return outcomes
 
     async def run(self, body: BaseModel, journal: Journal) -> tuple[Journal, BaseModel]:
         fallbacks = tuple(
@@ -280,6 +331,7 @@ class _Harness:
             replayed=journal.replayed,
             usage=journal.usage(),
             checkpoints=tuple(journal.checkpoints()),
+            children=tuple(self.children),
         )
 
 
@@ -298,6 +350,8 @@ class _Memory:
     approvals: Mapping[str, Any] = field(default_factory=dict)
     stored: list[Checkpoint] = field(default_factory=list)
     effects: list[Emitted] = field(default_factory=list)
+    # Runs a map's children in memory: their outcomes, as a map stores them.
+    children: Callable[[str, MapStart], Awaitable[list[dict[str, Any]]]] | None = None
 
     async def write(self, writes: Writes) -> None:
         self.keep(writes)
@@ -305,6 +359,12 @@ class _Memory:
 
     async def wait(self, writes: Writes, wait: Wait) -> Checkpoint | None:
         self.keep(writes)
+        if wait.children is not None and self.children is not None:
+            value = await self.children(wait.key, wait.children)
+            outcome = Checkpoint(wait.key, wait.ordinal, wait.kind, "done", value)
+            self.stored.append(outcome)
+            self._crash_if_stored(writes, wait.key)
+            return outcome
         status, value = self._outcome(wait)
         outcome = Checkpoint(wait.key, wait.ordinal, wait.kind, status, value)
         self.stored.append(outcome)

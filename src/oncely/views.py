@@ -33,13 +33,15 @@ class UsageView(BaseModel):
     cost_usd: float | None = None
     # The model that answered (a job's: its last model checkpoint's).
     model: str | None = None
+    # A job that mapped over child jobs: what its children spent, summed.
+    children: UsageView | None = None
 
 
 class StepView(BaseModel):
     """One checkpoint of a job, as its tenant sees it (never its value)."""
 
     key: str
-    kind: Literal["step", "model", "wait", "sleep", "tool", "call", "approval", "patch"]
+    kind: Literal["step", "model", "wait", "sleep", "tool", "call", "approval", "patch", "map"]
     # failed: the work failed and the step went on past it (a replay raises it again).
     status: Literal["done", "waiting", "failed"]
     finished_at: datetime | None = None
@@ -59,14 +61,30 @@ class ApprovalView(BaseModel):
     arguments: dict[str, Any]
 
 
+class ChildrenView(BaseModel):
+    """A map's children (``ctx.map``) as their parent waits on them:
+    ``running`` counts those queued or running, ``queued`` those held back
+    by the map's concurrency."""
+
+    workflow: str
+    total: int
+    done: int = 0
+    dead: int = 0
+    cancelled: int = 0
+    running: int = 0
+    queued: int = 0
+
+
 class WaitingView(BaseModel):
     """What a waiting job waits for until ``until``: the ``event`` (a sleep:
-    none of these), a ``call``'s answer (its topic), or an ``approval``."""
+    none of these), a ``call``'s answer (its topic), an ``approval``, or a
+    map's ``children`` (no ``until``: until they have all ended)."""
 
     event: str | None = None
     call: str | None = None
     approval: ApprovalView | None = None
-    until: datetime
+    children: ChildrenView | None = None
+    until: datetime | None = None
 
 
 # Why a job is dead, as its tenant sees it (docs/http-api.md). The job row
@@ -117,6 +135,8 @@ class JobView(BaseModel, Generic[ResultT]):
     usage: UsageView | None = None
     # While the job waits: for what, until when.
     waiting: WaitingView | None = None
+    # A map's child: the job that mapped it (docs/fanout.md).
+    parent: uuid.UUID | None = None
     # Its checkpoints, in the order its run reached them.
     steps: list[StepView] = []
     created_at: datetime
@@ -130,12 +150,14 @@ class JobView(BaseModel, Generic[ResultT]):
         return cls.model_validate(
             {
                 "job_id": record.job_id,
-                "status": record.status,
+                # A child held back by its map's concurrency is in line.
+                "status": "queued" if record.status == "held" else record.status,
                 "result": record.result,
                 "error": tenant_error(record.error),
                 "usage": record.usage or _summed(record.steps),
                 "waiting": waiting,
                 "steps": _steps(record.steps),
+                "parent": record.parent_id,
                 "created_at": record.created_at,
                 "updated_at": record.updated_at,
             }
@@ -149,9 +171,13 @@ def _summed(steps: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
 
 
 def waiting_of(record: JobRecord) -> dict[str, Any]:
-    """What a waiting job waits on, until when."""
-    if record.waiting_detail is not None:
-        return {**record.waiting_detail, "until": record.wait_until}
+    """What a waiting job waits on, until when (a map: until its children
+    have ended, with what they count now)."""
+    detail = record.waiting_detail
+    if detail is not None and "children" in detail:
+        return {"children": {**detail["children"], **(record.children or {})}}
+    if detail is not None:
+        return {**detail, "until": record.wait_until}
     return {"event": record.waiting_for, "until": record.wait_until}
 
 
@@ -168,6 +194,9 @@ def waited_on(record: JobRecord) -> str:
     detail = record.waiting_detail or {}
     if "call" in detail:
         return f"the answer to call {detail['call']!r}"
+    if "children" in detail:
+        children = detail["children"]
+        return f"{children.get('total')} child jobs of {children.get('workflow')!r}"
     if "approval" in detail:
         approval = detail["approval"]
         return f"a decision on {approval.get('tool')!r} (call {approval.get('call_id')!r})"

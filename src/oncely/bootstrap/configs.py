@@ -79,6 +79,7 @@ def step_config(s: Settings) -> StepConfig:
         model_name=s.llm_model,
         wait_max_s=s.wait_max_s,
         call_timeout_s=s.call_timeout_s,
+        map_max_items=s.map_max_items,
     )
 
 

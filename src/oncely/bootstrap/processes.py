@@ -262,7 +262,8 @@ class WorkerGroup:
         """A dead job's row, then its live stream told."""
 
         async def dead(job_id: str, error: str, generation: int | None) -> None:
-            await self.jobs.mark_dead(job_id, error, generation)
+            if await self.jobs.mark_dead(job_id, error, generation):
+                await self.checkpoints.children.ended([job_id])
             self.events.publish(workflow, job_id, "status", {"status": "dead"})
 
         return dead

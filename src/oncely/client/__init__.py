@@ -53,6 +53,7 @@ from oncely.client.jobs import (
     PendingApproval,
     StreamEvent,
     Waiting,
+    WaitingChildren,
 )
 from oncely.client.policy import Backoff, retry_delay_s
 from oncely.client.sync import Client
@@ -101,5 +102,6 @@ __all__ = [
     "ValidationFailed",
     "WaitTimedOut",
     "Waiting",
+    "WaitingChildren",
     "retry_delay_s",
 ]

@@ -142,9 +142,15 @@ class WaitTimedOut(GaveUp):
     def __init__(self, job: Job[Any], *, timeout_s: float, polls: int) -> None:
         self.job = job
         still: str = job.status
-        if job.waiting is not None:
-            what = f"event {job.waiting.event!r}" if job.waiting.event else "its sleep to end"
-            still = f"waiting for {what} until {job.waiting.until.isoformat()}"
+        waiting = job.waiting
+        if waiting is not None and waiting.children is not None:
+            left = waiting.children.total - waiting.children.done
+            left -= waiting.children.dead + waiting.children.cancelled
+            still = f"waiting for {left} of its {waiting.children.total} child jobs"
+        elif waiting is not None:
+            what = f"event {waiting.event!r}" if waiting.event else "its sleep to end"
+            until = f" until {waiting.until.isoformat()}" if waiting.until else ""
+            still = f"waiting for {what}{until}"
         problem = Problem(
             status=None,
             title="Job not finished",

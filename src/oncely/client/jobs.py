@@ -46,6 +46,8 @@ class JobUsage(BaseModel):
     # Reported by some providers only.
     cached_tokens: int | None = None
     reasoning_tokens: int | None = None
+    # A job that mapped over child jobs: what they spent, summed.
+    children: JobUsage | None = None
 
 
 class JobStep(BaseModel):
@@ -54,7 +56,7 @@ class JobStep(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     key: str
-    kind: Literal["step", "model", "wait", "sleep", "tool", "call", "approval", "patch"]
+    kind: Literal["step", "model", "wait", "sleep", "tool", "call", "approval", "patch", "map"]
     status: Literal["done", "waiting", "failed"]
     finished_at: datetime | None = None
     usage: JobUsage | None = None
@@ -74,16 +76,33 @@ class PendingApproval(BaseModel):
     arguments: dict[str, object]
 
 
+class WaitingChildren(BaseModel):
+    """A map's child jobs as their parent waits on them: ``running`` counts
+    those queued or running, ``queued`` those held back by its concurrency."""
+
+    model_config = ConfigDict(frozen=True)
+
+    workflow: str
+    total: int
+    done: int = 0
+    dead: int = 0
+    cancelled: int = 0
+    running: int = 0
+    queued: int = 0
+
+
 class Waiting(BaseModel):
     """What a waiting job waits for until ``until``: the ``event`` (a sleep:
-    none of these), a ``call``'s answer (its topic), or an ``approval``."""
+    none of these), a ``call``'s answer (its topic), an ``approval``, or a
+    map's ``children`` (then no ``until``)."""
 
     model_config = ConfigDict(frozen=True)
 
     event: str | None = None
     call: str | None = None
     approval: PendingApproval | None = None
-    until: datetime
+    children: WaitingChildren | None = None
+    until: datetime | None = None
 
 
 class StreamEvent(BaseModel):
@@ -133,6 +152,8 @@ class Job(BaseModel, Generic[R]):
     usage: JobUsage | None = None
     waiting: Waiting | None = None
     steps: list[JobStep] = []
+    # A map's child: the job that mapped it.
+    parent: uuid.UUID | None = None
     created_at: datetime
     updated_at: datetime
 

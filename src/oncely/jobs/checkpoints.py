@@ -39,6 +39,7 @@ from redis.exceptions import RedisError
 
 from oncely import metrics, tracing
 from oncely.batching import GroupRead
+from oncely.jobs.children import Children
 from oncely.jobs.store import (
     Jobs,
     JobSpec,
@@ -71,6 +72,8 @@ class JobRun:
     status: str
     generation: int
     checkpoints: tuple[Checkpoint, ...]
+    # The parent job, for a map's child.
+    parent: str | None = None
 
 
 @dataclass(frozen=True)
@@ -117,6 +120,8 @@ class Checkpoints:
     def __init__(self, jobs: Jobs) -> None:
         self.jobs = jobs
         self.pool: AsyncConnectionPool = jobs.pool
+        # The children of maps: started with their parent's wait.
+        self.children = Children(jobs)
         # Loads asked while one query runs share the next one.
         self._runs: GroupRead[str, str, JobRun] = GroupRead(self._load_runs, key=str)
 
@@ -133,14 +138,17 @@ class Checkpoints:
 
     async def _load_runs(self, job_ids: list[str]) -> dict[str, JobRun]:
         rows = (await self._run("job_runs", (job_ids,))).rows
-        found: dict[str, tuple[str, int, list[Checkpoint]]] = {}
-        for job_id, status, generation, *checkpoint in rows:
-            entry = found.setdefault(str(job_id), (status, generation, []))
+        found: dict[str, tuple[str, int, str | None, list[Checkpoint]]] = {}
+        for job_id, status, generation, parent, *checkpoint in rows:
+            parent_id = None if parent is None else str(parent)
+            entry = found.setdefault(str(job_id), (status, generation, parent_id, []))
             if checkpoint[0] is not None:
-                entry[2].append(_checkpoint(checkpoint))
+                entry[3].append(_checkpoint(checkpoint))
         return {
-            job_id: JobRun(job_id, status, generation, tuple(sorted(c, key=attrgetter("ordinal"))))
-            for job_id, (status, generation, c) in found.items()
+            job_id: JobRun(
+                job_id, status, generation, tuple(sorted(c, key=attrgetter("ordinal"))), parent
+            )
+            for job_id, (status, generation, parent, c) in found.items()
         }
 
     async def write(self, workflow: str, job_id: str, generation: int, writes: Writes) -> None:
@@ -192,10 +200,19 @@ class Checkpoints:
             **delivery_params(delivery),
         }
 
+        released: list[JobSpec] = []
+        started_before = False
+
         async def work(conn: psycopg.AsyncConnection[Any]) -> tuple[Any, ...] | None:
+            nonlocal released, started_before
             cur = await conn.execute(query("lock_running_job"), params)
-            if await cur.fetchone() is None:
+            if (running := await cur.fetchone()) is None:
                 return None
+            if wait.children is not None:
+                parent = JobSpec(job_id, running[1], workflow, {})
+                released, started_before = await self.children.start(
+                    conn, parent, wait.key, wait.children
+                )
             cur = await conn.execute(query("start_wait"), params)
             return await cur.fetchone()
 
@@ -207,6 +224,11 @@ class Checkpoints:
             raise RunStopped(job_id)
         status, value = row
         if status == "waiting":
+            # A map's first children go now; one a run before started may
+            # have ended meanwhile, every child of it (oncely.jobs.children).
+            await self.children.enqueue(released)
+            if started_before:
+                await self.children.recount(job_id, wait.key)
             return None
         return Checkpoint(wait.key, wait.ordinal, wait.kind, "done", json.loads(value))
 
@@ -300,16 +322,29 @@ class Checkpoints:
         rows = (await self._run("cancel_job", params)).rows
         if not rows:
             return None
-        found = Cancelled(status=rows[0][0], kind=rows[0][1])
-        if found.status in ("queued", "waiting"):
-            stream = self.jobs.streams.get(found.kind)
-            if stream is not None:
-                try:
-                    await stream.announce_cancel(str(job_id))
-                except RedisError as exc:
-                    # PostgreSQL is the record: the run stops at its next checkpoint.
-                    log.warning("jobs.cancel_not_announced", job_id=str(job_id), error=repr(exc))
+        status, kind_of, parent = rows[0]
+        found = Cancelled(status=status, kind=kind_of)
+        if found.status not in ("queued", "waiting", "held"):
+            return found
+        await self._announce_cancel(str(job_id), found.kind)
+        # Its unfinished children go with it; a child's end counts in its map.
+        for child, was, child_kind in await self.children.cancel(str(job_id)):
+            if was == "queued":
+                await self._announce_cancel(child, child_kind)
+        if parent is not None:
+            await self.children.settle([str(job_id)])
         return found
+
+    async def _announce_cancel(self, job_id: str, kind: str) -> None:
+        """A running delivery of the job stops at once (it would at its next
+        checkpoint anyway: PostgreSQL is the record)."""
+        stream = self.jobs.streams.get(kind)
+        if stream is None:
+            return
+        try:
+            await stream.announce_cancel(job_id)
+        except RedisError as exc:
+            log.warning("jobs.cancel_not_announced", job_id=job_id, error=repr(exc))
 
     async def rewind(self, job_id: uuid.UUID, key: str) -> Rewound | None:
         """Run a dead or cancelled job again from checkpoint ``key``: the

@@ -37,7 +37,7 @@ import structlog
 from pydantic import BaseModel, ValidationError
 
 from oncely import metrics, tracing
-from oncely.context import CALL_TIMEOUT_S, WAIT_MAX_S, Context
+from oncely.context import CALL_TIMEOUT_S, MAP_MAX_ITEMS, WAIT_MAX_S, Context
 from oncely.errors import DeadlineExceeded, Nondeterministic, PermanentError, TransientError
 from oncely.jobs.checkpoints import Checkpoints, JobRun
 from oncely.jobs.store import Jobs
@@ -79,6 +79,8 @@ class StepConfig:
     wait_max_s: float = WAIT_MAX_S
     # A call's default timeout (``ctx.call``).
     call_timeout_s: float = CALL_TIMEOUT_S
+    # The most items one ``ctx.map`` takes.
+    map_max_items: int = MAP_MAX_ITEMS
 
 
 class WorkflowHandler:
@@ -180,6 +182,9 @@ class WorkflowHandler:
             raise
         if not stored:
             return "duplicate"
+        if run.parent is not None:
+            # A map's child: its end counts in the map (oncely.jobs.children).
+            await self.checkpoints.children.ended([message.job_id])
         if self.shadows is not None:
             await self.shadows.after_commit(message, result)
         return "done"
@@ -207,6 +212,7 @@ class WorkflowHandler:
             wait_max_s=self.config.wait_max_s,
             live=live,
             call_timeout_s=self.config.call_timeout_s,
+            map_max_items=self.config.map_max_items,
         )
         return journal, model, ctx
 
@@ -352,8 +358,10 @@ def _published(live: LiveJob, writes: Writes) -> None:
 
 def _waiting(wait: Wait) -> dict[str, Any]:
     """What a job waits on, as its ``status`` event says it (GET's ``waiting``)."""
-    until = datetime.now(UTC) + timedelta(seconds=wait.seconds)
     detail = dict(wait.detail) if wait.detail is not None else {"event": wait.event}
+    if wait.kind == "map":
+        return detail  # until its children have ended
+    until = datetime.now(UTC) + timedelta(seconds=wait.seconds)
     return {**detail, "until": until.isoformat()}
 
 

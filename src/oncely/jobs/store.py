@@ -33,7 +33,7 @@ import asyncio
 import json
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -232,13 +232,17 @@ class JobRecord:
     # Its checkpoints in the order the run reached them, without their
     # values: {"key", "kind", "status", "finished_at", "usage"}.
     steps: list[dict[str, Any]]
+    # A map's child: its parent job (docs/fanout.md).
+    parent_id: uuid.UUID | None = None
+    # While it waits on a map: what the map's children count.
+    children: dict[str, int] | None = None
 
 
 @dataclass(frozen=True)
 class JobDetail(JobRecord):
     """A job row with its result and its request, as operators see it."""
 
-    payload: dict[str, Any]
+    payload: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -392,11 +396,13 @@ class Jobs:
         rows = (await self._run("finish_job", params)).rows
         return bool(rows) and bool(rows[0][0])
 
-    async def mark_dead(self, job_id: str, reason: str, generation: int | None = None) -> None:
+    async def mark_dead(self, job_id: str, reason: str, generation: int | None = None) -> bool:
         """The job dead with ``reason``, if it still runs in ``generation``
-        (any, when None)."""
+        (any, when None). True when it died here and is a map's child (its
+        end must be counted in its map: ``Children.settle``)."""
         params = {"error": reason[:_ERROR_CHARS], "job_id": job_id, "generation": generation}
-        await self._run("mark_job_dead", params)
+        rows = (await self._run("mark_job_dead", params)).rows
+        return bool(rows) and rows[0][0] is not None
 
     async def record_deliveries(self, reports: Sequence[DeliveryReport]) -> None:
         """Failed deliveries into their jobs' histories, in one statement.

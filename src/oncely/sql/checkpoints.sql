@@ -13,7 +13,7 @@
 -- What deliveries of these jobs resume from: each job's status and
 -- generation, and its checkpoints (one row per checkpoint; a job without
 -- any gives one row of NULLs). Batched across the worker's handlers.
-SELECT j.job_id, j.status, j.generation,
+SELECT j.job_id, j.status, j.generation, j.parent_id,
        c.key, c.ordinal, c.kind, c.status, c.value, c.usage, c.until, c.finished_at
   FROM jobs j LEFT JOIN checkpoints c USING (job_id)
  WHERE j.job_id = ANY(%s::uuid[])
@@ -44,8 +44,8 @@ SELECT EXISTS (SELECT 1 FROM job) AS running
 
 -- name: lock_running_job
 -- The first statement of a wait's transaction: the job's row, locked, if it
--- still runs in this generation.
-SELECT status FROM jobs
+-- still runs in this generation, and its tenant.
+SELECT status, tenant FROM jobs
  WHERE job_id = %(job_id)s AND status = 'queued' AND generation = %(generation)s
    FOR NO KEY UPDATE
 
@@ -173,8 +173,8 @@ RETURNING j.job_id, j.tenant, j.kind, j.payload,
 
 -- name: cancel_job
 -- A queued (running) or waiting job becomes `cancelled`; answers the status
--- it had (none: no such job for this tenant and workflow). NULL tenant or
--- kind: any (operators).
+-- it had and its parent, if it is a map's child (none: no such job for
+-- this tenant and workflow). NULL tenant or kind: any (operators).
 WITH target AS (
     SELECT job_id, status FROM jobs
      WHERE job_id = %(job_id)s
@@ -185,9 +185,9 @@ WITH target AS (
 ), cancelled AS (
     UPDATE jobs SET status = 'cancelled', waiting_for = NULL, waiting_detail = NULL, wait_until = NULL,
                     error = NULL, updated_at = now()
-     WHERE job_id IN (SELECT job_id FROM target WHERE status IN ('queued', 'waiting'))
+     WHERE job_id IN (SELECT job_id FROM target WHERE status IN ('queued', 'waiting', 'held'))
 )
-SELECT t.status, j.kind FROM target t JOIN jobs j USING (job_id)
+SELECT t.status, j.kind, j.parent_id FROM target t JOIN jobs j USING (job_id)
 
 -- name: lock_finished_job
 -- The first statement of a rewind's transaction: the job, locked.

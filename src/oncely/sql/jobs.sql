@@ -66,7 +66,8 @@ RETURNING j.job_id,
 -- name: get_job
 -- With what it waits for and its checkpoints' summaries (never their values:
 -- the `steps` tenants see), in the order its run reached them: the rows,
--- and those kept with the result.
+-- and those kept with the result; its parent (a map's child), and while it
+-- waits on a map, what the map's children count.
 SELECT j.job_id, j.tenant, j.kind, j.status, r.result, r.usage, j.error,
        j.created_at, j.updated_at, j.waiting_for, j.wait_until, j.waiting_detail,
        (SELECT coalesce(json_agg(json_build_object(
@@ -78,7 +79,12 @@ SELECT j.job_id, j.tenant, j.kind, j.status, r.result, r.usage, j.error,
                 SELECT k.key, k.ordinal, k.kind, k.status, r.created_at, k.usage
                   FROM jsonb_to_recordset(r.steps)
                        AS k (key text, ordinal integer, kind text, status text, usage jsonb)
-               ) s)
+               ) s),
+       j.parent_id,
+       (SELECT json_build_object('total', m.total, 'done', m.done, 'dead', m.dead,
+                                 'cancelled', m.cancelled, 'running', m.active, 'queued', m.held)
+          FROM job_maps m
+         WHERE m.parent_id = j.job_id AND j.waiting_for = 'map:' || m.key)
   FROM jobs j LEFT JOIN results r USING (job_id)
  WHERE j.job_id = %s AND j.tenant = %s AND j.kind = %s AND j.status <> 'withdrawn'
 
@@ -144,10 +150,12 @@ SELECT delivery, consumer, started_at, finished_at, outcome, error, model_calls
 -- Only the run the failed delivery served: a delivery of a run since
 -- cancelled and rewound (a new generation) kills nothing. A delivery that
 -- never loaded its run (a malformed message, one past its deliveries)
--- names no generation.
+-- names no generation. Answers the job's parent (NULL: it is no map's
+-- child), when it died here.
 UPDATE jobs SET status = 'dead', error = %(error)s, updated_at = now()
  WHERE job_id = %(job_id)s AND status = 'queued'
    AND (%(generation)s::int IS NULL OR generation = %(generation)s::int)
+RETURNING parent_id
 
 -- name: queued_jobs_older_than
 -- Queued jobs accepted (and, if they waited, resumed) before the cut-off.
@@ -258,7 +266,8 @@ SELECT (SELECT count(*) FROM job_rows) AS jobs,
 -- workflow (NULL: any), optionally of one status (NULL: any but withdrawn,
 -- which are not jobs) and one dead reason (the error's stable prefix).
 SELECT j.job_id, j.tenant, j.kind, j.status, r.result, r.usage, j.error,
-       j.created_at, j.updated_at, j.waiting_for, j.wait_until, j.waiting_detail, '[]'::json
+       j.created_at, j.updated_at, j.waiting_for, j.wait_until, j.waiting_detail, '[]'::json,
+       j.parent_id, NULL::json
   FROM jobs j LEFT JOIN results r USING (job_id)
  WHERE (%(kind)s::text IS NULL OR j.kind = %(kind)s::text) AND j.status <> 'withdrawn'
    AND (%(status)s::text IS NULL OR j.status = %(status)s::text)
@@ -270,7 +279,8 @@ SELECT j.job_id, j.tenant, j.kind, j.status, r.result, r.usage, j.error,
 -- A job whatever its tenant, with its request: for operators only. Of one
 -- workflow, or (kind NULL) of any.
 SELECT j.job_id, j.tenant, j.kind, j.status, r.result, r.usage, j.error,
-       j.created_at, j.updated_at, j.waiting_for, j.wait_until, j.waiting_detail, '[]'::json, j.payload
+       j.created_at, j.updated_at, j.waiting_for, j.wait_until, j.waiting_detail, '[]'::json,
+       j.parent_id, NULL::json, j.payload
   FROM jobs j LEFT JOIN results r USING (job_id)
  WHERE j.job_id = %(job_id)s AND (%(kind)s::text IS NULL OR j.kind = %(kind)s::text)
    AND j.status <> 'withdrawn'

@@ -16,6 +16,7 @@ process's schema check, since the database no longer is what the file says.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import re
 from collections.abc import Sequence
@@ -32,6 +33,8 @@ log = structlog.get_logger("oncely.migrate")
 
 # Arbitrary, fixed: "oncely" as a 64-bit advisory lock id.
 _LOCK_ID = 0x6F6E63656C79
+# How often a migrator waiting for another one asks for the lock again.
+_LOCK_POLL_S = 0.1
 NO_TRANSACTION = "-- oncely: no-transaction"
 
 
@@ -82,7 +85,7 @@ async def migrate(conninfo: str, migrations: Sequence[Migration] | None = None) 
     migrations = available() if migrations is None else migrations
     applied: list[int] = []
     async with await psycopg.AsyncConnection.connect(conninfo, autocommit=True) as conn:
-        await conn.execute("SELECT pg_advisory_lock(%s)", (_LOCK_ID,))
+        await _lock(conn)
         try:
             await conn.execute(query("create_migrations_table"))
             await conn.execute(query("add_migration_checksums"))
@@ -96,6 +99,20 @@ async def migrate(conninfo: str, migrations: Sequence[Migration] | None = None) 
         finally:
             await conn.execute("SELECT pg_advisory_unlock(%s)", (_LOCK_ID,))
     return applied
+
+
+async def _lock(conn: psycopg.AsyncConnection[Any]) -> None:
+    """The migrators' lock, asked again every ``_LOCK_POLL_S`` rather than
+    waited on in a statement: a statement that waits holds a snapshot, and
+    ``CREATE INDEX CONCURRENTLY`` (a no-transaction migration) waits for
+    every snapshot, so the migrator holding the lock would wait on the one
+    waiting for it."""
+    while True:
+        cur = await conn.execute("SELECT pg_try_advisory_lock(%s)", (_LOCK_ID,))
+        row = await cur.fetchone()
+        if row is not None and row[0]:
+            return
+        await asyncio.sleep(_LOCK_POLL_S)
 
 
 async def _applied(conn: psycopg.AsyncConnection[Any]) -> dict[int, str | None]:
