@@ -60,6 +60,7 @@ _EXPORTS = {
     "StepView": "oncely.views",
     "UsageView": "oncely.views",
     "WaitingView": "oncely.views",
+    "Timetable": "oncely.timetable",
     "Variant": "oncely.workflow",
     "Workflow": "oncely.workflow",
 }
@@ -92,6 +93,7 @@ __all__ = [
     "Reply",
     "RetryPolicy",
     "StepView",
+    "Timetable",
     "Tool",
     "ToolCall",
     "ToolCallRecord",
@@ -124,6 +126,7 @@ if TYPE_CHECKING:
     from oncely.llm.model import InvalidOutput, Model, Reply, ToolCall, Usage
     from oncely.retry import Deadline, RetryPolicy
     from oncely.shadow.evaluate import Evaluation, ModelJudge, field_agreement
+    from oncely.timetable import Timetable
     from oncely.tools import Tool, ToolContext, call_tool, tool
     from oncely.views import (
         ApprovalView,

@@ -51,6 +51,8 @@ eval_app = typer.Typer(
 app.add_typer(eval_app, name="eval")
 usage_app = typer.Typer(help="What model calls cost: the usage ledger.", no_args_is_help=True)
 app.add_typer(usage_app, name="usage")
+schedules_app = typer.Typer(help="Workflows on a timetable.", no_args_is_help=True)
+app.add_typer(schedules_app, name="schedules")
 jobs_app = typer.Typer(
     help="Jobs: one in detail, cancel one, rerun one from a checkpoint.", no_args_is_help=True
 )
@@ -551,6 +553,14 @@ def outbox_list(
     from oncely.ops import show_outbox
 
     _run(show_outbox(_settings(), failed_only=failed, limit=limit, as_json=as_json))
+
+
+@schedules_app.command("list")
+def schedules_list(as_json: JsonOpt = False) -> None:
+    """List the scheduled workflows: their timetable, last tick and job, next tick."""
+    from oncely.ops import show_schedules
+
+    _run(show_schedules(_settings(), as_json=as_json))
 
 
 @outbox_app.command("retry")

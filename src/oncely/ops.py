@@ -20,6 +20,7 @@ from oncely.bootstrap.configs import app_from
 from oncely.jobs import dead_letters
 from oncely.jobs.checkpoints import Cancelled, Checkpoints, EventOutcome, Rewound
 from oncely.jobs.inspection import UNREPORTED_NOTE, JobInspection, inspect_job
+from oncely.jobs.schedules import Scheduler, scheduled
 from oncely.jobs.store import JobRecord, Jobs
 from oncely.outbox.store import OutboxRow, OutboxStore
 from oncely.settings import Settings
@@ -160,6 +161,40 @@ def _state(row: OutboxRow) -> str:
     if row.locked_until is not None and row.locked_until.timestamp() > time.time():
         return "sending"
     return "waiting"
+
+
+async def show_schedules(settings: Settings, *, as_json: bool = False) -> None:
+    """Every scheduled workflow of the app: its timetable, last and next tick."""
+    app = app_from(settings)
+    async with open_resources(settings) as res:
+        states = await Scheduler(jobs_for(app, res), scheduled(app)).states()
+    if as_json:
+        items = [
+            {
+                "workflow": st.workflow,
+                "schedule": st.expression,
+                "tz": st.tz,
+                "last_tick": st.last_tick.isoformat() if st.last_tick else None,
+                "last_job_id": st.last_job_id,
+                "next_tick": st.next_tick.isoformat(),
+            }
+            for st in states
+        ]
+        print(json.dumps(items, indent=2))
+        return
+    columns = ("workflow", "schedule", "tz", "last tick", "last job", "next tick")
+    cells = [
+        (
+            st.workflow,
+            st.expression,
+            st.tz,
+            st.last_tick.isoformat() if st.last_tick else "never",
+            st.last_job_id or "",
+            st.next_tick.isoformat(),
+        )
+        for st in states
+    ]
+    print_rows(out, f"schedules ({len(states)})", columns, cells, ids=1)
 
 
 async def retry_outbox(

@@ -201,6 +201,10 @@ class Settings(BaseSettings):
     call_timeout_s: float = Field(86400.0, gt=0)
     # The most items one `ctx.map` takes (docs/fanout.md).
     map_max_items: int = Field(10_000, ge=1)
+    # Schedules (docs/fanout.md): the tenant their jobs belong to, and what
+    # runs of the ticks missed while every process was down (the latest, once).
+    schedule_tenant: str = Field("scheduler", min_length=1, max_length=200)
+    schedule_catch_up: Literal["latest", "none"] = "latest"
     block_ms: int = Field(1000, ge=1)
     shutdown_grace_s: float = Field(25.0, ge=0)
     stream_trim_every_s: float = Field(30.0, gt=0)

@@ -26,15 +26,17 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from oncely import names
 from oncely.context import PRIMARY, WAIT_MAX_S, Step, is_async
 from oncely.effects import Effect, WebhookEffect
 from oncely.journal import check_name
 from oncely.llm.routing import parse_models
+from oncely.timetable import Timetable
 from oncely.views import JobView
 
 if TYPE_CHECKING:
@@ -110,6 +112,14 @@ class Workflow(Generic[RequestT, ResultT]):
     # stream (docs/streaming.md); one call can say otherwise
     # (``ctx.model.complete(..., stream=False)``).
     stream: bool = False
+    # A cron expression (``"0 2 * * *"``): a job of this workflow is started
+    # at every tick, once across the fleet (docs/fanout.md, Schedules), read
+    # in ``schedule_tz``. Its request: ``schedule_request`` (a request, its
+    # JSON, or a function of the tick's time giving either), by default the
+    # request model with its defaults.
+    schedule: str | None = None
+    schedule_request: Any = None
+    schedule_tz: str = "UTC"
     topics: frozenset[str] = field(init=False)
     # The topics that are calls that answer, with what their answer validates as.
     calls: Mapping[str, type[BaseModel] | bool] = field(init=False)
@@ -140,6 +150,36 @@ class Workflow(Generic[RequestT, ResultT]):
         object.__setattr__(self, "calls", calls)
         object.__setattr__(self, "agents", tuple(self.agents))
         self._check_agents()
+        if self.schedule is not None:
+            try:
+                Timetable(self.schedule, self.schedule_tz)
+            except ValueError as exc:
+                raise ValueError(f"workflow {self.name!r}: {exc}") from None
+            self.scheduled_request(datetime.now(UTC))  # the request must validate
+
+    @property
+    def timetable(self) -> Timetable | None:
+        """When it runs on its own (``schedule``); None: only when posted."""
+        return None if self.schedule is None else Timetable(self.schedule, self.schedule_tz)
+
+    def scheduled_request(self, tick: datetime) -> dict[str, Any]:
+        """The request of the job started at ``tick``, as JSON."""
+        given = self.schedule_request
+        if callable(given) and not isinstance(given, BaseModel):
+            given = given(tick)
+        if given is None:
+            given = {}
+        if isinstance(given, BaseModel):
+            given = given.model_dump(mode="json")
+        try:
+            request = self.request.model_validate(given)
+        except ValidationError as exc:
+            raise ValueError(
+                f"workflow {self.name!r}: schedule_request is no valid request"
+                f" ({exc.error_count()} error(s))"
+            ) from None
+        dumped: dict[str, Any] = request.model_dump(mode="json")
+        return dumped
 
     def _check_names(self) -> None:
         if not _NAME.match(self.name):

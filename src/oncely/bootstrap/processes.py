@@ -43,6 +43,7 @@ from oncely.jobs.checkpoints import Checkpoints
 from oncely.jobs.handler import StepConfig, WorkflowHandler
 from oncely.jobs.reconcile import Reconciler
 from oncely.jobs.retention import Retention
+from oncely.jobs.schedules import Scheduler, scheduled
 from oncely.jobs.timers import Timers
 from oncely.live.events import JobEvents, LiveConfig
 from oncely.llm.base import LLM, ModelClient
@@ -226,6 +227,12 @@ class WorkerGroup:
         self.reconcilers = [Reconciler(self.jobs, w.name, after_s=s.reconcile_after_s) for w in app]
         self.retention = Retention(self.jobs, retention_s=s.job_retention_s)
         self.timers = Timers(self.checkpoints)
+        self.schedules = Scheduler(
+            self.jobs,
+            scheduled(app),
+            tenant=s.schedule_tenant,
+            catch_up=s.schedule_catch_up,
+        )
 
     def _worker(self, w: Workflow[Any, Any], plan: ShadowPlan, res: Resources) -> Worker:
         name = plan.primary.get(w.name)
@@ -351,6 +358,7 @@ class WorkerGroup:
             *self.reconcilers,
             self.retention,
             self.timers,
+            self.schedules,
         ]
 
     async def run(self) -> None:
@@ -386,7 +394,7 @@ async def run_worker(settings: Settings, workflows: list[str] | None = None) -> 
         health = health_server(
             res,
             list(group.jobs.streams.values()),
-            [*(w.progress for w in group.loops), group.timers.progress],
+            [*(w.progress for w in group.loops), group.timers.progress, group.schedules.progress],
         )
         await run_services(group, *([health] if health else []))
 
