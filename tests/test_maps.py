@@ -264,3 +264,41 @@ async def test_run_step_runs_a_maps_children_in_memory() -> None:
     # A crash right after the map replays over its stored outcome: no child again.
     again = await run_step(DIGEST, {"texts": ["one"]}, answers=["only once"], crash_after="map")
     assert again.result.lines == ["only once"] and again.model_calls == 1
+
+
+async def test_operators_see_a_parents_children_in_the_cli_and_the_console(maps: Harness) -> None:
+    import httpx
+    from pydantic import SecretStr
+
+    from oncely.jobs.inspection import inspect_job
+    from oncely.outbox.store import OutboxStore
+    from tests.helpers import asgi_app
+
+    h = maps
+    texts = ["Seen one. Yes. No.", "Seen two. Yes. No.", "Refused. [[fake:400]]"]
+    parent = await h.submit("/v1/map-digests", {"texts": texts, "concurrency": 2})
+    await run_map(h, parent)
+    view = await inspect_job(h.jobs, OutboxStore(h.pool), None, uuid.UUID(parent))
+    assert view is not None
+    [counted] = view.maps
+    assert (counted.total, counted.done, counted.dead, counted.finished) == (3, 2, 1, True)
+    assert view.to_json()["maps"][0]["done"] == 2
+    listed = await h.jobs.recent(None, None, 10, parent=uuid.UUID(parent))
+    assert sorted(str(j.job_id) for j in listed) == sorted(
+        c for c, _, _ in await children_of(h, parent)
+    )
+
+    key = "operator-key-for-map-tests-0001"
+    app = asgi_app(
+        h.settings.model_copy(update={"console_key": SecretStr(key)}), h.redis, h.pool, APP
+    )
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://oncely.test") as console:
+        assert (await console.post("/console/login", data={"key": key})).status_code == 303
+        page = (await console.get(f"/console/workflows/map_digest/jobs/{parent}")).text
+        assert 'id="maps"' in page
+        assert f'href="/console/workflows/map_item/jobs?parent={parent}"' in page
+        children = (await console.get(f"/console/workflows/map_item/jobs?parent={parent}")).text
+        assert all(str(j.job_id) in children for j in listed)
+        child = (await console.get(f"/console/workflows/map_item/jobs/{listed[0].job_id}")).text
+        assert f'href="/console/workflows/map_digest/jobs/{parent}"' in child

@@ -90,6 +90,7 @@ async def test_old_jobs_summaries_and_outbox_rows_survive_the_migration(
     by_name = {w.workflow: w.jobs for w in status.workflows}
     assert by_name["summaries"] == {
         "queued": 1,
+        "held": 0,
         "waiting": 0,
         "done": 1,
         "dead": 0,

@@ -708,15 +708,27 @@ def jobs_list(
         str | None,
         typer.Option("--reason", help="A dead job's reason (nondeterministic, max_age, ...)."),
     ] = None,
+    parent: Annotated[
+        str | None, typer.Option("--parent", help="Only the child jobs of this job's maps.")
+    ] = None,
     limit: Annotated[int, typer.Option("--limit", min=1, max=10_000)] = 100,
     as_json: JsonOpt = False,
 ) -> None:
-    """Jobs newest first, of any tenant: of a workflow, a status, a dead reason."""
+    """Jobs newest first, of any tenant: of a workflow, a status, a dead reason, a parent."""
     from oncely.ops import list_jobs, print_jobs
 
     settings = _settings()
     _workflows(settings, [workflow] if workflow else None)
-    found = _run(list_jobs(settings, workflow=workflow, status=status, reason=reason, limit=limit))
+    found = _run(
+        list_jobs(
+            settings,
+            workflow=workflow,
+            status=status,
+            reason=reason,
+            limit=limit,
+            parent=None if parent is None else _job_id(parent),
+        )
+    )
     print_jobs(found, as_json=as_json)
 
 

@@ -238,6 +238,15 @@ def _print_job(view: JobInspection) -> None:
         out.print(f"error: {literal(j.error)}", soft_wrap=True)
     if j.status == "waiting" and j.wait_until is not None:
         out.print(f"waiting for {literal(waited_on(j))} until {_when(j.wait_until)}")
+    if j.parent_id is not None:
+        out.print(f"a child of job {j.parent_id}")
+    for m in view.maps:
+        counts = ", ".join(f"{n} {what}" for what, n in m.to_json().items() if what != "total")
+        state = "ended" if m.finished else "running"
+        out.print(
+            f"map {literal(m.key)} ({state}): {m.total} child jobs of {literal(m.workflow)}:"
+            f" {counts} (oncely jobs list --parent {j.job_id})"
+        )
     _print_checkpoints(view)
     columns = ("#", "outcome", "started", "finished", "model calls", "consumer", "error")
     rows = [
@@ -314,10 +323,11 @@ async def list_jobs(
     status: str | None,
     reason: str | None,
     limit: int,
+    parent: uuid.UUID | None = None,
 ) -> list[JobRecord]:
     """Jobs newest first, as ``oncely jobs list`` shows them."""
     async with _jobs(settings, [workflow] if workflow else None) as jobs:
-        return await jobs.recent(workflow, status, limit, reason)
+        return await jobs.recent(workflow, status, limit, reason, parent=parent)
 
 
 def print_jobs(found: list[JobRecord], *, as_json: bool) -> None:

@@ -137,6 +137,7 @@ def console_router(api: Host, key: str) -> APIRouter:
     _add_login(router, console)
     _add_overview(router, console)
     _add_jobs(router, console)
+    _add_job_page(router, console)
     _add_approvals(router, console)
     _add_live(router, console)
     _add_dead_letters(router, console)
@@ -232,14 +233,20 @@ def _add_overview(router: APIRouter, console: Console) -> None:
 
 def _add_jobs(router: APIRouter, console: Console) -> None:
     @router.get("/workflows/{workflow}/jobs")
-    async def job_list(request: Request, workflow: str, status: str = "") -> Response:
+    async def job_list(
+        request: Request, workflow: str, status: str = "", parent: str = ""
+    ) -> Response:
         session = await console.session(request)
         if session is None:
             return _to_login()
         if workflow not in console.workflows:
             return console.not_found("workflow", session)
         chosen = status if status in STATUSES else None
-        jobs = await console.jobs.recent(workflow, chosen, _LIST_LIMIT)
+        try:
+            parent_id = uuid.UUID(parent) if parent else None
+        except ValueError:
+            return console.not_found("job", session)
+        jobs = await console.jobs.recent(workflow, chosen, _LIST_LIMIT, parent=parent_id)
         return console.page(
             "jobs.html",
             session,
@@ -248,8 +255,11 @@ def _add_jobs(router: APIRouter, console: Console) -> None:
             jobs=jobs,
             status=chosen,
             statuses=STATUSES,
+            parent=parent_id,
         )
 
+
+def _add_job_page(router: APIRouter, console: Console) -> None:
     @router.get("/workflows/{workflow}/jobs/{job_id}")
     async def job_page(request: Request, workflow: str, job_id: str, decided: str = "") -> Response:
         session = await console.session(request)
@@ -267,6 +277,9 @@ def _add_jobs(router: APIRouter, console: Console) -> None:
         # An unfinished job's page follows its live stream (console.js); a
         # finished one has nothing left to change.
         unfinished = view.job.status not in ("done", "dead", "cancelled")
+        parent = None
+        if view.job.parent_id is not None:
+            parent = await console.jobs.detail(None, view.job.parent_id)
         return console.page(
             "job.html",
             session,
@@ -283,6 +296,8 @@ def _add_jobs(router: APIRouter, console: Console) -> None:
             waited_on=waited_on(view.job),
             approval=pending_approval(view.job),
             decided=decided,
+            parent=parent,
+            maps=view.maps,
         )
 
 

@@ -12,12 +12,13 @@ number is skipped, and while its message is pending Redis still counts it
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import redis.exceptions
 
 from oncely.jobs.checkpoints import Checkpoints
+from oncely.jobs.children import MapCounts
 from oncely.jobs.store import DeliveryRecord, JobDetail, Jobs
 from oncely.journal import Checkpoint
 from oncely.outbox.store import OutboxRow, OutboxStore
@@ -39,6 +40,8 @@ class JobInspection:
     whereabouts: Whereabouts | None
     # In the order the run reached them, with their values.
     checkpoints: list[Checkpoint]
+    # Its maps (``ctx.map``), oldest first, with what their children count.
+    maps: list[MapCounts] = field(default_factory=list)
 
     @property
     def status(self) -> str:
@@ -67,6 +70,11 @@ class JobInspection:
                 else None
             ),
             "checkpoints": [_checkpoint_json(c) for c in self.checkpoints],
+            "parent": None if j.parent_id is None else str(j.parent_id),
+            "maps": [
+                {"key": m.key, "workflow": m.workflow, "finished": m.finished, **m.to_json()}
+                for m in self.maps
+            ],
             "deliveries": [
                 {
                     "delivery": d.delivery,
@@ -137,6 +145,8 @@ async def inspect_job(
             whereabouts = await stream.whereabouts(str(job_id))
         except redis.exceptions.RedisError:
             whereabouts = None  # the rows are worth showing without it
-    checkpoints = await Checkpoints(jobs).of_job(job_id)
+    checkpoints = Checkpoints(jobs)
+    stored = await checkpoints.of_job(job_id)
     deliveries, rows = await jobs.deliveries(job_id), await outbox.for_job(job_id)
-    return JobInspection(job, deliveries, rows, whereabouts, checkpoints)
+    maps = await checkpoints.children.counts(str(job_id))
+    return JobInspection(job, deliveries, rows, whereabouts, stored, maps)

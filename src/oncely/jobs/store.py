@@ -58,7 +58,8 @@ log = structlog.get_logger("oncely.jobs")
 _ERROR_CHARS = 2000
 NOTHING = Writes()
 # What a job row's status may be, withdrawn intakes aside (they are not jobs).
-JOB_STATUSES = ("queued", "waiting", "done", "dead", "cancelled")
+# "held": a map's child its map's concurrency holds back (docs/fanout.md).
+JOB_STATUSES = ("queued", "held", "waiting", "done", "dead", "cancelled")
 # The constraints whose violation means another delivery stored a checkpoint first.
 CHECKPOINT_KEYS = frozenset({"checkpoints_pkey", "checkpoints_ordinal_key"})
 # Withdrawals retry while PostgreSQL does not answer: first after this long,
@@ -455,11 +456,19 @@ class Jobs:
         return counts
 
     async def recent(
-        self, kind: str | None, status: str | None, limit: int, reason: str | None = None
+        self,
+        kind: str | None,
+        status: str | None,
+        limit: int,
+        reason: str | None = None,
+        *,
+        parent: uuid.UUID | None = None,
     ) -> list[JobRecord]:
-        """Jobs of any tenant, newest first: of a workflow, a status and a
-        dead reason (``nondeterministic``) when given."""
-        params = {"kind": kind, "status": status, "limit": limit, "reason": reason}
+        """Jobs of any tenant, newest first: of a workflow, a status, a dead
+        reason (``nondeterministic``) and a parent (a map's children) when
+        given."""
+        params: dict[str, Any] = {"kind": kind, "status": status, "limit": limit}
+        params |= {"reason": reason, "parent": parent}
         rows = (await self._run("list_jobs", params)).rows
         return [JobRecord(*row) for row in rows]
 

@@ -264,7 +264,8 @@ SELECT (SELECT count(*) FROM job_rows) AS jobs,
 -- name: list_jobs
 -- The console's and `oncely jobs list`'s listing: jobs newest first, of one
 -- workflow (NULL: any), optionally of one status (NULL: any but withdrawn,
--- which are not jobs) and one dead reason (the error's stable prefix).
+-- which are not jobs), one dead reason (the error's stable prefix) and one
+-- parent (a map's children).
 SELECT j.job_id, j.tenant, j.kind, j.status, r.result, r.usage, j.error,
        j.created_at, j.updated_at, j.waiting_for, j.wait_until, j.waiting_detail, '[]'::json,
        j.parent_id, NULL::json
@@ -272,6 +273,7 @@ SELECT j.job_id, j.tenant, j.kind, j.status, r.result, r.usage, j.error,
  WHERE (%(kind)s::text IS NULL OR j.kind = %(kind)s::text) AND j.status <> 'withdrawn'
    AND (%(status)s::text IS NULL OR j.status = %(status)s::text)
    AND (%(reason)s::text IS NULL OR starts_with(j.error, %(reason)s::text || ':'))
+   AND (%(parent)s::uuid IS NULL OR j.parent_id = %(parent)s::uuid)
  ORDER BY j.created_at DESC, j.job_id
  LIMIT %(limit)s
 
