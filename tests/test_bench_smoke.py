@@ -141,6 +141,22 @@ def test_agents_smoke_runs_each_tool_and_call_once_and_measures_the_call_wait(tm
 
 
 @pytest.mark.timeout(SMOKE_TIMEOUT_S + 30)
+def test_maps_smoke_runs_every_child_once_and_ends_the_map(tmp_path):
+    # Its own embedded servers: it loads pg_stat_statements, which needs a restart.
+    result = smoke("maps", tmp_path, None)
+
+    every = {r["contender"]: r for r in runs(result["results"])}
+    assert set(every) == {"map", "posted"}
+    for r in every.values():
+        c = r["checks"]
+        assert r["ok"] and c["items_done"] == c["model_calls"] == c["jobs"] > 0
+        assert c["held"] == 0
+    mapped = every["map"]["checks"]
+    assert mapped["parent_done"] == 1 and mapped["map_done"] == mapped["jobs"]
+    assert mapped["statements"]["count_ended_children"] > 0
+
+
+@pytest.mark.timeout(SMOKE_TIMEOUT_S + 30)
 def test_steps_smoke_stores_every_checkpoint_once_and_counts_the_statements(tmp_path):
     # Its own embedded servers: it loads pg_stat_statements, which needs a restart.
     result = smoke("steps", tmp_path, None, *profile_args())

@@ -21,7 +21,10 @@ from bench.harness.measure import cpu_s
 from bench.harness.processes import clean_env, oncely
 
 # Every table a run leaves rows in (the outbox and results depend on jobs).
-TABLES = "jobs, results, outbox, job_deliveries, shadow_results, checkpoints, job_events"
+TABLES = (
+    "jobs, results, outbox, job_deliveries, shadow_results, checkpoints, job_events,"
+    " job_maps, schedules"
+)
 
 
 @dataclass(frozen=True)

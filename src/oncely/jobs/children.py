@@ -7,15 +7,16 @@ A map starts inside its parent's wait transaction (``start``, called by
 ``Checkpoints.start_wait``): the map's row and every child, the first
 ``concurrency`` of them queued and the rest ``held``; the parent waits
 holding nothing. Each child's end (done, dead, cancelled) is counted in
-its map (``settle``): the map's row is locked, the next held children are
-released, and when none is left running or held the map ends: the
+its map (``settle``), in one statement that also releases the held
+children it leaves room for (``sql/children.sql`` says why that is safe
+under concurrent ends); once every child has ended the map ends: the
 children's results in item order become the parent's checkpoint and the
 parent is queued again. Nothing polls on that path; a child's end wakes
 its parent.
 
-What could be lost between a child's end and its count (the process died
-in between) the repair pass finds (``repair``, every worker's timers):
-children that ended a while ago and were never counted. A released child
+What could be lost between a child's end and its count, or between the
+last count and the map's end (the process died in between), the repair
+pass finds (``repair``, every worker's timers). A released child
 or a resumed parent whose enqueue failed is a queued row without a
 message, which the reconciler restores, as for the intake.
 """
@@ -31,6 +32,7 @@ import psycopg
 import structlog
 from psycopg.types.json import Jsonb
 
+from oncely.batching import GroupCommit
 from oncely.jobs.store import Jobs, JobSpec, StatementResult, run_statement, run_transaction
 from oncely.journal import MapStart
 from oncely.redis_client import call_together
@@ -80,6 +82,8 @@ class MapCounts:
 class Children:
     def __init__(self, jobs: Jobs) -> None:
         self.jobs = jobs
+        # Ends reported together are counted in one statement (oncely.batching).
+        self._ending: GroupCommit[str, str] = GroupCommit(self._settle_batch, key=str)
 
     async def _run(self, name: str, params: Any) -> StatementResult:
         return await run_statement(
@@ -125,51 +129,47 @@ class Children:
 
     async def settle(self, job_ids: Iterable[str]) -> None:
         """Count these jobs' ends in their maps (those that are children
-        that ended and were not counted yet): release the next held
-        children, end the maps none of whose children is left, and enqueue
-        what that queued."""
+        that ended and were not counted yet), in one statement that also
+        releases the held children their ends leave room for; enqueue
+        those, and end the maps none of whose children is left."""
         ids = list(job_ids)
-        if not ids:
-            return
-
-        async def work(conn: psycopg.AsyncConnection[Any]) -> list[JobSpec]:
-            cur = await conn.execute(query("count_ended_children"), {"job_ids": ids})
-            return await self._advance(conn, await cur.fetchall())
-
-        await self.enqueue(await self._transaction(work))
+        if ids:
+            await self._advanced(await self._run("count_ended_children", {"job_ids": ids}))
 
     async def ended(self, job_ids: Iterable[str]) -> None:
         """``settle``, for a process that has just ended these jobs: a
         failure is logged, not raised (the job's own outcome is stored;
         the repair pass counts what this could not)."""
         try:
-            await self.settle(job_ids)
+            for job_id in job_ids:
+                await self._ending(job_id)
         except Exception as exc:  # the repair pass counts it (module doc)
             log.warning("children.not_counted", error=f"{type(exc).__name__}: {exc}")
+
+    async def _settle_batch(self, job_ids: list[str]) -> set[str]:
+        await self.settle(job_ids)
+        return set(job_ids)
 
     async def recount(self, parent_id: str, key: str) -> None:
         """Read a map's counts again from its children, then go on as after
         a child's end (a rewound parent's map, whose children may all have
         ended already)."""
-        params = {"parent_id": parent_id, "key": key}
-
-        async def work(conn: psycopg.AsyncConnection[Any]) -> list[JobSpec]:
-            cur = await conn.execute(query("lock_map"), params)
-            if await cur.fetchone() is None:
-                return []
-            cur = await conn.execute(query("recount_map"), params)
-            return await self._advance(conn, await cur.fetchall())
-
-        await self.enqueue(await self._transaction(work))
+        await self._advanced(await self._run("recount_map", {"parent_id": parent_id, "key": key}))
 
     async def repair(self, *, age_s: float = REPAIR_AFTER_S, limit: int = 500) -> int:
-        """Count the children whose end was never counted (their process
-        died first); how many."""
-        rows = (await self._run("uncounted_children", {"age_s": age_s, "limit": limit})).rows
+        """Count the children whose end was never counted, and end the maps
+        whose last count was not followed by their end (their process died
+        first); how many of either."""
+        params = {"age_s": age_s, "limit": limit}
+        rows = (await self._run("uncounted_children", params)).rows
         if rows:
             log.info("children.repaired", children=len(rows))
             await self.settle(str(row[0]) for row in rows)
-        return len(rows)
+        maps = (await self._run("unended_maps", params)).rows
+        for parent_id, key in maps:
+            log.info("children.map_repaired", parent_id=str(parent_id))
+            await self.enqueue(await self._end(str(parent_id), key))
+        return len(rows) + len(maps)
 
     async def cancel(self, parent_id: str) -> list[tuple[str, str, str]]:
         """A cancelled parent's unfinished children cancelled: each one's
@@ -180,59 +180,60 @@ class Children:
     async def counts(self, parent_id: str) -> list[MapCounts]:
         """The parent's maps, oldest first, with what their children count."""
         rows = (await self._run("map_counts", {"parent_id": parent_id})).rows
-        return [
-            MapCounts(key, workflow, total, active, held, done, dead, cancelled, ended is not None)
-            for key, workflow, total, active, held, done, dead, cancelled, ended in rows
-        ]
+        found = []
+        for key, workflow, total, released, done, dead, cancelled, ended in rows:
+            running = max(released - done - dead - cancelled, 0)
+            held = total - released
+            found.append(
+                MapCounts(
+                    key, workflow, total, running, held, done, dead, cancelled, ended is not None
+                )
+            )
+        return found
 
-    async def _transaction(self, work: Any) -> list[JobSpec]:
+    async def _advanced(self, result: StatementResult) -> None:
+        """What a count answered: the children it released, to enqueue, and
+        the maps it left with no child, to end."""
+        released, ended = result.rows[0] if result.rows else ([], [])
+        await self.enqueue([JobSpec(str(j), t, k, p) for j, t, k, p in released])
+        for parent_id, key in ended:
+            await self.enqueue(await self._end(str(parent_id), key))
+
+    async def _end(self, parent_id: str, key: str) -> list[JobSpec]:
+        """The map's results and its children's usage to its parent, once
+        (the map's row locked); the parent, to enqueue, if it waits."""
+        params = {"parent_id": parent_id, "key": key}
+
+        async def work(conn: psycopg.AsyncConnection[Any]) -> list[JobSpec]:
+            cur = await conn.execute(query("lock_unfinished_map"), params)
+            if await cur.fetchone() is None:
+                return []  # another process ended it
+            cur = await conn.execute(query("map_children"), params)
+            results, usages = [], []
+            for job_id, status, error, result, usage in await cur.fetchall():
+                # The stable reason, as the child's tenant sees it (never the detail).
+                reason = tenant_error(error) if status == "dead" else None
+                results.append(
+                    {"job_id": str(job_id), "status": status, "result": result, "error": reason}
+                )
+                usages.append(usage)
+            usage = summed(usages)
+            cur = await conn.execute(
+                query("end_map"),
+                {
+                    **params,
+                    "results": Jsonb(results),
+                    "usage": Jsonb(usage),
+                    # The map itself spent nothing; its children, this.
+                    "checkpoint_usage": Jsonb(summed([{"children": usage}])),
+                },
+            )
+            return [_spec(row) for row in await cur.fetchall()]
+
         found: list[JobSpec] = await run_transaction(
             self.jobs.pool, work, timeout_s=self.jobs.statement_timeout_s
         )
         return found
-
-    async def _advance(
-        self, conn: psycopg.AsyncConnection[Any], maps: Sequence[tuple[Any, ...]]
-    ) -> list[JobSpec]:
-        """Each map just counted (its row locked): release what its
-        concurrency allows, or end it once no child is left."""
-        queued: list[JobSpec] = []
-        for parent_id, key, concurrency, active, held in maps:
-            params = {"parent_id": parent_id, "key": key}
-            if held > 0 and active < concurrency:
-                cur = await conn.execute(
-                    query("release_children"), {**params, "n": concurrency - active}
-                )
-                queued += [_spec(row) for row in await cur.fetchall()]
-            elif held <= 0 and active <= 0:
-                queued += await self._end(conn, params)
-        return queued
-
-    async def _end(
-        self, conn: psycopg.AsyncConnection[Any], params: dict[str, Any]
-    ) -> list[JobSpec]:
-        """The map's results and the children's usage, to its parent."""
-        cur = await conn.execute(query("map_children"), params)
-        results, usages = [], []
-        for job_id, status, error, result, usage in await cur.fetchall():
-            # The stable reason, as the child's tenant sees it (never the detail).
-            reason = tenant_error(error) if status == "dead" else None
-            results.append(
-                {"job_id": str(job_id), "status": status, "result": result, "error": reason}
-            )
-            usages.append(usage)
-        usage = summed(usages)
-        cur = await conn.execute(
-            query("end_map"),
-            {
-                **params,
-                "results": Jsonb(results),
-                "usage": Jsonb(usage),
-                # The map itself spent nothing; its children, this.
-                "checkpoint_usage": Jsonb(summed([{"children": usage}])),
-            },
-        )
-        return [_spec(row) for row in await cur.fetchall()]
 
 
 def _spec(row: Sequence[Any]) -> JobSpec:

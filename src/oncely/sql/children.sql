@@ -3,18 +3,22 @@
 -- map_counted), by name. Read with oncely.sql.query("name"). Only
 -- oncely.jobs.children runs them.
 --
--- A map's row is the lock its children's ends take, so siblings ending
--- together are counted one after the other; its counts decide what is
--- released next and when the map ends. A child's end is counted once
--- (`map_counted`), whoever counts it: the worker that ended it, the API
--- that cancelled it, or the repair pass.
+-- Children are released in item order: those before the map's `released`
+-- were queued, the rest are held. A child's end is counted once
+-- (`map_counted`), whoever counts it (the worker that ended it, the API
+-- that cancelled it, the repair pass), in one statement that also moves
+-- `released` on and queues what it passed: the map's row is updated under
+-- its lock, so siblings ending together are counted one after the other,
+-- and a held child another count released meanwhile fails the `held`
+-- check on its newest version and is skipped. At most `concurrency`
+-- children are released and not ended at any time.
 
 -- name: create_map
 -- The first statement of a map's own part of the parent's wait
 -- transaction: its row, unless a run before created it (answers nothing).
-INSERT INTO job_maps (parent_id, key, workflow, total, concurrency, active, held)
+INSERT INTO job_maps (parent_id, key, workflow, total, concurrency, released)
 VALUES (%(job_id)s, %(key)s, %(kind)s, %(total)s, %(concurrency)s,
-        LEAST(%(total)s, %(concurrency)s), GREATEST(%(total)s - %(concurrency)s, 0))
+        LEAST(%(total)s, %(concurrency)s))
 ON CONFLICT (parent_id, key) DO NOTHING
 RETURNING parent_id
 
@@ -34,8 +38,10 @@ SELECT job_id, tenant, kind, payload FROM children WHERE status = 'queued'
 
 -- name: count_ended_children
 -- These jobs, those that are children that ended (done, dead, cancelled)
--- and were not counted yet, counted in their maps; answers each unfinished
--- map touched with its counts, its row locked until the commit.
+-- and were not counted yet, counted in their maps, and as many held
+-- children released as their ends leave room for. One statement, no
+-- transaction around it. Answers the children released (to enqueue) and
+-- the maps every child of which has now ended (to end).
 WITH ended AS (
     UPDATE jobs SET map_counted = true
      WHERE job_id = ANY(%(job_ids)s::uuid[]) AND parent_id IS NOT NULL AND NOT map_counted
@@ -47,35 +53,66 @@ WITH ended AS (
            count(*) FILTER (WHERE status = 'dead') AS dead,
            count(*) FILTER (WHERE status = 'cancelled') AS cancelled
       FROM ended GROUP BY parent_id, parent_key
-)
-UPDATE job_maps m
-   SET active = m.active - t.n, done = m.done + t.done, dead = m.dead + t.dead,
-       cancelled = m.cancelled + t.cancelled, updated_at = now()
-  FROM tally t
- WHERE m.parent_id = t.parent_id AND m.key = t.parent_key AND m.finished_at IS NULL
-RETURNING m.parent_id, m.key, m.concurrency, m.active, m.held
-
--- name: release_children
--- Up to `n` held children of the map queued, in item order (answered, to
--- enqueue after the commit); the map's counts follow. `resumed_at`: the
--- reconciler counts a released child's age from its release.
-WITH next AS (
-    SELECT job_id FROM jobs
-     WHERE parent_id = %(parent_id)s AND parent_key = %(key)s AND status = 'held'
-     ORDER BY position
-     LIMIT %(n)s
-       FOR NO KEY UPDATE
+), counted AS (
+    UPDATE job_maps m
+       SET done = m.done + t.done, dead = m.dead + t.dead, cancelled = m.cancelled + t.cancelled,
+           released = GREATEST(m.released, LEAST(
+               m.total, m.done + m.dead + m.cancelled + t.n + m.concurrency)),
+           updated_at = now()
+      FROM tally t
+     WHERE m.parent_id = t.parent_id AND m.key = t.parent_key AND m.finished_at IS NULL
+    RETURNING m.parent_id, m.key, m.released, m.total, m.done + m.dead + m.cancelled AS ended
 ), released AS (
     UPDATE jobs j SET status = 'queued', resumed_at = now(), updated_at = now()
-      FROM next WHERE j.job_id = next.job_id
+      FROM counted c
+     WHERE j.parent_id = c.parent_id AND j.parent_key = c.key AND j.status = 'held'
+       AND j.position < c.released
     RETURNING j.job_id, j.tenant, j.kind, j.payload
-), counts AS (
-    UPDATE job_maps
-       SET active = active + (SELECT count(*) FROM released),
-           held = held - (SELECT count(*) FROM released)
-     WHERE parent_id = %(parent_id)s AND key = %(key)s
 )
-SELECT job_id, tenant, kind, payload FROM released
+SELECT (SELECT coalesce(json_agg(json_build_array(job_id, tenant, kind, payload)), '[]')
+          FROM released),
+       (SELECT coalesce(json_agg(json_build_array(parent_id, key)), '[]')
+          FROM counted WHERE ended >= total)
+
+-- name: recount_map
+-- A map's counts read again from its children (a rewound parent's map, or
+-- one whose count was lost), every child marked counted iff it ended, and
+-- what that leaves room for released. Answers as count_ended_children.
+WITH marked AS (
+    UPDATE jobs SET map_counted = status IN ('done', 'dead', 'cancelled')
+     WHERE parent_id = %(parent_id)s AND parent_key = %(key)s
+       AND map_counted <> (status IN ('done', 'dead', 'cancelled'))
+), rows AS (
+    SELECT count(*) FILTER (WHERE status = 'done') AS done,
+           count(*) FILTER (WHERE status = 'dead') AS dead,
+           count(*) FILTER (WHERE status = 'cancelled') AS cancelled,
+           count(*) FILTER (WHERE status <> 'held') AS out
+      FROM jobs WHERE parent_id = %(parent_id)s AND parent_key = %(key)s
+), counted AS (
+    UPDATE job_maps m
+       SET done = r.done, dead = r.dead, cancelled = r.cancelled,
+           released = GREATEST(r.out, LEAST(m.total, r.done + r.dead + r.cancelled + m.concurrency)),
+           updated_at = now()
+      FROM rows r
+     WHERE m.parent_id = %(parent_id)s AND m.key = %(key)s AND m.finished_at IS NULL
+    RETURNING m.parent_id, m.key, m.released, m.total, m.done + m.dead + m.cancelled AS ended
+), released AS (
+    UPDATE jobs j SET status = 'queued', resumed_at = now(), updated_at = now()
+      FROM counted c
+     WHERE j.parent_id = c.parent_id AND j.parent_key = c.key AND j.status = 'held'
+       AND j.position < c.released
+    RETURNING j.job_id, j.tenant, j.kind, j.payload
+)
+SELECT (SELECT coalesce(json_agg(json_build_array(job_id, tenant, kind, payload)), '[]')
+          FROM released),
+       (SELECT coalesce(json_agg(json_build_array(parent_id, key)), '[]')
+          FROM counted WHERE ended >= total)
+
+-- name: lock_unfinished_map
+-- The first statement of a map's end: its row, locked, if not ended yet.
+SELECT 1 FROM job_maps
+ WHERE parent_id = %(parent_id)s AND key = %(key)s AND finished_at IS NULL
+   FOR NO KEY UPDATE
 
 -- name: map_children
 -- A map's children in item order, with their results and usage.
@@ -112,40 +149,20 @@ UPDATE jobs
  WHERE job_id IN (SELECT job_id FROM wait) AND status = 'waiting'
 RETURNING job_id, tenant, kind, payload
 
--- name: lock_map
--- The first statement of a recount: the map's row, locked, if unfinished.
-SELECT concurrency FROM job_maps
- WHERE parent_id = %(parent_id)s AND key = %(key)s AND finished_at IS NULL
-   FOR NO KEY UPDATE
-
--- name: recount_map
--- A map's counts read again from its children (a rewound parent's map, or
--- one whose count was lost); every child marked counted iff it ended.
-WITH marked AS (
-    UPDATE jobs SET map_counted = status IN ('done', 'dead', 'cancelled')
-     WHERE parent_id = %(parent_id)s AND parent_key = %(key)s
-       AND map_counted <> (status IN ('done', 'dead', 'cancelled'))
-), counts AS (
-    SELECT count(*) FILTER (WHERE status IN ('queued', 'waiting')) AS active,
-           count(*) FILTER (WHERE status = 'held') AS held,
-           count(*) FILTER (WHERE status = 'done') AS done,
-           count(*) FILTER (WHERE status = 'dead') AS dead,
-           count(*) FILTER (WHERE status = 'cancelled') AS cancelled
-      FROM jobs WHERE parent_id = %(parent_id)s AND parent_key = %(key)s
-)
-UPDATE job_maps m
-   SET active = c.active, held = c.held, done = c.done, dead = c.dead,
-       cancelled = c.cancelled, updated_at = now()
-  FROM counts c
- WHERE m.parent_id = %(parent_id)s AND m.key = %(key)s
-RETURNING m.parent_id, m.key, m.concurrency, m.active, m.held
-
 -- name: uncounted_children
 -- Children that ended a while ago and were never counted (the process that
 -- ended them died first): the repair pass counts them.
 SELECT job_id FROM jobs
  WHERE parent_id IS NOT NULL AND NOT map_counted
    AND status IN ('done', 'dead', 'cancelled')
+   AND updated_at < now() - make_interval(secs => %(age_s)s)
+ LIMIT %(limit)s
+
+-- name: unended_maps
+-- Maps every child of which ended a while ago that were never ended (the
+-- process that counted the last one died first): the repair pass ends them.
+SELECT parent_id, key FROM job_maps
+ WHERE finished_at IS NULL AND done + dead + cancelled >= total
    AND updated_at < now() - make_interval(secs => %(age_s)s)
  LIMIT %(limit)s
 
@@ -165,6 +182,6 @@ WITH target AS (
 SELECT t.job_id, t.status, j.kind FROM target t JOIN jobs j USING (job_id)
 
 -- name: map_counts
--- What a parent's maps count now, for GET (`waiting.children`).
-SELECT key, workflow, total, active, held, done, dead, cancelled, finished_at
+-- What a parent's maps count now, for operators.
+SELECT key, workflow, total, released, done, dead, cancelled, finished_at
   FROM job_maps WHERE parent_id = %(parent_id)s ORDER BY created_at

@@ -81,8 +81,10 @@ SELECT j.job_id, j.tenant, j.kind, j.status, r.result, r.usage, j.error,
                        AS k (key text, ordinal integer, kind text, status text, usage jsonb)
                ) s),
        j.parent_id,
-       (SELECT json_build_object('total', m.total, 'done', m.done, 'dead', m.dead,
-                                 'cancelled', m.cancelled, 'running', m.active, 'queued', m.held)
+       (SELECT json_build_object(
+                   'total', m.total, 'done', m.done, 'dead', m.dead, 'cancelled', m.cancelled,
+                   'running', GREATEST(m.released - m.done - m.dead - m.cancelled, 0),
+                   'queued', m.total - m.released)
           FROM job_maps m
          WHERE m.parent_id = j.job_id AND j.waiting_for = 'map:' || m.key)
   FROM jobs j LEFT JOIN results r USING (job_id)

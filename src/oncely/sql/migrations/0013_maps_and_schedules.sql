@@ -16,17 +16,18 @@ ALTER TABLE jobs ADD CONSTRAINT jobs_status_check
     NOT VALID;
 ALTER TABLE jobs VALIDATE CONSTRAINT jobs_status_check;
 
--- One row per map: its children's counts, kept as they end (the row is the
--- lock that orders siblings ending together), and their usage summed once
--- every child has ended. Goes with the parent.
+-- One row per map: how many children it has released so far (in item
+-- order: those before `released` were queued, the rest are held), how many
+-- ended and how, and their usage summed once every child has ended. Its
+-- update is the lock that orders siblings ending together. Goes with the
+-- parent.
 CREATE TABLE job_maps (
     parent_id   uuid        NOT NULL REFERENCES jobs (job_id) ON DELETE CASCADE,
     key         text        NOT NULL,
     workflow    text        NOT NULL,
     total       integer     NOT NULL,
     concurrency integer     NOT NULL,
-    active      integer     NOT NULL,
-    held        integer     NOT NULL,
+    released    integer     NOT NULL,
     done        integer     NOT NULL DEFAULT 0,
     dead        integer     NOT NULL DEFAULT 0,
     cancelled   integer     NOT NULL DEFAULT 0,
