@@ -302,3 +302,15 @@ async def test_operators_see_a_parents_children_in_the_cli_and_the_console(maps:
         assert all(str(j.job_id) in children for j in listed)
         child = (await console.get(f"/console/workflows/map_item/jobs/{listed[0].job_id}")).text
         assert f'href="/console/workflows/map_digest/jobs/{parent}"' in child
+
+
+async def test_erasing_the_tenant_erases_its_maps_and_children(maps: Harness) -> None:
+    h = maps
+    parent = await h.submit("/v1/map-digests", {"texts": ["Erase me. Yes.", "Me too. Yes."]})
+    await run_map(h, parent)
+    assert len(await children_of(h, parent)) == 2
+    await h.jobs.erase_tenant("acme")
+    left = await h.rows(
+        "SELECT (SELECT count(*) FROM jobs WHERE tenant = 'acme'), (SELECT count(*) FROM job_maps)"
+    )
+    assert left == [(0, 0)]
