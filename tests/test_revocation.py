@@ -122,6 +122,39 @@ async def test_unknown_keys_are_cached_and_budgeted_per_client(
     await client.aclose()
 
 
+async def test_a_flood_of_unknown_keys_never_locks_a_valid_key_out(
+    settings, redis, pool, monkeypatch, api_key
+):
+    """Past an address's budget, its keys are checked against the active
+    keys, read once every few seconds: a valid key that was never cached
+    passes, a flood of random ones costs a handful of statements."""
+    from oncely.api.auth import create_api_key
+    from tests.helpers import asgi_app
+
+    reads: list[int] = []
+    real = auth.ApiKeyAuth._active_keys
+
+    async def counted(self):  # type: ignore[no-untyped-def]
+        reads.append(1)
+        return await real(self)
+
+    monkeypatch.setattr(auth.ApiKeyAuth, "_active_keys", counted)
+    other = await create_api_key(pool, "globex")
+    app = asgi_app(settings.model_copy(update={"api_key_cache_s": 600}), redis, pool)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+        statuses = []
+        for _ in range(500):
+            key = "onc_" + secrets.token_urlsafe(32)
+            r = await c.get(f"{URL}/{uuid.uuid4()}", headers={"Authorization": f"Bearer {key}"})
+            statuses.append(r.status_code)
+        assert statuses.count(401) == 60 and statuses.count(429) == 440
+        # Two valid keys first seen from the flooded address: both pass.
+        for key in (api_key, other):
+            r = await c.get(f"{URL}/{uuid.uuid4()}", headers={"Authorization": f"Bearer {key}"})
+            assert r.status_code == 404, r.text
+    assert 1 <= len(reads) <= 3, f"{len(reads)} reads of the active keys for 440 refusals"
+
+
 async def test_an_unknown_key_asked_again_costs_no_lookup(settings, redis, pool, monkeypatch):
     from tests.helpers import asgi_app
 

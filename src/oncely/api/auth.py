@@ -241,10 +241,12 @@ class Revocations:
 
 
 class UnknownKeyBudget:
-    """Unknown keys a client address may present per minute before its
-    unknown keys are refused without a lookup (429): a scan of random keys
-    costs PostgreSQL at most this many statements a minute per address and
-    process. Known keys never count."""
+    """Unknown keys a client address may present per minute before its keys
+    are no longer looked up one by one: past it, a key is checked against
+    the active keys (``ActiveKeys``, one statement every few seconds) and an
+    unknown one refused (429). A scan of random keys costs PostgreSQL at
+    most this many statements a minute per address and process, and never
+    locks a valid key out. Known keys never count."""
 
     def __init__(self, per_minute: int, max_clients: int = 10_000) -> None:
         self.per_minute = per_minute
@@ -272,6 +274,40 @@ class UnknownKeyBudget:
         self._clients[client] = (count + 1, since)
 
 
+class ActiveKeys:
+    """Every active key's hash and tenant, read at most every ``every_s``:
+    what a key from an address over its unknown-key budget is checked
+    against, so that a flood of random keys from one address costs one
+    statement per ``every_s`` and never refuses a valid key behind it (a
+    key created since the last read is found at the next, within
+    ``every_s``). Read again after a revocation: ``epoch`` is the key
+    cache's, which a revocation moves."""
+
+    def __init__(self, every_s: float = 5.0) -> None:
+        self.every_s = every_s
+        self._keys: dict[str, str] = {}
+        self._read_at: float | None = None
+        self._epoch: int | None = None
+        self._reading: asyncio.Lock | None = None
+
+    async def tenant(
+        self, key_hash: str, epoch: int, read: Callable[[], Awaitable[dict[str, str]]]
+    ) -> str | None:
+        if epoch != self._epoch:
+            self._keys, self._read_at = {}, None
+        found = self._keys.get(key_hash)
+        if found is not None:
+            return found
+        if self._reading is None:
+            self._reading = asyncio.Lock()
+        async with self._reading:  # one read at a time; the others use it
+            stale = self._read_at is None or time.monotonic() - self._read_at >= self.every_s
+            if stale or epoch != self._epoch:
+                self._keys = await read()
+                self._read_at, self._epoch = time.monotonic(), epoch
+        return self._keys.get(key_hash)
+
+
 class ApiKeyAuth:
     """The default auth: ``Authorization: Bearer <api key>`` → its tenant
     (the lookup bounded by ``timeout_s``; keys cached ``cache_s``, see
@@ -296,6 +332,7 @@ class ApiKeyAuth:
         # Without Redis (tests of the lookup alone), nothing is cached.
         self._revocations = Revocations(redis, self._cache) if redis is not None else None
         self._unknown = UnknownKeyBudget(unknown_per_minute)
+        self._active = ActiveKeys()
 
         async def current_tenant(
             request: Request,
@@ -318,13 +355,22 @@ class ApiKeyAuth:
         if scheme.lower() != "bearer":
             raise Unauthorized(_SEND_A_KEY)
         key_hash = hash_api_key(key)
-        if self._revocations is not None and await self._revocations.current():
+        trusted = self._revocations is not None and await self._revocations.current()
+        if trusted:
             cached, tenant = self._cache.get(key_hash)
             if cached:
                 return self._known(tenant)
         client = request.client.host if request.client is not None else "unknown"
         wait_s = self._unknown.refused(client)
         if wait_s:
+            # Past its budget, the address's keys are checked against the
+            # active keys read at most every few seconds (again after a
+            # revocation): a valid key passes, a flood costs no statement
+            # per key. Without the revocation count, nothing read is trusted.
+            if trusted:
+                active = await self._active.tenant(key_hash, self._cache.epoch, self._active_keys)
+                if active is not None:
+                    return active
             log.warning("auth.unknown_keys_throttled", client=client)
             raise RateLimited({"Retry-After": str(max(1, round(wait_s)))})
         epoch = self._cache.epoch
@@ -334,6 +380,12 @@ class ApiKeyAuth:
         if tenant is None:
             self._unknown.count(client)
         return self._known(tenant)
+
+    async def _active_keys(self) -> dict[str, str]:
+        result = await run_statement(
+            self._pool(), query("active_api_keys"), None, timeout_s=self._timeout_s
+        )
+        return {str(h): str(t) for h, t in result.rows}
 
     @staticmethod
     def _known(tenant: str | None) -> str:

@@ -31,3 +31,8 @@ SELECT id, tenant, created_at, last_used_at, revoked_at FROM api_keys
 
 -- name: erase_tenant_api_keys
 DELETE FROM api_keys WHERE tenant = %s
+
+-- name: active_api_keys
+-- Every active key's hash and tenant: what an API process checks a key
+-- against when its address is over the unknown-key budget.
+SELECT key_hash, tenant FROM api_keys WHERE revoked_at IS NULL
