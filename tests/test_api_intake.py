@@ -387,3 +387,47 @@ async def test_openapi_documents_the_idempotency_contract(client):
     assert "Idempotent-Replayed" in post["responses"]["202"]["headers"]
     assert "Retry-After" in post["responses"]["409"]["headers"]
     assert "x-idempotency-retention" in spec["info"]
+
+
+async def test_a_body_too_deep_or_too_wide_is_a_422_never_a_500(
+    settings, redis, pool, auth, capsys
+):
+    app = asgi_app(settings, redis, pool)
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+        deep = "[" * 5000 + "]" * 5000
+        for extra in ({}, headers(auth, "deep-body-000000001")):
+            r = await client.post(
+                "/v1/summaries",
+                content=deep,
+                headers={**extra, "Content-Type": "application/json"},
+            )
+            assert r.status_code == 422, r.text
+            assert r.json()["errors"][0]["msg"] == "JSON nested too deeply"
+        wide = {"text": "x", "notify": "a@example.com", "extra": list(range(50_000))}
+        r = await client.post(
+            "/v1/summaries",
+            json={**wide, "text": list(range(50_000))},
+            headers=headers(auth, "wide-body-000000001"),
+        )
+        assert r.status_code == 422, r.text
+        body = r.json()
+        assert len(body["errors"]) <= 20 and body["error_count"] >= 1
+        assert len(r.content) < 10_000
+    assert await job_count(pool) == 0
+    assert "api.unhandled" not in capsys.readouterr().out
+
+
+async def test_two_authorization_headers_are_refused(settings, redis, pool, auth):
+    app = asgi_app(settings, redis, pool)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+        doubled = [("Authorization", auth["Authorization"]), ("Authorization", "Bearer onc_other")]
+        r = await c.get("/v1/summaries/00000000-0000-4000-8000-000000000000", headers=doubled)
+        assert r.status_code == 400, r.text
+        r = await c.post(
+            "/v1/summaries",
+            json={"text": "hi", "notify": "a@example.com"},
+            headers=[*doubled, ("Idempotency-Key", "doubled-auth-00000001")],
+        )
+        assert r.status_code == 400, r.text
+    assert await job_count(pool) == 0

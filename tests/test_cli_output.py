@@ -49,6 +49,17 @@ def test_literal_escapes_every_hidden_character_and_nothing_else() -> None:
     assert literal("a\nb\tc\u200bd\u2066e\ufeff") == "a\\x0ab\\x09c\\u200bd\\u2066e\\ufeff"
 
 
+def test_literal_escapes_tags_selectors_and_blank_fillers() -> None:
+    # Tag characters spell hidden ASCII; variation selectors and fillers
+    # render as nothing; all are shown, as is any format character.
+    hidden = "ok\U000e0041\U000e0042 x\ufe0f y\U000e0100 \u3164z \u2800 \u180e"
+    assert literal(hidden) == (
+        "ok\\U000e0041\\U000e0042 x\\ufe0f y\\U000e0100 \\u3164z \\u2800 \\u180e"
+    )
+    assert literal("a\nb", keep="\n") == "a\nb"
+    assert literal("日本語 é ✓ 🙂") == "日本語 é ✓ 🙂"
+
+
 async def test_jobs_show_prints_markup_and_escapes_literally(jobs, env) -> None:
     job_id = str(uuid.uuid4())
     payload = {"subject": MARKUP[:300], "body": HOSTILE}

@@ -596,3 +596,14 @@ def test_a_short_console_key_is_refused_at_start_without_showing_it(redis_url, d
     assert refused.returncode == 2
     assert "ONCELY_CONSOLE_KEY" in refused.stderr and "at least 32 characters" in refused.stderr
     assert short not in refused.stderr + refused.stdout
+
+
+async def test_stored_text_cannot_disguise_itself_on_a_page(operator, pool, jobs):
+    """A bidi override, a tag character or a zero-width space in a request
+    is shown as an escape, never rendered: `evil` cannot read `live`."""
+    stream = jobs.streams["summaries"]
+    await stream.ensure_group()
+    job_id = await submit(pool, stream, "pay \u202elive\u202c now\U000e0041\u200b")
+    page = (await operator.get(f"/console/workflows/summaries/jobs/{job_id}")).text
+    assert "\u202e" not in page and "\U000e0041" not in page and "\u200b" not in page
+    assert "\\u202elive\\u202c" in page and "\\U000e0041" in page

@@ -7,9 +7,10 @@ markup, such text could act: ``[/bold]`` crashes the command,
 raw, escape sequences and bidi overrides make the terminal show something
 other than what is stored. So the CLI prints through consoles that read no
 markup (``console``), and every piece of stored text through ``literal``:
-control characters (C0, DEL, C1) and the invisible characters that reorder
-or hide text (bidi embeddings, overrides, isolates and marks, zero-width
-characters) are written as visible escapes (``\\x1b``, ``\\u202e``).
+control characters (C0, DEL, C1) and the invisible characters that reorder,
+hide or disguise text (bidi embeddings, overrides, isolates and marks,
+zero-width characters, tag characters, variation selectors, blank fillers)
+are written as visible escapes (``\\x1b``, ``\\u202e``, ``\\U000e0041``).
 
 Lists go through ``print_rows``: a table when it fits the terminal, else one
 block of ``column: value`` lines per row, so no cell is ever left blank or
@@ -18,27 +19,14 @@ cut for lack of width.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 
 from rich.console import Console
 from rich.table import Table
 
-_HIDDEN = re.compile(
-    "[\x00-\x1f\x7f-\x9f\u00ad\u061c\u180e\u200b-\u200f\u2028\u2029"
-    "\u202a-\u202e\u2060-\u2064\u2066-\u2069\ufeff]"
-)
+from oncely.shown import literal
 
-
-def literal(value: object) -> str:
-    """``value`` as text, every control or invisible character escaped."""
-    text = value if isinstance(value, str) else str(value)
-    return _HIDDEN.sub(_escape, text)
-
-
-def _escape(match: re.Match[str]) -> str:
-    code = ord(match.group())
-    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+__all__ = ["console", "literal", "print_rows"]
 
 
 def console(*, stderr: bool = False) -> Console:

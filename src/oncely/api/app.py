@@ -416,6 +416,10 @@ PROBLEM_SCHEMA: dict[str, Any] = {
                 "required": ["loc", "msg", "type"],
             },
         },
+        "error_count": {
+            "type": "integer",
+            "description": "With `validation`: how many errors there were (at most 20 listed).",
+        },
     },
     "required": ["type", "title", "status"],
 }

@@ -26,7 +26,7 @@ from datetime import datetime
 from typing import Annotated
 
 import structlog
-from fastapi import Depends, Request
+from fastapi import Depends, HTTPException, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from fastapi.security.utils import get_authorization_scheme_param
 from psycopg.rows import class_row
@@ -354,6 +354,9 @@ class ApiKeyAuth:
     async def _tenant(self, request: Request, scheme: str, key: str) -> str:
         if scheme.lower() != "bearer":
             raise Unauthorized(_SEND_A_KEY)
+        if len(request.headers.getlist("authorization")) > 1:
+            # Which one would count depends on the server: refuse both.
+            raise HTTPException(400, "send one Authorization header")
         key_hash = hash_api_key(key)
         trusted = self._revocations is not None and await self._revocations.current()
         if trusted:

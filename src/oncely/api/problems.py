@@ -24,6 +24,8 @@ from oncely.errors import (
 )
 
 PROBLEM_BASE = "https://oncely.dev/problems/"
+# The validation errors a 422 lists (``error_count`` says how many there were).
+MAX_ERRORS_SHOWN = 20
 PROBLEM_MEDIA_TYPE = "application/problem+json"
 
 log = structlog.get_logger("oncely.api")
@@ -209,11 +211,14 @@ def _install_intake_handlers(app: FastAPI) -> None:
 def _install_generic_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        found = exc.errors()
+        # A body wide enough to fail everywhere gets the first errors, and
+        # their count: the answer stays small whatever was sent.
         errors = [
             {"loc": list(e.get("loc", ())), "msg": e.get("msg", ""), "type": e.get("type", "")}
-            for e in exc.errors()
+            for e in found[:MAX_ERRORS_SHOWN]
         ]
-        return problem(422, "validation", "Invalid request", errors=errors)
+        return problem(422, "validation", "Invalid request", errors=errors, error_count=len(found))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -505,6 +505,14 @@ async def _json_body(request: Request) -> Any:
         raise RequestValidationError([error], body=exc.doc) from exc
     except ValueError as exc:  # not UTF-8, say
         raise HTTPException(400, _UNPARSABLE) from exc
+    except RecursionError:  # nested deeper than the parser goes: never a 500
+        error = {
+            "type": "json_invalid",
+            "loc": ("body",),
+            "msg": "JSON nested too deeply",
+            "input": {},
+        }
+        raise RequestValidationError([error]) from None
 
 
 def _validated(request_model: type[BaseModel], data: Any) -> BaseModel:

@@ -21,6 +21,7 @@ import structlog
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response, StreamingResponse
 from jinja2 import Environment, PackageLoader, select_autoescape
+from markupsafe import Markup
 
 from oncely.api.streaming import EVENT_STREAM, JobStream
 from oncely.console.session import COOKIE, SESSION_S, ConsoleKey, Sessions
@@ -29,6 +30,7 @@ from oncely.jobs.checkpoints import Checkpoints
 from oncely.jobs.inspection import UNREPORTED_NOTE, inspect_job
 from oncely.jobs.store import JOB_STATUSES, Jobs
 from oncely.outbox.store import OutboxStore
+from oncely.shown import literal
 from oncely.usage import ledger
 from oncely.views import pending_approval, waited_on
 
@@ -59,10 +61,21 @@ def _templates() -> Environment:
     env = Environment(
         loader=PackageLoader("oncely.console", "templates"),
         autoescape=select_autoescape(default=True, default_for_string=True),
+        finalize=_shown,
     )
     env.filters["pretty"] = lambda v: json.dumps(v, indent=2, sort_keys=True, ensure_ascii=False)
     env.filters["when"] = _when
     return env
+
+
+def _shown(value: object) -> object:
+    """Every text a page shows, with its invisible and direction-changing
+    characters as visible escapes (``oncely.terminal.literal``; line breaks
+    kept), so that stored text cannot disguise itself; markup the page's own
+    filters made is left as it is."""
+    if isinstance(value, str) and not isinstance(value, Markup):
+        return literal(value, keep="\n\t")
+    return value
 
 
 def _when(value: datetime | float | None) -> str:
