@@ -439,12 +439,48 @@ async def test_budgets_count_each_tenants_day_and_refuse_only_the_one_over(redis
     await budgets.add({("acme", today): Spent(600, 0.1), ("globex", today): Spent(10, 0.6)})
     await budgets.add({("acme", today): Spent(300, 0.1), ("acme", "2000-01-01"): Spent(5000, 9)})
     assert await budgets.spent("acme") == Spent(900, pytest.approx(0.2))
-    assert await budgets.refusal("acme") is None  # 900 tokens, $0.20: within both
-    wait_s = await budgets.refusal("globex")  # $0.60: over the USD budget
+    assert await budgets.reserve("acme", "job-1", 50) is None  # 900 tokens, $0.20: within both
+    wait_s = await budgets.reserve("globex", "job-2", 50)  # $0.60: over the USD budget
     assert wait_s is not None and 1 <= wait_s <= 86400
-    await budgets.add({("acme", today): Spent(100, 0.0)})
-    assert await budgets.refusal("acme") is not None  # 1000 tokens: at the budget
-    assert await Budgets(redis).refusal("acme") is None  # no budgets: never refused
+    # 900 spent and 50 held: one more of 100 would pass 1000.
+    assert await budgets.reserve("acme", "job-3", 100) is not None
+    assert await budgets.reserve("acme", "job-1", 50) is None, "a job keeps its hold"
+    # Spend releases the job's hold: 950 spent, nothing held.
+    await budgets.add({("acme", today): Spent(50, 0.0)}, {("acme", today): ["job-1"]})
+    assert await budgets.reserved("acme") == 0
+    assert await budgets.reserve("acme", "job-4", 40) is None
+    await budgets.add({("acme", today): Spent(60, 0.0)}, {("acme", today): ["job-4"]})
+    assert await budgets.reserve("acme", "job-5", 1) is not None  # 1010 tokens: over
+    assert await Budgets(redis).reserve("acme", "job-6", 10) is None  # no budgets: never refused
+
+
+async def test_concurrent_intakes_cannot_overshoot_a_budget_together(settings, redis, pool):
+    """The regression: 2,000 tokens a day and 100 requests at once used to
+    be all accepted (5.6 x the budget). Each accepted job now holds its
+    estimate first."""
+    import httpx
+
+    from oncely.api.auth import create_api_key
+    from tests.helpers import asgi_app
+
+    key = await create_api_key(pool, "acme")
+    app = asgi_app(settings.model_copy(update={"tenant_daily_tokens": 2000}), redis, pool)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+
+        async def post(i: int) -> int:
+            r = await c.post(
+                "/v1/summaries",
+                json={"text": f"Request {i}. " * 10, "notify": "a@example.com"},
+                headers={"Authorization": f"Bearer {key}", "Idempotency-Key": f"race-{i:012}"},
+            )
+            return r.status_code
+
+        statuses = await asyncio.gather(*(post(i) for i in range(100)))
+    # An estimate is the request's tokens (about 40) and
+    # ONCELY_BUDGET_RESERVE_TOKENS (1000): a second would pass 2000.
+    assert statuses.count(202) == 1 and statuses.count(429) == 99
+    held = await Budgets(redis).reserved("acme")
+    assert 1000 < held < 1100
 
 
 def _in_flight(fake_llm: Any) -> Any:
@@ -452,3 +488,23 @@ def _in_flight(fake_llm: Any) -> Any:
         return bool(fake_llm.stats().in_flight == 1)
 
     return check
+
+
+async def test_spend_redis_did_not_take_is_counted_once_it_answers(llm, pool, redis) -> None:
+    """A Redis that does not answer while the ledger writes: the spend is
+    kept and added to the budgets with the next flush, once."""
+    from oncely.bootstrap.clients import make_redis
+    from tests.processes import free_port
+
+    nowhere = make_redis(f"redis://127.0.0.1:{free_port()}", timeout_s=0.2, connect_timeout_s=0.2)
+    ledger = Ledger(pool, flush_s=3600, budgets=Budgets(nowhere))
+    await routed(llm, ledger=ledger, tenant="acme").complete("Counted when Redis is back.")
+    assert await ledger.flush() == 1
+    assert await Budgets(redis).spent("acme") == Spent(0, 0.0)
+    ledger.budgets = Budgets(redis)  # Redis answers again
+    assert await ledger.flush() == 0
+    counted = await Budgets(redis).spent("acme")
+    assert counted.tokens > 0
+    await ledger.flush()
+    assert await Budgets(redis).spent("acme") == counted, "counted once"
+    await nowhere.aclose()

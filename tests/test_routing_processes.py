@@ -5,6 +5,7 @@ tenants' daily budgets at the intake."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -202,12 +203,12 @@ async def tenants(pool) -> AsyncIterator[tuple[str, str]]:
     yield await create_api_key(pool, "acme"), await create_api_key(pool, "globex")
 
 
-async def test_a_tenant_over_its_daily_tokens_is_refused_new_jobs_and_keeps_the_ones_it_had(
+async def test_a_tenants_daily_tokens_hold_under_concurrency_and_keep_the_jobs_it_had(
     redis_url, database_url, redis, pool, providers, tenants, tmp_path
 ):
     model, mail = providers
     acme, globex = tenants
-    env = routing_env(redis_url, database_url, model, mail, ONCELY_TENANT_DAILY_TOKENS="200")
+    env = routing_env(redis_url, database_url, model, mail, ONCELY_TENANT_DAILY_TOKENS="100")
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     api = start(["api", "--port", str(port)], env, tmp_path / "api.log")
@@ -222,11 +223,16 @@ async def test_a_tenant_over_its_daily_tokens_is_refused_new_jobs_and_keeps_the_
                     headers={"Authorization": f"Bearer {key}", "Idempotency-Key": idem},
                 )
 
-            # Accepted before any spend: all of them run, though the first
-            # few already take the tenant over its budget.
+            # Six at once, before any spend: the first reserves more than the
+            # budget's 100 tokens (its estimate), so the others are refused:
+            # concurrent requests cannot overshoot the budget together.
             texts = [f"Budget job {i}. " + "Tokens add up over the day. " * 20 for i in range(6)]
-            accepted = [await post(acme, f"budget-test-{i:08}", t) for i, t in enumerate(texts)]
-            assert [r.status_code for r in accepted] == [202] * 6
+            answers = await asyncio.gather(
+                *(post(acme, f"budget-test-{i:08}", t) for i, t in enumerate(texts))
+            )
+            assert sorted(r.status_code for r in answers) == [202] + [429] * 5
+            accepted = [r for r in answers if r.status_code == 202]
+            first = answers.index(accepted[0])
             ids = [r.json()["job_id"] for r in accepted]
             worker = start(["worker"], env, tmp_path / "worker.log")
             with running(worker):
@@ -245,18 +251,22 @@ async def test_a_tenant_over_its_daily_tokens_is_refused_new_jobs_and_keeps_the_
             assert 1 <= int(refused.headers["Retry-After"]) <= 86400
             # No key claimed, no job.
             assert len([k async for k in redis.scan_iter(match="oncely:idem:*")]) == idem_keys
-            assert await scalar(pool, "SELECT count(*) FROM jobs WHERE tenant = 'acme'") == 6
+            assert await scalar(pool, "SELECT count(*) FROM jobs WHERE tenant = 'acme'") == 1
 
             # A retry of a job it had is answered as ever; another tenant is not refused.
-            again = await post(acme, "budget-test-00000000", texts[0])
+            again = await post(acme, f"budget-test-{first:08}", texts[first])
             assert again.status_code == 202 and again.headers.get("Idempotent-Replayed") == "true"
             assert (
                 await post(globex, "budget-test-refused", "Another tenant. Fine.")
             ).status_code == 202
 
     usage = cli_json(env, "tenants", "usage", "acme")
-    assert usage["tokens"] >= 200 and usage["daily_tokens"] == 200
-    assert usage["ledger"]["calls"] == 6
+    assert usage["tokens"] >= 100 and usage["daily_tokens"] == 100
+    assert usage["ledger"]["calls"] == 1
+    assert usage["reserved_tokens"] == 0, "the job's spend released its reservation"
+    # Without the API's environment, the report still has the API's budget.
+    bare = {k: v for k, v in env.items() if k != "ONCELY_TENANT_DAILY_TOKENS"}
+    assert cli_json(bare, "tenants", "usage", "acme")["daily_tokens"] == 100
     assert (
         usage["ledger"]["prompt_tokens"] + usage["ledger"]["completion_tokens"] == usage["tokens"]
     )

@@ -16,6 +16,9 @@ IDEMPOTENCY_PREFIX = "oncely:idem:"
 # Bumped whenever an API key is revoked or erased: API processes that see it
 # change empty their key caches (oncely.api.auth.Revocations).
 API_KEYS_GENERATION = "oncely:api-keys:generation"
+# The tenant budgets the API enforces, as it last started with them (JSON),
+# for the operator commands run without its environment.
+BUDGET_LIMITS = "oncely:budget-limits"
 
 # The fleet-wide model limiter: a pause after a 429, and GCRA state per limit.
 # One hash tag: its Lua script reads all three, which a cluster allows only
@@ -137,7 +140,18 @@ def open_streams(tenant_digest: str) -> str:
 STREAM_TOKEN_KEY = "oncely:stream-token-key"
 
 
-def tenant_spend(tenant_digest: str, day: str) -> str:
-    """What one tenant's model calls spent on one UTC day (``YYYY-MM-DD``):
-    tokens and USD, for its budgets (oncely.usage.budgets). Expires."""
-    return f"oncely:spend:{tenant_digest}:{day}"
+@dataclass(frozen=True)
+class BudgetKeys:
+    """One tenant's budget keys for one UTC day (``YYYY-MM-DD``), in one slot
+    (oncely.usage.budgets); all expire. ``spend``: tokens and USD spent, and
+    the tokens ``reserved`` for accepted jobs; ``holds``: each job's
+    reservation's expiry (a sorted set); ``estimates``: its tokens."""
+
+    spend: str
+    holds: str
+    estimates: str
+
+
+def tenant_budget(tenant_digest: str, day: str) -> BudgetKeys:
+    tag = f"oncely:{{budget:{tenant_digest}:{day}}}"
+    return BudgetKeys(f"{tag}:spend", f"{tag}:holds", f"{tag}:estimates")

@@ -29,7 +29,7 @@ from oncely.shadow.store import ShadowResults
 from oncely.status import read_status
 from oncely.terminal import console, literal, print_rows
 from oncely.usage import ledger
-from oncely.usage.budgets import BudgetLimits, Spent, utc_day
+from oncely.usage.budgets import BudgetLimits, published_limits, utc_day
 from oncely.views import waited_on
 
 out = console()
@@ -531,17 +531,23 @@ async def tenant_usage(settings: Settings, tenant: str, *, as_json: bool) -> dic
     day = utc_day()
     midnight = datetime.strptime(day, "%Y-%m-%d").replace(tzinfo=UTC)
     async with open_resources(settings) as res:
-        counted = await budgets(settings, res.redis).spent(tenant, day)
+        counting = budgets(settings, res.redis)
+        counted = await counting.spent(tenant, day)
+        reserved = await counting.reserved(tenant, day)
         rows = await ledger.usage_report(res.pool, since=midnight, by="tenant", tenant=tenant)
+        # The budgets set here, else those the API said it enforces.
+        limits = counting.limits if counting.limits.enabled else None
+        limits = limits or await published_limits(res.redis) or BudgetLimits()
     booked = rows[0] if rows else ledger.UsageRow(tenant, 0, 0, 0, None, 0)
     report: dict[str, object] = {
         "tenant": tenant,
         "day": day,
         "tokens": counted.tokens,
         "cost_usd": round(counted.usd, 10),
-        "daily_tokens": settings.tenant_daily_tokens or None,
-        "daily_usd": settings.tenant_daily_usd or None,
-        "over_budget": _over(settings, counted),
+        "reserved_tokens": reserved,
+        "daily_tokens": limits.daily_tokens or None,
+        "daily_usd": limits.daily_usd or None,
+        "over_budget": limits.exceeded_by(counted),
         "ledger": booked.to_json("tenant") | {"tenant": tenant},
     }
     if as_json:
@@ -557,10 +563,11 @@ async def tenant_usage(settings: Settings, tenant: str, *, as_json: bool) -> dic
             booked.calls,
             booked.wasted_calls,
         ),
+        ("today, reserved for accepted jobs", reserved, "", "", ""),
         (
             "daily budget",
-            settings.tenant_daily_tokens or "none",
-            _usd(settings.tenant_daily_usd) if settings.tenant_daily_usd else "none",
+            limits.daily_tokens or "none",
+            _usd(limits.daily_usd) if limits.daily_usd else "none",
             "",
             "",
         ),
@@ -569,10 +576,6 @@ async def tenant_usage(settings: Settings, tenant: str, *, as_json: bool) -> dic
     if report["over_budget"]:
         out.print("over budget: new jobs are refused (429) until midnight UTC")
     return report
-
-
-def _over(settings: Settings, spent: Spent) -> bool:
-    return BudgetLimits(settings.tenant_daily_tokens, settings.tenant_daily_usd).exceeded_by(spent)
 
 
 def _usd(value: float | None) -> str:

@@ -118,6 +118,11 @@ class Settings(BaseSettings):
     # Per tenant per UTC day (0: no budget): over it, the intake answers 429.
     tenant_daily_tokens: int = Field(0, ge=0)
     tenant_daily_usd: float = Field(0.0, ge=0)
+    # What the intake reserves of a tenant's token budget for each job it
+    # accepts, beyond the request's own size, and how long a reservation no
+    # spend released lasts (oncely.usage.budgets).
+    budget_reserve_tokens: int = Field(1000, ge=0)
+    budget_hold_s: float = Field(3600.0, gt=0)
     # The usage ledger: how often each worker writes its calls, how long rows are kept.
     ledger_flush_s: float = Field(0.25, gt=0)
     ledger_retention_s: float = Field(90 * 86400.0, gt=0)

@@ -51,7 +51,7 @@ from oncely.jobs.checkpoints import Checkpoints
 from oncely.jobs.store import Jobs, run_statement
 from oncely.live.events import JobEvents, LiveConfig
 from oncely.queue.stream import Stream
-from oncely.usage.budgets import BudgetLimits, Budgets
+from oncely.usage.budgets import BudgetLimits, Budgets, publish_limits
 from oncely.workflow import Workflow
 
 DESCRIPTION = f"""
@@ -88,6 +88,8 @@ class ApiConfig:
     # Each tenant's daily model budget (oncely.usage.budgets; 0: none).
     tenant_daily_tokens: int = 0
     tenant_daily_usd: float = 0.0
+    budget_reserve_tokens: int = 1000
+    budget_hold_s: float = 3600.0
     # How long an API key, once looked up, is kept without asking PostgreSQL
     # again (0: no cache). A revocation reaches every process within about a
     # second anyway (api/auth.py), or within this when Redis was away.
@@ -235,7 +237,10 @@ class OncelyAPI:
         )
         rpm = self.config.tenant_rpm
         self._limiter = TenantLimiter(clients.redis, rpm) if rpm else None
-        limits = BudgetLimits(self.config.tenant_daily_tokens, self.config.tenant_daily_usd)
+        c = self.config
+        limits = BudgetLimits(
+            c.tenant_daily_tokens, c.tenant_daily_usd, c.budget_reserve_tokens, c.budget_hold_s
+        )
         self._budgets = Budgets(clients.redis, limits) if limits.enabled else None
 
     @asynccontextmanager
@@ -246,11 +251,17 @@ class OncelyAPI:
             return
         async with self._open() as clients:
             self._bind(clients)
+            await self.publish_limits()
             try:
                 yield
             finally:
                 await self.aclose()
                 self._clients = None
+
+    async def publish_limits(self) -> None:
+        """Say in Redis which tenant budgets this API enforces, for the
+        operator commands (``oncely.usage.budgets.publish_limits``)."""
+        await publish_limits(self.clients.redis, self._budgets)
 
     async def aclose(self) -> None:
         """At shutdown: give withdrawals of unanswered intakes one statement

@@ -176,11 +176,13 @@ def _add_intake(
             admission = await tenant_limit.admit(tenant_name)
             if not admission.admitted:
                 raise RateLimited(admission.headers())
-        # Over its budget: no new job, but a retry of one it had accepted
-        # is answered as ever (a budget never strands accepted work).
+        # Within its budget, with this job's tokens reserved (concurrent
+        # requests cannot overshoot it together); over it, no new job, but a
+        # retry of one it had accepted is answered as ever.
         budget = gates.budgets()
         if budget is not None:
-            wait_s = await budget.refusal(tenant_name)
+            estimate = budget.estimate(len(body.model_dump_json()))
+            wait_s = await budget.reserve(tenant_name, idem.job_id, estimate)
             if wait_s is not None and not await _accepted(idem, jobs(), workflow.name):
                 raise BudgetExceeded(wait_s)
         # The trace starts here and travels with the job (oncely.tracing).

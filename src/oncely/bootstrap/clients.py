@@ -175,7 +175,9 @@ def connect_model(s: Settings, base_url: str, api_key: str, model: str) -> Model
 
 
 def budgets(s: Settings, redis: RedisClient) -> Budgets:
-    limits = BudgetLimits(daily_tokens=s.tenant_daily_tokens, daily_usd=s.tenant_daily_usd)
+    limits = BudgetLimits(
+        s.tenant_daily_tokens, s.tenant_daily_usd, s.budget_reserve_tokens, s.budget_hold_s
+    )
     return Budgets(redis, limits)
 
 

@@ -35,6 +35,8 @@ def api_config(s: Settings) -> ApiConfig:
         unknown_keys_per_minute=s.api_key_unknown_per_min,
         tenant_daily_tokens=s.tenant_daily_tokens,
         tenant_daily_usd=s.tenant_daily_usd,
+        budget_reserve_tokens=s.budget_reserve_tokens,
+        budget_hold_s=s.budget_hold_s,
         max_headers=s.http_max_headers,
         max_header_bytes=s.http_max_header_bytes,
         body_timeout_s=s.http_body_timeout_s,

@@ -161,6 +161,7 @@ class ApiServer:
         self._server = _QuietServer(config)
 
     async def run(self) -> None:
+        await self._api.publish_limits()
         try:
             await self._server.serve()
         finally:

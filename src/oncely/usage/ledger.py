@@ -136,6 +136,8 @@ class Ledger:
         self.pool = pool
         self.prices = prices or Prices()
         self.budgets = budgets
+        # Spend Redis did not take yet, added with the next batch.
+        self._uncounted: dict[tuple[str, str], Spent] = {}
         self.flush_s = flush_s
         self.batch = batch
         self.max_rows = max_rows
@@ -190,6 +192,7 @@ class Ledger:
         fresh, self._rows = self._rows, []
         rows, self._unwritten = self._unwritten + fresh, []
         if not rows:
+            await self._count(fresh)
             return 0
         try:
             await self._insert(rows)
@@ -198,11 +201,20 @@ class Ledger:
             log.warning("ledger.not_written", rows=len(rows), error=type(exc).__name__)
             return 0
         finally:
-            # Each call's spend counts once, written or not.
-            spent = _spent_by_tenant_day(fresh)
-            if self.budgets is not None and spent:
-                await self.budgets.add(spent)
+            await self._count(fresh)
         return len(rows)
+
+    async def _count(self, fresh: Sequence[Call]) -> None:
+        """Each call's spend against its tenant's budgets, once, written or
+        not; what Redis did not take is added with the next batch."""
+        if self.budgets is None or not (fresh or self._uncounted):
+            return
+        spent, jobs = _spent_by_tenant_day(fresh)
+        for key, more in self._uncounted.items():
+            spent[key] = spent.get(key, Spent()) + more
+        self._uncounted = {}
+        if spent:
+            self._uncounted = await self.budgets.add(spent, jobs)
 
     async def _insert(self, rows: Sequence[Call]) -> None:
         document = Jsonb([row.to_json() for row in rows])
@@ -248,16 +260,22 @@ class Ledger:
                 return total
 
 
-def _spent_by_tenant_day(rows: Sequence[Call]) -> dict[tuple[str, str], Spent]:
-    """What a batch adds to each tenant's day; shadow calls are nobody's."""
+def _spent_by_tenant_day(
+    rows: Sequence[Call],
+) -> tuple[dict[tuple[str, str], Spent], dict[tuple[str, str], list[str]]]:
+    """What a batch adds to each tenant's day, and the jobs whose budget
+    reservations it releases; shadow calls are nobody's."""
     spent: dict[tuple[str, str], Spent] = {}
+    jobs: dict[tuple[str, str], list[str]] = {}
     for row in rows:
         if row.site.shadow or not row.site.tenant:
             continue
         key = (row.site.tenant, utc_day(row.at))
         tokens = row.prompt_tokens + row.completion_tokens
         spent[key] = spent.get(key, Spent()) + Spent(tokens, row.cost_usd or 0.0)
-    return spent
+        if row.site.job_id and row.site.job_id not in jobs.setdefault(key, []):
+            jobs[key].append(row.site.job_id)
+    return spent, jobs
 
 
 # -- reading -------------------------------------------------------------------------
