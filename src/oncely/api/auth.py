@@ -46,6 +46,9 @@ KEY_PREFIX = "onc_"
 # keys from its cache; a cached key is trusted at most twice this long
 # without a read that says nothing was revoked.
 REVOCATION_CHECK_S = 0.5
+# The longest a request waits for the revocation count before it trusts no
+# cached key and looks its key up in PostgreSQL.
+REVOCATION_READ_S = 1.0
 
 # A FastAPI dependency that answers the request's tenant (or raises).
 TenantDependency = Callable[..., Awaitable[str]]
@@ -226,8 +229,12 @@ class Revocations:
 
     async def _read_generation(self) -> bool:
         try:
-            generation = await self._redis().get(names.API_KEYS_GENERATION)
-        except RedisError as exc:
+            # At most a second: a request waits on this read before its own
+            # Redis work, so a hung Redis would otherwise cost it two bounds
+            # (docs/failure-model.md promises the bound + 1 s).
+            async with asyncio.timeout(REVOCATION_READ_S):
+                generation = await self._redis().get(names.API_KEYS_GENERATION)
+        except (RedisError, TimeoutError) as exc:
             log.warning("keys.revocations_unread", error=type(exc).__name__)
             self._cache.clear()
             return False
