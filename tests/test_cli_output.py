@@ -148,3 +148,18 @@ def test_usage_commands_refuse_a_bad_group_or_period_with_exit_2(env) -> None:
         assert args[0] in done.stderr and "Traceback" not in done.stderr
     done = oncely("tenants", "usage", " ", env=env)
     assert done.returncode == 2 and "empty" in done.stderr
+
+
+@pytest.mark.parametrize("command", [["dev"], ["api"], ["worker"], ["relay"]])
+def test_app_may_follow_the_command_too(command: list[str], tmp_path) -> None:
+    """``oncely dev --app m:a`` (what a newcomer types) means what ``oncely
+    --app m:a dev`` does: here a wrong app, refused in one line before
+    anything starts."""
+    from typer.testing import CliRunner
+
+    from oncely.cli import app as cli
+
+    extra = ["--data-dir", str(tmp_path)] if command == ["dev"] else []
+    result = CliRunner().invoke(cli, [*command, *extra, "--app", "examples.nope:app"])
+    assert result.exit_code == 2, result.output
+    assert "cannot import 'examples.nope'" in result.output

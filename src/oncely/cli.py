@@ -106,6 +106,19 @@ def _main(
     _chosen_app = app_spec
 
 
+# ``--app`` after a server command too (``oncely dev --app m:a``), as before it.
+AppOpt = Annotated[
+    str | None,
+    typer.Option("--app", help="The app to serve, as module:attribute (as oncely --app)."),
+]
+
+
+def _choose_app(app_spec: str | None) -> None:
+    global _chosen_app
+    if app_spec is not None:
+        _chosen_app = app_spec
+
+
 WorkflowsOpt = Annotated[
     list[str] | None,
     typer.Option("--workflow", "-w", help="Only this workflow (repeat for several; default all)."),
@@ -267,27 +280,30 @@ def migrate(
 
 
 @app.command()
-def api(host: HostOpt = "127.0.0.1", port: PortOpt = 8000) -> None:
+def api(host: HostOpt = "127.0.0.1", port: PortOpt = 8000, app_spec: AppOpt = None) -> None:
     """Serve the HTTP API."""
     from oncely.bootstrap.processes import serve_api
 
+    _choose_app(app_spec)
     _run(serve_api(_settings(), host=host, port=port))
 
 
 @app.command()
-def worker(workflow: WorkflowsOpt = None) -> None:
+def worker(workflow: WorkflowsOpt = None, app_spec: AppOpt = None) -> None:
     """Run a stream worker for the app's workflows (SIGTERM drains in-flight jobs)."""
     from oncely.bootstrap.processes import run_worker
 
+    _choose_app(app_spec)
     settings = _settings()
     _run(run_worker(settings, _workflows(settings, workflow)))
 
 
 @app.command()
-def relay() -> None:
+def relay(app_spec: AppOpt = None) -> None:
     """Run an outbox relay: deliver every effect once (SIGTERM finishes sends in flight)."""
     from oncely.bootstrap.processes import run_relay
 
+    _choose_app(app_spec)
     _run(run_relay(_settings()))
 
 
@@ -473,10 +489,12 @@ def keys_revoke(
 def dev(
     port: PortOpt = 8000,
     data_dir: DataDirOpt = Path(".oncely"),
+    app_spec: AppOpt = None,
 ) -> None:
     """Everything in one command: embedded servers, migrations, a dev key and all processes."""
     from oncely.dev import DevRefused, run_dev
 
+    _choose_app(app_spec)
     settings = _settings(find_dev=False, data_dir=data_dir, log_format="console")
     try:
         _run(run_dev(settings, port=port))
