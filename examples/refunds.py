@@ -52,11 +52,7 @@ class RefundDecision(BaseModel):
 
 async def decide(refund: RefundRequest, ctx: oncely.Context) -> RefundDecision:
     # A checkpoint: once answered, never paid for again for this job.
-    review = await ctx.model.structured(
-        Review,
-        f"Order {refund.order_id}, {refund.amount_cents / 100:.2f} EUR.\n\n{refund.reason}",
-        system=POLICY,
-    )
+    review = await ctx.model.structured(Review, describe(refund), system=POLICY)
     if review.decision == "escalate":
         # Written with the wait, in one transaction; delivered once.
         ctx.emit(
@@ -65,7 +61,7 @@ async def decide(refund: RefundRequest, ctx: oncely.Context) -> RefundDecision:
         )
         # The job waits here holding nothing; the event (or 48 h) resumes it.
         approval = await ctx.wait_for_event("approval", Approval, timeout=APPROVAL_WAIT)
-        decision = _by_person(approval, review)
+        decision = by_person(approval, review)
     else:
         decision = RefundDecision(decision=review.decision, note=review.note, decided_by="model")
     ctx.emit(
@@ -75,7 +71,13 @@ async def decide(refund: RefundRequest, ctx: oncely.Context) -> RefundDecision:
     return decision
 
 
-def _by_person(approval: Approval | None, review: Review) -> RefundDecision:
+def describe(refund: RefundRequest) -> str:
+    """The request as the model reads it."""
+    return f"Order {refund.order_id}, {refund.amount_cents / 100:.2f} EUR.\n\n{refund.reason}"
+
+
+def by_person(approval: Approval | None, review: Review) -> RefundDecision:
+    """A person's decision, or a denial when none came in time."""
     if approval is None:
         return RefundDecision(
             decision="deny", note="no approval within 48 hours", decided_by="timeout"
