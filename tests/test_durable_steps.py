@@ -823,3 +823,36 @@ async def test_timers_resume_only_the_workflows_their_process_serves(harness: Ha
     assert await Timers(harness.checkpoints).run_once() == 1
     assert await harness.status(job_id) == "queued"
     assert await entry_of(harness, "approvals", job_id) is not None
+
+
+async def test_a_waiting_jobs_usage_is_the_same_in_get_the_cli_and_the_console(
+    harness: Harness,
+):
+    """What a job spent before it waits (or died) shows on every surface as
+    GET shows it: its checkpoints summed."""
+    import uuid
+
+    from pydantic import SecretStr
+
+    from oncely.jobs.inspection import inspect_job
+    from oncely.outbox.store import OutboxStore
+    from tests.helpers import asgi_app
+
+    job_id = await harness.submit("/v1/approvals", {"text": "Usage shows everywhere."})
+    await drain(harness.worker("approvals"))
+    view = await harness.get("/v1/approvals", job_id)
+    assert view["status"] == "waiting" and view["usage"]["model_calls"] == 1
+    inspected = await inspect_job(harness.jobs, OutboxStore(harness.pool), None, uuid.UUID(job_id))
+    assert inspected is not None
+    assert inspected.to_json()["usage"]["model_calls"] == 1
+    assert inspected.usage["prompt_tokens"] == view["usage"]["prompt_tokens"]
+    key = "operator-key-for-usage-tests-0001"
+    settings = harness.settings.model_copy(update={"console_key": SecretStr(key)})
+    app = asgi_app(settings, harness.redis, harness.pool, harness.app)
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://oncely.test"
+    ) as console:
+        assert (await console.post("/console/login", data={"key": key})).status_code == 303
+        page = (await console.get(f"/console/workflows/approvals/jobs/{job_id}")).text
+    assert 'id="usage"' in page and "&#34;model_calls&#34;: 1" in page
+    assert "No result yet." in page

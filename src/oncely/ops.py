@@ -232,8 +232,8 @@ def _print_job(view: JobInspection) -> None:
     out.print(f"request: {_json(j.payload)}", soft_wrap=True)
     if j.result is not None:
         out.print(f"result: {_json(j.result)}", soft_wrap=True)
-    if j.usage is not None:
-        out.print(f"usage: {_json(j.usage)}")
+    if view.usage is not None:
+        out.print(f"usage: {_json(view.usage)}")
     if j.error:
         out.print(f"error: {literal(j.error)}", soft_wrap=True)
     if j.status == "waiting" and j.wait_until is not None:

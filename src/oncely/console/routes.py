@@ -311,6 +311,7 @@ def _add_job_page(router: APIRouter, console: Console) -> None:
             decided=decided,
             parent=parent,
             maps=view.maps,
+            usage=view.usage,
         )
 
 

@@ -23,6 +23,7 @@ from oncely.jobs.store import DeliveryRecord, JobDetail, Jobs
 from oncely.journal import Checkpoint
 from oncely.outbox.store import OutboxRow, OutboxStore
 from oncely.queue.stream import Whereabouts
+from oncely.usage.totals import summed
 from oncely.views import waiting_of
 
 UNREPORTED_NOTE = (
@@ -44,6 +45,15 @@ class JobInspection:
     maps: list[MapCounts] = field(default_factory=list)
 
     @property
+    def usage(self) -> dict[str, Any] | None:
+        """What its model calls spent, as GET says it: the result's, or, for
+        a job not done (waiting, dead, cancelled), its checkpoints' summed."""
+        if self.job.usage is not None:
+            return dict(self.job.usage)
+        parts = [c.usage for c in self.checkpoints if c.usage]
+        return summed(parts) if parts else None
+
+    @property
     def status(self) -> str:
         """The job's status as GET says it: ``running`` while a worker holds
         a queued job (its message in flight), docs/streaming.md."""
@@ -60,7 +70,7 @@ class JobInspection:
             "status": self.status,
             "request": j.payload,
             "result": j.result,
-            "usage": j.usage,
+            "usage": self.usage,
             "error": j.error,
             "created_at": j.created_at.isoformat(),
             "updated_at": j.updated_at.isoformat(),
