@@ -256,6 +256,12 @@ def test_verify_accepts_the_standard_webhooks_example_within_tolerance() -> None
     assert verify(SPEC_SECRET, spec_headers(), SPEC_BODY, now=SPEC_TIMESTAMP - 299)
 
 
+def test_verify_takes_the_body_as_text_too() -> None:
+    text = SPEC_BODY.decode()
+    assert verify(SPEC_SECRET, spec_headers(), text, now=SPEC_TIMESTAMP)
+    assert not verify(SPEC_SECRET, spec_headers(), text + " ", now=SPEC_TIMESTAMP)
+
+
 def test_verify_fails_for_a_wrong_secret_a_tampered_body_or_another_id() -> None:
     wrong_secret = "whsec_" + base64.b64encode(b"another key").decode()
 

@@ -74,16 +74,36 @@ def _signature(key: bytes, msg_id: str, timestamp: int, body: bytes) -> str:
 def verify(
     secret: str,
     headers: Mapping[str, str],
-    body: bytes,
+    body: bytes | str,
     tolerance_s: float = DEFAULT_TOLERANCE_S,
     now: float | None = None,
 ) -> bool:
-    """True if ``headers`` sign ``body`` with ``secret`` at a time within ``tolerance_s``.
+    """True if ``headers`` sign ``body`` with ``secret`` at a time within
+    ``tolerance_s`` seconds of ``now`` (default: the clock).
 
-    Header names are matched case-insensitively. ``webhook-signature`` may list
-    several space-separated ``v1,<signature>`` entries (a sender rotating its
-    secret signs with both); any one matching passes.
+    ``secret``: ``ONCELY_WEBHOOK_SECRET`` as configured (``whsec_…`` or raw).
+    ``headers``: the request's headers, any mapping of names to values (a
+    framework's headers object will do); names are matched
+    case-insensitively. ``body``: the request's body exactly as received,
+    bytes or text (text is taken as UTF-8; verify before parsing it, as
+    any re-serialisation changes the bytes). ``webhook-signature`` may list
+    several space-separated ``v1,<signature>`` entries (a sender rotating
+    its secret signs with both); any one matching passes.
+
+    ::
+
+        from oncely.senders import verify
+
+        @app.post("/hooks/oncely")
+        async def hook(request: Request) -> Response:
+            body = await request.body()
+            if not verify(SECRET, request.headers, body):
+                return Response(status_code=401)
+            event = json.loads(body)
+            ...
     """
+    if isinstance(body, str):
+        body = body.encode()
     lowered = {name.lower(): value for name, value in headers.items()}
     msg_id, timestamp, signatures = (
         lowered.get(name) for name in (WEBHOOK_ID, WEBHOOK_TIMESTAMP, WEBHOOK_SIGNATURE)
