@@ -22,7 +22,17 @@ from typing import Any
 from bench.harness.processes import ROOT
 from bench.harness.report import RESULTS
 
-BENCHMARKS = ("intake", "worker", "steps", "agents", "maps", "relay", "end_to_end", "memory")
+BENCHMARKS = (
+    "intake",
+    "worker",
+    "steps",
+    "agents",
+    "maps",
+    "streams",
+    "relay",
+    "end_to_end",
+    "memory",
+)
 MARKDOWN = ROOT / "BENCHMARKS.md"
 
 

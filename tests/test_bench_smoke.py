@@ -157,6 +157,20 @@ def test_maps_smoke_runs_every_child_once_and_ends_the_map(tmp_path):
 
 
 @pytest.mark.timeout(SMOKE_TIMEOUT_S + 30)
+def test_streams_smoke_streams_every_token_and_fans_events_out(tmp_path, redis_url, database_url):
+    result = smoke("streams", tmp_path, (redis_url, database_url))
+
+    every = {r["contender"]: r for r in runs(result["results"])}
+    assert set(every) == {"streamed", "plain"}
+    streamed = every["streamed"]["checks"]
+    assert every["streamed"]["ok"] and streamed["done"] == streamed["model_calls"] > 0
+    assert streamed["tokens_equal_the_summary"] > 0 and streamed["token_events_per_call"] >= 1
+    fanned = result["fan_out"]
+    assert fanned["ok"] and fanned["readers_with_every_event"] == fanned["streams"] > 0
+    assert fanned["delay_p99_ms"] is not None
+
+
+@pytest.mark.timeout(SMOKE_TIMEOUT_S + 30)
 def test_steps_smoke_stores_every_checkpoint_once_and_counts_the_statements(tmp_path):
     # Its own embedded servers: it loads pg_stat_statements, which needs a restart.
     result = smoke("steps", tmp_path, None, *profile_args())

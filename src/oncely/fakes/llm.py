@@ -26,7 +26,8 @@ a job's fate is written in its own text and survives redeliveries:
   connection drops halfway through it: a stream after half its chunks, a
   whole answer after half its body.
 - ``[[fake:sleep=S]]``: every call takes S seconds first.
-- ``[[fake:typing=S]]``: a streamed answer waits S seconds between chunks.
+- ``[[fake:typing=S]]``: a streamed answer waits S seconds between chunks;
+  a whole answer waits as long, before it is sent.
 
 Without ``*N`` a fault applies to every call. Faults run in the order written:
 ``[[fake:503*2]] [[fake:429*1]]`` answers 503, 503, 429, then a summary.
@@ -799,8 +800,11 @@ async def _respond(
     cut: bool,
 ) -> web.StreamResponse:
     """The answer, whole or (``stream: true``) as server-sent chunks, a
-    ``typing`` pause between them. ``cut``: the connection drops halfway."""
+    ``typing`` pause between them (a whole answer waits as long, once: the
+    same generation, not streamed). ``cut``: the connection drops halfway."""
     if not chat.stream:
+        if prompt.typing_s:
+            await asyncio.sleep(prompt.typing_s * (len(_chunks(answer)) - 1))
         if not cut:
             return web.json_response(answer)
         body = json.dumps(answer).encode()
@@ -816,9 +820,14 @@ async def _respond(
     chunks = _chunks(answer)
     if cut:
         chunks = chunks[: max(1, len(chunks) // 2)]
+    # Chunks on a schedule from the first (not a pause after each): a busy
+    # loop's lateness does not add up over an answer, so a streamed answer
+    # takes as long as the whole one.
+    loop = asyncio.get_running_loop()
+    started = loop.time()
     for number, chunk in enumerate(chunks):
         if number and prompt.typing_s:
-            await asyncio.sleep(prompt.typing_s)
+            await asyncio.sleep(max(0.0, started + number * prompt.typing_s - loop.time()))
         await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
     if cut:
         return _drop(request, response)

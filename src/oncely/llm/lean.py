@@ -141,11 +141,8 @@ async def _read_stream(
 ) -> Completion:
     """A streamed answer, each piece of its text to ``on_text`` as it comes."""
     answer = wire.StreamedAnswer()
-    async for line in response.content:
-        chunk = wire.stream_line(line)
-        if chunk is wire.DONE:
-            break
-        if chunk is not None and (text := answer.add(chunk)):
+    async for chunk in wire.stream_chunks(response.content.iter_any()):
+        if text := answer.add(chunk):
             on_text(text)
     return answer.completion()
 

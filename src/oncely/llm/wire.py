@@ -11,7 +11,7 @@ cut to a few dozen characters, its message is never read.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Mapping, Sequence
 from typing import Any
 
 from oncely.errors import OncelyError, PermanentError, TransientError
@@ -179,22 +179,23 @@ def stream_body(body: dict[str, Any]) -> dict[str, Any]:
     return {**body, "stream": True, "stream_options": {"include_usage": True}}
 
 
-# What ``stream_line`` answers for the ``data: [DONE]`` that ends a stream.
-DONE = object()
-
-
-def stream_line(line: bytes) -> object:
-    """One line of a streamed answer: a ``data:`` line's JSON document (None
-    when it is not JSON), ``DONE`` at the end, None for any other line."""
-    if not line.startswith(b"data:"):
-        return None
-    data = line[5:].strip()
-    if data == b"[DONE]":
-        return DONE
-    try:
-        return json.loads(data)
-    except ValueError:
-        return None
+async def stream_chunks(received: AsyncIterable[bytes]) -> AsyncIterator[Any]:
+    """A streamed answer's chunks (each ``data:`` line's JSON document), as
+    its bytes arrive in whatever pieces the transport gives, until ``data:
+    [DONE]`` or the end; lines that are not data, or not JSON, are skipped."""
+    rest = b""
+    async for data in received:
+        *lines, rest = (rest + data).split(b"\n")
+        for line in lines:
+            if not line.startswith(b"data:"):
+                continue
+            payload = line[5:].strip()
+            if payload == b"[DONE]":
+                return
+            try:
+                yield json.loads(payload)
+            except ValueError:
+                continue
 
 
 class StreamedAnswer:
