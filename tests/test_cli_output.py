@@ -151,13 +151,17 @@ def test_usage_commands_refuse_a_bad_group_or_period_with_exit_2(env) -> None:
 
 
 @pytest.mark.parametrize("command", [["dev"], ["api"], ["worker"], ["relay"]])
-def test_app_may_follow_the_command_too(command: list[str], tmp_path) -> None:
+def test_app_may_follow_the_command_too(command: list[str], tmp_path, monkeypatch) -> None:
     """``oncely dev --app m:a`` (what a newcomer types) means what ``oncely
     --app m:a dev`` does: here a wrong app, refused in one line before
     anything starts."""
     from typer.testing import CliRunner
 
     from oncely.cli import app as cli
+
+    # The command would point the process's logging at the runner's stream,
+    # closed once it returns: the tests after it would log into nothing.
+    monkeypatch.setattr("oncely.logs.configure_logging", lambda *_, **__: None)
 
     extra = ["--data-dir", str(tmp_path)] if command == ["dev"] else []
     result = CliRunner().invoke(cli, [*command, *extra, "--app", "examples.nope:app"])
