@@ -553,16 +553,18 @@ class Client:
         return EventSend(label, key, payload, answer, seen)
 
     async def status_until(self, p: Planned, job_id: str, *, finished: bool) -> str:
-        """Polls the job until it is no longer queued (it waits, or it
-        finished), or with ``finished`` until it is done, dead or cancelled;
-        the status it had then, "" if never within the accept timeout."""
+        """Polls the job until it is neither queued nor running (it waits,
+        or it finished), or with ``finished`` until it is done, dead or
+        cancelled; the status it had then, "" if never within the accept
+        timeout."""
         headers = {"Authorization": f"Bearer {self.api_keys[p.tenant]}"}
         give_up = time.monotonic() + self.accept_timeout
         while time.monotonic() < give_up:
             with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError):
                 async with self.session.get(f"{p.route}/{job_id}", headers=headers) as response:
                     status = str((await response.json()).get("status", ""))
-                    reached = status in FINISHED if finished else status not in ("", "queued")
+                    unfinished = ("", "queued", "running")
+                    reached = status in FINISHED if finished else status not in unfinished
                     if response.status == 200 and reached:
                         return status
             await asyncio.sleep(POLL_S * self.jitter.uniform(0.5, 1.5))

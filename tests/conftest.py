@@ -22,9 +22,11 @@ import asyncio
 import itertools
 import os
 import shutil
+import subprocess
 import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import httpx
@@ -60,6 +62,27 @@ def pytest_configure(config: pytest.Config) -> None:
     if CLUSTER:
         # Settings() in this process and every `oncely` process a test starts.
         os.environ["ONCELY_REDIS_CLUSTER"] = "true"
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> object:
+    """A test that starts a process belongs to the slow tier (`make test`
+    stays fast on a loaded machine): in any other, starting one fails the
+    test, saying so. Fixtures' servers start before the test and count not."""
+    if item.get_closest_marker("slow") is not None:
+        return (yield)
+    real = subprocess.Popen.__init__
+
+    def refused(self: subprocess.Popen[Any], args: Any, *rest: Any, **options: Any) -> None:
+        raise AssertionError(
+            f"{item.nodeid} starts a process ({args!r:.80}): mark it @pytest.mark.slow"
+        )
+
+    subprocess.Popen.__init__ = refused  # type: ignore[method-assign]
+    try:
+        return (yield)
+    finally:
+        subprocess.Popen.__init__ = real  # type: ignore[method-assign]
 
 
 # The modules CI runs again on a cluster (marked ``cluster``): everything that

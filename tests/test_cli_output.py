@@ -60,6 +60,7 @@ def test_literal_escapes_tags_selectors_and_blank_fillers() -> None:
     assert literal("日本語 é ✓ 🙂") == "日本語 é ✓ 🙂"
 
 
+@pytest.mark.slow
 async def test_jobs_show_prints_markup_and_escapes_literally(jobs, env) -> None:
     job_id = str(uuid.uuid4())
     payload = {"subject": MARKUP[:300], "body": HOSTILE}
@@ -74,6 +75,7 @@ async def test_jobs_show_prints_markup_and_escapes_literally(jobs, env) -> None:
     assert "tenant acme [b]" in out
 
 
+@pytest.mark.slow
 async def test_outbox_list_shows_a_providers_error_bytes_visibly(pool, env) -> None:
     async with pool.connection() as conn:
         await conn.execute(
@@ -88,6 +90,7 @@ async def test_outbox_list_shows_a_providers_error_bytes_visibly(pool, env) -> N
     assert "ticket_triaged:x" in out
 
 
+@pytest.mark.slow
 async def test_dlq_list_at_80_columns_leaves_no_value_out(jobs, stream, env) -> None:
     await stream.ensure_group()
     job_id = str(uuid.uuid4())
@@ -107,12 +110,14 @@ async def test_dlq_list_at_80_columns_leaves_no_value_out(jobs, stream, env) -> 
     assert "".join(f"the provider said: {MARKUP}".split()) in flat
 
 
+@pytest.mark.slow
 async def test_keys_list_prints_a_tenant_name_as_it_is(pool, env) -> None:
     await create_api_key(pool, "[red]acme[/red]\u202e")
     out = await asyncio.to_thread(run, "keys", "list", env=env)
     assert "[red]acme[/red]\\u202e" in "".join(out.split())
 
 
+@pytest.mark.slow
 async def test_usage_report_and_tenant_usage_print_names_literally(pool, env) -> None:
     tenant, model = "[red]acme[/red]\u202e", f"[link=https://evil.example]m[/link]{ESC}[2J"
     ledger = Ledger(pool, prices=Prices.parse("plain=1/1"))
@@ -141,6 +146,7 @@ async def test_usage_report_and_tenant_usage_print_names_literally(pool, env) ->
     assert "[red]acme[/red]\\u202e" in "".join(out.split())
 
 
+@pytest.mark.slow
 def test_usage_commands_refuse_a_bad_group_or_period_with_exit_2(env) -> None:
     for args in (("--by", "colour"), ("--since", "yesterday")):
         done = oncely("usage", "report", *args, env=env)

@@ -583,6 +583,7 @@ async def test_every_api_answer_says_nosniff_and_a_job_is_never_cached(client, a
         assert (await client.get(path)).headers["x-content-type-options"] == "nosniff", path
 
 
+@pytest.mark.slow
 def test_a_short_console_key_is_refused_at_start_without_showing_it(redis_url, database_url):
     from tests.processes import oncely
 

@@ -8,6 +8,8 @@ import json
 import uuid
 from typing import Any
 
+import pytest
+
 from oncely.api.auth import create_api_key
 from oncely.jobs.retention import Retention
 from oncely.jobs.store import JobSpec
@@ -76,6 +78,7 @@ async def test_retention_purges_only_old_finished_jobs_whose_effects_left(jobs, 
     assert await ids(pool, "SELECT count(*) FROM job_deliveries") == {"4"}
 
 
+@pytest.mark.slow
 async def test_erasing_a_tenant_leaves_nothing_of_it_and_touches_no_other(
     jobs, checkpoints, pool, redis, redis_url, database_url, client
 ):

@@ -54,6 +54,7 @@ async def test_each_applied_migration_keeps_its_files_checksum(empty_database_ur
     }
 
 
+@pytest.mark.slow
 async def test_an_edited_migration_is_refused_by_migrate_and_the_schema_check(
     empty_database_url, redis_url
 ):
@@ -125,6 +126,7 @@ async def test_a_no_transaction_migration_can_build_an_index_concurrently(empty_
     assert versions == [(9001,)], "the failed one is not recorded"
 
 
+@pytest.mark.slow
 async def test_keys_create_prints_only_the_key_and_stores_only_its_hash(
     redis_url, database_url, pool, client
 ):
@@ -158,6 +160,7 @@ async def test_keys_create_prints_only_the_key_and_stores_only_its_hash(
     assert "no such active key" in again.stderr
 
 
+@pytest.mark.slow
 async def test_cli_reports_bad_settings_readably():
     bad = await asyncio.to_thread(oncely, "worker", env={"ONCELY_WORKER_CONCURRENCY": "lots"})
     assert bad.returncode == 2
@@ -165,6 +168,7 @@ async def test_cli_reports_bad_settings_readably():
     assert "Traceback" not in bad.stderr
 
 
+@pytest.mark.slow
 async def test_operator_commands_show_and_retry_a_failed_outbox_row(redis_url, database_url, pool):
     async with pool.connection() as conn:
         cur = await conn.execute(
@@ -194,6 +198,7 @@ async def test_operator_commands_show_and_retry_a_failed_outbox_row(redis_url, d
     assert unknown.returncode == 3, "not found"
 
 
+@pytest.mark.slow
 async def test_operator_commands_answer_json_dry_runs_and_exit_codes(redis_url, database_url, pool):
     async with pool.connection() as conn:
         for key in ("summary_ready:first-failed-row-with-a-long-id", "summary_ready:second"):
@@ -235,6 +240,7 @@ async def test_operator_commands_answer_json_dry_runs_and_exit_codes(redis_url, 
     assert version.returncode == 0 and version.stdout.startswith("oncely ")
 
 
+@pytest.mark.slow
 def test_a_wrong_app_or_workflow_is_one_readable_line_and_exit_code_2(redis_url, database_url):
     env = {"ONCELY_REDIS_URL": redis_url, "ONCELY_DATABASE_URL": database_url}
     missing = oncely("--app", "no_such_module:app", "status", env=env)
@@ -248,6 +254,7 @@ def test_a_wrong_app_or_workflow_is_one_readable_line_and_exit_code_2(redis_url,
     assert "no workflow ['refunds']" in unknown.stderr
 
 
+@pytest.mark.slow
 def test_migrate_check_and_processes_refuse_a_schema_behind_or_ahead(empty_database_url, redis_url):
     env = {"ONCELY_REDIS_URL": redis_url, "ONCELY_DATABASE_URL": empty_database_url}
     behind = oncely("migrate", "--check", env=env)
@@ -266,6 +273,7 @@ def test_migrate_check_and_processes_refuse_a_schema_behind_or_ahead(empty_datab
     assert oncely("migrate", "--check", env=env).returncode == 1
 
 
+@pytest.mark.slow
 async def test_keys_have_ids_are_listed_without_secrets_and_revoked_by_id(
     redis_url, database_url, pool, client
 ):

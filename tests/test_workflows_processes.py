@@ -179,6 +179,7 @@ async def test_dead_triage_job_is_replayed_by_the_cli_and_status_reports_per_wor
     assert status["workflows"]["triage"]["dead_letters"] == 0
     assert status["workflows"]["triage"]["jobs"] == {
         "queued": 0,
+        "held": 0,
         "waiting": 0,
         "done": 1,
         "dead": 0,
