@@ -307,7 +307,7 @@ def _sign_in_and_replay(driver: Any, base: str, job_id: str) -> None:
     _shot(driver, "login")
     driver.find_element(By.ID, "key").send_keys(KEY)
     driver.find_element(By.ID, "sign-in").click()
-    WebDriverWait(driver, 10).until(ec.presence_of_element_located((By.ID, "workflow-triage")))
+    WebDriverWait(driver, 60).until(ec.presence_of_element_located((By.ID, "workflow-triage")))
     _shot(driver, "overview")
     driver.get(f"{base}/console/workflows/triage/dead-letters")
     table = driver.find_element(By.ID, "dead-letters")
@@ -317,7 +317,7 @@ def _sign_in_and_replay(driver: Any, base: str, job_id: str) -> None:
     alert = WebDriverWait(driver, 5).until(ec.alert_is_present())
     assert "Replay" in alert.text
     alert.accept()
-    notice = WebDriverWait(driver, 10).until(ec.presence_of_element_located((By.ID, "notice")))
+    notice = WebDriverWait(driver, 60).until(ec.presence_of_element_located((By.ID, "notice")))
     assert "Replayed job" in notice.text and job_id in notice.text
     _shot(driver, "replayed")
 
@@ -399,19 +399,20 @@ def _reject_in_the_browser(driver: Any, base: str, job_id: str) -> None:
     driver.get(f"{base}/console/login")
     driver.find_element(By.ID, "key").send_keys(KEY)
     driver.find_element(By.ID, "sign-in").click()
-    WebDriverWait(driver, 10).until(ec.presence_of_element_located((By.ID, "workflow-support")))
+    # Generous waits: the machine runs the whole suite beside the browser.
+    WebDriverWait(driver, 60).until(ec.presence_of_element_located((By.ID, "workflow-support")))
     driver.get(f"{base}/console/workflows/support/jobs/{job_id}")
     approval = driver.find_element(By.ID, "approval")
     assert "refund" in approval.text and "call_1" in approval.text
     _shot(driver, "approval")
     driver.find_element(By.ID, "approval-reason").send_keys("too much")
     driver.find_element(By.ID, "reject").click()
-    decided = WebDriverWait(driver, 10).until(ec.presence_of_element_located((By.ID, "decided")))
+    decided = WebDriverWait(driver, 60).until(ec.presence_of_element_located((By.ID, "decided")))
     assert "rejected" in decided.text
     _shot(driver, "rejected")
     # No reload of our own: the page follows the job's live stream, and at
     # its end shows the job as it ended.
-    WebDriverWait(driver, 30).until(lambda d: d.find_element(By.ID, "job-status").text == "done")
+    WebDriverWait(driver, 60).until(lambda d: d.find_element(By.ID, "job-status").text == "done")
     assert not driver.find_elements(By.ID, "live"), "a finished job's page is not live"
     _shot(driver, "followed-live")
 
