@@ -190,6 +190,26 @@ async def test_max_tokens_stops_before_the_turn_that_would_pass_it() -> None:
     assert raised.value.run.turns == 1
 
 
+async def test_max_cost_usd_stops_before_the_turn_that_would_pass_it() -> None:
+    agent = Agent("costly", "Be brief.", [lookup_order], max_cost_usd=0.005)
+    script = [ToolCalls(("lookup_order", {"order_id": "A1"})), "Shipped."]
+    # Unpriced, the cost is unknown: the limit never stops the run.
+    unpriced = await run_step(agent_workflow(agent), {"text": "Where is A1?"}, answers=script)
+    assert unpriced.usage.get("cost_usd") is None and unpriced.model_calls == 2
+    # At a dollar a thousand tokens, the first turn spends past half a cent.
+    with pytest.raises(AgentLimitReached) as raised:
+        await run_step(
+            agent_workflow(agent),
+            {"text": "Where is A1?"},
+            answers=script,
+            prices="test-model=1000/1000",
+        )
+    assert raised.value.reason == "max_cost_usd"
+    assert raised.value.run.turns == 1
+    assert raised.value.run.usage["cost_usd"] >= 0.005
+    assert raised.value.dead_reason == "agent-limit"
+
+
 async def test_an_approved_refund_is_called_and_a_rejected_one_is_not() -> None:
     script = [ToolCalls(("refund", {"order_id": "A1", "cents": 1200})), "done"]
     approved = await run_step(

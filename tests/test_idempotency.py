@@ -244,7 +244,9 @@ async def test_request_that_lost_its_lock_cannot_overwrite_the_new_owner(echo, b
 
 async def test_long_handler_renews_its_lock(settings, redis, pool, auth, behaviour):
     """A handler slower than the lock TTL keeps its key: no second run."""
-    short = settings.model_copy(update={"idempotency_lock_ttl_s": 0.3})
+    # A TTL of 1 s renewed every third of it: only a loop stalled for a
+    # whole second (a loaded machine) could lose it, not a busy moment.
+    short = settings.model_copy(update={"idempotency_lock_ttl_s": 1.0})
     app = asgi_app(short, redis, pool)
     app.include_router(echo_router(behaviour, app.state.oncely.idempotent))
     behaviour.gate = asyncio.Event()
@@ -253,9 +255,13 @@ async def test_long_handler_renews_its_lock(settings, redis, pool, auth, behavio
     ) as c:
         first = asyncio.create_task(c.post("/v1/echo", json={"value": 1}, headers=hdrs()))
         await behaviour.entered.wait()
-        await asyncio.sleep(0.8)  # well past the 0.3 s TTL
-        dup = await c.post("/v1/echo", json={"value": 1}, headers=hdrs())
-        behaviour.gate.set()
+        await asyncio.sleep(2.5)  # well past the 1 s TTL
+        try:
+            # A lost lock would run the handler again, which waits on the
+            # gate: bounded, so the test fails instead of hanging.
+            dup = await asyncio.wait_for(c.post("/v1/echo", json={"value": 1}, headers=hdrs()), 30)
+        finally:
+            behaviour.gate.set()
         assert (await first).status_code == 201
     assert dup.status_code == 409
     assert behaviour.calls == 1

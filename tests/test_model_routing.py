@@ -21,7 +21,7 @@ from oncely.llm.openai_compat import OpenAICompatible
 from oncely.llm.routing import ModelSpec, Target, parse_models
 from oncely.retry import Deadline, RetryPolicy
 from oncely.usage.budgets import BudgetLimits, Budgets, Spent, utc_day
-from oncely.usage.ledger import CallSite, Ledger
+from oncely.usage.ledger import Call, CallSite, Ledger
 from oncely.usage.prices import Prices
 from tests.helpers import count
 from tests.processes import wait_for
@@ -422,6 +422,55 @@ async def test_the_ledger_keeps_a_batch_postgres_refused_and_writes_it_later(
     await routed(llm, ledger=ledger).complete("Written with the first. Both.")
     assert await ledger.flush() == 2
     assert await count(pool, "SELECT count(*) FROM model_calls WHERE outcome = 'ok'") == 2
+
+
+async def test_a_call_in_flight_is_in_the_ledger_as_sent_until_its_row_replaces_it(
+    llm, pool
+) -> None:
+    ledger = Ledger(pool, prices=PRICES, flush_s=3600)
+    # A word every 0.2 s: the call is in flight across several batches.
+    text = "[[fake:typing=0.2]] Sent first. Then answered. One row at the end."
+    call = asyncio.create_task(routed(llm, ledger=ledger).complete(text))
+
+    async def written_as_sent() -> bool:
+        await ledger.flush()
+        return await count(pool, "SELECT count(*) FROM model_calls WHERE outcome = 'sent'") == 1
+
+    await wait_for(written_as_sent, what="the call in flight's sent row")
+    await ledger.flush()  # a later batch adds it no second time
+    assert [(r[0], r[2], r[3]) for r in await ledger_rows(pool)] == [(PRIMARY, "sent", 0)]
+    await call
+    assert await ledger.flush() == 1
+    rows = await ledger_rows(pool)
+    assert [(r[0], r[1], r[2]) for r in rows] == [(PRIMARY, 1, "ok")], "replaced, not added"
+    assert rows[0][3] > 0 and rows[0][5] is not None
+
+
+async def test_a_call_that_never_left_leaves_no_row_and_a_batch_refused_keeps_its_sends(
+    pool,
+) -> None:
+    ledger = Ledger(pool, flush_s=3600)
+    site = CallSite("routing", str(uuid.uuid4()), "acme")
+    held = ledger.sending(site, "model", PRIMARY, 1)
+    await ledger.flush()
+    assert await count(pool, "SELECT count(*) FROM model_calls WHERE outcome = 'sent'") == 1
+    ledger.withdraw(held)  # e.g. the fleet's limits held it back after all
+    await ledger.flush()
+    assert await count(pool, "SELECT count(*) FROM model_calls") == 0
+    # A send PostgreSQL did not take goes with the next batch.
+    late = ledger.sending(site, "model", PRIMARY, 2)
+    async with pool.connection() as conn:
+        await conn.execute("ALTER TABLE model_calls RENAME TO model_calls_away")
+    try:
+        assert await ledger.flush() == 0
+    finally:
+        async with pool.connection() as conn:
+            await conn.execute("ALTER TABLE model_calls_away RENAME TO model_calls")
+    await ledger.flush()
+    assert await count(pool, "SELECT count(*) FROM model_calls WHERE outcome = 'sent'") == 1
+    ledger.record(Call(site, "model", PRIMARY, 2, "timeout", 0, 0, 900, None), late)
+    assert await ledger.flush() == 1
+    assert [r[2] for r in await ledger_rows(pool)] == ["timeout"]
 
 
 async def test_the_ledger_writes_what_it_holds_when_its_block_ends(llm, pool) -> None:

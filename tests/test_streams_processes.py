@@ -2,7 +2,7 @@
 while the worker is SIGKILLed mid-answer (docs/streaming.md): the stream,
 read with an SSE client library, says ``reset`` when the next worker starts
 the call over, and the tokens kept after it are exactly the stored answer;
-the email is sent once."""
+the email is sent once, and the killed call is in the ledger as sent."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import pytest
 from httpx_sse import aconnect_sse
 
 from oncely.api.auth import create_api_key
+from tests.helpers import count
 from tests.processes import free_port, running, start, wait_for, wait_healthy
 from tests.test_streams import streamed_text
 from tests.test_workflows_processes import deployment_env, processes, providers
@@ -51,7 +52,10 @@ async def test_a_worker_killed_mid_stream_resets_and_the_kept_tokens_are_the_ans
             async with aconnect_sse(http, "GET", f"/v1/summaries/{job_id}/stream") as source:
                 async for sse in source.aiter_sse():
                     events.append((sse.event, json.loads(sse.data)))
-                    if sse.event == "token" and replacement is None:
+                    tokens = sum(kind == "token" for kind, _ in events)
+                    # A few words in: the call has been in flight across
+                    # several of the ledger's batches.
+                    if tokens == 4 and replacement is None:
                         worker.send_signal(signal.SIGKILL)
                         worker.wait()
                         replacement = start(["worker"], env, tmp_path / "worker2.log")
@@ -63,6 +67,13 @@ async def test_a_worker_killed_mid_stream_resets_and_the_kept_tokens_are_the_ans
                 return (await mail.deliveries())["effects"] >= 1
 
             await wait_for(emailed, what="the summary's email")
+
+            async def billed() -> bool:
+                return (
+                    await count(pool, "SELECT count(*) FROM model_calls WHERE outcome = 'ok'") == 1
+                )
+
+            await wait_for(billed, what="the answered call's ledger row")
         assert replacement is not None
         replacement.send_signal(signal.SIGTERM)
         replacement.wait(30)
@@ -73,3 +84,8 @@ async def test_a_worker_killed_mid_stream_resets_and_the_kept_tokens_are_the_ans
     assert kinds.index("token") < kinds.index("reset")
     assert streamed_text([("", k, d) for k, d in events]) == got["result"]["summary"]
     assert (await mail.deliveries())["effects"] == 1
+    # The killed call reached the provider: it is in the ledger as sent.
+    outcomes = "SELECT outcome FROM model_calls WHERE job_id = %s ORDER BY outcome"
+    async with pool.connection() as conn:
+        rows = await (await conn.execute(outcomes, (job_id,))).fetchall()
+    assert [r[0] for r in rows] == ["ok", "sent"]

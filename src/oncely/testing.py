@@ -33,6 +33,9 @@ tells what it did::
 - ``approvals``: the decision on each approval tool, by tool name: True,
   False, or an ``ApprovalDecision`` (edited arguments, a reason). A tool
   with no decision given times out (``on_approval_timeout`` decides).
+- ``prices``: what the models cost, as ONCELY_LLM_PRICES reads them
+  (``"test-model=0.4/1.6"``) or ``Prices``: usage then has a cost, and an
+  agent's ``max_cost_usd`` counts it. Unpriced by default.
 - ``resume_from=run.until("key")``: the run starts over the checkpoints of
   an earlier run (of this step, or of the step before a deploy), as a job
   in flight would resume: ``ctx.patched`` then says which path it takes.
@@ -81,6 +84,7 @@ from oncely.llm.base import Completion, Message, ResponseSchema, ToolChoice, Too
 from oncely.llm.model import Model, ModelRoute
 from oncely.llm.routing import Target, parse_models
 from oncely.retry import Deadline, RetryPolicy, retryable_status
+from oncely.usage.prices import Prices
 from oncely.workflow import Workflow
 
 __all__ = ["ModelCall", "ProviderError", "ReplayError", "StepRun", "ToolCalls", "run_step"]
@@ -184,6 +188,7 @@ async def run_step(
     fallbacks: Sequence[str] | None = None,
     job_id: str | None = None,
     tenant: str = "test",
+    prices: Prices | str | None = None,
 ) -> StepRun[Any]:
     """Run ``workflow``'s step on ``request`` against scripted ``answers``
     (module docstring). ``model`` names the primary model and ``fallbacks``
@@ -196,7 +201,8 @@ async def run_step(
     script = _Script(list(answers))
     received = {name: _json(value) for name, value in (events or {}).items()}
     route = tuple(fallbacks if fallbacks is not None else workflow.fallbacks or ())
-    harness = _Harness(workflow, script, model, route, job_id or str(uuid.uuid4()), tenant)
+    priced = Prices.parse(prices) if isinstance(prices, str) else prices or Prices()
+    harness = _Harness(workflow, script, model, route, job_id or str(uuid.uuid4()), tenant, priced)
     stored = list(resume_from)
     store = _Memory(received, crash_after, _answers(calls), _decisions(approvals), stored)
     store.children = harness.run_children
@@ -260,6 +266,7 @@ class _Harness:
     fallbacks: tuple[str, ...]
     job_id: str
     tenant: str
+    prices: Prices = field(default_factory=Prices)
     children: list[StepRun[Any]] = field(default_factory=list)
 
     async def run_children(self, key: str, start: MapStart) -> list[dict[str, Any]]:
@@ -275,6 +282,7 @@ class _Harness:
                 tuple(start.declaration.fallbacks or ()),
                 child_id(self.job_id, key, position),
                 self.tenant,
+                self.prices,
             )
             body = start.declaration.request.model_validate(item)
             store = _Memory({}, None)
@@ -314,7 +322,7 @@ class _Harness:
             workflow=self.workflow.name,
             model_name=self.model_name,
             journal=journal,
-            route=ModelRoute(fallbacks),
+            route=ModelRoute(fallbacks, prices=self.prices),
         )
         ctx = Context(self.workflow, self.job_id, self.tenant, model, 1, journal=journal)
         value = await journal.run(ungrouped(self.workflow.step(body, ctx)))

@@ -60,7 +60,8 @@ from oncely.metrics import (
     MODEL_TOKENS,
 )
 from oncely.retry import Deadline, RetryEvent, RetryPolicy, call_with_retries, classify
-from oncely.usage.ledger import Call, CallSite, Ledger, Outcome
+from oncely.usage.ledger import Call, CallSite, Ledger, Outcome, Sending
+from oncely.usage.prices import Prices
 
 if TYPE_CHECKING:
     from oncely.live.events import LiveJob
@@ -236,11 +237,18 @@ class InvalidOutput(PermanentError):
 @dataclass(frozen=True)
 class ModelRoute:
     """What every delivery's model gets from its worker: the models after
-    its primary, the fleet's cooldown, and the ledger its calls go to."""
+    its primary, the fleet's cooldown, the ledger its calls go to, and what
+    they cost (``prices``; default: the ledger's, else unknown)."""
 
     fallbacks: tuple[Target, ...] = ()
     cooldown: Cooldown | None = None
     ledger: Ledger | None = None
+    prices: Prices | None = None
+
+    def pricing(self) -> Prices:
+        if self.prices is not None:
+            return self.prices
+        return self.ledger.prices if self.ledger is not None else Prices()
 
 
 @dataclass(frozen=True)
@@ -253,6 +261,7 @@ class _Answer:
     step: str | None
     attempt: int
     latency_ms: int
+    sent: Sending | None = None
 
 
 class _Skipped(OncelyError):
@@ -297,6 +306,7 @@ class Model:
         self._workflow = workflow
         self._cooldown = route.cooldown
         self._ledger = route.ledger
+        self._prices = route.pricing()
         self._site = site or CallSite(workflow)
         # Where streamed calls' tokens go (``stream_to``): none by default.
         self._live: LiveJob | None = None
@@ -496,6 +506,7 @@ class Model:
                     "oncely.attempt": self.usage.model_calls,
                 },
             ) as span:
+                sent = self._sending(target.name, step, number)
                 try:
                     completion = await self._send(request, target, timeout_s, step, tries)
                 except (Exception, asyncio.CancelledError) as exc:
@@ -506,7 +517,7 @@ class Model:
                     # cancelled from outside: a job's cancel, a shutdown, a
                     # sibling branch. Only the first says the model is slow.
                     timed_out = took >= timeout_s * 1000 * _CUT_OFF_SHARE
-                    await self._failed(target.name, step, number, exc, took, probe, timed_out)
+                    await self._failed(target.name, step, number, exc, took, probe, timed_out, sent)
                     probe = ""
                     raise
                 finally:
@@ -520,7 +531,7 @@ class Model:
             meters.calls_ok.inc()
             if self._cooldown is not None:
                 await self._cooldown.answered(target.name, self._caller, probe=probe)
-            return _Answer(completion, target.name, step, number, took)
+            return _Answer(completion, target.name, step, number, took, sent)
 
         return await call_with_retries(
             attempt, policy=self._policy, deadline=self._deadline, on_retry=self._on_retry
@@ -538,6 +549,12 @@ class Model:
         finally:
             tokens.flush()
 
+    def _sending(self, model: str, step: str | None, attempt: int) -> Sending | None:
+        """The call in the ledger from now on (a ``sent`` row until it ends)."""
+        if self._ledger is None:
+            return None
+        return self._ledger.sending(self._site, step, model, attempt)
+
     def _count_ms(self, spent: Usage, ms: int) -> None:
         spent.model_ms += ms
         self.usage.model_ms += ms
@@ -551,6 +568,7 @@ class Model:
         took_ms: int,
         probe: str,
         timed_out: bool,
+        sent: Sending | None = None,
     ) -> None:
         """A failed attempt: in the ledger if it reached the provider, and
         against the model's cooldown if it says the model is unwell: a 5xx,
@@ -559,9 +577,11 @@ class Model:
         say nothing of the model's health; a probe that got either, or a
         permanent answer, found the model up."""
         if isinstance(exc, FleetLimited):
-            return  # held back by the fleet's limits: never sent
+            if sent is not None and self._ledger is not None:
+                self._ledger.withdraw(sent)  # held back by the fleet's limits: never sent
+            return
         outcome = _outcome(exc)
-        self._record(model, step, attempt, outcome, 0, 0, took_ms)
+        self._record(model, step, attempt, outcome, 0, 0, took_ms, sent=sent)
         if self._cooldown is None:
             return
         cancelled = isinstance(exc, asyncio.CancelledError) and not timed_out
@@ -588,6 +608,7 @@ class Model:
             completion.completion_tokens,
             answer.latency_ms,
             (completion.cached_tokens, completion.reasoning_tokens),
+            answer.sent,
         )
         for usage in (spent, self.usage):
             usage.prompt_tokens += completion.prompt_tokens
@@ -614,12 +635,13 @@ class Model:
         completion_tokens: int,
         latency_ms: int,
         details: tuple[int, int] = (0, 0),
+        sent: Sending | None = None,
     ) -> float | None:
-        """The call's row in the ledger; what it cost (None: unknown).
-        ``details``: its cached and reasoning tokens."""
+        """The call's row in the ledger, in place of its ``sent`` one; what
+        it cost (None: unknown). ``details``: its cached and reasoning tokens."""
+        cost = self._prices.cost(model, prompt_tokens, completion_tokens, details[0])
         if self._ledger is None:
-            return None
-        cost = self._ledger.cost(model, prompt_tokens, completion_tokens, details[0])
+            return cost
         self._ledger.record(
             Call(
                 self._site,
@@ -633,7 +655,8 @@ class Model:
                 cost,
                 cached_tokens=details[0],
                 reasoning_tokens=details[1],
-            )
+            ),
+            sent,
         )
         return cost
 

@@ -2,19 +2,28 @@
 
 -- name: insert_model_calls
 -- One batch of calls, as one JSON document (psycopg converts one document
--- much faster than an array per column).
+-- much faster than an array per column): ended calls' `sent` rows out,
+-- calls in flight in as `sent` (once: a retried batch adds none twice),
+-- ended calls in.
+WITH gone AS (
+    DELETE FROM model_calls
+     WHERE outcome = 'sent' AND call_id = ANY(%(ended)s::uuid[])
+)
 INSERT INTO model_calls (job_id, workflow, tenant, step, model, attempt, outcome,
                          prompt_tokens, completion_tokens, latency_ms, cost_usd, shadow,
-                         created_at, cached_tokens, reasoning_tokens)
+                         created_at, cached_tokens, reasoning_tokens, call_id)
 SELECT c.job_id, c.workflow, c.tenant, c.step, c.model, c.attempt, c.outcome,
        c.prompt_tokens, c.completion_tokens, c.latency_ms, c.cost_usd, c.shadow,
-       to_timestamp(c.at), coalesce(c.cached_tokens, 0), coalesce(c.reasoning_tokens, 0)
-  FROM jsonb_to_recordset(%s) AS c (job_id uuid, workflow text, tenant text, step text,
-                                    model text, attempt integer, outcome text,
-                                    prompt_tokens integer, completion_tokens integer,
-                                    latency_ms integer, cost_usd numeric, shadow boolean,
-                                    at double precision, cached_tokens integer,
-                                    reasoning_tokens integer)
+       to_timestamp(c.at), coalesce(c.cached_tokens, 0), coalesce(c.reasoning_tokens, 0),
+       c.call_id
+  FROM jsonb_to_recordset(%(rows)s) AS c (job_id uuid, workflow text, tenant text, step text,
+                                          model text, attempt integer, outcome text,
+                                          prompt_tokens integer, completion_tokens integer,
+                                          latency_ms integer, cost_usd numeric,
+                                          shadow boolean, at double precision,
+                                          cached_tokens integer, reasoning_tokens integer,
+                                          call_id uuid)
+    ON CONFLICT (call_id) WHERE outcome = 'sent' DO NOTHING
 
 -- name: usage_report
 -- Calls since a time, grouped by tenant, workflow, model or UTC day. A call

@@ -1,7 +1,10 @@
 """The usage ledger: one ``model_calls`` row per model call that reached a
 provider (docs/model-routing.md). Only this module runs SQL on that table.
 
-A call is recorded as it ends, answered or not: ``ok``, ``retryable`` (a
+A call is in the ledger from when it is sent (``sending``): a call still in
+flight when a batch is written is written as ``sent``, and its row is
+replaced once it ends, so a process killed mid-call leaves a row for what
+the provider may bill. It ends answered or not: ``ok``, ``retryable`` (a
 429, a 5xx, a connection that failed), ``timeout`` (cut off by its
 attempt's time, or cancelled with its job: made, maybe paid for, its answer
 lost), ``permanent`` (a 400, say) or ``invalid_output`` (answered, but the
@@ -24,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -41,7 +45,7 @@ from oncely.usage.prices import Prices
 
 log = structlog.get_logger(__name__)
 
-Outcome = Literal["ok", "retryable", "permanent", "invalid_output", "timeout"]
+Outcome = Literal["ok", "retryable", "permanent", "invalid_output", "timeout", "sent"]
 GroupBy = Literal["tenant", "workflow", "model", "day", "workflow/model"]
 
 # How often a pass deletes a batch of rows past the retention, at most.
@@ -96,6 +100,21 @@ class Call:
         }
 
 
+@dataclass(eq=False)
+class Sending:
+    """A call on its way to the provider (``Ledger.sending``): its ``sent``
+    row, written if a batch is written before the call ends (``tried``: a
+    batch carried it, so its end deletes it; ``written``: one was taken)."""
+
+    call: Call
+    call_id: str = field(default_factory=lambda: str(uuid.uuid4()))
+    tried: bool = False
+    written: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return {**self.call.to_json(), "call_id": self.call_id}
+
+
 @dataclass(frozen=True)
 class UsageRow:
     """One group of ``oncely usage report``."""
@@ -148,20 +167,34 @@ class Ledger:
         # spend already counted).
         self._rows: list[Call] = []
         self._unwritten: list[Call] = []
+        # Calls in flight, and the ``sent`` rows a batch may have written
+        # whose calls have ended since (deleted with the next batch).
+        self._in_flight: dict[str, Sending] = {}
+        self._ended: list[str] = []
         self._wake = asyncio.Event()
         self._stopping = False
         self._pruned_at = float("-inf")
 
-    def cost(
-        self, model: str, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0
-    ) -> float | None:
-        return self.prices.cost(model, prompt_tokens, completion_tokens, cached_tokens)
+    def sending(self, site: CallSite, step: str | None, model: str, attempt: int) -> Sending:
+        """A call about to be sent (no I/O): in the ledger as ``sent`` until
+        it is recorded or withdrawn."""
+        sent = Sending(Call(site, step, model, attempt, "sent", 0, 0, 0, None))
+        self._in_flight[sent.call_id] = sent
+        return sent
 
-    def record(self, call: Call) -> None:
-        """Keep ``call`` for the next write (no I/O)."""
+    def record(self, call: Call, sent: Sending | None = None) -> None:
+        """Keep ``call`` for the next write (no I/O); it is the end of
+        ``sent``, whose row it replaces."""
+        if sent is not None:
+            self.withdraw(sent)
         self._rows.append(call)
         if len(self._rows) >= self.batch:
             self._wake.set()
+
+    def withdraw(self, sent: Sending) -> None:
+        """``sent`` has ended without a row of its own (it never left)."""
+        if self._in_flight.pop(sent.call_id, None) is not None and sent.tried:
+            self._ended.append(sent.call_id)
 
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[Ledger]:
@@ -191,17 +224,24 @@ class Ledger:
         refused them: they are kept for the next try)."""
         fresh, self._rows = self._rows, []
         rows, self._unwritten = self._unwritten + fresh, []
-        if not rows:
+        ended, self._ended = self._ended, []
+        sends = [sent for sent in self._in_flight.values() if not sent.written]
+        if not (rows or ended or sends):
             await self._count(fresh)
             return 0
+        for sent in sends:
+            sent.tried = True
         try:
-            await self._insert(rows)
+            await self._insert(rows, sends, ended)
         except (psycopg.Error, StatementTimeout, OSError) as exc:
             self._keep(rows)
+            self._ended = ended + self._ended
             log.warning("ledger.not_written", rows=len(rows), error=type(exc).__name__)
             return 0
         finally:
             await self._count(fresh)
+        for sent in sends:
+            sent.written = True
         return len(rows)
 
     async def _count(self, fresh: Sequence[Call]) -> None:
@@ -216,12 +256,16 @@ class Ledger:
         if spent:
             self._uncounted = await self.budgets.add(spent, jobs)
 
-    async def _insert(self, rows: Sequence[Call]) -> None:
-        document = Jsonb([row.to_json() for row in rows])
+    async def _insert(
+        self, rows: Sequence[Call], sends: Sequence[Sending] = (), ended: Sequence[str] = ()
+    ) -> None:
+        """One statement: the ended calls' ``sent`` rows out, the calls in
+        flight in (once each), the ended calls' rows in."""
+        document = Jsonb([row.to_json() for row in rows] + [sent.to_json() for sent in sends])
         await run_statement(
             self.pool,
             query("insert_model_calls"),
-            (document,),
+            {"rows": document, "ended": list(ended)},
             timeout_s=self.statement_timeout_s,
         )
 
