@@ -389,3 +389,50 @@ def test_the_readme_is_short_and_every_cited_page_exists() -> None:
         c for c in cited if not (ROOT / c if c.startswith("docs/") else ROOT / "docs" / c).exists()
     )
     assert len(cited) > 10 and missing == []
+
+
+def _testing_settings() -> str:
+    """The pytest settings docs/testing.md's set-up gives."""
+    page = (ROOT / "docs" / "testing.md").read_text()
+    setup = page.split("## Set-up", 1)[1].split("\n## ", 1)[0]
+    assert 'pip install "oncely[testing]"' in setup
+    return setup.split("```toml\n", 1)[1].split("```", 1)[0]
+
+
+def test_the_testing_extra_brings_what_oncely_testing_needs() -> None:
+    extras = _project()["optional-dependencies"]
+    assert set(_requirements(extras["testing"])) == {"pytest", "pytest-asyncio"}
+    assert "testing" in _requirements(extras["test"])["oncely"].extras
+    settings = tomllib.loads(_testing_settings())["tool"]["pytest"]["ini_options"]
+    assert settings == {"asyncio_mode": "auto", "asyncio_default_fixture_loop_scope": "function"}
+
+
+@pytest.mark.slow
+def test_the_documented_testing_setup_runs_a_step_test_without_a_warning(tmp_path: Path) -> None:
+    """An application's project with only docs/testing.md's settings: its
+    ``run_step`` test passes with every warning an error."""
+    (tmp_path / "pyproject.toml").write_text(_testing_settings())
+    (tmp_path / "test_triage.py").write_text(
+        "import oncely\n"
+        "from pydantic import BaseModel\n"
+        "from oncely.testing import ProviderError, run_step\n\n"
+        "class Ticket(BaseModel):\n    text: str\n\n"
+        "class Triage(BaseModel):\n    urgent: bool\n\n"
+        "async def triage(ticket: Ticket, ctx: oncely.Context) -> Triage:\n"
+        "    return await ctx.model.structured(Triage, ticket.text)\n\n"
+        "TRIAGE = oncely.Workflow(name='triage', route='/v1/triage', request=Ticket,\n"
+        "                         result=Triage, step=triage)\n\n"
+        "async def test_an_outage_is_retried():\n"
+        "    run = await run_step(TRIAGE, {'text': 'Down.'},\n"
+        "                         answers=[ProviderError(503), {'urgent': True}])\n"
+        "    assert run.result.urgent and run.model_calls == 2\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-W", "error", "-p", "no:cacheprovider", "-q"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "1 passed" in done.stdout and "warning" not in done.stdout.lower(), done.stdout
