@@ -4,6 +4,7 @@ a crash that catches a step that is not deterministic."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from typing import Any
@@ -152,5 +153,28 @@ async def test_an_emit_that_changes_on_replay_fails_it() -> None:
 
 
 async def test_crashing_after_a_key_the_step_never_reaches_says_which_it_reached() -> None:
-    with pytest.raises(ReplayError, match="never reached checkpoint 'lookup'; it reached model"):
+    with pytest.raises(
+        ReplayError, match=r"never reached checkpoint 'lookup'; it reached 'model'$"
+    ):
         await run_step(workflow(echo), {"text": "q"}, answers=["a"], crash_after="lookup")
+
+
+async def test_a_key_in_a_branch_is_named_with_its_scope_and_only_a_few_keys_are_listed() -> None:
+    async def many(request: Ask, ctx: oncely.Context) -> Answer:
+        async def item(i: int) -> str:
+            return await ctx.step(f"item-{i}", lambda: f"done {i}")
+
+        done = await asyncio.gather(*(item(i) for i in range(600)))
+        return Answer(text=done[-1])
+
+    with pytest.raises(ReplayError) as raised:
+        await run_step(workflow(many), {"text": "q"}, crash_after="item-500")
+    message = str(raised.value)
+    assert message.startswith(
+        "the step never reached checkpoint 'item-500'; it reached '[1]/item-0',"
+    )
+    assert "and 595 more; did you mean '[501]/item-500'?" in message
+    assert len(message) < 300
+    # The scoped key it suggests is one a crash can come after.
+    run = await run_step(workflow(many), {"text": "q"}, crash_after="[501]/item-500")
+    assert run.result.text == "done 599"

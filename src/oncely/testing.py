@@ -215,10 +215,7 @@ async def run_step(
     if crash_after is not None:
         pending = journal.unwritten()
         if crash_after not in {c.key for c in pending.checkpoints}:
-            raise ReplayError(
-                f"the step never reached checkpoint {crash_after!r}; it reached "
-                f"{', '.join(journal.reached) or 'none'}"
-            )
+            raise ReplayError(_never_reached(crash_after, journal.reached))
         # It would have been stored with the result: the crash comes just before.
         store.keep(pending)
         return await _replay(harness, body, store, crash_after)
@@ -341,6 +338,28 @@ class _Harness:
             checkpoints=tuple(journal.checkpoints()),
             children=tuple(self.children),
         )
+
+
+# How many of the keys a step reached a ReplayError names.
+_KEYS_SHOWN = 5
+
+
+def _never_reached(key: str, reached: Sequence[str]) -> str:
+    """What to say when ``crash_after`` names a key the run never reached:
+    a few of the keys it did, and the scoped keys that end in the one asked
+    for (a checkpoint in a branch or in another's work is ``[2]/model`` or
+    ``enrich/model``: docs/testing.md)."""
+    shown = ", ".join(repr(k) for k in reached[:_KEYS_SHOWN]) or "none"
+    if len(reached) > _KEYS_SHOWN:
+        shown += f" and {len(reached) - _KEYS_SHOWN} more"
+    message = f"the step never reached checkpoint {key!r}; it reached {shown}"
+    scoped = [k for k in reached if k.endswith(f"/{key}")]
+    if scoped:
+        message += f"; did you mean {scoped[0]!r}"
+        if len(scoped) > 1:
+            message += f" (one of {len(scoped)} keys ending in '/{key}')"
+        message += "?"
+    return message
 
 
 class _Crashed(BaseException):
