@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import uuid
 
 import pytest
 from psycopg.types.json import Jsonb
+from pydantic import SecretStr
 
 from oncely.api.auth import create_api_key
 from oncely.jobs.store import JobSpec
@@ -173,3 +175,66 @@ def test_app_may_follow_the_command_too(command: list[str], tmp_path, monkeypatc
     result = CliRunner().invoke(cli, [*command, *extra, "--app", "examples.nope:app"])
     assert result.exit_code == 2, result.output
     assert "cannot import 'examples.nope'" in result.output
+
+
+def test_help_shows_no_type_placeholder_on_a_flag() -> None:
+    from typer.testing import CliRunner
+
+    from oncely.cli import app
+
+    runner = CliRunner()
+    for args in (["--help"], ["dev", "--help"], ["jobs", "list", "--help"]):
+        shown = runner.invoke(app, args)
+        assert shown.exit_code == 0, shown.output
+        assert "<bool>" not in shown.output and "\x1b[" not in shown.output, shown.output
+    assert "--version  " in runner.invoke(app, ["--help"]).output
+
+
+def test_the_dev_banner_names_the_console_and_writes_no_colour_to_a_file(
+    settings, monkeypatch
+) -> None:
+    import io
+
+    from rich.console import Console
+
+    from oncely import dev
+    from oncely.builtin import app
+
+    def banner(**changes: object) -> str:
+        out = io.StringIO()
+        monkeypatch.setattr(dev, "console", Console(file=out, width=200))
+        dev._banner(settings.model_copy(update=changes), 8000, "dev-key", app)
+        return out.getvalue()
+
+    on = banner(console_key=SecretStr("k" * 32))
+    assert "Console      http://127.0.0.1:8000/console" in on
+    assert "\x1b[" not in on and "[bold" not in on
+    assert "Console      off   (set ONCELY_CONSOLE_KEY" in banner(console_key=None)
+
+
+def test_console_logs_are_coloured_only_on_a_terminal(monkeypatch) -> None:
+    import io
+
+    import structlog
+
+    from oncely.logs import colours, configure_logging
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    assert colours(Terminal()) and not colours(io.StringIO())
+    monkeypatch.setenv("NO_COLOR", "1")
+    assert not colours(Terminal())
+    monkeypatch.delenv("NO_COLOR")
+    out = io.StringIO()
+    monkeypatch.setattr("sys.stderr", out)
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        configure_logging("console")
+        structlog.get_logger("t").info("worker.started", consumer="w1")
+    finally:
+        structlog.reset_defaults()
+        root.handlers, root.level = handlers, level
+    assert "worker.started" in out.getvalue() and "\x1b[" not in out.getvalue()

@@ -31,10 +31,13 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
+# Help is plain text (click's): no type placeholders on flags (`<bool>`),
+# and nothing but text when it goes to a file or a pipe.
 app = typer.Typer(
     help="oncely: exactly-once effects for LLM steps in business workflows.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,
 )
 keys_app = typer.Typer(help="API keys: a bearer token per tenant.", no_args_is_help=True)
 app.add_typer(keys_app, name="keys")

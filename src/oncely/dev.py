@@ -32,13 +32,14 @@ from oncely.bootstrap import (
 from oncely.embedded import DataDirBusy, EmbeddedServers
 from oncely.fakes.llm import serve_fake_llm
 from oncely.fakes.mail import serve_fake_mail
-from oncely.settings import Settings
+from oncely.settings import CONSOLE_KEY_MIN, Settings
 from oncely.sql.migrate import migrate
 
 DEV_TENANT = "dev"
 # The fakes' ports, relative to the API's (docs/cli.md, "oncely dev").
 FAKE_LLM_OFFSET = 101
 FAKE_MAIL_OFFSET = 102
+# Colour and markup only on a terminal (rich's own check), never in a file.
 console = Console(stderr=True)
 
 
@@ -219,10 +220,15 @@ def _banner(settings: Settings, port: int, key: str, app: App) -> None:
     first = next(iter(app))
     body = json.dumps(example_request(first.request))
     address = settings.data_dir / dev_address.FILE
+    if settings.console_key is not None:
+        web = f"{base}/console   (sign in with ONCELY_CONSOLE_KEY)"
+    else:
+        web = f"off   (set ONCELY_CONSOLE_KEY, {CONSOLE_KEY_MIN} characters or more, to turn it on)"
     console.print(
         f"""
 [bold green]oncely dev[/bold green] is up (Ctrl-C stops everything)
   API          {base}   (docs: {base}/docs)
+  Console      {web}
   Workflows    {", ".join(app.names)}   (app {settings.app})
   Model        {settings.llm_base_url}
   Mail         {settings.sender_url}   (mailbox: {settings.data_dir / "mailbox.jsonl"})

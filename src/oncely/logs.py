@@ -6,6 +6,7 @@ OpenTelemetry is installed and a span is active."""
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import traceback
 from collections.abc import MutableMapping
@@ -40,9 +41,18 @@ def frames(exc: BaseException, limit: int = 6) -> list[str]:
     return found
 
 
+def colours(stream: Any) -> bool:
+    """Whether to colour what goes to ``stream``: only a terminal, and not
+    when ``NO_COLOR`` is set (no escape codes in a file or a pipe)."""
+    isatty = getattr(stream, "isatty", None)
+    return bool(isatty and isatty()) and not os.environ.get("NO_COLOR")
+
+
 def configure_logging(fmt: str = "json", level: str = "INFO") -> None:
     renderer: structlog.types.Processor = (
-        structlog.dev.ConsoleRenderer() if fmt == "console" else structlog.processors.JSONRenderer()
+        structlog.dev.ConsoleRenderer(colors=colours(sys.stderr))
+        if fmt == "console"
+        else structlog.processors.JSONRenderer()
     )
     threshold = logging.getLevelNamesMapping().get(level.upper(), logging.INFO)
     shared: list[structlog.types.Processor] = [
