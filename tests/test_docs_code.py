@@ -57,3 +57,26 @@ def test_every_function_a_page_calls_exists(page: str) -> None:
         if unknown:
             missing[number] = sorted(unknown)
     assert missing == {}, f"{page}: blocks call names defined nowhere: {missing}"
+
+
+# A file of the repository as the docs cite it, from the root
+# (`tests/test_maps.py`, `bench/chaos.py`), from the package
+# (`jobs/store.py`, `sql/jobs.sql`) or from docs/ (`reference/python.md`).
+CITED = re.compile(r"`([\w-]+(?:/[\w.-]+)+\.(?:py|sql|md|yaml|yml|toml|json|html|txt))\b")
+WHERE = (ROOT, ROOT / "src" / "oncely", ROOT / "src", ROOT / "docs")
+
+
+def test_every_file_the_docs_cite_exists() -> None:
+    pages = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    cited = {
+        (str(page.relative_to(ROOT)), path)
+        for page in pages
+        for path in CITED.findall(page.read_text())
+    }
+    assert len(cited) > 50, "the pattern finds the docs' citations"
+    stale = sorted(f"{page}: {path}" for page, path in cited if not _exists(path))
+    assert stale == []
+
+
+def _exists(path: str) -> bool:
+    return any((base / path).exists() for base in WHERE)
