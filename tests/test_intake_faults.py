@@ -32,8 +32,8 @@ from oncely.bootstrap import Resources, http_api, make_redis, postgres_pool
 from oncely.builtin import app as builtin_app
 from oncely.builtin.summaries import summaries
 from oncely.embedded import EmbeddedServers
-from oncely.jobs.store import abandoned_statements
 from oncely.settings import Settings
+from oncely.sql.bounded import abandoned_statements
 from oncely.sql.migrate import migrate
 from tests.helpers import asgi_app
 from tests.processes import free_port, frozen, postgres_pids, wait_for

@@ -28,6 +28,7 @@ from oncely.outbox.store import OutboxStore
 from oncely.queue.stream import Stream
 from oncely.redis_client import RedisClient
 from oncely.services import Progress
+from oncely.sql.bounded import run_statement
 
 log = structlog.get_logger("oncely.health")
 
@@ -113,7 +114,7 @@ class HealthServer:
         for stream in self.streams:
             name = stream.keys.workflow
             metrics.JOBS_WAITING.labels(workflow=name).set(waiting.get(name, 0))
-        outbox = await OutboxStore(self.pool).counts()
+        outbox = await OutboxStore(self.pool, statement_timeout_s=self.config.timeout_s).counts()
         metrics.OUTBOX_UNSENT.set(outbox.unsent)
         metrics.OUTBOX_FAILED.set(outbox.failed)
         metrics.OUTBOX_OLDEST_UNSENT_AGE.set(outbox.oldest_unsent_age_s or 0.0)
@@ -131,5 +132,4 @@ class HealthServer:
             raise RuntimeError("Redis answered the ping with something else")
 
     async def _ping_postgres(self) -> None:
-        async with self.pool.connection(timeout=self.config.timeout_s) as conn:
-            await conn.execute("SELECT 1")
+        await run_statement(self.pool, "SELECT 1", timeout_s=self.config.timeout_s)

@@ -48,9 +48,10 @@ from oncely.api.workflows import DirectIntake, add_workflow_routes
 from oncely.app import App
 from oncely.console import console_router
 from oncely.jobs.checkpoints import Checkpoints
-from oncely.jobs.store import Jobs, run_statement
+from oncely.jobs.store import Jobs
 from oncely.live.events import JobEvents, LiveConfig
 from oncely.queue.stream import Stream
+from oncely.sql.bounded import run_statement
 from oncely.usage.budgets import BudgetLimits, Budgets, publish_limits
 from oncely.workflow import Workflow
 

@@ -35,9 +35,9 @@ from redis.exceptions import RedisError
 
 from oncely import names
 from oncely.api.problems import RateLimited, Unauthorized
-from oncely.jobs.store import run_statement
 from oncely.redis_client import RedisClient
 from oncely.sql import query
+from oncely.sql.bounded import run_statement
 
 log = structlog.get_logger("oncely.auth")
 
@@ -81,37 +81,52 @@ async def create_api_key(pool: AsyncConnectionPool, tenant: str) -> str:
     return key
 
 
-async def create_api_key_with_id(pool: AsyncConnectionPool, tenant: str) -> tuple[str, str]:
+# The operator paths' bound on each statement (the CLI's and the console's).
+_OPERATOR_TIMEOUT_S = 30.0
+
+
+async def create_api_key_with_id(
+    pool: AsyncConnectionPool, tenant: str, *, timeout_s: float = _OPERATOR_TIMEOUT_S
+) -> tuple[str, str]:
     """A new key for ``tenant``: (the secret, shown once; its id)."""
     key = new_api_key()
-    async with pool.connection() as conn:
-        cur = await conn.execute(query("insert_api_key"), (hash_api_key(key), tenant))
-        row = await cur.fetchone()
-    assert row is not None
-    return key, str(row[0])
+    result = await run_statement(
+        pool, query("insert_api_key"), (hash_api_key(key), tenant), timeout_s=timeout_s
+    )
+    return key, str(result.rows[0][0])
 
 
-async def revoke_api_key_by_id(pool: AsyncConnectionPool, key_id: str) -> str | None:
+async def revoke_api_key_by_id(
+    pool: AsyncConnectionPool, key_id: str, *, timeout_s: float = _OPERATOR_TIMEOUT_S
+) -> str | None:
     """Revoke by id; the key's tenant, or None if no active key has that id."""
-    async with pool.connection() as conn:
-        cur = await conn.execute(query("revoke_api_key_by_id"), (key_id,))
-        row = await cur.fetchone()
-    return None if row is None else str(row[0])
+    result = await run_statement(
+        pool, query("revoke_api_key_by_id"), (key_id,), timeout_s=timeout_s
+    )
+    return str(result.rows[0][0]) if result.rows else None
 
 
-async def list_api_keys(pool: AsyncConnectionPool, tenant: str | None = None) -> list[ApiKey]:
-    async with pool.connection() as conn:
-        cur = conn.cursor(row_factory=class_row(ApiKey))
-        await cur.execute(query("list_api_keys"), {"tenant": tenant})
-        return await cur.fetchall()
+async def list_api_keys(
+    pool: AsyncConnectionPool, tenant: str | None = None, *, timeout_s: float = _OPERATOR_TIMEOUT_S
+) -> list[ApiKey]:
+    result = await run_statement(
+        pool,
+        query("list_api_keys"),
+        {"tenant": tenant},
+        timeout_s=timeout_s,
+        row_factory=class_row(ApiKey),
+    )
+    return result.rows
 
 
-async def revoke_api_key(pool: AsyncConnectionPool, key: str) -> str | None:
+async def revoke_api_key(
+    pool: AsyncConnectionPool, key: str, *, timeout_s: float = _OPERATOR_TIMEOUT_S
+) -> str | None:
     """Revoke; return the key's tenant, or None if it was unknown or already revoked."""
-    async with pool.connection() as conn:
-        cur = await conn.execute(query("revoke_api_key"), (hash_api_key(key),))
-        row = await cur.fetchone()
-    return None if row is None else str(row[0])
+    result = await run_statement(
+        pool, query("revoke_api_key"), (hash_api_key(key),), timeout_s=timeout_s
+    )
+    return str(result.rows[0][0]) if result.rows else None
 
 
 async def tenant_for_key(
@@ -130,11 +145,14 @@ async def _tenant_for_hash(
     return str(result.rows[0][0]) if result.rows else None
 
 
-async def erase_tenant_api_keys(pool: AsyncConnectionPool, tenant: str) -> int:
+async def erase_tenant_api_keys(
+    pool: AsyncConnectionPool, tenant: str, *, timeout_s: float = 60.0
+) -> int:
     """Delete every key of ``tenant`` (revoked or not); how many."""
-    async with pool.connection() as conn:
-        cur = await conn.execute(query("erase_tenant_api_keys"), (tenant,))
-    return max(cur.rowcount, 0)
+    result = await run_statement(
+        pool, query("erase_tenant_api_keys"), (tenant,), timeout_s=timeout_s
+    )
+    return max(result.rowcount, 0)
 
 
 async def announce_revocation(redis: RedisClient) -> bool:

@@ -24,6 +24,7 @@ from oncely.jobs.store import Jobs
 from oncely.queue.stream import Stream
 from oncely.redis_client import ClusterClient, HiredisPacked, RedisClient, SharedConnectionRedis
 from oncely.settings import Settings
+from oncely.sql.bounded import run_transaction
 from oncely.sql.migrate import SchemaMismatch, schema_state
 from oncely.usage.budgets import BudgetLimits, Budgets
 from oncely.usage.ledger import Ledger
@@ -145,8 +146,10 @@ async def open_resources(settings: Settings) -> AsyncIterator[Resources]:
 async def require_current_schema(res: Resources) -> None:
     """Long-running processes refuse a database that is behind or ahead of
     this code (one readable line; ``oncely migrate`` first when upgrading)."""
-    async with res.pool.connection() as conn:
-        problem = (await schema_state(conn)).problem()
+    state = await run_transaction(
+        res.pool, schema_state, timeout_s=res.settings.pg_statement_timeout_s
+    )
+    problem = state.problem()
     if problem:
         raise SchemaMismatch(problem)
 

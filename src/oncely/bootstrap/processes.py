@@ -210,7 +210,7 @@ class WorkerGroup:
         self.checkpoints = Checkpoints(self.jobs)
         self._models = models or _model_switch(llm)
         self._fleet = FleetLimiter(res.redis, limits(s))
-        self._wake_relay = OutboxWakeUp(res.pool)
+        self._wake_relay = OutboxWakeUp(res.pool, timeout_s=res.settings.pg_statement_timeout_s)
         self._config, self._steps = worker_config(s), step_config(s)
         self._settings = s
         self.cooldown = Cooldown(res.redis, cooldown_policy(s))
@@ -444,7 +444,7 @@ def build_relay(app: App, res: Resources) -> tuple[Relay, EffectRouter]:
 
     calls = {e.topic: w for w, e in app.effects() if isinstance(e, WebhookEffect) and e.answers}
     relay = Relay(
-        OutboxStore(res.pool),
+        OutboxStore(res.pool, statement_timeout_s=res.settings.pg_statement_timeout_s),
         router,
         relay_config(res.settings),
         database_url=res.settings.database_url,

@@ -40,19 +40,11 @@ from redis.exceptions import RedisError
 from oncely import metrics, tracing
 from oncely.batching import GroupRead
 from oncely.jobs.children import Children
-from oncely.jobs.store import (
-    Jobs,
-    JobSpec,
-    StatementResult,
-    delivery_params,
-    raced,
-    run_statement,
-    run_transaction,
-    writes_params,
-)
+from oncely.jobs.store import Jobs, JobSpec, delivery_params, raced, writes_params
 from oncely.journal import Checkpoint, RunStopped, Wait, Writes
 from oncely.redis_client import call_together
 from oncely.sql import query
+from oncely.sql.bounded import StatementResult, run_statement, run_transaction
 
 if TYPE_CHECKING:
     from oncely.queue.worker import DeliveryReport

@@ -33,10 +33,11 @@ import structlog
 from psycopg.types.json import Jsonb
 
 from oncely.batching import GroupCommit
-from oncely.jobs.store import Jobs, JobSpec, StatementResult, run_statement, run_transaction
+from oncely.jobs.store import Jobs, JobSpec
 from oncely.journal import MapStart
 from oncely.redis_client import call_together
 from oncely.sql import query
+from oncely.sql.bounded import StatementResult, run_statement, run_transaction
 from oncely.usage.totals import summed
 from oncely.views import tenant_error
 

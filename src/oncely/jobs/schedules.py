@@ -32,10 +32,11 @@ import structlog
 from psycopg.types.json import Jsonb
 
 from oncely.api.keys import Scope, fingerprint
-from oncely.jobs.store import Jobs, JobSpec, run_statement, run_transaction
+from oncely.jobs.store import Jobs, JobSpec
 from oncely.redis_client import call_together
 from oncely.services import Progress
 from oncely.sql import query
+from oncely.sql.bounded import run_statement, run_transaction
 from oncely.timetable import Timetable
 
 if TYPE_CHECKING:

@@ -32,10 +32,10 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 import structlog
@@ -49,6 +49,7 @@ from oncely.journal import NewCheckpoint, Replay, Writes
 from oncely.queue.stream import JobMessage, Stream
 from oncely.redis_client import ScriptCall, call_together
 from oncely.sql import query
+from oncely.sql.bounded import StatementResult, outcome_unknown, run_statement
 
 if TYPE_CHECKING:
     from oncely.queue.worker import DeliveryReport
@@ -65,130 +66,6 @@ CHECKPOINT_KEYS = frozenset({"checkpoints_pkey", "checkpoints_ordinal_key"})
 # Withdrawals retry while PostgreSQL does not answer: first after this long,
 # doubling up to the cap.
 _WITHDRAW_RETRY_S = (0.2, 2.0)
-
-
-class StatementTimeout(psycopg.OperationalError):
-    """No answer within the client-side bound. ``sent``: the statement had
-    reached the server (its outcome is unknown), rather than still waiting
-    for a pooled connection."""
-
-    def __init__(self, message: str, *, sent: bool) -> None:
-        super().__init__(message)
-        self.sent = sent
-
-
-@dataclass(frozen=True)
-class StatementResult:
-    rows: list[tuple[Any, ...]]
-    rowcount: int
-
-
-class _Sent:
-    """Set once the statement left for the server."""
-
-    def __init__(self) -> None:
-        self.value = False
-
-
-# Statements given up on by their callers, finishing in the background.
-_abandoned: set[asyncio.Task[Any]] = set()
-
-T = TypeVar("T")
-
-
-async def run_statement(
-    pool: AsyncConnectionPool, sql: str, params: Any = None, *, timeout_s: float
-) -> StatementResult:
-    """One statement on a pooled connection, answered within ``timeout_s``
-    (the wait for a connection included) or ``StatementTimeout``.
-
-    Cancelling a psycopg query makes psycopg cancel it on the server and,
-    if the server does not answer that either, close the connection: up to
-    10 s more on a frozen server (psycopg #1371). So the statement runs in
-    its own task, and a caller past its bound stops waiting for it: the task
-    finishes in the background and the pool discards the connection if
-    psycopg closed it (a cancelled query that the server acknowledged leaves
-    a healthy one)."""
-    sent = _Sent()
-    return (await _finished(_execute(pool, sql, params, sent), sent, timeout_s)).result()
-
-
-async def run_transaction(
-    pool: AsyncConnectionPool,
-    work: Callable[[psycopg.AsyncConnection[Any]], Awaitable[T]],
-    *,
-    timeout_s: float,
-) -> T:
-    """``work`` in one transaction on a pooled connection, within
-    ``timeout_s`` as ``run_statement`` (the whole transaction: a caller past
-    it stops waiting, and the transaction ends in the background)."""
-    sent = _Sent()
-
-    async def execute() -> T:
-        async with pool.connection() as conn:
-            sent.value = True
-            async with conn.transaction():
-                return await work(conn)
-
-    return (await _finished(execute(), sent, timeout_s)).result()
-
-
-async def _finished(work: Coroutine[Any, Any, T], sent: _Sent, timeout_s: float) -> asyncio.Task[T]:
-    """``work``'s task, finished within ``timeout_s`` (else ``StatementTimeout``,
-    and the task left to end in the background). Its result is read by the
-    caller, so that a failure's traceback names the caller, not this."""
-    task = asyncio.create_task(work)
-    try:
-        done, _ = await asyncio.wait({task}, timeout=timeout_s)
-    except asyncio.CancelledError:
-        _abandon(task)
-        raise
-    if not done:
-        _abandon(task)
-        raise StatementTimeout(f"no answer within {timeout_s:g} s", sent=sent.value)
-    return task
-
-
-async def _execute(
-    pool: AsyncConnectionPool, sql: str, params: Any, sent: _Sent
-) -> StatementResult:
-    async with pool.connection() as conn:
-        sent.value = True
-        cur = await conn.execute(sql, params)
-        rows = await cur.fetchall() if cur.description is not None else []
-        return StatementResult(rows, cur.rowcount)
-
-
-def _abandon(task: asyncio.Task[Any]) -> None:
-    task.cancel()
-    _abandoned.add(task)
-    task.add_done_callback(_forget)
-
-
-def abandoned_statements() -> int:
-    """Statements whose callers gave up on them, still finishing (psycopg
-    cancelling them on the server, or closing their connections)."""
-    return len(_abandoned)
-
-
-def _forget(task: asyncio.Task[Any]) -> None:
-    _abandoned.discard(task)
-    if not task.cancelled() and task.exception() is not None:
-        log.debug("jobs.abandoned_statement_failed", error=repr(task.exception()))
-
-
-def outcome_unknown(exc: BaseException) -> bool:
-    """Whether a failed write may still have been (or still be) applied:
-    anything but "never sent" and "the server answered with an error"."""
-    if isinstance(exc, StatementTimeout):
-        return exc.sent
-    if isinstance(exc, PoolTimeout):
-        return False
-    if isinstance(exc, psycopg.Error) and exc.sqlstate:
-        # An error answer rolls the (single, autocommitted) statement back;
-        # class 08 is the connection failing, with no answer.
-        return exc.sqlstate.startswith("08")
-    return True
 
 
 @dataclass(frozen=True)
@@ -501,9 +378,8 @@ class Jobs:
     async def erase_tenant(self, tenant: str) -> dict[str, int]:
         """Every job, result, outbox row, delivery, checkpoint and event of
         ``tenant``; the counts deleted."""
-        async with self.pool.connection() as conn, conn.transaction():
-            cur = await conn.execute(query("erase_tenant_jobs"), {"tenant": tenant})
-            row = await cur.fetchone()
+        result = await self._run("erase_tenant_jobs", {"tenant": tenant})
+        row = result.rows[0] if result.rows else None
         names = ("jobs", "results", "outbox", "deliveries", "checkpoints", "events")
         return dict(zip(names, (int(n) for n in row or (0,) * len(names)), strict=True))
 

@@ -4,7 +4,7 @@ Leases, not row locks, keep relays apart while a send runs: ``claim`` locks
 due rows only for the one statement that leases them, so a slow or hung
 provider never pins a transaction open. Every later write is fenced by the
 owner token, because a lease can expire under a live relay and pass to
-another one.
+another one. Every statement is bounded on the client (``oncely.sql.bounded``).
 """
 
 from __future__ import annotations
@@ -16,11 +16,13 @@ from datetime import datetime
 from typing import Any
 from uuid import UUID
 
+import psycopg
 from psycopg.rows import class_row
 from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
 from oncely.sql import query
+from oncely.sql.bounded import StatementResult, run_statement, run_transaction
 
 # Long enough for an operator to tell what went wrong, short enough that a
 # provider answering with a whole HTML page does not bloat the row.
@@ -76,8 +78,23 @@ class OutboxCounts:
 
 
 class OutboxStore:
-    def __init__(self, pool: AsyncConnectionPool) -> None:
+    """The outbox's rows; every statement answered within
+    ``statement_timeout_s`` (the wait for a connection included)."""
+
+    def __init__(self, pool: AsyncConnectionPool, *, statement_timeout_s: float = 10.0) -> None:
         self.pool = pool
+        self.statement_timeout_s = statement_timeout_s
+
+    async def _run(
+        self, name: str, params: Any = None, row: type[Any] | None = None
+    ) -> StatementResult:
+        return await run_statement(
+            self.pool,
+            query(name),
+            params,
+            timeout_s=self.statement_timeout_s,
+            row_factory=None if row is None else class_row(row),
+        )
 
     # -- the relay's side -------------------------------------------------
 
@@ -86,10 +103,7 @@ class OutboxStore:
         an attempt each. Only the columns a send needs come back: every
         timestamp more is one more parse per row."""
         params = {"owner": owner, "limit": limit, "lease_s": lease_s}
-        async with self.pool.connection() as conn:
-            cur = conn.cursor(row_factory=class_row(ClaimedRow))
-            await cur.execute(query("outbox_claim"), params)
-            return await cur.fetchall()
+        return (await self._run("outbox_claim", params, ClaimedRow)).rows
 
     async def mark_sent_many(
         self, owner: UUID, sends: builtins.list[tuple[int, str | None]]
@@ -100,9 +114,7 @@ class OutboxStore:
             "provider_message_ids": [message_id for _, message_id in sends],
             "owner": owner,
         }
-        async with self.pool.connection() as conn:
-            cur = await conn.execute(query("outbox_mark_sent_many"), params)
-            return {int(row[0]) for row in await cur.fetchall()}
+        return {int(row[0]) for row in (await self._run("outbox_mark_sent_many", params)).rows}
 
     async def mark_answered(
         self, row_id: int, owner: UUID, provider_message_id: str | None, answer: Any
@@ -133,12 +145,10 @@ class OutboxStore:
         return await self._call_outcome("outbox_call_failed", params)
 
     async def _call_outcome(self, name: str, params: dict[str, Any]) -> tuple[bool, str | None]:
-        async with self.pool.connection() as conn:
-            cur = await conn.execute(query(name), params)
-            row = await cur.fetchone()
-        if row is None:  # one row always
+        rows = (await self._run(name, params)).rows
+        if not rows:  # one row always
             return False, None
-        held, woken = row
+        held, woken = rows[0]
         return bool(held), None if woken is None else str(woken)
 
     async def mark_failed_attempt(
@@ -162,69 +172,62 @@ class OutboxStore:
         return await self._fenced("outbox_mark_failed_attempt", params)
 
     async def _fenced(self, name: str, params: dict[str, Any]) -> bool:
-        async with self.pool.connection() as conn:
-            cur = await conn.execute(query(name), params)
-            return await cur.fetchone() is not None
+        return bool((await self._run(name, params)).rows)
 
     # -- operators ----------------------------------------------------------
 
     async def get(self, row_id: int) -> OutboxRow | None:
-        async with self.pool.connection() as conn:
-            cur = conn.cursor(row_factory=class_row(OutboxRow))
-            await cur.execute(query("outbox_get"), (row_id,))
-            return await cur.fetchone()
+        rows = (await self._run("outbox_get", (row_id,), OutboxRow)).rows
+        return rows[0] if rows else None
 
     async def list(
         self, *, failed_only: bool = False, limit: int = 100
     ) -> builtins.list[OutboxRow]:
         """Unsent rows (pending, in flight, failed) oldest first; or only the failed ones."""
-        async with self.pool.connection() as conn:
-            cur = conn.cursor(row_factory=class_row(OutboxRow))
-            await cur.execute(query("outbox_list"), {"failed_only": failed_only, "limit": limit})
-            return await cur.fetchall()
+        params = {"failed_only": failed_only, "limit": limit}
+        return (await self._run("outbox_list", params, OutboxRow)).rows
 
     async def for_job(self, job_id: UUID) -> builtins.list[OutboxRow]:
         """Every row one job emitted, sent or not, in emission order."""
-        async with self.pool.connection() as conn:
-            cur = conn.cursor(row_factory=class_row(OutboxRow))
-            await cur.execute(query("list_outbox_for_job"), (job_id,))
-            return await cur.fetchall()
+        return (await self._run("list_outbox_for_job", (job_id,), OutboxRow)).rows
 
     async def retry(self, row_id: int) -> bool:
         """Give a failed row a fresh set of attempts now; False if it is not failed."""
-        async with self.pool.connection() as conn, conn.transaction():
+
+        async def retry(conn: psycopg.AsyncConnection[Any]) -> bool:
             cur = await conn.execute(query("outbox_retry"), (row_id,))
             retried = await cur.fetchone() is not None
             if retried:
                 await conn.execute(query("notify_outbox"))
-        return retried
+            return retried
+
+        return await run_transaction(self.pool, retry, timeout_s=self.statement_timeout_s)
 
     async def retry_all_failed(self) -> builtins.list[int]:
         """Every failed row back to sending; their ids."""
-        async with self.pool.connection() as conn, conn.transaction():
+
+        async def retry(conn: psycopg.AsyncConnection[Any]) -> builtins.list[int]:
             cur = await conn.execute(query("outbox_retry_all_failed"))
             ids = [int(row[0]) for row in await cur.fetchall()]
             if ids:
                 await conn.execute(query("notify_outbox"))
-        return ids
+            return ids
+
+        return await run_transaction(self.pool, retry, timeout_s=self.statement_timeout_s)
 
     async def delete_sent_before(self, age_s: float, batch: int = 1000) -> int:
         """Delete rows sent more than ``age_s`` ago, ``batch`` per transaction; how many went."""
         total = 0
         while True:
-            async with self.pool.connection() as conn:
-                cur = await conn.execute(
-                    query("outbox_delete_sent_before"), {"age_s": age_s, "batch": batch}
-                )
-            total += cur.rowcount
-            if cur.rowcount < batch:
+            params = {"age_s": age_s, "batch": batch}
+            deleted = (await self._run("outbox_delete_sent_before", params)).rowcount
+            total += deleted
+            if deleted < batch:
                 return total
 
     async def counts(self) -> OutboxCounts:
-        async with self.pool.connection() as conn:
-            cur = conn.cursor(row_factory=class_row(OutboxCounts))
-            await cur.execute(query("outbox_counts"))
-            row = await cur.fetchone()
-        if row is None:  # an aggregate always answers one row
+        rows = (await self._run("outbox_counts", None, OutboxCounts)).rows
+        if not rows:  # an aggregate always answers one row
             raise RuntimeError("outbox_counts returned no row")
-        return row
+        counts: OutboxCounts = rows[0]
+        return counts

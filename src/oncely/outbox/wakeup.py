@@ -8,6 +8,7 @@ import structlog
 from psycopg_pool import AsyncConnectionPool
 
 from oncely.sql import query
+from oncely.sql.bounded import run_statement
 
 log = structlog.get_logger("oncely.outbox")
 
@@ -17,8 +18,9 @@ class OutboxWakeUp:
     its way, later commits only ask for one more. A lost wake-up costs the
     relay's poll interval, never a notification."""
 
-    def __init__(self, pool: AsyncConnectionPool) -> None:
+    def __init__(self, pool: AsyncConnectionPool, *, timeout_s: float = 10.0) -> None:
         self.pool = pool
+        self.timeout_s = timeout_s
         self.sent = 0
         self._wanted = False
         self._task: asyncio.Task[None] | None = None
@@ -32,8 +34,7 @@ class OutboxWakeUp:
         while self._wanted:
             self._wanted = False
             try:
-                async with self.pool.connection() as conn:
-                    await conn.execute(query("notify_outbox"))
+                await run_statement(self.pool, query("notify_outbox"), timeout_s=self.timeout_s)
                 self.sent += 1
             except Exception as exc:
                 log.warning("outbox.notify_failed", error=f"{type(exc).__name__}: {exc}")

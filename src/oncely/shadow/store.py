@@ -15,9 +15,9 @@ from typing import Any
 from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
-from oncely.jobs.store import StatementResult, run_statement
 from oncely.journal import Emitted
 from oncely.sql import query
+from oncely.sql.bounded import StatementResult, run_statement
 
 _ERROR_CHARS = 2000
 

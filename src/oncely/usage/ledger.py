@@ -38,8 +38,8 @@ import structlog
 from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
-from oncely.jobs.store import StatementTimeout, run_statement
 from oncely.sql import query
+from oncely.sql.bounded import StatementTimeout, run_statement
 from oncely.usage.budgets import Budgets, Spent, utc_day
 from oncely.usage.prices import Prices
 

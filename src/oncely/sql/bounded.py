@@ -1,0 +1,166 @@
+"""Bounded PostgreSQL statements: every statement oncely runs on a pooled
+connection is answered within a client-side bound, the wait for a
+connection included, or raises ``StatementTimeout`` (docs/architecture.md,
+"no wait without a bound"). A frozen server never enforces its own
+``statement_timeout``, so the bound must be the client's.
+
+A leaf: it knows psycopg and nothing of oncely's tables, so every store
+(jobs, checkpoints, the outbox, API keys, the ledger) runs its SQL through
+it. The only connections taken without it are listed, each with its reason,
+in ``tests/test_statements.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import psycopg
+import structlog
+from psycopg.rows import RowFactory
+from psycopg_pool import AsyncConnectionPool, PoolTimeout
+
+log = structlog.get_logger("oncely.sql")
+
+
+class StatementTimeout(psycopg.OperationalError):
+    """No answer within the client-side bound. ``sent``: the statement had
+    reached the server (its outcome is unknown), rather than still waiting
+    for a pooled connection."""
+
+    def __init__(self, message: str, *, sent: bool) -> None:
+        super().__init__(message)
+        self.sent = sent
+
+
+@dataclass(frozen=True)
+class StatementResult:
+    """The rows a statement answered (tuples, or what its ``row_factory``
+    made of them) and how many rows it touched."""
+
+    rows: list[Any]
+    rowcount: int
+
+
+class _Sent:
+    """Set once the statement left for the server."""
+
+    def __init__(self) -> None:
+        self.value = False
+
+
+# Statements given up on by their callers, finishing in the background.
+_abandoned: set[asyncio.Task[Any]] = set()
+
+T = TypeVar("T")
+
+
+async def run_statement(
+    pool: AsyncConnectionPool,
+    sql: str,
+    params: Any = None,
+    *,
+    timeout_s: float,
+    row_factory: RowFactory[Any] | None = None,
+) -> StatementResult:
+    """One statement on a pooled connection, answered within ``timeout_s``
+    (the wait for a connection included) or ``StatementTimeout``; its rows
+    made by ``row_factory`` (psycopg's, e.g. ``class_row``) when given.
+
+    Cancelling a psycopg query makes psycopg cancel it on the server and,
+    if the server does not answer that either, close the connection: up to
+    10 s more on a frozen server (psycopg #1371). So the statement runs in
+    its own task, and a caller past its bound stops waiting for it: the task
+    finishes in the background and the pool discards the connection if
+    psycopg closed it (a cancelled query that the server acknowledged leaves
+    a healthy one)."""
+    sent = _Sent()
+    work = _execute(pool, sql, params, sent, row_factory)
+    return (await _finished(work, sent, timeout_s)).result()
+
+
+async def run_transaction(
+    pool: AsyncConnectionPool,
+    work: Callable[[psycopg.AsyncConnection[Any]], Awaitable[T]],
+    *,
+    timeout_s: float,
+) -> T:
+    """``work`` in one transaction on a pooled connection, within
+    ``timeout_s`` as ``run_statement`` (the whole transaction: a caller past
+    it stops waiting, and the transaction ends in the background)."""
+    sent = _Sent()
+
+    async def execute() -> T:
+        async with pool.connection() as conn:
+            sent.value = True
+            async with conn.transaction():
+                return await work(conn)
+
+    return (await _finished(execute(), sent, timeout_s)).result()
+
+
+async def _finished(work: Coroutine[Any, Any, T], sent: _Sent, timeout_s: float) -> asyncio.Task[T]:
+    """``work``'s task, finished within ``timeout_s`` (else ``StatementTimeout``,
+    and the task left to end in the background). Its result is read by the
+    caller, so that a failure's traceback names the caller, not this."""
+    task = asyncio.create_task(work)
+    try:
+        done, _ = await asyncio.wait({task}, timeout=timeout_s)
+    except asyncio.CancelledError:
+        _abandon(task)
+        raise
+    if not done:
+        _abandon(task)
+        raise StatementTimeout(f"no answer within {timeout_s:g} s", sent=sent.value)
+    return task
+
+
+async def _execute(
+    pool: AsyncConnectionPool,
+    sql: str,
+    params: Any,
+    sent: _Sent,
+    row_factory: RowFactory[Any] | None,
+) -> StatementResult:
+    async with pool.connection() as conn:
+        sent.value = True
+        if row_factory is None:
+            cur = await conn.execute(sql, params)
+        else:
+            cur = await conn.cursor(row_factory=row_factory).execute(sql, params)
+        rows = await cur.fetchall() if cur.description is not None else []
+        return StatementResult(rows, cur.rowcount)
+
+
+def _abandon(task: asyncio.Task[Any]) -> None:
+    task.cancel()
+    _abandoned.add(task)
+    task.add_done_callback(_forget)
+
+
+def abandoned_statements() -> int:
+    """Statements whose callers gave up on them, still finishing (psycopg
+    cancelling them on the server, or closing their connections)."""
+    return len(_abandoned)
+
+
+def _forget(task: asyncio.Task[Any]) -> None:
+    _abandoned.discard(task)
+    if not task.cancelled() and task.exception() is not None:
+        log.debug("sql.abandoned_statement_failed", error=repr(task.exception()))
+
+
+def outcome_unknown(exc: BaseException) -> bool:
+    """Whether a failed write may still have been (or still be) applied:
+    anything but "never sent" and "the server answered with an error"."""
+    if isinstance(exc, StatementTimeout):
+        return exc.sent
+    if isinstance(exc, PoolTimeout):
+        return False
+    if isinstance(exc, psycopg.Error) and exc.sqlstate:
+        # An error answer rolls the (single, autocommitted) statement back;
+        # class 08 is the connection failing, with no answer.
+        return exc.sqlstate.startswith("08")
+    return True
