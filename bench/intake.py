@@ -529,7 +529,7 @@ PROFILE_BUCKETS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ),
     (
         "Postgres statements: run_statement's own task (accept_job INSERT)",
-        ("oncely.jobs.store:_execute",),
+        ("oncely.sql.bounded:_execute",),
     ),
     ("insert: Jobs.record (accept_job statement)", ("oncely.jobs.store:Jobs.record",)),
     (

@@ -103,7 +103,7 @@ BUCKETS = (
     ),
     (
         "Postgres statements: run_statement's own task (job_runs, write_checkpoints, finish_job)",
-        ["oncely.jobs.store:_execute"],
+        ["oncely.sql.bounded:_execute"],
     ),
     (
         "checkpoint writes: Checkpoints.write (parameters, the statement's bound)",

@@ -90,7 +90,7 @@ BUCKETS = {
         ("step: summarise (prompt, emit)", ["oncely.builtin.summaries:summarise"]),
         (
             "Postgres statements: run_statement's own task (pre-check, store)",
-            ["oncely.jobs.store:_execute"],
+            ["oncely.sql.bounded:_execute"],
         ),
         (
             "pre-check: Checkpoints.run_of (the job's run, batched)",

@@ -14,7 +14,8 @@ from oncely.api.app import create_app
 from oncely.app import App
 from oncely.bootstrap import Resources, http_api
 from oncely.builtin import app as builtin_app
-from oncely.jobs.store import Jobs, JobSpec
+from oncely.jobs.records import JobSpec
+from oncely.jobs.store import Jobs
 from oncely.queue.stream import Stream
 from oncely.queue.worker import Worker, WorkerConfig
 from oncely.settings import Settings

@@ -16,7 +16,7 @@ from psycopg.types.json import Jsonb
 from pydantic import SecretStr
 
 from oncely.api.auth import create_api_key
-from oncely.jobs.store import JobSpec
+from oncely.jobs.records import JobSpec
 from oncely.terminal import literal
 from oncely.usage.ledger import Call, CallSite, Ledger
 from oncely.usage.prices import Prices

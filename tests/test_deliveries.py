@@ -20,10 +20,11 @@ from oncely.bootstrap import connect_llm, step_config
 from oncely.builtin.summaries import summaries
 from oncely.errors import TransientError
 from oncely.jobs.handler import WorkflowHandler
+from oncely.jobs.records import DeliveryReport
 from oncely.jobs.store import Jobs
 from oncely.outbox.wakeup import OutboxWakeUp
 from oncely.queue.stream import Stream
-from oncely.queue.worker import DeliveryReport, Worker
+from oncely.queue.worker import Worker
 from oncely.settings import Settings
 from tests.helpers import drain, job_status, make_worker, pending, submit
 from tests.processes import oncely, wait_for

@@ -385,7 +385,7 @@ async def test_a_model_answer_holding_nul_is_kept(custom):
 
 
 def test_checkpoint_values_are_json_text_postgresql_can_store():
-    from oncely.jobs.store import json_text
+    from oncely.jobs.rows import json_text
 
     assert json_text({"a": "ünï \x00"}) == '{"a":"ünï \\u0000"}'
     assert json_text("half \ud800") == '"half \\ud800"'  # escaped: not UTF-8 as it is

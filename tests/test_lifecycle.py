@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from oncely.api.auth import create_api_key
+from oncely.jobs.records import JobSpec
 from oncely.jobs.retention import Retention
-from oncely.jobs.store import JobSpec
 from oncely.journal import Emitted, NewCheckpoint, Writes
 from oncely.queue.worker import DeliveryReport
 from oncely.usage.ledger import Call, CallSite, Ledger

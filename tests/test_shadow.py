@@ -19,7 +19,7 @@ from oncely import App, ModelJudge, names
 from oncely.bootstrap import Resources, WorkerGroup, connect_llm
 from oncely.builtin import app as builtin_app
 from oncely.builtin.triage import Triage, triage
-from oncely.jobs.store import JobSpec
+from oncely.jobs.records import JobSpec
 from oncely.llm.base import Message
 from oncely.llm.limiter import FleetLimiter, LimitedLLM, Limits
 from oncely.queue.stream import JobMessage, Stream

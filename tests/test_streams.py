@@ -26,7 +26,7 @@ from oncely.api.auth import create_api_key
 from oncely.bootstrap import connect_llm, step_config
 from oncely.builtin.summaries import summaries
 from oncely.jobs.handler import WorkflowHandler
-from oncely.jobs.store import JobSpec
+from oncely.jobs.records import JobSpec
 from oncely.live.events import JobEvents
 from oncely.outbox.wakeup import OutboxWakeUp
 from oncely.queue.worker import Worker

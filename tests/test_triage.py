@@ -12,7 +12,7 @@ from oncely.builtin.summaries import SUMMARY_READY, render_email
 from oncely.builtin.triage import triage
 from oncely.errors import PermanentError
 from oncely.jobs.handler import WorkflowHandler
-from oncely.jobs.store import JobSpec
+from oncely.jobs.records import JobSpec
 from oncely.outbox.wakeup import OutboxWakeUp
 from tests.helpers import count, drain, job_status, make_worker, pending
 

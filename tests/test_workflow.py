@@ -11,7 +11,7 @@ from pydantic import BaseModel
 from oncely import App, Context, PermanentError, Workflow, email, webhook
 from oncely.app import load_app
 from oncely.effects import Email
-from oncely.jobs.store import JobSpec
+from oncely.jobs.records import JobSpec
 from oncely.journal import Writes
 
 

@@ -120,7 +120,7 @@ if TYPE_CHECKING:
     from oncely.context import ChildResult, Context, Mapped
     from oncely.effects import Email, EmailEffect, Event, WebhookEffect, email, webhook
     from oncely.errors import CallFailed, DeadlineExceeded, PermanentError, TransientError
-    from oncely.jobs.store import JobRecord
+    from oncely.jobs.records import JobRecord
     from oncely.journal import Emitted
     from oncely.llm.base import ToolSpec
     from oncely.llm.model import InvalidOutput, Model, Reply, ToolCall, Usage

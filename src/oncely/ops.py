@@ -20,8 +20,9 @@ from oncely.bootstrap.configs import app_from
 from oncely.jobs import dead_letters
 from oncely.jobs.checkpoints import Cancelled, Checkpoints, EventOutcome, Rewound
 from oncely.jobs.inspection import UNREPORTED_NOTE, JobInspection, inspect_job
+from oncely.jobs.records import JobRecord
 from oncely.jobs.schedules import Scheduler, scheduled
-from oncely.jobs.store import JobRecord, Jobs
+from oncely.jobs.store import Jobs
 from oncely.outbox.store import OutboxRow, OutboxStore
 from oncely.settings import Settings
 from oncely.shadow.report import VariantReport, build_report

@@ -7,7 +7,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from oncely.jobs.store import JOB_STATUSES, Jobs
+from oncely.jobs.records import JOB_STATUSES
+from oncely.jobs.store import Jobs
 from oncely.outbox.store import OutboxCounts, OutboxStore
 from oncely.queue.stream import Stream, StreamStats
 

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict
 from oncely.usage.totals import summed
 
 if TYPE_CHECKING:
-    from oncely.jobs.store import JobRecord
+    from oncely.jobs.records import JobRecord
 
 ResultT = TypeVar("ResultT", bound=BaseModel)
 

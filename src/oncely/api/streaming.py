@@ -40,7 +40,8 @@ from redis.exceptions import RedisError
 from oncely import names
 from oncely.api.problems import RateLimited, Unauthorized, problem_schema
 from oncely.api.workflows import current_view
-from oncely.jobs.store import JobRecord, Jobs
+from oncely.jobs.records import JobRecord
+from oncely.jobs.store import Jobs
 from oncely.live.events import FINISHED, JobEvent, JobEvents
 from oncely.live.follow import Followers
 from oncely.live.tokens import StreamTokens

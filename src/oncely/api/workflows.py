@@ -42,7 +42,8 @@ from oncely.api.problems import (
 from oncely.api.ratelimit import TenantLimiter
 from oncely.errors import KeyReused
 from oncely.jobs.checkpoints import Checkpoints, EventOutcome
-from oncely.jobs.store import JobRecord, Jobs, JobSpec
+from oncely.jobs.records import JobRecord, JobSpec
+from oncely.jobs.store import Jobs
 from oncely.usage.budgets import Budgets
 from oncely.views import JobView
 from oncely.workflow import Workflow

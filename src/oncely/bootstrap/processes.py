@@ -42,6 +42,7 @@ from oncely.health import HealthConfig, HealthServer
 from oncely.jobs.checkpoints import Checkpoints
 from oncely.jobs.handler import StepConfig, WorkflowHandler
 from oncely.jobs.reconcile import Reconciler
+from oncely.jobs.records import DeliveryReport
 from oncely.jobs.retention import Retention
 from oncely.jobs.schedules import Scheduler, scheduled
 from oncely.jobs.timers import Timers
@@ -55,7 +56,7 @@ from oncely.outbox.relay import Relay
 from oncely.outbox.store import OutboxStore
 from oncely.outbox.wakeup import OutboxWakeUp
 from oncely.queue.stream import Stream
-from oncely.queue.worker import DeliveryReport, Worker
+from oncely.queue.worker import Worker
 from oncely.senders import EffectRouter, build_router
 from oncely.services import Progress, Service
 from oncely.settings import Settings

@@ -28,7 +28,8 @@ from oncely.console.session import COOKIE, SESSION_S, ConsoleKey, Sessions
 from oncely.jobs import approvals, dead_letters
 from oncely.jobs.checkpoints import Checkpoints
 from oncely.jobs.inspection import UNREPORTED_NOTE, inspect_job
-from oncely.jobs.store import JOB_STATUSES, Jobs
+from oncely.jobs.records import JOB_STATUSES
+from oncely.jobs.store import Jobs
 from oncely.outbox.store import OutboxStore
 from oncely.shown import literal
 from oncely.usage import ledger

@@ -29,7 +29,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from operator import attrgetter
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import psycopg
 import structlog
@@ -40,14 +40,13 @@ from redis.exceptions import RedisError
 from oncely import metrics, tracing
 from oncely.batching import GroupRead
 from oncely.jobs.children import Children
-from oncely.jobs.store import Jobs, JobSpec, delivery_params, raced, writes_params
+from oncely.jobs.records import DeliveryReport, JobSpec
+from oncely.jobs.rows import delivery_params, raced, writes_params
+from oncely.jobs.store import Jobs
 from oncely.journal import Checkpoint, RunStopped, Wait, Writes
 from oncely.redis_client import call_together
 from oncely.sql import query
 from oncely.sql.bounded import StatementResult, run_statement, run_transaction
-
-if TYPE_CHECKING:
-    from oncely.queue.worker import DeliveryReport
 
 log = structlog.get_logger("oncely.checkpoints")
 

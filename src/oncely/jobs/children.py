@@ -33,7 +33,8 @@ import structlog
 from psycopg.types.json import Jsonb
 
 from oncely.batching import GroupCommit
-from oncely.jobs.store import Jobs, JobSpec
+from oncely.jobs.records import JobSpec
+from oncely.jobs.store import Jobs
 from oncely.journal import MapStart
 from oncely.redis_client import call_together
 from oncely.sql import query

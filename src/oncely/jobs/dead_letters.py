@@ -19,7 +19,8 @@ from datetime import datetime
 
 import structlog
 
-from oncely.jobs.store import DeadJob, Jobs, JobSpec
+from oncely.jobs.records import DeadJob, JobSpec
+from oncely.jobs.store import Jobs
 from oncely.views import tenant_error
 
 log = structlog.get_logger("oncely.dlq")

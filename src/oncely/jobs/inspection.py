@@ -19,7 +19,8 @@ import redis.exceptions
 
 from oncely.jobs.checkpoints import Checkpoints
 from oncely.jobs.children import MapCounts
-from oncely.jobs.store import DeliveryRecord, JobDetail, Jobs
+from oncely.jobs.records import DeliveryRecord, JobDetail
+from oncely.jobs.store import Jobs
 from oncely.journal import Checkpoint
 from oncely.outbox.store import OutboxRow, OutboxStore
 from oncely.queue.stream import Whereabouts

@@ -19,7 +19,8 @@ import psycopg
 import redis.exceptions
 import structlog
 
-from oncely.jobs.store import Jobs, JobSpec
+from oncely.jobs.records import JobSpec
+from oncely.jobs.store import Jobs
 from oncely.queue.stream import DELAYED, Stream
 
 log = structlog.get_logger("oncely.reconcile")

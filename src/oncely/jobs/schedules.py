@@ -32,7 +32,8 @@ import structlog
 from psycopg.types.json import Jsonb
 
 from oncely.api.keys import Scope, fingerprint
-from oncely.jobs.store import Jobs, JobSpec
+from oncely.jobs.records import JobSpec
+from oncely.jobs.store import Jobs
 from oncely.redis_client import call_together
 from oncely.services import Progress
 from oncely.sql import query

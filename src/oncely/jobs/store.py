@@ -30,12 +30,9 @@ happy path: the successful one by the statement that stores the result
 from __future__ import annotations
 
 import asyncio
-import json
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import psycopg
 import structlog
@@ -45,111 +42,30 @@ from redis.exceptions import RedisError
 
 from oncely import tracing
 from oncely.errors import RequestInProgress
-from oncely.journal import NewCheckpoint, Replay, Writes
+from oncely.jobs.records import (
+    JOB_STATUSES,
+    Acceptance,
+    DeadJob,
+    DeliveryRecord,
+    DeliveryReport,
+    JobDetail,
+    JobRecord,
+    JobSpec,
+)
+from oncely.jobs.rows import delivery_params, effects_param, step_summary, utc_moment
+from oncely.journal import Writes
 from oncely.queue.stream import JobMessage, Stream
 from oncely.redis_client import ScriptCall, call_together
 from oncely.sql import query
 from oncely.sql.bounded import StatementResult, outcome_unknown, run_statement
 
-if TYPE_CHECKING:
-    from oncely.queue.worker import DeliveryReport
-
 log = structlog.get_logger("oncely.jobs")
 
 _ERROR_CHARS = 2000
 NOTHING = Writes()
-# What a job row's status may be, withdrawn intakes aside (they are not jobs).
-# "held": a map's child its map's concurrency holds back (docs/fanout.md).
-JOB_STATUSES = ("queued", "held", "waiting", "done", "dead", "cancelled")
-# The constraints whose violation means another delivery stored a checkpoint first.
-CHECKPOINT_KEYS = frozenset({"checkpoints_pkey", "checkpoints_ordinal_key"})
 # Withdrawals retry while PostgreSQL does not answer: first after this long,
 # doubling up to the cap.
 _WITHDRAW_RETRY_S = (0.2, 2.0)
-
-
-@dataclass(frozen=True)
-class JobSpec:
-    """A job as it is dispatched: which workflow, for whom, with what request."""
-
-    job_id: str
-    tenant: str
-    kind: str
-    payload: dict[str, Any]
-
-
-@dataclass(frozen=True)
-class Acceptance:
-    """What ``accept`` found: ``fresh`` when this call recorded the job (and
-    enqueued it), else the job was recorded before, with ``fingerprint``
-    (None for rows accepted before fingerprints were kept)."""
-
-    fresh: bool
-    fingerprint: str | None
-
-
-@dataclass(frozen=True)
-class JobRecord:
-    """A job row with its result, as ``GET <route>/{job_id}`` shows it."""
-
-    job_id: uuid.UUID
-    tenant: str
-    kind: str
-    status: str
-    result: dict[str, Any] | None
-    usage: dict[str, int] | None
-    error: str | None
-    created_at: datetime
-    updated_at: datetime
-    # While waiting: the name its wake-up is matched on (an event's; None:
-    # a sleep), until when, and what it waits on as GET shows it (a call,
-    # an approval; None: an event or a sleep).
-    waiting_for: str | None
-    wait_until: datetime | None
-    waiting_detail: dict[str, Any] | None
-    # Its checkpoints in the order the run reached them, without their
-    # values: {"key", "kind", "status", "finished_at", "usage"}.
-    steps: list[dict[str, Any]]
-    # A map's child: its parent job (docs/fanout.md).
-    parent_id: uuid.UUID | None = None
-    # While it waits on a map: what the map's children count.
-    children: dict[str, int] | None = None
-
-
-@dataclass(frozen=True)
-class JobDetail(JobRecord):
-    """A job row with its result and its request, as operators see it."""
-
-    payload: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class DeadJob:
-    """A dead job as operators list it: its dead letter."""
-
-    job_id: uuid.UUID
-    tenant: str
-    kind: str
-    # "<reason>: <last error>" (the reason one of workflow.DEAD_REASONS).
-    error: str | None
-    dead_at: datetime
-    # Deliveries that reported back.
-    deliveries: int
-
-
-@dataclass(frozen=True)
-class DeliveryRecord:
-    """One delivery of a job that reported back (``job_deliveries``)."""
-
-    # The job's delivery number since it was last enqueued (1 = the first).
-    delivery: int
-    consumer: str
-    started_at: datetime
-    finished_at: datetime
-    # done, duplicate, retry, dead or cancelled.
-    outcome: str
-    error: str | None
-    model_calls: int
 
 
 class Jobs:
@@ -258,7 +174,7 @@ class Jobs:
         delivery stored this job's result first, or the job no longer runs
         in this ``generation`` (cancelled, dead, rerun); then nothing of this
         delivery is written but its history row, as ``duplicate``."""
-        steps = [_step(c) for c in writes.checkpoints]
+        steps = [step_summary(c) for c in writes.checkpoints]
         params = {
             "job_id": job_id,
             "workflow": workflow,
@@ -266,7 +182,7 @@ class Jobs:
             "result": Jsonb(result),
             "usage": None if usage is None else Jsonb(usage),
             "steps": Jsonb(steps) if steps else None,
-            "effects": _effects(writes),
+            "effects": effects_param(writes),
             # The relay's send continues the delivery's trace.
             "trace_context": tracing.traceparent(),
             **delivery_params(delivery),
@@ -292,7 +208,7 @@ class Jobs:
             "job_ids": [r.job_id for r in reports],
             "deliveries": [r.number for r in reports],
             "consumers": [r.consumer for r in reports],
-            "started_at": [_moment(r.started_at) for r in reports],
+            "started_at": [utc_moment(r.started_at) for r in reports],
             "outcomes": [r.outcome for r in reports],
             "errors": [r.error for r in reports],
             "model_calls": [r.model_calls for r in reports],
@@ -382,71 +298,6 @@ class Jobs:
         row = result.rows[0] if result.rows else None
         names = ("jobs", "results", "outbox", "deliveries", "checkpoints", "events")
         return dict(zip(names, (int(n) for n in row or (0,) * len(names)), strict=True))
-
-
-def raced(exc: psycopg.errors.UniqueViolation) -> BaseException:
-    """A unique violation on a checkpoint: another delivery stored it first,
-    so the run replays over it (``Replay``). Any other, as it is."""
-    if exc.diag.constraint_name in CHECKPOINT_KEYS:
-        return Replay(exc.diag.constraint_name)
-    return exc
-
-
-def writes_params(writes: Writes) -> dict[str, Any]:
-    """The parameters of a statement that stores ``writes`` as checkpoint
-    rows (the checkpoints' own statements): one JSON document each for the
-    checkpoints (their values as JSON text, NUL and all) and the effects.
-    One document converts far faster than a parameter array per column."""
-    checkpoints = [{**_step(c), "value": json_text(c.value)} for c in writes.checkpoints]
-    return {"checkpoints": Jsonb(checkpoints), "effects": _effects(writes)}
-
-
-def _step(checkpoint: NewCheckpoint) -> dict[str, Any]:
-    """A checkpoint's summary: what ``steps`` shows of it."""
-    return {
-        "key": checkpoint.key,
-        "ordinal": checkpoint.ordinal,
-        "kind": checkpoint.kind,
-        "status": checkpoint.status,
-        "usage": checkpoint.usage,
-    }
-
-
-def _effects(writes: Writes) -> Jsonb:
-    return Jsonb(
-        [
-            {"topic": e.topic, "dedupe_key": e.dedupe_key, "payload": e.payload}
-            for e in writes.effects
-        ]
-    )
-
-
-def json_text(value: Any) -> str:
-    """``value`` as JSON text PostgreSQL can store: non-ASCII as it is, NUL
-    (which jsonb refuses) escaped, lone surrogates escaped too."""
-    text = json.dumps(value, ensure_ascii=False, separators=(",", ":"))
-    try:
-        text.encode()
-    except UnicodeEncodeError:
-        return json.dumps(value, separators=(",", ":"))
-    return text
-
-
-def delivery_params(report: DeliveryReport | None) -> dict[str, Any]:
-    """A statement's delivery parameters, for the job's history (all NULL:
-    no history row)."""
-    if report is None:
-        return dict.fromkeys(("delivery", "consumer", "started_at", "model_calls"))
-    return {
-        "delivery": report.number,
-        "consumer": report.consumer,
-        "started_at": _moment(report.started_at),
-        "model_calls": report.model_calls,
-    }
-
-
-def _moment(unix_s: float) -> datetime:
-    return datetime.fromtimestamp(unix_s, UTC)
 
 
 def _is_uuid(value: str) -> bool:

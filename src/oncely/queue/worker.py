@@ -25,6 +25,7 @@ import structlog
 from oncely import metrics
 from oncely.batching import GroupCommit
 from oncely.errors import DeadlineExceeded, PermanentError, ResumeLater, TransientError
+from oncely.jobs.records import DeliveryReport
 from oncely.logs import frames
 from oncely.queue.stream import Entry, JobMessage, Stream
 from oncely.retry import backoff_s, classify, resume_s
@@ -62,24 +63,6 @@ _CANCELLED_WAIT_S = 5.0
 
 def consumer_name() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
-
-
-@dataclass(frozen=True)
-class DeliveryReport:
-    """What one delivery of a job came to, for the job's history (docs/console.md,
-    Deliveries)."""
-
-    job_id: str
-    # The job's delivery number since it was last enqueued (``Delivery.number``).
-    number: int
-    consumer: str
-    # Unix seconds.
-    started_at: float
-    # done, retry (redelivered after a backoff), dead, cancelled (stopped by
-    # the worker: a handler past its bound, or a shutdown; redelivered).
-    outcome: str
-    error: str | None
-    model_calls: int
 
 
 @dataclass
