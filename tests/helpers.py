@@ -10,9 +10,8 @@ from fastapi import FastAPI
 from psycopg_pool import AsyncConnectionPool
 from redis.asyncio import Redis
 
-from oncely.api.app import create_app
 from oncely.app import App
-from oncely.bootstrap import Resources, http_api
+from oncely.bootstrap import Resources, http_api, standalone_app
 from oncely.builtin import app as builtin_app
 from oncely.jobs.records import JobSpec
 from oncely.jobs.store import Jobs
@@ -26,7 +25,7 @@ def asgi_app(
 ) -> FastAPI:
     """The standalone API of ``app`` (default: the built-in one) on open clients."""
     resources = Resources(settings, redis, pool)
-    return create_app(http_api(app or builtin_app, settings, resources=resources))
+    return standalone_app(http_api(app or builtin_app, settings, resources=resources), settings)
 
 
 def make_worker(

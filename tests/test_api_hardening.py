@@ -233,7 +233,7 @@ def hold_router(handler: Handler, idempotent: object) -> APIRouter:
     router = APIRouter()
 
     @router.post("/v1/hold", status_code=201)
-    async def hold(body: Echo, idem: IdempotentRequest = Depends(idempotent)) -> Response:  # type: ignore[arg-type]  # noqa: B008
+    async def hold(body: Echo, idem: IdempotentRequest = Depends(idempotent)) -> Response:  # type: ignore[arg-type]
         async def run() -> Response:
             handler.calls += 1
             handler.fingerprints.append(idem.fingerprint)

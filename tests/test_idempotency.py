@@ -55,7 +55,7 @@ def echo_router(behaviour: Behaviour, idempotent: Any) -> APIRouter:
     router = APIRouter()
 
     @router.post("/v1/echo", status_code=201)
-    async def echo(body: Echo, idem: IdempotentRequest = Depends(idempotent)) -> Response:  # noqa: B008
+    async def echo(body: Echo, idem: IdempotentRequest = Depends(idempotent)) -> Response:
         async def handler() -> Response:
             behaviour.calls += 1
             call = behaviour.calls

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
@@ -46,7 +46,6 @@ from oncely.api.streaming import (
 )
 from oncely.api.workflows import DirectIntake, add_workflow_routes
 from oncely.app import App
-from oncely.console import console_router
 from oncely.jobs.checkpoints import Checkpoints
 from oncely.jobs.store import Jobs
 from oncely.live.events import JobEvents, LiveConfig
@@ -113,9 +112,6 @@ class ApiConfig:
     # A comment line this often keeps proxies from closing an idle stream;
     # the job's row is read again at each.
     stream_heartbeat_s: float = 15.0
-    # The operator key of the web console at /console (None: no console).
-    # Kept out of repr so that it never reaches a log line.
-    console_key: str | None = field(default=None, repr=False)
 
 
 class OncelyAPI:
@@ -302,8 +298,6 @@ def create_app(api: OncelyAPI, *, public_metrics: bool = True) -> FastAPI:
     app.state.oncely = api
     install_problem_handlers(app)
     api.add_routes(app.router)
-    if api.config.console_key:
-        app.include_router(console_router(api, api.config.console_key))
     _add_operations(app, api, public_metrics=public_metrics)
     _add_problem_schema(app)
     # HEAD as GET, the body and header bounds, the request count and the 500

@@ -51,6 +51,7 @@ _HOMES = {
     "settle_heap": "oncely.bootstrap.processes",
     "shadow_plan": "oncely.bootstrap.configs",
     "shadow_streams": "oncely.bootstrap.clients",
+    "standalone_app": "oncely.bootstrap.processes",
     "ShadowPlan": "oncely.bootstrap.configs",
     "step_config": "oncely.bootstrap.configs",
     "stop_on_signals": "oncely.bootstrap.processes",
@@ -92,6 +93,7 @@ __all__ = [
     "settle_heap",
     "shadow_plan",
     "shadow_streams",
+    "standalone_app",
     "step_config",
     "stop_on_signals",
     "worker_config",
@@ -138,6 +140,7 @@ if TYPE_CHECKING:
         run_worker,
         serve_api,
         settle_heap,
+        standalone_app,
         stop_on_signals,
     )
 

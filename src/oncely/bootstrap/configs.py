@@ -40,7 +40,6 @@ def api_config(s: Settings) -> ApiConfig:
         max_headers=s.http_max_headers,
         max_header_bytes=s.http_max_header_bytes,
         body_timeout_s=s.http_body_timeout_s,
-        console_key=s.console_key.get_secret_value() if s.console_key else None,
         streams_per_tenant=s.streams_per_tenant,
         stream_maxlen=s.stream_maxlen,
         stream_ttl_s=s.stream_ttl_s,

@@ -114,14 +114,26 @@ def http_api(
     return OncelyAPI(app, api_config(s), clients, auth=auth)
 
 
+def standalone_app(api: OncelyAPI, settings: Settings, *, public_metrics: bool = True) -> FastAPI:
+    """The API as ``oncely api`` serves it: ``api``'s standalone app
+    (``create_app``) and, with ``ONCELY_CONSOLE_KEY``, the web console at
+    /console (the API itself knows nothing of the console)."""
+    from oncely.api.app import create_app
+
+    served = create_app(api, public_metrics=public_metrics)
+    if settings.console_key is not None:
+        from oncely.console import mount_console
+
+        mount_console(served, api, settings.console_key.get_secret_value())
+    return served
+
+
 def asgi_app() -> FastAPI:
     """ASGI factory: ``uvicorn --factory oncely.bootstrap:asgi_app`` (or
     gunicorn with uvicorn workers). Settings and ``ONCELY_APP`` from the
     environment; clients opened by the lifespan."""
-    from oncely.api.app import create_app
-
     settings = Settings()
-    return create_app(http_api(app_from(settings), settings))
+    return standalone_app(http_api(app_from(settings), settings), settings)
 
 
 class _QuietServer(uvicorn.Server):
@@ -135,7 +147,6 @@ class _QuietServer(uvicorn.Server):
 
 class ApiServer:
     def __init__(self, app: App, res: Resources, *, host: str, port: int) -> None:
-        from oncely.api.app import create_app
         from oncely.api.server import bounded_protocol
 
         self._api = http_api(app, res.settings, resources=res)
@@ -145,7 +156,7 @@ class ApiServer:
         # httptools with bounds on the request head's size and time
         # (docs/settings.md, docs/decisions.md).
         config = uvicorn.Config(
-            create_app(self._api, public_metrics=public_metrics),
+            standalone_app(self._api, s, public_metrics=public_metrics),
             host=host,
             port=port,
             log_config=None,

@@ -1,11 +1,15 @@
 """The console's pages and its write actions (replay, retry, sign out).
 
-Every page looks its session up first and sends a stranger to the login
-form (console/session.py). Reads only read; the write actions are POSTs
-carrying the session's CSRF token, each idempotent (a second replay or
-retry finds nothing to do and says so). Pages load no inline script or
-style: their one script and stylesheet are served from ``/console/assets``,
-and the CSP allows nothing else.
+Every page depends on ``Console.signed_in``, which sends a stranger to the
+login form (console/session.py); a page of one workflow, or of one job, on
+``Console.workflow`` or ``Console.job``, which answer 404 for one the app
+does not have. Reads only read; the write actions are POSTs depending on
+``Console.checked``: the session's CSRF token, or 403. Each is idempotent
+(a second replay or retry finds nothing to do and says so). A dependency
+that refuses raises ``Refused`` with its answer, which ``mount_console``
+has the app send as it is. Pages load no inline script or style: their one
+script and stylesheet are served from ``/console/assets``, and the CSP
+allows nothing else.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlencode
 
 import structlog
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response, StreamingResponse
 from jinja2 import Environment, PackageLoader, select_autoescape
 from markupsafe import Markup
@@ -87,8 +91,22 @@ def _when(value: datetime | float | None) -> str:
     return value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
+class Refused(Exception):
+    """A page's dependency answered for it: sign in first, 403, 404."""
+
+    def __init__(self, response: Response) -> None:
+        super().__init__(response.status_code)
+        self.response = response
+
+
+async def _answer(_: Request, exc: Exception) -> Response:
+    assert isinstance(exc, Refused)
+    return exc.response
+
+
 class Console:
-    """What every page needs: the API's clients, the key and the templates."""
+    """What every page needs: the API's clients, the key and the templates,
+    and the dependencies that admit a request to a page."""
 
     def __init__(self, api: Host, key: str) -> None:
         self.api = api
@@ -109,8 +127,48 @@ class Console:
         return OutboxStore(self.api.clients.pool)
 
     async def session(self, request: Request) -> str | None:
-        """The request's session, while it lasts."""
-        return await self.sessions.current(request.cookies.get(COOKIE))
+        """The request's session, while it lasts (looked up once per
+        request, however many of its dependencies ask)."""
+        if "console_session" not in request.scope:
+            found = await self.sessions.current(request.cookies.get(COOKIE))
+            request.scope["console_session"] = found
+        session: str | None = request.scope["console_session"]
+        return session
+
+    # -- dependencies ----------------------------------------------------------
+
+    async def signed_in(self, request: Request) -> str:
+        """The request's session; none: off to the login form."""
+        session = await self.session(request)
+        if session is None:
+            raise Refused(_to_login())
+        return session
+
+    async def checked(self, request: Request) -> str:
+        """A write's session, its form carrying the session's CSRF token."""
+        session = await self.signed_in(request)
+        if not self.key.csrf_ok(session, (await _form(request)).get("csrf")):
+            raise Refused(self.page("forbidden.html", session, http_status=403))
+        return session
+
+    async def workflow(self, request: Request, workflow: str) -> str:
+        """A workflow of the app (its session checked first), else 404."""
+        session = await self.signed_in(request)
+        if workflow not in self.workflows:
+            raise Refused(self.not_found("workflow", session))
+        return workflow
+
+    async def job(self, request: Request, workflow: str, job_id: str) -> uuid.UUID:
+        """A job id under a workflow of the app (the session checked
+        first), else 404; whether the job exists is the page's to find."""
+        session = await self.signed_in(request)
+        try:
+            parsed = uuid.UUID(job_id)
+        except ValueError:
+            raise Refused(self.not_found("job", session)) from None
+        if workflow not in self.workflows:
+            raise Refused(self.not_found("job", session))
+        return parsed
 
     def page(
         self,
@@ -143,8 +201,16 @@ async def _form(request: Request) -> dict[str, str]:
     return {name: values[0] for name, values in fields.items()}
 
 
+def mount_console(app: FastAPI, api: Host, key: str) -> None:
+    """Serve the console at /console on ``app`` (the composition root's
+    call: the API knows nothing of it), behind ``key``."""
+    app.include_router(console_router(api, key))
+    app.add_exception_handler(Refused, _answer)
+
+
 def console_router(api: Host, key: str) -> APIRouter:
-    """The console's routes under /console for ``api``'s app, behind ``key``."""
+    """The console's routes under /console for ``api``'s app, behind ``key``;
+    ``mount_console`` serves them with their refusals."""
     console = Console(api, key)
     router = APIRouter(prefix="/console", include_in_schema=False)
     _add_assets(router)
@@ -209,12 +275,7 @@ def _add_login(router: APIRouter, console: Console) -> None:
         return response
 
     @router.post("/logout")
-    async def logout(request: Request) -> Response:
-        session = await console.session(request)
-        if session is None:
-            return _to_login()
-        if not console.key.csrf_ok(session, (await _form(request)).get("csrf")):
-            return console.page("forbidden.html", session, http_status=403)
+    async def logout(request: Request, session: str = Depends(console.checked)) -> Response:
         await console.sessions.end(session)
         log.info("console.signed_out", client=_client(request))
         response = _redirect("/console/login", signed_out="1")
@@ -229,10 +290,7 @@ def _client(request: Request) -> str:
 
 def _add_overview(router: APIRouter, console: Console) -> None:
     @router.get("")
-    async def overview(request: Request) -> Response:
-        session = await console.session(request)
-        if session is None:
-            return _to_login()
+    async def overview(session: str = Depends(console.signed_in)) -> Response:
         counts = await console.jobs.counts()
         streams = console.jobs.streams
         rows = [
@@ -248,13 +306,11 @@ def _add_overview(router: APIRouter, console: Console) -> None:
 def _add_jobs(router: APIRouter, console: Console) -> None:
     @router.get("/workflows/{workflow}/jobs")
     async def job_list(
-        request: Request, workflow: str, status: str = "", parent: str = ""
+        status: str = "",
+        parent: str = "",
+        session: str = Depends(console.signed_in),
+        workflow: str = Depends(console.workflow),
     ) -> Response:
-        session = await console.session(request)
-        if session is None:
-            return _to_login()
-        if workflow not in console.workflows:
-            return console.not_found("workflow", session)
         chosen = status if status in STATUSES else None
         try:
             parent_id = uuid.UUID(parent) if parent else None
@@ -275,16 +331,12 @@ def _add_jobs(router: APIRouter, console: Console) -> None:
 
 def _add_job_page(router: APIRouter, console: Console) -> None:
     @router.get("/workflows/{workflow}/jobs/{job_id}")
-    async def job_page(request: Request, workflow: str, job_id: str, decided: str = "") -> Response:
-        session = await console.session(request)
-        if session is None:
-            return _to_login()
-        try:
-            parsed = uuid.UUID(job_id)
-        except ValueError:
-            return console.not_found("job", session)
-        if workflow not in console.workflows:
-            return console.not_found("job", session)
+    async def job_page(
+        workflow: str,
+        decided: str = "",
+        session: str = Depends(console.signed_in),
+        parsed: uuid.UUID = Depends(console.job),
+    ) -> Response:
         view = await inspect_job(console.jobs, console.outbox, workflow, parsed)
         if view is None:
             return console.not_found("job", session)
@@ -342,19 +394,15 @@ def _add_live(router: APIRouter, console: Console) -> None:
 
 def _add_approvals(router: APIRouter, console: Console) -> None:
     @router.post("/workflows/{workflow}/jobs/{job_id}/approvals/{call_id}")
-    async def decide_call(request: Request, workflow: str, job_id: str, call_id: str) -> Response:
-        session = await console.session(request)
-        if session is None:
-            return _to_login()
+    async def decide_call(
+        request: Request,
+        workflow: str,
+        job_id: str,
+        call_id: str,
+        _: str = Depends(console.checked),
+        parsed: uuid.UUID = Depends(console.job),
+    ) -> Response:
         form = await _form(request)
-        if not console.key.csrf_ok(session, form.get("csrf")):
-            return console.page("forbidden.html", session, http_status=403)
-        try:
-            parsed = uuid.UUID(job_id)
-        except ValueError:
-            return console.not_found("job", session)
-        if workflow not in console.workflows:
-            return console.not_found("job", session)
         decision: dict[str, Any] = {"approved": form.get("decision") == "approve"}
         if form.get("reason"):
             decision["reason"] = form["reason"]
@@ -371,13 +419,11 @@ def _add_approvals(router: APIRouter, console: Console) -> None:
 def _add_dead_letters(router: APIRouter, console: Console) -> None:
     @router.get("/workflows/{workflow}/dead-letters")
     async def dead_letter_list(
-        request: Request, workflow: str, replayed: str = "", missing: str = ""
+        replayed: str = "",
+        missing: str = "",
+        session: str = Depends(console.signed_in),
+        workflow: str = Depends(console.workflow),
     ) -> Response:
-        session = await console.session(request)
-        if session is None:
-            return _to_login()
-        if workflow not in console.workflows:
-            return console.not_found("workflow", session)
         letters = await dead_letters.list_dead(console.jobs, workflow, _LIST_LIMIT)
         return console.page(
             "dead_letters.html",
@@ -390,14 +436,11 @@ def _add_dead_letters(router: APIRouter, console: Console) -> None:
         )
 
     @router.post("/workflows/{workflow}/dead-letters/{dead_id}/replay")
-    async def replay(request: Request, workflow: str, dead_id: str) -> Response:
-        session = await console.session(request)
-        if session is None:
-            return _to_login()
-        if not console.key.csrf_ok(session, (await _form(request)).get("csrf")):
-            return console.page("forbidden.html", session, http_status=403)
-        if workflow not in console.workflows:
-            return console.not_found("workflow", session)
+    async def replay(
+        dead_id: str,
+        _: str = Depends(console.checked),
+        workflow: str = Depends(console.workflow),
+    ) -> Response:
         job = await dead_letters.replay(console.jobs, workflow, dead_id)
         path = f"/console/workflows/{workflow}/dead-letters"
         if job is None:
@@ -407,22 +450,16 @@ def _add_dead_letters(router: APIRouter, console: Console) -> None:
 
 def _add_outbox(router: APIRouter, console: Console) -> None:
     @router.get("/outbox")
-    async def failed_outbox(request: Request, retried: str = "", missing: str = "") -> Response:
-        session = await console.session(request)
-        if session is None:
-            return _to_login()
+    async def failed_outbox(
+        retried: str = "", missing: str = "", session: str = Depends(console.signed_in)
+    ) -> Response:
         rows = await console.outbox.list(failed_only=True, limit=_LIST_LIMIT)
         return console.page(
             "outbox.html", session, refresh=REFRESH_S, rows=rows, retried=retried, missing=missing
         )
 
     @router.post("/outbox/{row_id}/retry")
-    async def retry(request: Request, row_id: int) -> Response:
-        session = await console.session(request)
-        if session is None:
-            return _to_login()
-        if not console.key.csrf_ok(session, (await _form(request)).get("csrf")):
-            return console.page("forbidden.html", session, http_status=403)
+    async def retry(row_id: int, _: str = Depends(console.checked)) -> Response:
         if not await console.outbox.retry(row_id):
             return _redirect("/console/outbox", missing=str(row_id))
         log.info("console.outbox_retried", outbox_id=row_id)
@@ -435,10 +472,7 @@ _USAGE_PERIODS = {"1h": timedelta(hours=1), "24h": timedelta(days=1), "7d": time
 
 def _add_usage(router: APIRouter, console: Console) -> None:
     @router.get("/usage")
-    async def usage(request: Request, since: str = "24h") -> Response:
-        session = await console.session(request)
-        if session is None:
-            return _to_login()
+    async def usage(since: str = "24h", session: str = Depends(console.signed_in)) -> Response:
         period = since if since in _USAGE_PERIODS else "24h"
         start = datetime.now(UTC) - _USAGE_PERIODS[period]
         found = await ledger.usage_report(
