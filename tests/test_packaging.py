@@ -310,6 +310,29 @@ def test_no_two_modules_import_each_other() -> None:
     assert cycles == [], f"modules importing each other (directly or not): {cycles}"
 
 
+def test_one_step_kit_makes_every_context_and_the_handler_knows_no_shadow() -> None:
+    """A step's ``Context`` is made in one place (``jobs/kit.py``
+    ``step_context``), for a job, a shadow run and ``oncely.testing``
+    alike; the handler names shadow work by a protocol, never ``shadow/``."""
+    package = ROOT / "src" / "oncely"
+    makers = sorted(
+        str(path.relative_to(package))
+        for path in package.rglob("*.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id == "Context"
+    )
+    assert makers == ["jobs/kit.py"]
+    handler = ast.parse((package / "jobs" / "handler.py").read_text())
+    imported = {
+        node.module
+        for node in ast.walk(handler)
+        if isinstance(node, ast.ImportFrom) and node.module is not None
+    }
+    assert not any(m.startswith("oncely.shadow") for m in imported), imported
+
+
 def _signatures(obj: Any) -> list[tuple[str, dict[str, Any]]]:
     """A public object's typed parts: each method's, property's and field's
     hints, by member name."""

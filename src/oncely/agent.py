@@ -35,9 +35,9 @@ from pydantic import BaseModel, ValidationError
 
 from oncely import metrics
 from oncely.context import Context, journal_of, record_step
-from oncely.errors import CallFailed, PermanentError
+from oncely.errors import CallFailed, PermanentError, short_errors
 from oncely.journal import Scope, check_name
-from oncely.llm.model import Reply, ToolCall, short_errors
+from oncely.llm.model import Reply, ToolCall
 from oncely.tools import Tool, ToolContext
 from oncely.usage.totals import summed
 

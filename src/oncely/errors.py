@@ -5,6 +5,29 @@ Mapped to HTTP only at the API edge (``oncely.api.problems``).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pydantic import ValidationError
+
+# Enough of a validation error to act on; the value itself is never quoted.
+_ERRORS_SHOWN = 3
+_ERROR_CHARS = 300
+
+
+def short_errors(exc: ValidationError) -> str:
+    """Where and why a value failed validation (a model's answer, a step's
+    result, a stored request), in a line, without quoting the value."""
+    details = exc.errors(include_url=False, include_context=False, include_input=False)
+    parts = [
+        f"{'.'.join(str(part) for part in error['loc']) or '(root)'}: {error['msg']}"
+        for error in details[:_ERRORS_SHOWN]
+    ]
+    if len(details) > _ERRORS_SHOWN:
+        parts.append(f"and {len(details) - _ERRORS_SHOWN} more")
+    text = "; ".join(parts)
+    return text if len(text) <= _ERROR_CHARS else text[: _ERROR_CHARS - 1] + "…"
+
 
 class OncelyError(Exception):
     """Base of every error oncely raises on purpose."""

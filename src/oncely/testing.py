@@ -66,10 +66,9 @@ from typing import Any, Generic, Literal, TypeVar
 from pydantic import BaseModel
 
 from oncely.agent import ApprovalDecision
-from oncely.context import Context
 from oncely.errors import CallFailed, Nondeterministic, PermanentError, TransientError
 from oncely.jobs.children import child_id
-from oncely.jobs.handler import checked_result, ungrouped
+from oncely.jobs.kit import run_step_function, step_context
 from oncely.journal import (
     Checkpoint,
     Emitted,
@@ -321,9 +320,10 @@ class _Harness:
             journal=journal,
             route=ModelRoute(fallbacks, prices=self.prices),
         )
-        ctx = Context(self.workflow, self.job_id, self.tenant, model, 1, journal=journal)
-        value = await journal.run(ungrouped(self.workflow.step(body, ctx)))
-        return journal, checked_result(self.workflow, value)
+        ctx = step_context(self.workflow, self.job_id, self.tenant, model, 1, journal=journal)
+        return journal, await run_step_function(
+            self.workflow, self.workflow.step, body, ctx, journal
+        )
 
     def outcome(self, journal: Journal, result: BaseModel) -> StepRun[Any]:
         calls = tuple(self.script.calls)

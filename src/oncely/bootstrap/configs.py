@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from oncely.app import App, load_app
-from oncely.jobs.handler import StepConfig
+from oncely.jobs.kit import StepConfig
 from oncely.llm.cooldown import CooldownPolicy
 from oncely.llm.limiter import Limits
 from oncely.queue.worker import WorkerConfig

@@ -40,7 +40,8 @@ from oncely.bootstrap.configs import (
 from oncely.effects import WebhookEffect
 from oncely.health import HealthConfig, HealthServer
 from oncely.jobs.checkpoints import Checkpoints
-from oncely.jobs.handler import StepConfig, WorkflowHandler
+from oncely.jobs.handler import WorkflowHandler
+from oncely.jobs.kit import StepConfig
 from oncely.jobs.reconcile import Reconciler
 from oncely.jobs.records import DeliveryReport
 from oncely.jobs.retention import Retention

@@ -27,19 +27,23 @@ nothing but its history row.
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Awaitable, Iterator
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import structlog
 from pydantic import BaseModel, ValidationError
 
 from oncely import metrics, tracing
-from oncely.context import CALL_TIMEOUT_S, MAP_MAX_ITEMS, WAIT_MAX_S, Context
-from oncely.errors import DeadlineExceeded, Nondeterministic, PermanentError, TransientError
+from oncely.context import Context
+from oncely.errors import (
+    PermanentError,
+    TransientError,
+    short_errors,
+)
 from oncely.jobs.checkpoints import Checkpoints, JobRun
+from oncely.jobs.kit import StepConfig, run_step_function, step_context, step_model
 from oncely.jobs.store import Jobs
 from oncely.journal import Checkpoint, Journal, Replay, RunStopped, Suspended, Wait, Writes
 from oncely.live.events import JobEvents, LiveJob
@@ -47,8 +51,6 @@ from oncely.llm.base import LLM
 from oncely.llm.model import Model, ModelRoute
 from oncely.outbox.wakeup import OutboxWakeUp
 from oncely.queue.stream import JobMessage
-from oncely.retry import Deadline, RetryPolicy, classify
-from oncely.shadow.dispatch import ShadowDispatch
 from oncely.usage.ledger import CallSite
 from oncely.workflow import Variant, Workflow
 
@@ -64,23 +66,11 @@ T = TypeVar("T")
 _MAX_REPLAYS = 20
 
 
-@dataclass(frozen=True)
-class StepConfig:
-    """How a step may use the model in one delivery."""
+class AfterCommit(Protocol):
+    """Work for a job once its result is committed, never delaying or
+    failing it: the shadow runs' dispatch (``oncely.shadow``)."""
 
-    policy: RetryPolicy
-    # Wall-clock budget of one delivery; a fresh one on each redelivery.
-    budget_s: float = 60.0
-    # Extra model calls after an answer that does not fit the result model.
-    invalid_output_retries: int = 2
-    # The model's name, for metrics.
-    model_name: str = ""
-    # The longest ``ctx.wait_for_event`` (and its default timeout).
-    wait_max_s: float = WAIT_MAX_S
-    # A call's default timeout (``ctx.call``).
-    call_timeout_s: float = CALL_TIMEOUT_S
-    # The most items one ``ctx.map`` takes.
-    map_max_items: int = MAP_MAX_ITEMS
+    async def after_commit(self, message: JobMessage, result: Mapping[str, Any]) -> None: ...
 
 
 class WorkflowHandler:
@@ -95,7 +85,7 @@ class WorkflowHandler:
         wake_relay: OutboxWakeUp,
         *,
         variant: Variant | None = None,
-        shadows: ShadowDispatch | None = None,
+        shadows: AfterCommit | None = None,
         checkpoints: Checkpoints | None = None,
         route: ModelRoute | None = None,
         events: JobEvents | None = None,
@@ -139,7 +129,9 @@ class WorkflowHandler:
         try:
             request = self.workflow.request.model_validate(message.payload)
         except ValidationError as exc:
-            raise PermanentError(f"stored request no longer validates: {_short(exc)}") from exc
+            raise PermanentError(
+                f"stored request no longer validates: {short_errors(exc)}"
+            ) from exc
         for _ in range(_MAX_REPLAYS):
             assert run is not None
             outcome = await self._attempt(message, delivery, request, run)
@@ -160,8 +152,8 @@ class WorkflowHandler:
         step = self.variant.step if self.variant and self.variant.step else self.workflow.step
         try:
             try:
-                value = await journal.run(ungrouped(step(request, ctx)))
-                result = self._checked(value).model_dump(mode="json")
+                checked = await run_step_function(self.workflow, step, request, ctx, journal)
+                result = checked.model_dump(mode="json")
             finally:
                 # Also for a failed delivery: the worker records what it spent.
                 delivery.model_calls += model.usage.model_calls
@@ -201,18 +193,16 @@ class WorkflowHandler:
         model = store.model = self._model(journal, site)
         if live is not None:
             model.stream_to(live, streaming=self.workflow.stream, redelivered=delivery.number > 1)
-        ctx = Context(
+        ctx = step_context(
             self.workflow,
             message.job_id,
             message.tenant,
             model,
             delivery.number,
-            variant=self.variant,
             journal=journal,
-            wait_max_s=self.config.wait_max_s,
+            config=self.config,
+            variant=self.variant,
             live=live,
-            call_timeout_s=self.config.call_timeout_s,
-            map_max_items=self.config.map_max_items,
         )
         return journal, model, ctx
 
@@ -253,49 +243,6 @@ class WorkflowHandler:
         return step_model(
             self.workflow.name, self.llm, self.config, journal=journal, route=self.route, site=site
         )
-
-    def _checked(self, result: Any) -> BaseModel:
-        return checked_result(self.workflow, result)
-
-
-async def ungrouped(step: Awaitable[T]) -> T:
-    """The step's value; an exception group its tasks raised (a
-    ``TaskGroup``), as the one error that decides the run: a replay, a
-    stop, a wait, a nondeterministic run, then transient when every error
-    in it can succeed later, else the first permanent one."""
-    try:
-        return await step
-    except BaseExceptionGroup as group:
-        raise _deciding(group) from group
-
-
-def _deciding(group: BaseExceptionGroup[BaseException]) -> BaseException:
-    leaves = list(_leaves(group))
-    for kind in (Replay, RunStopped, Suspended, Nondeterministic, asyncio.CancelledError):
-        found = next((e for e in leaves if isinstance(e, kind)), None)
-        if found is not None:
-            return found
-    # Anything else that is no error (an interrupt, a test's stand-in for
-    # kill -9) passes through as itself.
-    stopping = next((e for e in leaves if not isinstance(e, Exception)), None)
-    if stopping is not None:
-        return stopping
-    if all(isinstance(e, TransientError | DeadlineExceeded) or classify(e) for e in leaves):
-        return TransientError(f"{len(leaves)} failed in parallel: {_short_errors(leaves)}")
-    permanent = next((e for e in leaves if isinstance(e, PermanentError)), None)
-    return permanent or PermanentError(f"failed in parallel: {_short_errors(leaves)}")
-
-
-def _leaves(error: BaseException) -> Iterator[BaseException]:
-    if isinstance(error, BaseExceptionGroup):
-        for inner in error.exceptions:
-            yield from _leaves(inner)
-    else:
-        yield error
-
-
-def _short_errors(errors: list[BaseException]) -> str:
-    return "; ".join(f"{type(e).__name__}: {e}" for e in errors)[:500]
 
 
 def _not_running(run: JobRun | None) -> str | None:
@@ -363,47 +310,3 @@ def _waiting(wait: Wait) -> dict[str, Any]:
         return detail  # until its children have ended
     until = datetime.now(UTC) + timedelta(seconds=wait.seconds)
     return {**detail, "until": until.isoformat()}
-
-
-def step_model(
-    workflow: str,
-    llm: LLM,
-    config: StepConfig,
-    model_name: str | None = None,
-    *,
-    journal: Journal | None = None,
-    route: ModelRoute | None = None,
-    site: CallSite | None = None,
-) -> Model:
-    """The model one delivery's step uses: ``config``'s retries under a fresh
-    budget, its calls checkpoints of ``journal`` (shadow runs name their
-    variant's model, and keep no checkpoints), going down ``route`` and
-    recorded for ``site``."""
-    return Model(
-        llm,
-        policy=config.policy,
-        deadline=Deadline.after(config.budget_s),
-        workflow=workflow,
-        model_name=config.model_name if model_name is None else model_name,
-        invalid_output_retries=config.invalid_output_retries,
-        journal=journal,
-        route=route,
-        site=site,
-    )
-
-
-def checked_result(workflow: Workflow[Any, Any], result: Any) -> BaseModel:
-    """A step's answer as the declared result model (a plain dict is validated)."""
-    if isinstance(result, workflow.result):
-        return cast(BaseModel, result)
-    try:
-        validated: BaseModel = workflow.result.model_validate(result)
-    except ValidationError as exc:
-        raise PermanentError(f"step returned an invalid result: {_short(exc)}") from exc
-    return validated
-
-
-def _short(exc: ValidationError) -> str:
-    return "; ".join(
-        f"{'.'.join(str(p) for p in e['loc']) or '(root)'}: {e['msg']}" for e in exc.errors()
-    )[:500]

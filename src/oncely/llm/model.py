@@ -36,7 +36,7 @@ from prometheus_client import Counter, Histogram
 from pydantic import BaseModel, ValidationError
 
 from oncely import tracing
-from oncely.errors import OncelyError, PermanentError, ResumeLater, TransientError
+from oncely.errors import OncelyError, PermanentError, ResumeLater, TransientError, short_errors
 from oncely.journal import Journal, Recorded, check_name, current_checkpoint
 from oncely.llm.base import (
     LLM,
@@ -69,10 +69,6 @@ if TYPE_CHECKING:
 M = TypeVar("M", bound=BaseModel)
 
 log = structlog.get_logger(__name__)
-
-# Enough of a validation error to act on; the answer itself is never quoted.
-_ERRORS_SHOWN = 3
-_ERROR_CHARS = 300
 
 
 @dataclass
@@ -696,19 +692,6 @@ def _messages(user: str, system: str | None) -> list[Message]:
 def response_schema(result: type[BaseModel]) -> ResponseSchema:
     """The structured-output request for ``result``, worked out once per class."""
     return ResponseSchema(name=result.__name__, schema=result.model_json_schema())
-
-
-def short_errors(exc: ValidationError) -> str:
-    """Where and why an answer failed validation, without quoting the answer."""
-    details = exc.errors(include_url=False, include_context=False, include_input=False)
-    parts = [
-        f"{'.'.join(str(part) for part in error['loc']) or '<answer>'}: {error['msg']}"
-        for error in details[:_ERRORS_SHOWN]
-    ]
-    if len(details) > _ERRORS_SHOWN:
-        parts.append(f"and {len(details) - _ERRORS_SHOWN} more")
-    text = "; ".join(parts)
-    return text if len(text) <= _ERROR_CHARS else text[: _ERROR_CHARS - 1] + "…"
 
 
 @dataclass(frozen=True)

@@ -27,9 +27,8 @@ import structlog
 from pydantic import BaseModel, ValidationError
 
 from oncely import tracing
-from oncely.context import Context
 from oncely.errors import DeadlineExceeded, PermanentError
-from oncely.jobs.handler import StepConfig, checked_result, step_model
+from oncely.jobs.kit import StepConfig, run_step_function, step_context, step_model
 from oncely.journal import Ephemeral, Journal
 from oncely.llm.base import LLM
 from oncely.llm.model import Model, ModelRoute
@@ -103,18 +102,19 @@ class ShadowHandler:
         judge = self._judge(site)
         try:
             primary, request = self._inputs(message, delivery)
-            ctx = Context(
+            ctx = step_context(
                 self.workflow,
                 message.job_id,
                 message.tenant,
                 model,
-                delivery.count,
+                delivery.number,
+                journal=journal,
+                config=self.config,
                 variant=self.variant,
                 shadow=True,
-                journal=journal,
             )
             step = self.variant.step or self.workflow.step
-            result = self._checked(await step(request, ctx))
+            result = await run_step_function(self.workflow, step, request, ctx, journal)
             evaluation = await self._evaluate(judge, request, primary, result)
         except Exception as exc:
             if isinstance(exc, DeadlineExceeded) or classify(exc):
@@ -192,9 +192,6 @@ class ShadowHandler:
             route=self.route,
             site=site,
         )
-
-    def _checked(self, result: Any) -> BaseModel:
-        return checked_result(self.workflow, result)
 
 
 def _usage(model: Model, judge: Model | None) -> dict[str, Any]:
