@@ -232,7 +232,7 @@ async def test_no_decision_in_time_rejects_by_default(custom, pool) -> None:
 
 
 async def test_jobs_approve_decides_from_the_command_line(desk) -> None:
-    from oncely.ops import decide_approval
+    from oncely.cli.ops import decide_approval
 
     harness, _, _ = desk
     worker = harness.worker("helpdesk")

@@ -16,8 +16,8 @@ from psycopg.types.json import Jsonb
 from pydantic import SecretStr
 
 from oncely.api.auth import create_api_key
+from oncely.cli.terminal import literal
 from oncely.jobs.records import JobSpec
-from oncely.terminal import literal
 from oncely.usage.ledger import Call, CallSite, Ledger
 from oncely.usage.prices import Prices
 from tests.processes import oncely
@@ -165,7 +165,7 @@ def test_app_may_follow_the_command_too(command: list[str], tmp_path, monkeypatc
     anything starts."""
     from typer.testing import CliRunner
 
-    from oncely.cli import app as cli
+    from oncely.cli.commands import app as cli
 
     # The command would point the process's logging at the runner's stream,
     # closed once it returns: the tests after it would log into nothing.
@@ -180,7 +180,7 @@ def test_app_may_follow_the_command_too(command: list[str], tmp_path, monkeypatc
 def test_help_shows_no_type_placeholder_on_a_flag() -> None:
     from typer.testing import CliRunner
 
-    from oncely.cli import app
+    from oncely.cli.commands import app
 
     runner = CliRunner()
     for args in (["--help"], ["dev", "--help"], ["jobs", "list", "--help"]):
@@ -197,8 +197,8 @@ def test_the_dev_banner_names_the_console_and_writes_no_colour_to_a_file(
 
     from rich.console import Console
 
-    from oncely import dev
     from oncely.builtin import app
+    from oncely.cli import dev
 
     def banner(**changes: object) -> str:
         out = io.StringIO()

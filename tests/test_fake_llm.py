@@ -18,7 +18,7 @@ import pytest
 from pydantic import BaseModel, Field, ValidationError
 from typer.testing import CliRunner
 
-from oncely.cli import app as cli
+from oncely.cli.commands import app as cli
 from oncely.fakes.faults import parse_rates
 from oncely.fakes.llm import RANDOM_FAULTS, FakeLLMServer
 

@@ -17,7 +17,7 @@ import aiohttp
 import pytest
 from typer.testing import CliRunner
 
-from oncely.cli import app as cli
+from oncely.cli.commands import app as cli
 from oncely.effects import Email
 from oncely.errors import TransientError
 from oncely.fakes.mail import EVENTS_PATH, FakeMailServer, serve_fake_mail

@@ -13,12 +13,12 @@ from psycopg.types.json import Jsonb
 
 from oncely.api.auth import create_api_key
 from oncely.builtin import app as builtin_app
+from oncely.cli.status import read_status
 from oncely.jobs.store import Jobs
 from oncely.outbox.store import OutboxStore
 from oncely.queue.stream import Stream
 from oncely.sql import query
 from oncely.sql.migrate import available, migrate
-from oncely.status import read_status
 from tests.helpers import asgi_app
 
 

@@ -333,6 +333,33 @@ def test_one_step_kit_makes_every_context_and_the_handler_knows_no_shadow() -> N
     assert not any(m.startswith("oncely.shadow") for m in imported), imported
 
 
+# Every module at the package's root, by kind (docs/architecture.md, "Root
+# modules"): a new one must be one of them.
+PUBLIC_ROOT = {
+    "__init__", "__main__", "workflow", "context", "views", "agent", "tools", "effects",
+    "app", "errors", "testing", "settings",
+}  # fmt: skip
+LEAF_ROOT = {
+    "names", "metrics", "tracing", "logs", "retry", "journal", "shown", "lazy", "batching",
+    "redis_client", "services", "timetable",
+}  # fmt: skip
+PROCESS_ROOT = {"health", "embedded"}
+
+
+def test_every_root_module_is_public_a_leaf_or_process_plumbing() -> None:
+    package = ROOT / "src" / "oncely"
+    assert {p.stem for p in package.glob("*.py")} == PUBLIC_ROOT | LEAF_ROOT | PROCESS_ROOT
+    allowed = LEAF_ROOT | {"errors", "usage.totals"}
+    for leaf in sorted(LEAF_ROOT):
+        tree = ast.parse((package / f"{leaf}.py").read_text())
+        imported = {
+            node.module.removeprefix("oncely.")
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("oncely.")
+        }
+        assert imported <= allowed, f"leaf {leaf} imports {sorted(imported - allowed)}"
+
+
 def _signatures(obj: Any) -> list[tuple[str, dict[str, Any]]]:
     """A public object's typed parts: each method's, property's and field's
     hints, by member name."""
@@ -390,9 +417,9 @@ def test_operator_commands_load_neither_the_model_sdk_nor_the_web_servers() -> N
     talks to Redis and PostgreSQL, not the model's SDK, the senders' HTTP
     client or the API server."""
     heavy = ("openai", "aiohttp", "fastapi", "uvicorn")
-    probe = f"import sys, oncely.ops; print(','.join(m for m in {heavy!r} if m in sys.modules))"
+    probe = f"import sys, oncely.cli.ops; print(','.join(m for m in {heavy!r} if m in sys.modules))"
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
-    assert done.stdout.strip() == "", f"import oncely.ops loaded {done.stdout.strip()}"
+    assert done.stdout.strip() == "", f"import oncely.cli.ops loaded {done.stdout.strip()}"
 
 
 def test_every_public_name_is_exported_and_resolves() -> None:

@@ -161,7 +161,7 @@ UNPATCHED_APP = App([deployed(unpatched)])
 
 
 async def test_jobs_a_deploy_broke_are_listed_and_rerun_from_their_last_match(custom) -> None:
-    from oncely.ops import list_jobs, rewind_nondeterministic
+    from oncely.cli.ops import list_jobs, rewind_nondeterministic
 
     old_code: Harness = await custom(OLD_APP)
     job_id = await old_code.submit("/v1/deploys", {"text": "In flight."})

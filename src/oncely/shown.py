@@ -1,6 +1,6 @@
 """Stored text made safe to show: every control character and every
 invisible character that could reorder, hide or disguise text written as a
-visible escape. The CLI prints through it (``oncely.terminal``), the
+visible escape. The CLI prints through it (``oncely.cli.terminal``), the
 console's pages render through it (``oncely.console``). No dependency, so
 that both can use it without loading the other's libraries.
 """

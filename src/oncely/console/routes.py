@@ -75,7 +75,7 @@ def _templates() -> Environment:
 
 def _shown(value: object) -> object:
     """Every text a page shows, with its invisible and direction-changing
-    characters as visible escapes (``oncely.terminal.literal``; line breaks
+    characters as visible escapes (``oncely.cli.terminal.literal``; line breaks
     kept), so that stored text cannot disguise itself; markup the page's own
     filters made is left as it is."""
     if isinstance(value, str) and not isinstance(value, Markup):

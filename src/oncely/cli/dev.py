@@ -16,7 +16,6 @@ from typing import Any
 from pydantic import BaseModel, SecretStr
 from rich.console import Console
 
-from oncely import dev_address
 from oncely.api.auth import create_api_key, tenant_for_key
 from oncely.app import App
 from oncely.bootstrap import (
@@ -29,6 +28,7 @@ from oncely.bootstrap import (
     open_resources,
     stop_on_signals,
 )
+from oncely.cli import dev_address
 from oncely.embedded import DataDirBusy, EmbeddedServers
 from oncely.fakes.llm import serve_fake_llm
 from oncely.fakes.mail import serve_fake_mail

@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Annotated, Any, TypeVar, cast
 
 import typer
 
-from oncely import dev_address, terminal
-from oncely.terminal import literal
+from oncely.cli import dev_address, terminal
+from oncely.cli.terminal import literal
 
 # Settings, logging and asyncio are imported by the commands that need them,
 # so that `oncely --version` and `--help` start at once.
@@ -437,7 +437,7 @@ def keys_create(
     as_json: JsonOpt = False,
 ) -> None:
     """Create an API key. Prints the key alone on stdout, once; only its hash is stored."""
-    from oncely.ops import create_key
+    from oncely.cli.ops import create_key
 
     if not tenant.strip():
         err.print("--tenant must not be empty", style="red")
@@ -456,7 +456,7 @@ def keys_list(
     as_json: JsonOpt = False,
 ) -> None:
     """List API keys: id, tenant, created, last used, revoked (never the secret)."""
-    from oncely.ops import show_keys
+    from oncely.cli.ops import show_keys
 
     _run(show_keys(_settings(), tenant=tenant, as_json=as_json))
 
@@ -471,7 +471,7 @@ def keys_revoke(
     as_json: JsonOpt = False,
 ) -> None:
     """Revoke an API key: every API process refuses it within about a second."""
-    from oncely.ops import revoke_key
+    from oncely.cli.ops import revoke_key
 
     if (key is None) == (key_id is None):
         err.print("give --id ID (or the key itself)", style="red")
@@ -495,7 +495,7 @@ def dev(
     app_spec: AppOpt = None,
 ) -> None:
     """Everything in one command: embedded servers, migrations, a dev key and all processes."""
-    from oncely.dev import DevRefused, run_dev
+    from oncely.cli.dev import DevRefused, run_dev
 
     _choose_app(app_spec)
     settings = _settings(find_dev=False, data_dir=data_dir, log_format="console")
@@ -511,7 +511,7 @@ def status(
     as_json: JsonOpt = False,
 ) -> None:
     """Per workflow: stream, pending, consumers, dead letters, jobs; and the outbox."""
-    from oncely.ops import show_status
+    from oncely.cli.ops import show_status
 
     _run(show_status(_settings(), as_json=as_json))
 
@@ -523,7 +523,7 @@ def dlq_list(
     as_json: JsonOpt = False,
 ) -> None:
     """List dead letters with their workflow, reason, delivery count and last error."""
-    from oncely.ops import show_dead_letters
+    from oncely.cli.ops import show_dead_letters
 
     settings = _settings()
     _workflows(settings, [workflow] if workflow else None)
@@ -541,7 +541,7 @@ def dlq_replay(
     as_json: JsonOpt = False,
 ) -> None:
     """Put dead letters back in their stream (the job becomes queued again)."""
-    from oncely.ops import replay_dead_letters
+    from oncely.cli.ops import replay_dead_letters
 
     if (dead_id is None) == (not replay_all):
         err.print("give one dead letter id, or --all", style="red")
@@ -571,7 +571,7 @@ def outbox_list(
     as_json: JsonOpt = False,
 ) -> None:
     """List outbox rows not yet sent (or, with --failed, the ones that gave up)."""
-    from oncely.ops import show_outbox
+    from oncely.cli.ops import show_outbox
 
     _run(show_outbox(_settings(), failed_only=failed, limit=limit, as_json=as_json))
 
@@ -579,7 +579,7 @@ def outbox_list(
 @schedules_app.command("list")
 def schedules_list(as_json: JsonOpt = False) -> None:
     """List the scheduled workflows: their timetable, last tick and job, next tick."""
-    from oncely.ops import show_schedules
+    from oncely.cli.ops import show_schedules
 
     _run(show_schedules(_settings(), as_json=as_json))
 
@@ -592,7 +592,7 @@ def outbox_retry(
     as_json: JsonOpt = False,
 ) -> None:
     """Send failed rows again (attempts reset)."""
-    from oncely.ops import retry_outbox
+    from oncely.cli.ops import retry_outbox
 
     if (row_id is None) == (not all_failed):
         err.print("give one row id, or --all-failed", style="red")
@@ -621,7 +621,7 @@ def jobs_show(
 ) -> None:
     """A job: request, result, usage, error, checkpoints (with values), what it
     waits for, deliveries, its message now, outbox rows."""
-    from oncely.ops import show_job
+    from oncely.cli.ops import show_job
 
     parsed = _job_id(job_id)
     settings = _settings()
@@ -650,7 +650,7 @@ def jobs_cancel(
 ) -> None:
     """Cancel a queued, running or waiting job: nothing more is written for it.
     Exit 1 if it is already done or dead, 3 if there is no such job."""
-    from oncely.ops import cancel_job
+    from oncely.cli.ops import cancel_job
 
     parsed = _job_id(job_id)
     settings = _settings()
@@ -685,7 +685,7 @@ def jobs_approve(
     """Approve (or --reject) a tool call an agent's job waits on: the job
     resumes. Exit 1 if it was decided otherwise before or the job is
     finished, 3 if there is no such job or pending call."""
-    from oncely.ops import decide_approval
+    from oncely.cli.ops import decide_approval
 
     parsed = _job_id(job_id)
     decision: dict[str, Any] = {"approved": not reject}
@@ -736,7 +736,7 @@ def jobs_list(
     as_json: JsonOpt = False,
 ) -> None:
     """Jobs newest first, of any tenant: of a workflow, a status, a dead reason, a parent."""
-    from oncely.ops import list_jobs, print_jobs
+    from oncely.cli.ops import list_jobs, print_jobs
 
     settings = _settings()
     _workflows(settings, [workflow] if workflow else None)
@@ -803,7 +803,7 @@ def jobs_rewind(
 
 
 def _rewind_one(parsed: uuid.UUID, to: str, *, as_json: bool) -> None:
-    from oncely.ops import checkpoint_keys, rewind_job
+    from oncely.cli.ops import checkpoint_keys, rewind_job
 
     settings = _settings()
     rewound = _run(rewind_job(settings, parsed, to))
@@ -824,7 +824,7 @@ def _rewind_one(parsed: uuid.UUID, to: str, *, as_json: bool) -> None:
 
 
 def _rewind_nondeterministic(*, dry_run: bool, as_json: bool) -> None:
-    from oncely.ops import rewind_nondeterministic
+    from oncely.cli.ops import rewind_nondeterministic
 
     done = _run(rewind_nondeterministic(_settings(), limit=10_000, dry_run=dry_run))
     verb = "would rerun" if dry_run else "queued"
@@ -844,7 +844,7 @@ def tenants_erase(
     as_json: JsonOpt = False,
 ) -> None:
     """Delete every job, result, outbox row, queued message and API key of a tenant."""
-    from oncely.ops import erase_tenant
+    from oncely.cli.ops import erase_tenant
 
     if not tenant.strip():
         err.print("the tenant must not be empty", style="red")
@@ -864,7 +864,7 @@ def tenants_usage(
     as_json: JsonOpt = False,
 ) -> None:
     """Today's model spend of a tenant (UTC): tokens, cost, calls, against its budgets."""
-    from oncely.ops import tenant_usage
+    from oncely.cli.ops import tenant_usage
 
     if not tenant.strip():
         err.print("the tenant must not be empty", style="red")
@@ -889,7 +889,7 @@ def usage_report(
     as_json: JsonOpt = False,
 ) -> None:
     """Model calls, tokens, cost and wasted calls (calls that produced no checkpoint)."""
-    from oncely.ops import usage_report as report
+    from oncely.cli.ops import usage_report as report
 
     if by not in ("tenant", "workflow", "model", "day"):
         err.print(
@@ -931,7 +931,7 @@ def _since(value: str | None) -> datetime:
 
 def _eval_reports(workflow: str, variant: str | None, since: str | None) -> list[VariantReport]:
     """The variants' reports for ``eval report`` and ``eval gate``."""
-    from oncely.ops import eval_reports
+    from oncely.cli.ops import eval_reports
 
     settings = _settings()
     _workflows(settings, [workflow])
@@ -946,7 +946,7 @@ def eval_report(
     as_json: JsonOpt = False,
 ) -> None:
     """Shadow variants against the primary: agreement, scores, errors, cost and latency."""
-    from oncely.ops import print_eval_report
+    from oncely.cli.ops import print_eval_report
 
     reports = _eval_reports(workflow, variant, since)
     print_eval_report(reports, workflow=workflow, as_json=as_json)

@@ -1,5 +1,5 @@
 """Operator commands: status, dead letters, the outbox. Tables on stdout via
-rich, every stored text shown literally (``oncely.terminal``); ``--json``
+rich, every stored text shown literally (``oncely.cli.terminal``); ``--json``
 where a script wants to read the answer."""
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from typing import Any
 from oncely.app import App
 from oncely.bootstrap.clients import budgets, jobs_for, open_resources, shadow_streams
 from oncely.bootstrap.configs import app_from
+from oncely.cli.status import read_status
+from oncely.cli.terminal import console, literal, print_rows
 from oncely.jobs import dead_letters
 from oncely.jobs.checkpoints import Cancelled, Checkpoints, EventOutcome, Rewound
 from oncely.jobs.inspection import UNREPORTED_NOTE, JobInspection, inspect_job
@@ -27,8 +29,6 @@ from oncely.outbox.store import OutboxRow, OutboxStore
 from oncely.settings import Settings
 from oncely.shadow.report import VariantReport, build_report
 from oncely.shadow.store import ShadowResults
-from oncely.status import read_status
-from oncely.terminal import console, literal, print_rows
 from oncely.usage import ledger
 from oncely.usage.budgets import BudgetLimits, published_limits, utc_day
 from oncely.views import waited_on
