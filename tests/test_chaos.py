@@ -60,7 +60,7 @@ def run_soak(tmp_path: Path, *extra: str) -> tuple[int, dict[str, Any], str]:
 @pytest.mark.slow
 @pytest.mark.soak
 @pytest.mark.timeout(300)
-@pytest.mark.standalone_redis("bench/chaos.py deploys on private single servers")
+@pytest.mark.standalone_redis("bench.chaos deploys on private single servers")
 @pytest.mark.parametrize("llm_client", ["openai", "lean"])
 def test_small_soak_with_kills_and_redis_restarted_empty_keeps_every_invariant(
     tmp_path, llm_client

@@ -60,7 +60,7 @@ def test_every_function_a_page_calls_exists(page: str) -> None:
 
 
 # A file of the repository as the docs cite it, from the root
-# (`tests/test_maps.py`, `bench/chaos.py`), from the package
+# (`tests/test_maps.py`, `bench/chaos/checks.py`), from the package
 # (`jobs/store.py`, `sql/jobs.sql`) or from docs/ (`reference/python.md`).
 CITED = re.compile(r"`([\w-]+(?:/[\w.-]+)+\.(?:py|sql|md|yaml|yml|toml|json|html|txt))\b")
 WHERE = (ROOT, ROOT / "src" / "oncely", ROOT / "src", ROOT / "docs")
