@@ -235,6 +235,9 @@ def _webhook_problem(effect: dict[str, Any], data: dict[str, Any]) -> str:
     return "" if verify(WEBHOOK_SECRET, headers, body, now=now) else "bad webhook signature"
 
 
+# -- the multi-step checks (reviews) ---------------------------------------------------
+
+
 @dataclass
 class StepTally:
     """The numbers of the report's multi-step section."""

@@ -179,6 +179,9 @@ async def wait_http(url: str, what: str, within_s: float = 60.0) -> None:
     raise RuntimeError(f"{what} did not come up within {within_s:.0f} s ({url})")
 
 
+# -- the servers and the scenarios ---------------------------------------------------
+
+
 @dataclass(frozen=True)
 class ScenarioRun:
     name: str
@@ -312,6 +315,9 @@ async def supervise(fleet: Fleet, stop: asyncio.Event) -> None:
         fleet.restart_exited()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), 0.5)
+
+
+# -- converging ---------------------------------------------------------------------
 
 
 async def backlog(servers: Servers, app: App) -> dict[str, Any]:

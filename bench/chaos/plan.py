@@ -154,6 +154,9 @@ class Clock:
         return round(time.monotonic() - self.started, 3)
 
 
+# -- the requests -----------------------------------------------------------------
+
+
 @dataclass(frozen=True)
 class Planned:
     """One logical request: what the seed decided about it."""

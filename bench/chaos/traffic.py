@@ -61,8 +61,6 @@ class Outcome:
 
 # 409s that are answers, not "try again": the event routes' own.
 FINAL_CONFLICTS = ("/event-already-received", "/job-finished")
-
-
 FINISHED = ("done", "dead", "cancelled")
 
 
