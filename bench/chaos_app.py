@@ -1,5 +1,8 @@
 """The chaos soak's app (``oncely --app bench.chaos_app:app``): the two
-built-in workflows, unchanged, and ``reviews``, a multi-step workflow.
+built-in workflows, unchanged, ``reviews``, a multi-step workflow, and
+``support``, the support agent of examples/support_agent.py, unchanged: an
+agent whose turns are checkpoints, with a function tool and a call tool
+(the refund, a call that answers, sent once by the relay).
 
 A review has six checkpoints at most, each kind of them:
 
@@ -29,6 +32,7 @@ import time
 import uuid
 from typing import Any
 
+from examples.support_agent import workflow as support
 from pydantic import BaseModel, Field
 
 from oncely import App, Context, Workflow, webhook
@@ -132,4 +136,4 @@ reviews = Workflow(
     summary="Draft a review, ask for an approval, then decide",
 )
 
-app = App([summaries, triage, reviews])
+app = App([summaries, triage, reviews, support])

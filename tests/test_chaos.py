@@ -101,6 +101,10 @@ def test_small_soak_with_kills_and_redis_restarted_empty_keeps_every_invariant(
     assert steps["model_calls"]["excess_explained_by"].get("unexplained", 0) == 0
     assert steps["side_steps"]["checkpoints"] == steps["accepted"]
     assert steps["side_steps"]["extra_explained_by"].get("unexplained", 0) == 0
+    agents = report["agents"]
+    assert agents["done"] > 0 and agents["turns_stored"] >= 2 * agents["done"]
+    assert agents["refunds_received"] == agents["refund_calls_answered"] > 0
+    assert agents["excess_explained_by"].get("unexplained", 0) == 0
 
 
 # --- the checks themselves, on made-up evidence: a soak that cannot fail proves nothing
@@ -158,7 +162,14 @@ def webhook_line(key: str, topic: str, data: dict[str, Any]) -> dict[str, Any]:
         "webhook-timestamp": str(int(T0)),
         "webhook-signature": sign(chaos.WEBHOOK_SECRET, key, int(T0), body.encode()),
     }
-    return {"kind": "event", "idempotency_key": key, "data": data, "headers": headers, "body": body}
+    return {
+        "kind": "event",
+        "idempotency_key": key,
+        "type": topic,
+        "data": data,
+        "headers": headers,
+        "body": body,
+    }
 
 
 def checkpoint(
@@ -552,3 +563,111 @@ def test_a_second_final_call_after_the_waiting_delivery_lost_its_worker_is_expla
 def test_a_worker_pid_is_read_from_its_consumer_name():
     assert chaos.consumer_pid("vm-host-20067-372cba") == 20067
     assert chaos.consumer_pid("nonsense") == 0
+
+
+# -- the agent's checks: one support job, on made-up evidence ---------------------------
+
+AGENT = str(uuid.UUID(int=42))
+REFUND_ARGS = {"order_id": "A-1001", "cents": 4200, "reason": "broken"}
+
+
+def agent_run() -> tuple[list[Any], Any]:
+    """A support job done in three turns (lookup, refund, reply): three
+    model checkpoints, the refund call answered, one refund and one reply
+    at the provider, each turn billed once."""
+    body = {"customer": "user7@example.com", "message": "req-000007 seed-0. Broken."}
+    planned = chaos.Planned(
+        7, "acme", "support", "chaos-0-support-000007", body, None, False, "sequential", 1, 0.0
+    )
+    result = {"reply": "Refunded.", "refunded_cents": 4200, "tool_calls": ["refund:ok"]}
+    refund_key = f"refund.issue:{AGENT}:support/refund/call"
+    reply = {
+        "kind": "email",
+        "idempotency_key": f"support.reply:{AGENT}",
+        "to": "user7@example.com",
+        "subject": "About your order",
+        "text": "Refunded.",
+    }
+    evidence = chaos.Evidence(
+        jobs={AGENT: chaos.JobRow(AGENT, "acme", "support", "done", None, body, T0, T0 + 4)},
+        results={AGENT: result},
+        usage={AGENT: {"model_calls": 3}},
+        outbox=[
+            chaos.OutboxRow(AGENT, refund_key, True, False, 1),
+            chaos.OutboxRow(AGENT, f"support.reply:{AGENT}", True, False, 1),
+        ],
+        effects=[webhook_line(refund_key, "refund.issue", REFUND_ARGS), reply],
+        deliveries={"requests": 2, "effects": 2, "by_key": {}},
+        calls={"total": 3},
+        prompts={7: chaos.PromptRecord(3, 3, (7001, 7002, 7003), {}, {})},
+        log_events=collections.Counter(),
+    )
+    evidence.checkpoints = {
+        AGENT: [
+            checkpoint("support/model", 1, "model", None, 1.0),
+            checkpoint("support/lookup_order/tool", 2, "tool", None, 1.2),
+            checkpoint("support/model#2", 3, "model", None, 2.0),
+            checkpoint("support/refund/call", 4, "call", {"ok": True}, 3.0),
+            checkpoint("support/model#3", 5, "model", None, 3.5),
+        ]
+    }
+    return [accepted(planned, AGENT)], evidence
+
+
+def test_the_agent_checks_pass_a_clean_run_and_count_its_turns_and_refunds() -> None:
+    report = check(*agent_run())
+
+    assert report["violations"] == []
+    agents = report["agents"]
+    assert (agents["done"], agents["turns_stored"], agents["billed_for_turns"]) == (1, 3, 3)
+    assert agents["refund_calls_answered"] == agents["refunds_received"] == 1
+    assert agents["replies"] == 1 and report["effects_expected"] == 2
+
+
+def refund_twice(outcomes: list[Any], e: Any) -> None:
+    key = f"refund.issue:{AGENT}:support/refund/call#2"
+    e.effects.append(webhook_line(key, "refund.issue", REFUND_ARGS))
+
+
+def refund_another_amount(outcomes: list[Any], e: Any) -> None:
+    key = e.effects[0]["idempotency_key"]
+    e.effects[0] = webhook_line(key, "refund.issue", {**REFUND_ARGS, "cents": 9900})
+
+
+def pay_a_turn_twice(outcomes: list[Any], e: Any) -> None:
+    e.prompts[7] = chaos.PromptRecord(4, 4, (7001, 7002, 7003, 7004), {}, {})
+
+
+def reply_twice(outcomes: list[Any], e: Any) -> None:
+    e.effects.append({**e.effects[1], "idempotency_key": f"support.reply.again:{AGENT}"})
+
+
+def refund_without_an_answered_call(outcomes: list[Any], e: Any) -> None:
+    e.checkpoints[AGENT] = [c for c in e.checkpoints[AGENT] if c.kind != "call"]
+
+
+@pytest.mark.parametrize(
+    ("defect", "violation"),
+    [
+        (refund_twice, "agent_refunds_not_once"),
+        (refund_another_amount, "agent_refund_differs"),
+        (pay_a_turn_twice, "excess_model_calls_unexplained"),
+        (reply_twice, "agent_reply_not_once"),
+        (refund_without_an_answered_call, "agent_refunds_not_once"),
+    ],
+)
+def test_the_agent_checks_catch_each_broken_invariant(defect: Any, violation: str) -> None:
+    outcomes, evidence = agent_run()
+    defect(outcomes, evidence)
+    assert violation in kinds(check(outcomes, evidence))
+
+
+def test_an_agent_turn_paid_again_by_a_worker_killed_mid_job_is_explained() -> None:
+    outcomes, evidence = agent_run()
+    pay_a_turn_twice(outcomes, evidence)
+    killed = chaos.Kill(T0 + 2.5, 2.5, "worker", "worker1.1", 41, (7004,))
+
+    report = check(outcomes, evidence, (killed,))
+
+    assert report["violations"] == []
+    assert report["agents"]["excess_explained_by"]["worker_kill"] == 1

@@ -9,7 +9,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bench import chaos_app
-from bench.chaos.common import KILL_REACH_S, RACE_S, REVIEW_CALLS, SCENARIO_REACH_S, WEBHOOK_SECRET
+from bench.chaos.common import (
+    AGENT_ORDER,
+    AGENT_REFUND_CENTS,
+    KILL_REACH_S,
+    RACE_S,
+    REVIEW_CALLS,
+    SCENARIO_REACH_S,
+    WEBHOOK_SECRET,
+)
 from bench.chaos.evidence import (
     KEPT_WITH_RESULT,
     CheckpointRow,
@@ -97,11 +105,31 @@ class Tally:
     # Effects the stored rows make (one per done one-call job; a review's
     # for each of its effect's checkpoints).
     effects_expected: int = 0
-    # Done jobs of the one-call workflows, and their usable answers billed.
+    # Done jobs of the one-call workflows, their calls, and their usable
+    # answers billed.
     one_call_done: int = 0
+    one_call_calls: int = 0
     billed: int = 0
     calls: Excess = field(default_factory=Excess)
     explaining_kills: set[str] = field(default_factory=set)
+    agents: AgentTally = field(default_factory=lambda: AgentTally())
+
+
+@dataclass
+class AgentTally:
+    """The numbers of the report's agents section (``support`` jobs)."""
+
+    done: int = 0
+    dead: int = 0
+    # Model turns stored (checkpoints), and usable answers billed for them.
+    turns: int = 0
+    billed: int = 0
+    calls: Excess = field(default_factory=Excess)
+    # Refund calls the jobs' checkpoints hold answered, and the refunds the
+    # provider received (distinct webhook-ids).
+    refunds_answered: int = 0
+    refunds_received: int = 0
+    replies: int = 0
 
 
 def check_intake(outcomes: list[Outcome], v: Violations, t: Tally) -> None:
@@ -174,9 +202,10 @@ def check_effects(outcomes: list[Outcome], e: Evidence, v: Violations, t: Tally)
         row = e.jobs.get(job_id)
         status = row.status if row else None
         effects, outbox = by_job.pop(job_id, []), rows.pop(job_id, [])
-        if o.planned.workflow == "reviews":
+        stepwise = _STEPWISE_EFFECTS.get(o.planned.workflow)
+        if stepwise is not None:
             if row is not None and status in ("done", "dead"):
-                _check_review_effects(o, row, e, effects, outbox, v, t)
+                stepwise(o, row, e, effects, outbox, v, t)
         elif status == "done":
             _check_done(o, e.results.get(job_id), outbox, effects, v, t)
         elif effects or outbox or job_id in e.results:
@@ -187,7 +216,54 @@ def check_effects(outcomes: list[Outcome], e: Evidence, v: Violations, t: Tally)
 
 
 def _effect_job(line: dict[str, Any]) -> str:
-    return str(line["idempotency_key"]).partition(":")[2]
+    """The job of an effect's key: ``<topic>:<job_id>``, or a call's
+    ``<topic>:<job_id>:<checkpoint key>``."""
+    return str(line["idempotency_key"]).split(":")[1]
+
+
+def _check_agent_effects(
+    o: Outcome,
+    row: JobRow,
+    e: Evidence,
+    effects: list[dict[str, Any]],
+    outbox: list[OutboxRow],
+    v: Violations,
+    t: Tally,
+) -> None:
+    """A support agent's effects: the refund call once per answered call
+    checkpoint (the provider saw one webhook-id for it, signed, with the
+    arguments the model gave), and the reply email once, as the result says."""
+    job_id, a = row.job_id, t.agents
+    answered = [c for c in e.checkpoints.get(job_id, []) if c.kind == "call" and c.status == "done"]
+    refunds = [x for x in effects if x.get("type") == "refund.issue"]
+    replies = [x for x in effects if x.get("kind") == "email"]
+    a.refunds_answered += len(answered)
+    a.refunds_received += len(refunds)
+    a.replies += len(replies)
+    t.effects_expected += len(answered) + (row.status == "done")
+    if len(refunds) != len(answered):
+        t.duplicate_effects += max(0, len(refunds) - len(answered))
+        v.add("agent_refunds_not_once", f"{job_id}: {len(refunds)} sent, {len(answered)} answered")
+    refund_args = {"order_id": AGENT_ORDER, "cents": AGENT_REFUND_CENTS, "reason": "broken"}
+    for refund in refunds:
+        problem = _webhook_problem(refund, {**refund.get("data", {}), **refund_args})
+        if problem:
+            v.add("agent_refund_differs", f"{job_id}: {problem}")
+    result = e.results.get(job_id)
+    if row.status == "dead" or result is None:
+        if replies or result is not None:
+            v.add("effect_without_done_job", f"{job_id} ({row.status}): {len(replies)} replies")
+        return
+    if len(replies) != 1:
+        t.duplicate_effects += max(0, len(replies) - 1)
+        v.add("agent_reply_not_once", f"{job_id}: {len(replies)} replies")
+    for reply in replies[:1]:
+        got = (reply.get("to"), reply.get("text"))
+        if got != (o.planned.body["customer"], result["reply"]):
+            v.add("effect_differs_from_result", f"{job_id}: reply {got}")
+    unsent = [r for r in outbox if not r.sent]
+    if unsent or len(outbox) != len(answered) + 1:
+        v.add("outbox_row_not_one_sent", f"{job_id}: {outbox}")
 
 
 def _check_done(
@@ -643,6 +719,9 @@ def review_effects(row: JobRow, e: Evidence) -> dict[str, dict[str, Any]]:
 
 # The workflows whose jobs make one model call (the built-in ones).
 ONE_CALL = ("summaries", "triage")
+# The workflows whose model calls are counted by prompt: one call each, and
+# the agent (a call per turn, all of one prompt).
+MODEL_CHECKED = (*ONE_CALL, "support")
 
 
 def check_model_calls(
@@ -656,16 +735,27 @@ def check_model_calls(
     worker_kills = [k for k in kills if k.role == "worker"]
     for o in outcomes:
         row = e.jobs.get(o.job_id or "")
-        if row is None or row.status != "done" or o.planned.workflow not in ONE_CALL:
+        if row is None or row.status != "done" or o.planned.workflow not in MODEL_CHECKED:
             continue
         prompt = e.prompts.get(o.planned.index)
         useful = _useful_answers(o.planned.workflow, prompt)
-        t.one_call_done += 1
-        t.billed += useful
-        if useful == 0:
-            v.add("done_without_model_answer", f"{o.job_id}: {prompt}")
+        if o.planned.workflow == "support":
+            # An agent's turns share their prompt: one answer per turn stored.
+            needed = sum(c.kind == "model" for c in e.checkpoints.get(row.job_id, []))
+            t.agents.done += 1
+            t.agents.turns += needed
+            t.agents.billed += useful
+            excesses = t.agents.calls
+        else:
+            needed = 1
+            t.one_call_done += 1
+            t.one_call_calls += prompt.calls if prompt is not None else 0
+            t.billed += useful
+            excesses = t.calls
+        if useful < needed or needed == 0:
+            v.add("done_without_model_answer", f"{o.job_id}: {needed} needed, {prompt}")
             continue
-        excess = useful - 1
+        excess = useful - needed
         if excess <= 0:
             continue
         assert prompt is not None
@@ -674,14 +764,14 @@ def check_model_calls(
         in_flight = [k for k in worker_kills if row.created - KILL_REACH_S <= k.at <= row.updated]
         killed = {k for k in in_flight if set(k.model_ports) & set(prompt.billed_ports)}
         attempts = int((e.usage.get(row.job_id) or {}).get("model_calls", 0))
-        lost = _lost_in_delivery(o.planned.workflow, prompt, attempts, in_flight)
+        lost = _lost_in_delivery(o.planned.workflow, prompt, attempts, in_flight, needed)
         causes = {
             "worker_kill": len(killed),
             "client_timeout": lost,
             **_other_causes(row, e.log_events, scenarios),
         }
         example = {"job_id": o.job_id, "killed": sorted(k.name for k in killed)}
-        t.calls.blame(excess, causes, v, "excess_model_calls_unexplained", example)
+        excesses.blame(excess, causes, v, "excess_model_calls_unexplained", example)
         t.explaining_kills.update(k.name for k in killed)
 
 
@@ -695,12 +785,12 @@ def _useful_answers(workflow: str, prompt: PromptRecord | None) -> int:
 
 
 def _lost_in_delivery(
-    workflow: str, prompt: PromptRecord, attempts: int, killed: list[Kill]
+    workflow: str, prompt: PromptRecord, attempts: int, killed: list[Kill], needed: int = 1
 ) -> int:
-    """Billed answers the delivery that stored the result paid for and never
-    got (its call timed out first), at least: its attempts, less the faults
-    the fake served this prompt that killed workers did not meet, less the
-    one answer it used."""
+    """Billed answers the deliveries that stored the result paid for and
+    never got (a call timed out first), at least: their attempts, less the
+    faults the fake served this prompt that killed workers did not meet,
+    less the ``needed`` answers they used."""
     still_answers = {"slow"} if workflow == "triage" else {"slow", "badjson"}
     dead_ports = {port for kill in killed for port in kill.model_ports}
     faults = sum(
@@ -709,7 +799,7 @@ def _lost_in_delivery(
         if kind not in still_answers
         for port in ports
     )
-    return max(0, attempts - faults - 1)
+    return max(0, attempts - faults - needed)
 
 
 def _other_causes(
@@ -726,3 +816,8 @@ def _other_causes(
             for s in scenarios
         ),
     }
+
+
+# The workflows whose effects follow their checkpoints, not only their
+# result: checked once the job ended, done or dead.
+_STEPWISE_EFFECTS = {"reviews": _check_review_effects, "support": _check_agent_effects}

@@ -9,7 +9,22 @@ import sys
 from bench import chaos_app
 
 TENANTS = ("acme", "globex")
-ROUTES = {"summaries": "/v1/summaries", "triage": "/v1/triage", "reviews": chaos_app.ROUTE}
+ROUTES = {
+    "summaries": "/v1/summaries",
+    "triage": "/v1/triage",
+    "reviews": chaos_app.ROUTE,
+    "support": "/v1/support",
+}
+# A support request's message scripts the agent's turns: the fake model
+# calls ``lookup_order``, then ``refund`` (below the approval threshold),
+# then answers; the refund is a call the relay sends and the fake answers.
+AGENT_ORDER = "A-1001"
+AGENT_REFUND_CENTS = 4_200
+AGENT_TOOLS = (
+    f'[[fake:tool=lookup_order {{"order_id": "{AGENT_ORDER}"}}]] '
+    f'[[fake:tool=refund {{"order_id": "{AGENT_ORDER}", "cents": {AGENT_REFUND_CENTS},'
+    ' "reason": "broken"}]]'
+)
 # The workflows the soak knows how to ask and check; it asks those ``--app`` serves.
 KNOWN_WORKFLOWS = tuple(ROUTES)
 DEFAULT_APP = "bench.chaos_app:app"

@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.chaos.common import (
+    AGENT_ORDER,
+    AGENT_TOOLS,
     DEFAULT_APP,
     DEFAULT_MAIL_FAULTS,
     DEFAULT_MODEL_FAULTS,
@@ -228,6 +230,10 @@ def _bodies(
         text = " ".join(rng.sample(SENTENCES, 3))
         body: dict[str, Any] = {"text": f"{marker}. {text}{fate}", "notify": f"user{i}@example.com"}
         return body, {**body, "text": body["text"] + " Edited."}, None
+    if workflow == "support":
+        message = f"{marker}. My teapot {AGENT_ORDER} arrived broken. {AGENT_TOOLS}{fate}"
+        body = {"customer": f"user{i}@example.com", "message": message}
+        return body, {**body, "message": body["message"] + " Edited."}, None
     if workflow == "triage":
         subject, detail = rng.choice(SUBJECTS)
         body = {"subject": f"{marker}: {subject}", "body": f"{detail}{fate}"}

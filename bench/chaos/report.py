@@ -66,6 +66,7 @@ def report(
         "provider_faults": e.deliveries.get("faults", {}),
         "model": _model_section(e, t),
         "multi_step": _multi_step_section(s),
+        "agents": _agents_section(t),
         "kills": _kills_section(kills),
         "unexpected_exits": [asdict(x) for x in exits],
         "scenarios": [_scenario_json(s) for s in scenarios],
@@ -87,7 +88,7 @@ def _model_section(e: Evidence, t: Tally) -> dict[str, Any]:
     done = max(t.one_call_done, 1)
     return {
         "calls": e.calls["total"],
-        "calls_per_done_job": round(sum(p.calls for p in e.prompts.values()) / done, 3),
+        "calls_per_done_job": round(t.one_call_calls / done, 3),
         "billed_for_done_jobs": t.billed,
         "billed_per_done_job": round(t.billed / done, 4),
         "excess_model_calls": t.calls.total,
@@ -96,6 +97,23 @@ def _model_section(e: Evidence, t: Tally) -> dict[str, Any]:
         "excess_examples": t.calls.examples,
         "worker_kills_explaining_excess": len(t.explaining_kills),
         "random_faults": e.calls.get("random_faults", {}),
+    }
+
+
+def _agents_section(t: Tally) -> dict[str, Any]:
+    a = t.agents
+    return {
+        "workflow": "support",
+        "done": a.done,
+        "turns_stored": a.turns,
+        "billed_for_turns": a.billed,
+        "excess_model_calls": a.calls.total,
+        "jobs_with_excess": a.calls.items,
+        "excess_explained_by": dict(a.calls.explained),
+        "excess_examples": a.calls.examples,
+        "refund_calls_answered": a.refunds_answered,
+        "refunds_received": a.refunds_received,
+        "replies": a.replies,
     }
 
 
