@@ -446,6 +446,31 @@ async def test_a_call_in_flight_is_in_the_ledger_as_sent_until_its_row_replaces_
     assert rows[0][3] > 0 and rows[0][5] is not None
 
 
+async def test_an_answer_cancelled_before_its_caller_got_it_is_a_timeout_with_its_tokens(
+    llm, pool, redis
+) -> None:
+    class Stalling(Cooldown):
+        """Takes its time to note an answer: the job is cancelled meanwhile."""
+
+        async def answered(self, *args: Any, **kwargs: Any) -> None:
+            stalled.set()
+            await asyncio.Event().wait()
+
+    stalled = asyncio.Event()
+    cooldown = Stalling(redis, CooldownPolicy(failures=3, window_s=30, cooldown_s=60))
+    ledger = Ledger(pool, prices=PRICES, flush_s=3600)
+    call = asyncio.create_task(
+        routed(llm, cooldown=cooldown, ledger=ledger).complete("Answered. Then cancelled.")
+    )
+    await asyncio.wait_for(stalled.wait(), 30)
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    assert await ledger.flush() == 1
+    [row] = await ledger_rows(pool)
+    assert (row[0], row[2]) == (PRIMARY, "timeout") and row[3] > 0, "paid for, answer lost"
+
+
 async def test_a_call_that_never_left_leaves_no_row_and_a_batch_refused_keeps_its_sends(
     pool,
 ) -> None:

@@ -525,9 +525,16 @@ class Model:
                     span.set_attribute("gen_ai.usage.input_tokens", completion.prompt_tokens)
                     span.set_attribute("gen_ai.usage.output_tokens", completion.completion_tokens)
             meters.calls_ok.inc()
+            answer = _Answer(completion, target.name, step, number, took, sent)
             if self._cooldown is not None:
-                await self._cooldown.answered(target.name, self._caller, probe=probe)
-            return _Answer(completion, target.name, step, number, took, sent)
+                try:
+                    await self._cooldown.answered(target.name, self._caller, probe=probe)
+                except BaseException:
+                    # Cancelled with its job before its caller got it: paid
+                    # for, its answer lost (the ledger's ``timeout``).
+                    self._bill(answer, "timeout", Usage())
+                    raise
+            return answer
 
         return await call_with_retries(
             attempt, policy=self._policy, deadline=self._deadline, on_retry=self._on_retry
