@@ -73,7 +73,10 @@ def _start(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[
 
 async def test_the_cli_finds_a_running_dev_stack_and_a_second_is_refused(tmp_path: Path) -> None:
     data_dir = tmp_path / "stack"
-    env = _env(data_dir)
+    # As a newcomer's shell may be: no NO_COLOR, no XDG_RUNTIME_DIR (a
+    # container, ssh); the output goes to a file.
+    hidden = ("NO_COLOR", "XDG_RUNTIME_DIR")
+    env = {k: v for k, v in _env(data_dir).items() if k not in hidden}
     port = _free_with_fakes()
     log = tmp_path / "dev.log"
     dev = _start(["--app", "examples.refunds:app", "dev", "--port", str(port)], env, log)
@@ -87,6 +90,8 @@ async def test_the_cli_finds_a_running_dev_stack_and_a_second_is_refused(tmp_pat
         await wait_for(up, within_s=180, what="the dev banner")
         banner = log.read_text()
         assert (data_dir / "dev.json").exists()
+        assert "\x1b[" not in banner, "no colour codes in a file"
+        assert "Warning" not in banner, banner[:2000]
 
         # The banner's curl: the app's own route and a body of its request,
         # each on one line (never wrapped at 80 columns).

