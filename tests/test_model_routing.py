@@ -427,7 +427,7 @@ async def test_the_ledger_keeps_a_batch_postgres_refused_and_writes_it_later(
 async def test_a_call_in_flight_is_in_the_ledger_as_sent_until_its_row_replaces_it(
     llm, pool
 ) -> None:
-    ledger = Ledger(pool, prices=PRICES, flush_s=3600)
+    ledger = Ledger(pool, prices=PRICES, flush_s=3600, in_flight_after_s=0.1)
     # A word every 0.2 s: the call is in flight across several batches.
     text = "[[fake:typing=0.2]] Sent first. Then answered. One row at the end."
     call = asyncio.create_task(routed(llm, ledger=ledger).complete(text))
@@ -444,6 +444,16 @@ async def test_a_call_in_flight_is_in_the_ledger_as_sent_until_its_row_replaces_
     rows = await ledger_rows(pool)
     assert [(r[0], r[1], r[2]) for r in rows] == [(PRIMARY, 1, "ok")], "replaced, not added"
     assert rows[0][3] > 0 and rows[0][5] is not None
+
+
+async def test_a_call_younger_than_a_batch_interval_waits_for_the_next_batch(pool) -> None:
+    ledger = Ledger(pool, flush_s=3600)
+    site = CallSite("routing", str(uuid.uuid4()), "acme")
+    quick = ledger.sending(site, "model", PRIMARY, 1)
+    await ledger.flush()
+    ledger.record(Call(site, "model", PRIMARY, 1, "ok", 10, 5, 3, None), quick)
+    await ledger.flush()
+    assert [r[2] for r in await ledger_rows(pool)] == ["ok"], "no sent row came and went"
 
 
 async def test_an_answer_cancelled_before_its_caller_got_it_is_a_timeout_with_its_tokens(
@@ -474,7 +484,7 @@ async def test_an_answer_cancelled_before_its_caller_got_it_is_a_timeout_with_it
 async def test_a_call_that_never_left_leaves_no_row_and_a_batch_refused_keeps_its_sends(
     pool,
 ) -> None:
-    ledger = Ledger(pool, flush_s=3600)
+    ledger = Ledger(pool, flush_s=3600, in_flight_after_s=0)
     site = CallSite("routing", str(uuid.uuid4()), "acme")
     held = ledger.sending(site, "model", PRIMARY, 1)
     await ledger.flush()

@@ -1,14 +1,16 @@
 """The usage ledger: one ``model_calls`` row per model call that reached a
 provider (docs/model-routing.md). Only this module runs SQL on that table.
 
-A call is in the ledger from when it is sent (``sending``): a call still in
-flight when a batch is written is written as ``sent``, and its row is
-replaced once it ends, so a process killed mid-call leaves a row for what
-the provider may bill. It ends answered or not: ``ok``, ``retryable`` (a
-429, a 5xx, a connection that failed), ``timeout`` (cut off by its
-attempt's time, or cancelled with its job: made, maybe paid for, its answer
-lost), ``permanent`` (a 400, say) or ``invalid_output`` (answered, but the
-answer did not validate and was asked again). Whether its answer became a
+A call is in the ledger from when it is sent (``sending``): a call in
+flight for a whole batch interval when a batch is written is written as
+``sent``, and its row is replaced once it ends, so a process killed
+mid-call leaves a row for what the provider may bill. (Younger calls wait
+for the next batch: most end before it, and cost no row of their own.)
+A call ends answered or not: ``ok``, ``retryable`` (a 429, a 5xx, a
+connection that failed), ``timeout`` (cut off by its attempt's time, or
+cancelled with its job: made, maybe paid for, its answer lost),
+``permanent`` (a 400, say) or ``invalid_output`` (answered, but the answer
+did not validate and was asked again). Whether its answer became a
 checkpoint is not known then, and need not be: a report counts a job's
 stored model checkpoints against its calls (``usage_report``).
 
@@ -151,8 +153,12 @@ class Ledger:
         max_rows: int = 100_000,
         retention_s: float = 90 * 86400.0,
         statement_timeout_s: float = 10.0,
+        in_flight_after_s: float | None = None,
     ) -> None:
         self.pool = pool
+        # How long a call is in flight before a batch writes it as ``sent``
+        # (default ``flush_s``: a kill loses at most that much either way).
+        self.in_flight_after_s = flush_s if in_flight_after_s is None else in_flight_after_s
         self.prices = prices or Prices()
         self.budgets = budgets
         # Spend Redis did not take yet, added with the next batch.
@@ -225,7 +231,12 @@ class Ledger:
         fresh, self._rows = self._rows, []
         rows, self._unwritten = self._unwritten + fresh, []
         ended, self._ended = self._ended, []
-        sends = [sent for sent in self._in_flight.values() if not sent.written]
+        sent_before = time.time() - self.in_flight_after_s
+        sends = [
+            sent
+            for sent in self._in_flight.values()
+            if not sent.written and sent.call.at <= sent_before
+        ]
         if not (rows or ended or sends):
             await self._count(fresh)
             return 0
