@@ -23,6 +23,14 @@ nowhere else (``oncely.retry`` imports no SDK):
 What a status means, and how an answer's usage and emptiness are read, is
 shared with the lean client (``oncely.llm.wire``, ``oncely.llm.lean``).
 
+The request's body is the lean client's too (``wire.request_body``), sent
+with the SDK's ``post``: ``chat.completions.create`` first walks every
+parameter through its typed-dict transform, which for an agent's turn (the
+conversation and the tools' JSON schemas) cost more CPU than the rest of
+the call (bench/README.md, Agents); the body is plain JSON already, so the
+transform would change nothing. The SDK still sends it (auth, base URL,
+errors) and parses the answer.
+
 With ``on_text`` the answer comes streamed, its text to ``on_text`` as it
 arrives, its chunks gathered as the lean client gathers them
 (``wire.StreamedAnswer``); a stream cut off is a ``TransientError``.
@@ -39,9 +47,8 @@ from typing import Any, cast
 import aiohttp
 import httpx
 import openai
-from openai.types.chat import ChatCompletion, ChatCompletionMessageParam
+from openai.types.chat import ChatCompletion
 from openai.types.chat.chat_completion import Choice
-from openai.types.shared_params import ResponseFormatJSONSchema
 
 from oncely.errors import OncelyError, PermanentError, TransientError
 from oncely.llm import wire
@@ -64,6 +71,8 @@ else:
     _TRANSPORT_ERRORS = (*_TRANSPORT_ERRORS, httpx2.TransportError)
 
 _SDK_ERRORS: tuple[type[Exception], ...] = (openai.OpenAIError, *_TRANSPORT_ERRORS)
+# Chat completions, below the client's base URL.
+_PATH = "/chat/completions"
 
 
 class OpenAICompatible(ClosedOnExit):
@@ -102,24 +111,14 @@ class OpenAICompatible(ClosedOnExit):
     ) -> Completion:
         # The SDK's timeout bounds each socket read, not the call: a server that
         # drips a byte a second would never trip it. The wall-clock limit is the
-        # caller's (``call_with_retries`` runs every attempt under one). The
-        # body's parts are the lean client's (``wire``), typed for the SDK.
-        options: dict[str, Any] = {
-            "model": self.model,
-            "messages": cast("list[ChatCompletionMessageParam]", wire.messages_param(messages)),
-            "response_format": openai.omit if schema is None else _response_format(schema),
-            "tools": cast("Any", wire.tools_param(tools)) if tools else openai.omit,
-            "tool_choice": (
-                cast("Any", wire.tool_choice_param(tool_choice))
-                if tools and tool_choice is not None
-                else openai.omit
-            ),
-            "timeout": timeout,
-        }
+        # caller's (``call_with_retries`` runs every attempt under one).
+        body = wire.request_body(self.model, messages, schema, tools, tool_choice)
         try:
             if on_text is not None:
-                return await self._streamed(options, on_text)
-            response = await self._client.chat.completions.create(**options)
+                return await self._streamed(body, timeout, on_text)
+            response = await self._client.post(
+                _PATH, cast_to=ChatCompletion, body=body, options={"timeout": timeout}
+            )
         except _SDK_ERRORS as exc:
             raise translate_error(exc) from exc
         except json.JSONDecodeError as exc:  # a 200 that says it is JSON and is not
@@ -129,7 +128,10 @@ class OpenAICompatible(ClosedOnExit):
         return _completion(response)
 
     async def _streamed(
-        self, options: dict[str, Any], on_text: Callable[[str], None]
+        self,
+        body: dict[str, Any],
+        timeout: float,  # noqa: ASYNC109 (a socket read's, as above)
+        on_text: Callable[[str], None],
     ) -> Completion:
         """The answer streamed, its text to ``on_text`` piece by piece. The
         SDK sends the request and raises its status errors; the lines are
@@ -138,7 +140,7 @@ class OpenAICompatible(ClosedOnExit):
         it streams (bench/README.md, Streams)."""
         answer = wire.StreamedAnswer()
         raw = self._client.chat.completions.with_streaming_response.create(
-            **options, stream=True, stream_options={"include_usage": True}
+            **cast("Any", wire.stream_body(body)), timeout=timeout
         )
         async with raw as response:
             async for chunk in wire.stream_chunks(response.iter_bytes()):
@@ -160,10 +162,6 @@ def translate_error(exc: Exception) -> OncelyError | TimeoutError:
         cause = exc.__cause__ if isinstance(exc, openai.APIConnectionError) else exc
         return TransientError(f"model unreachable ({type(cause or exc).__name__})")
     return PermanentError(f"model call failed ({type(exc).__name__})")
-
-
-def _response_format(schema: ResponseSchema) -> ResponseFormatJSONSchema:
-    return cast("ResponseFormatJSONSchema", wire.response_format(schema))
 
 
 def _why_empty(choice: Choice | None) -> str:
