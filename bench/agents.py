@@ -19,7 +19,8 @@ statements per job and per model turn (``pg_stat_statements``, as in
 (the job starts waiting) to the job queued again by the relay's answer,
 p50 and p99. Every run ends with its invariants: every job done once, four
 model calls per job, each side call once, one call per job at the receiver
-with one effect, nothing pending.
+with one effect, nothing pending. ``--profile`` also py-spies both workers
+(at 64, on 400 jobs): CPU per bucket, the agent's own loop apart.
 """
 
 from __future__ import annotations
@@ -34,11 +35,13 @@ from typing import Any
 from psycopg.types.json import Jsonb
 
 from bench import agents_app
+from bench.harness import profile
 from bench.harness.fakes import API_KEY, FakeMail, FakeModel
 from bench.harness.measure import Headline, Noise, ratio, ratio_json, say, summary
 from bench.harness.processes import clean_env
 from bench.harness.report import Context, main, parser
 from bench.harness.servers import count, fresh_state
+from bench.steps import BUCKETS as STEP_BUCKETS
 from bench.steps import Bench as StepsBench
 from bench.steps import Statements, _median, _per_round, count_statements
 from oncely.queue.stream import JobMessage, Stream
@@ -50,6 +53,18 @@ SECRET = "bench-agents-webhook-secret"
 SHOWN = ("jobs", "jobs_per_s", "cpu_ms_per_job", "statements_per_turn", "call_wait_p50_ms")
 TURNS = 4  # model calls per job, either way
 OURS, THEIRS = "agent", "by_hand"
+# The steps benchmark's buckets, with the agent's own work first (inner
+# work before what encloses it: harness/profile.py).
+BUCKETS = (
+    ("tool: Tool.run (arguments validated, the function, its JSON)", ["oncely.tools:Tool"]),
+    ("model turn: Model.respond (messages, tools, Reply)", ["oncely.llm.model:Model.respond"]),
+    ("agent loop: Agent (turns, messages, tool calls, limits)", ["oncely.agent:Agent"]),
+    (
+        "step: the workflows' own code",
+        ["bench.agents_app:with_agent", "bench.agents_app:by_hand"],
+    ),
+    *(bucket for bucket in STEP_BUCKETS if not bucket[0].startswith("step:")),
+)
 WORKFLOWS = {OURS: agents_app.agent, THEIRS: agents_app.hand}
 
 
@@ -225,6 +240,7 @@ class Bench(StepsBench):
 
 
 async def bench_main(ctx: Context) -> tuple[list[Headline], dict[str, Any], bool]:
+    rules = profile.buckets(BUCKETS)  # fail fast on a renamed function
     statements, counted_by = await count_statements(ctx)
     if statements is None:
         say(f"statements not counted: {counted_by}")
@@ -232,12 +248,16 @@ async def bench_main(ctx: Context) -> tuple[list[Headline], dict[str, Any], bool
     mail = FakeMail.start(ctx.children, "fake-receiver")
     bench = Bench(ctx, model, mail, statements)
     await bench.open()
+    profiles = []
     try:
         contenders = lineup(ctx.smoke)
         runs = await bench.run_rounds([Trial(c) for c in contenders], "agents ")  # type: ignore[misc]
+        if ctx.args.profile:
+            for contender in contenders[:1] if ctx.smoke else contenders:
+                profiles.append(await bench.profile(Trial(contender), rules))  # type: ignore[arg-type]
     finally:
         await bench.close()
-    ok = all(r.ok for rs in runs.values() for r in rs)
+    ok = all(r.ok for rs in runs.values() for r in rs) and all(p["checks_ok"] for p in profiles)
     conc = contenders[0].concurrency
     ours, theirs = runs[f"{OURS}@{conc}"], runs[f"{THEIRS}@{conc}"]
     headline = [
@@ -261,6 +281,7 @@ async def bench_main(ctx: Context) -> tuple[list[Headline], dict[str, Any], bool
                 )
             )
     detail = {
+        "profiles": profiles or None,
         "statements_counted_by": counted_by,
         "turns_per_job": TURNS,
         "results": {key: summary(rs) for key, rs in runs.items()},
@@ -276,7 +297,13 @@ async def bench_main(ctx: Context) -> tuple[list[Headline], dict[str, Any], bool
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = parser("agents", __doc__ or "", rounds=3, noise=Noise(0.3, 30.0, 2, 90.0))
+    p = parser(
+        "agents",
+        __doc__ or "",
+        rounds=3,
+        noise=Noise(0.3, 30.0, 2, 90.0),
+        profile="also py-spy both workers: CPU per bucket, the agent's loop apart",
+    )
     return p.parse_args(argv)
 
 
