@@ -551,20 +551,37 @@ async def test_concurrent_intakes_cannot_overshoot_a_budget_together(settings, r
     app = asgi_app(settings.model_copy(update={"tenant_daily_tokens": 2000}), redis, pool)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
 
-        async def post(i: int) -> int:
-            r = await c.post(
+        async def post(i: int) -> httpx.Response:
+            return await c.post(
                 "/v1/summaries",
                 json={"text": f"Request {i}. " * 10, "notify": "a@example.com"},
                 headers={"Authorization": f"Bearer {key}", "Idempotency-Key": f"race-{i:012}"},
             )
-            return r.status_code
 
-        statuses = await asyncio.gather(*(post(i) for i in range(100)))
-    # An estimate is the request's tokens (about 40) and
-    # ONCELY_BUDGET_RESERVE_TOKENS (1000): a second would pass 2000.
-    assert statuses.count(202) == 1 and statuses.count(429) == 99
-    held = await Budgets(redis).reserved("acme")
-    assert 1000 < held < 1100
+        answers = await asyncio.gather(*(post(i) for i in range(100)))
+        statuses = [a.status_code for a in answers]
+        # An estimate is the request's tokens (about 40) and
+        # ONCELY_BUDGET_RESERVE_TOKENS (1000): a second would pass 2000.
+        assert statuses.count(202) == 1 and statuses.count(429) == 99
+        budgets = Budgets(redis)
+        held = await budgets.reserved("acme")
+        assert 1000 < held < 1100
+        first = statuses.index(202)
+        job_id = answers[first].json()["job_id"]
+        # A refused request left its key free: its retry is refused again, not 409.
+        assert (await post((first + 1) % 100)).status_code == 429
+    # The job spends (the ledger releases its hold); the client retries it
+    # through another API process (which has seen no refusal): a replay,
+    # which holds nothing more.
+    await budgets.add({("acme", utc_day()): Spent(50, 0.0)}, {("acme", utc_day()): [job_id]})
+    other = asgi_app(settings.model_copy(update={"tenant_daily_tokens": 2000}), redis, pool)
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=other), base_url="http://t"
+    ) as c:
+        again = await post(first)
+    assert again.status_code == 202 and again.headers["Idempotent-Replayed"] == "true"
+    assert await budgets.reserved("acme") == 0, "a replay reserves nothing"
+    assert await count(pool, "SELECT count(*) FROM jobs") == 1
 
 
 def _in_flight(fake_llm: Any) -> Any:

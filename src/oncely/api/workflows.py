@@ -165,6 +165,8 @@ def _add_intake(
         location = f"{request.scope['path'].rstrip('/')}/{idem.job_id}"
 
         async def accept() -> Response:
+            if budget is not None:
+                await _reserve(budget, body, idem, jobs(), workflow.name)
             job = JobSpec(idem.job_id, tenant_name, workflow.name, payload)
             response, fresh = await accept_job(jobs(), job, idem, location)
             if fresh:
@@ -177,15 +179,12 @@ def _add_intake(
             admission = await tenant_limit.admit(tenant_name)
             if not admission.admitted:
                 raise RateLimited(admission.headers())
-        # Within its budget, with this job's tokens reserved (concurrent
-        # requests cannot overshoot it together); over it, no new job, but a
-        # retry of one it had accepted is answered as ever.
+        # Found over its budget a moment ago: no key claimed, no Redis call
+        # (but a retry of a job it had accepted is answered as ever).
         budget = gates.budgets()
-        if budget is not None:
-            estimate = budget.estimate(len(body.model_dump_json()))
-            wait_s = await budget.reserve(tenant_name, idem.job_id, estimate)
-            if wait_s is not None and not await _accepted(idem, jobs(), workflow.name):
-                raise BudgetExceeded(wait_s)
+        wait_s = budget.refusing(tenant_name) if budget is not None else None
+        if wait_s is not None and not await _accepted(idem, jobs(), workflow.name):
+            raise BudgetExceeded(wait_s)
         # The trace starts here and travels with the job (oncely.tracing).
         with tracing.span(
             f"POST {workflow.route}",
@@ -223,6 +222,21 @@ def _add_intake(
         # validation less per request): documented here instead.
         openapi_extra={"parameters": HEADER_PARAMETERS},
     )
+
+
+async def _reserve(
+    budget: Budgets, body: BaseModel, idem: IdempotentRequest, jobs: Jobs, workflow: str
+) -> None:
+    """This request's job's tokens held in its tenant's budget, or
+    ``BudgetExceeded`` (concurrent requests cannot overshoot it together).
+    Called holding the key: a replay or a duplicate never gets here, so only
+    a new job reserves; refused, the key is released. A job accepted before
+    (its stored answer expired) is answered as ever."""
+    tenant = idem.scope.tenant
+    estimate = budget.estimate(len(body.model_dump_json()))
+    wait_s = await budget.reserve(tenant, idem.job_id, estimate)
+    if wait_s is not None and await jobs.get(workflow, uuid.UUID(idem.job_id), tenant) is None:
+        raise BudgetExceeded(wait_s)
 
 
 async def _accepted(idem: IdempotentRequest, jobs: Jobs, workflow: str) -> bool:

@@ -7,18 +7,20 @@ Workers add what each tenant's calls used as the ledger writes them
 next one, so spend during a Redis timeout is counted when Redis returns.
 
 Concurrent requests cannot overshoot a token budget together: the intake
-**reserves** an estimate of each job's tokens before it claims the key, in
-one Lua call that refuses once spent + reserved reaches the budget, and the
-ledger releases a job's reservation in the same call that adds its first
-spend (a job that spends nothing has its reservation expire after
-``ONCELY_BUDGET_HOLD_S``). A tenant may therefore overshoot only by what
-its jobs in flight spend beyond their estimates. A tenant over either
-budget gets 429 ``budget-exceeded`` until midnight UTC, and no key is
-claimed. Jobs already accepted run regardless: a budget refuses new work,
-it never strands accepted work.
+**reserves** an estimate of each new job's tokens once it holds the key (a
+replay never gets that far, so never reserves), in one Lua call that
+refuses once spent + reserved reaches the budget, and the ledger releases
+a job's reservation in the same call that adds its first spend (a job that
+spends nothing has its reservation expire after ``ONCELY_BUDGET_HOLD_S``).
+A tenant may therefore overshoot only by what its jobs in flight spend
+beyond their estimates. A tenant over either budget gets 429
+``budget-exceeded`` until midnight UTC, and the key is released. Jobs
+already accepted run regardless: a budget refuses new work, it never
+strands accepted work.
 
 Each API process remembers a tenant it found over budget for
-``refresh_s``: its further requests are refused without a Redis call.
+``refresh_s`` (``refusing``): its further requests are refused before a
+key is claimed, without a Redis call.
 Shadow runs' calls are the operator's experiment and count against no
 tenant's budget.
 """
@@ -194,18 +196,22 @@ class Budgets:
         token) and what the limits expect beyond it."""
         return request_bytes // 4 + self.limits.reserve_tokens
 
+    def refusing(self, tenant: str) -> int | None:
+        """Without I/O: the seconds until midnight UTC if ``tenant`` was
+        found over budget in the last ``refresh_s``, else None."""
+        seen = self._seen.get(tenant)
+        if seen is None or seen[1] != utc_day() or time.monotonic() - seen[0] >= self.refresh_s:
+            return None
+        return seconds_to_midnight()
+
     async def reserve(self, tenant: str, job_id: str, estimate: int) -> int | None:
         """Hold ``estimate`` tokens of ``tenant``'s budget for ``job_id`` (a
         job that holds some already keeps its hold): None when held, else
-        the seconds until it may start new work again (midnight UTC). A
-        tenant found over budget is refused without Redis for
-        ``refresh_s``."""
+        the seconds until it may start new work again (midnight UTC), and
+        ``refusing`` says so for ``refresh_s``."""
         if not self.limits.enabled:
             return None
         today = utc_day()
-        seen = self._seen.get(tenant)
-        if seen is not None and seen[1] == today and time.monotonic() - seen[0] < self.refresh_s:
-            return seconds_to_midnight()
         keys = _keys((tenant, today))
         held = await self._reserve(
             keys=[keys.spend, keys.holds, keys.estimates],
