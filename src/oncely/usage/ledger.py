@@ -105,12 +105,12 @@ class Call:
 @dataclass(eq=False)
 class Sending:
     """A call on its way to the provider (``Ledger.sending``): its ``sent``
-    row, written if a batch is written before the call ends (``tried``: a
-    batch carried it, so its end deletes it; ``written``: one was taken)."""
+    row, written if a batch is written before the call ends. ``call_id``
+    names that row once a batch carried it (so the call's end deletes it);
+    ``written``: a batch was taken with it."""
 
     call: Call
-    call_id: str = field(default_factory=lambda: str(uuid.uuid4()))
-    tried: bool = False
+    call_id: str | None = None
     written: bool = False
 
     def to_json(self) -> dict[str, Any]:
@@ -175,7 +175,7 @@ class Ledger:
         self._unwritten: list[Call] = []
         # Calls in flight, and the ``sent`` rows a batch may have written
         # whose calls have ended since (deleted with the next batch).
-        self._in_flight: dict[str, Sending] = {}
+        self._in_flight: set[Sending] = set()
         self._ended: list[str] = []
         self._wake = asyncio.Event()
         self._stopping = False
@@ -185,7 +185,7 @@ class Ledger:
         """A call about to be sent (no I/O): in the ledger as ``sent`` until
         it is recorded or withdrawn."""
         sent = Sending(Call(site, step, model, attempt, "sent", 0, 0, 0, None))
-        self._in_flight[sent.call_id] = sent
+        self._in_flight.add(sent)
         return sent
 
     def record(self, call: Call, sent: Sending | None = None) -> None:
@@ -199,8 +199,10 @@ class Ledger:
 
     def withdraw(self, sent: Sending) -> None:
         """``sent`` has ended without a row of its own (it never left)."""
-        if self._in_flight.pop(sent.call_id, None) is not None and sent.tried:
-            self._ended.append(sent.call_id)
+        if sent in self._in_flight:
+            self._in_flight.discard(sent)
+            if sent.call_id is not None:
+                self._ended.append(sent.call_id)
 
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[Ledger]:
@@ -233,15 +235,15 @@ class Ledger:
         ended, self._ended = self._ended, []
         sent_before = time.time() - self.in_flight_after_s
         sends = [
-            sent
-            for sent in self._in_flight.values()
-            if not sent.written and sent.call.at <= sent_before
+            sent for sent in self._in_flight if not sent.written and sent.call.at <= sent_before
         ]
         if not (rows or ended or sends):
             await self._count(fresh)
             return 0
         for sent in sends:
-            sent.tried = True
+            # Named before the statement goes: a call ending while it runs
+            # deletes its row with the next batch.
+            sent.call_id = sent.call_id or str(uuid.uuid4())
         try:
             await self._insert(rows, sends, ended)
         except (psycopg.Error, StatementTimeout, OSError) as exc:
