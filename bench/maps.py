@@ -27,13 +27,13 @@ from __future__ import annotations
 import argparse
 import subprocess
 import uuid
-from dataclasses import dataclass
 from typing import Any
 
 from psycopg.types.json import Jsonb
 
 from bench import maps_app
 from bench.harness import jobs
+from bench.harness.drain import JobsTrial as Trial
 from bench.harness.fakes import API_KEY, FakeModel
 from bench.harness.measure import Headline, Noise, ratio, ratio_json, say, summary
 from bench.harness.processes import clean_env
@@ -49,24 +49,6 @@ APP = "bench.maps_app:app"
 SHOWN = ("jobs", "jobs_per_s", "cpu_ms_per_job", "statements_per_job", "machine_busy_cores")
 OURS, THEIRS = "map", "posted"
 SLOTS = 64
-
-
-@dataclass(frozen=True)
-class Trial:
-    kind: str
-    jobs: int
-
-    @property
-    def name(self) -> str:
-        return self.kind
-
-    @property
-    def items(self) -> int:
-        return self.jobs
-
-    @property
-    def timeout_s(self) -> float:
-        return 180 + self.jobs * 0.05
 
 
 def text(i: int) -> str:

@@ -47,6 +47,7 @@ from psycopg.types.json import Jsonb
 
 from bench import streams_app
 from bench.harness import jobs
+from bench.harness.drain import JobsTrial
 from bench.harness.fakes import API_KEY, FakeModel
 from bench.harness.measure import Headline, Noise, ratio, ratio_json, say, summary
 from bench.harness.processes import clean_env, free_port, wait_http
@@ -70,22 +71,7 @@ ROUNDS_OF_EVENTS = 5
 
 
 @dataclass(frozen=True)
-class Trial:
-    kind: str
-    jobs: int
-
-    @property
-    def name(self) -> str:
-        return self.kind
-
-    @property
-    def items(self) -> int:
-        return self.jobs
-
-    @property
-    def timeout_s(self) -> float:
-        return 180 + self.jobs * 0.05
-
+class Trial(JobsTrial):
     @property
     def workflow(self) -> Workflow[Any, Any]:
         return streams_app.streamed if self.kind == OURS else streams_app.plain

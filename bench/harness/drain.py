@@ -15,6 +15,7 @@ import subprocess
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 import psutil
@@ -45,6 +46,26 @@ class Trial(Protocol):
     @property
     def timeout_s(self) -> float:
         """How long the drain may take before the run is an error."""
+
+
+@dataclass(frozen=True)
+class JobsTrial:
+    """The plainest trial: the contender ``kind`` draining ``jobs`` jobs."""
+
+    kind: str
+    jobs: int
+
+    @property
+    def name(self) -> str:
+        return self.kind
+
+    @property
+    def items(self) -> int:
+        return self.jobs
+
+    @property
+    def timeout_s(self) -> float:
+        return 180 + self.jobs * 0.05
 
 
 T = TypeVar("T", bound=Trial)
