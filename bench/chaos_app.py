@@ -2,7 +2,8 @@
 built-in workflows, unchanged, ``reviews``, a multi-step workflow, and
 ``support``, the support agent of examples/support_agent.py, unchanged: an
 agent whose turns are checkpoints, with a function tool and a call tool
-(the refund, a call that answers, sent once by the relay).
+(the refund, a call that answers, sent once by the relay). ``frameworks``
+is the same app with that agent written in Pydantic AI instead.
 
 A review has six checkpoints at most, each kind of them:
 
@@ -137,3 +138,16 @@ reviews = Workflow(
 )
 
 app = App([summaries, triage, reviews, support])
+
+
+def __getattr__(name: str) -> App:
+    """``frameworks`` (``--app bench.chaos_app:frameworks``): the same app
+    with the support agent written in Pydantic AI
+    (examples/pydantic_ai_support.py) in place of oncely's. Not beside it:
+    a call's topic is one workflow's, and both call ``refund.issue``. Built
+    when asked for, so the default app's processes import no framework."""
+    if name == "frameworks":
+        from examples.pydantic_ai_support import workflow as pai_support
+
+        return App([summaries, triage, reviews, pai_support])
+    raise AttributeError(name)

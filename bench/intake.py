@@ -484,7 +484,7 @@ def oncely_checks(
     in_stream: collections.Counter[str],
     connections: int,
 ) -> dict[str, Any]:
-    from oncely.api.keys import Scope
+    from oncely.identity import Scope
 
     row_set = set(rows)
     accepted = set(wrk.fresh_ids) | set(wrk.replayed_ids)
@@ -535,7 +535,7 @@ PROFILE_BUCKETS: tuple[tuple[str, tuple[str, ...]], ...] = (
     (
         "serialisation: fingerprint, JSONResponse, response capture",
         (
-            "oncely.api.keys:fingerprint",
+            "oncely.identity:fingerprint",
             "fastapi.encoders:jsonable_encoder",
             "starlette.responses:JSONResponse.render",
             "oncely.api.idempotency:_capture",

@@ -96,7 +96,8 @@ BUCKETS = (
         ["openai.resources.chat.completions:AsyncCompletions.create"],
     ),
     ("model call: OpenAICompatible", ["oncely.llm.openai_compat:OpenAICompatible"]),
-    ("model call: Model._ask (retries, deadline, usage)", ["oncely.llm.model:Model._ask"]),
+    ("model call: the lean client", ["oncely.llm.lean:LeanOpenAICompatible"]),
+    ("model call: Trip.ask (retries, deadline, usage)", ["oncely.llm.trip:Trip.ask"]),
     (
         "side call: Context._retried (retries, a thread for a sync function, the call)",
         ["oncely.context:Context._retried"],
@@ -381,6 +382,7 @@ class Bench(Drain[Trial, FakeModel]):
             worker_concurrency=str(c.concurrency),
             log_level="WARNING",
             bench_side_calls=str(self.side_calls),
+            llm_client=self.ctx.args.llm_client,
         )
         argv = ["-m", "oncely", "worker", "--workflow", c.shape.workflow.name]
         return self.ctx.children.python(c.key, argv, env)
@@ -545,6 +547,7 @@ async def bench_main(ctx: Context) -> tuple[list[Headline], dict[str, Any], bool
             value, rounds = _median(at_256, metric), _per_round(at_256, metric)
             headline.append(Headline(what, value, f"/ {per}", rounds))
     detail = {
+        "llm_client": ctx.args.llm_client,
         "statements_counted_by": counted_by,
         "worker_role": WORKER_ROLE if statements else None,
         "shapes": {
@@ -569,6 +572,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         rounds=5,
         noise=Noise(0.3, 30.0, 2, 90.0),
         profile="also py-spy both workflows' workers at 256: CPU per bucket",
+    )
+    p.add_argument(
+        "--llm-client",
+        choices=("openai", "lean"),
+        default="openai",
+        help="ONCELY_LLM_CLIENT of both workers (%(default)s): with lean, a model call"
+        " costs what raw aiohttp's does, and the checkpoints are most of the difference",
     )
     return p.parse_args(argv)
 

@@ -24,8 +24,8 @@ Two parts, in one run:
   rounds of one event per stream spread over a second each. Checks: every
   stream got every event, and its snapshot first.
 
-``ONCELY_STREAMS_PER_TENANT`` is raised for the API above N (its default,
-100, is the per-tenant bound).
+``ONCELY_STREAMS_PER_TENANT`` and ``ONCELY_STREAMS_PER_PROCESS`` are raised
+for the API above N (their defaults, 100 and 1,000, are the bounds).
 """
 
 from __future__ import annotations
@@ -194,6 +194,7 @@ async def fan_out(ctx: Context, n: int) -> dict[str, Any]:
         redis_url=s.redis_url,
         database_url=s.database_url,
         streams_per_tenant=str(n + 100),
+        streams_per_process=str(n + 100),
         log_level="WARNING",
     )
     api = ctx.children.python("api", ["-m", "oncely", "api", "--port", str(port)], env)

@@ -7,6 +7,14 @@ Side by side on the same jobs, round-robin:
   NOTIFY, reconciler);
 - ``oncely_lean``: the same worker with ``ONCELY_LLM_CLIENT=lean`` (the model
   called straight over aiohttp, no SDK);
+- ``oncely_anthropic``, ``oncely_responses``, ``oncely_background`` (only
+  when ``--only`` names them): the same worker in another dialect on the
+  same fake: ``ONCELY_LLM_PROVIDER=anthropic`` (the anthropic SDK, ``POST
+  /v1/messages``), ``ONCELY_LLM_PROVIDER=responses`` (the openai SDK's
+  Responses API, ``POST /v1/responses``), and the latter in background mode
+  (``ONCELY_LLM_BACKGROUND_S=1``: each call created in background, its id
+  kept as an intent, then polled; its run's checks count the creates and
+  polls);
 - ``floor_openai``: the same work with none of the guarantees (this module
   with ``--floor-consumer``): batched XREADGROUP, one model call per message
   through the same openai SDK on its aiohttp transport, one statement
@@ -53,7 +61,19 @@ from oncely.builtin.summaries import INSTRUCTION, SUMMARY_READY, dedupe_key, sum
 
 GOAL = 0.85
 KINDS = ("oncely", "oncely_lean", "floor_openai", "floor_aiohttp")
-OURS = ("oncely", "oncely_lean")
+# Contenders that run only when --only names them.
+MORE_KINDS = ("oncely_anthropic", "oncely_responses", "oncely_background")
+OURS = ("oncely", "oncely_lean", *MORE_KINDS)
+# Each contender's dialect (ONCELY_LLM_PROVIDER); the others' is chat.
+DIALECTS = {
+    "oncely_anthropic": "anthropic",
+    "oncely_responses": "responses",
+    "oncely_background": "responses",
+}
+# <dialect> / oncely @256: another dialect costs the worker at most this much
+# throughput (and at most its inverse in CPU per job). Background mode has no
+# goal: its cost is reported (docs/providers.md, Background calls).
+DIALECT_GOAL = 0.9
 LEAN_GOAL = 0.8  # oncely_lean / floor_aiohttp @256
 MODEL = "oncely-fake"
 HTTP_CONNECTIONS = 1000  # the openai SDK's aiohttp limit; raw aiohttp gets the same
@@ -86,7 +106,7 @@ BUCKETS = {
             "model call: LeanOpenAICompatible (aiohttp, JSON)",
             ["oncely.llm.lean:LeanOpenAICompatible"],
         ),
-        ("model call: Model._ask (retries, deadline, usage)", ["oncely.llm.model:Model._ask"]),
+        ("model call: Trip.ask (retries, deadline, usage)", ["oncely.llm.trip:Trip.ask"]),
         ("step: summarise (prompt, emit)", ["oncely.builtin.summaries:summarise"]),
         (
             "Postgres statements: run_statement's own task (pre-check, store)",
@@ -396,7 +416,10 @@ class Bench(Drain[Trial, FakeModel]):
                 "worker_concurrency": str(c.concurrency),
                 "log_level": "WARNING",
                 "llm_client": "lean" if c.kind == "oncely_lean" else "openai",
+                "llm_provider": DIALECTS.get(c.kind, "chat"),
             }
+            if c.kind == "oncely_background":
+                settings["llm_background_s"] = "1"  # below the calls' 20 s: each in background
             env = (
                 checkout_env(self.ctx.args.against, **settings)
                 if c.kind == "against"
@@ -499,12 +522,36 @@ def _headlines(scenario: str, runs: dict[str, Any]) -> list[Headline]:
         what = f"worker {scenario}: oncely_lean / oncely @256"
         for metric, unit in (("jobs_per_s", "jobs/s"), ("cpu_ms_per_job", "CPU per job")):
             headline.append(Headline.of(f"{what}, {unit}", ratio(ours, theirs, metric)))
+    headline += _dialect_headlines(scenario, runs)
     for conc in (256, 1):
         ours, theirs = runs.get(f"oncely@{conc}"), runs.get(f"against@{conc}")
         if ours and theirs:
             what = f"worker {scenario}: oncely / --against @{conc}"
             for metric, unit in (("jobs_per_s", "jobs/s"), ("cpu_ms_per_job", "CPU per job")):
                 headline.append(Headline.of(f"{what}, {unit}", ratio(ours, theirs, metric)))
+    return headline
+
+
+def _dialect_headlines(scenario: str, runs: dict[str, Any]) -> list[Headline]:
+    """Each other dialect's worker over the chat one's, on the same fake."""
+    headline = []
+    theirs = runs.get("oncely@256")
+    for kind in DIALECTS:
+        ours = runs.get(f"{kind}@256")
+        if not (ours and theirs):
+            continue
+        what = f"worker {scenario}: {kind} / oncely (chat) @256"
+        goal = kind != "oncely_background"
+        jobs_per_s = ratio(ours, theirs, "jobs_per_s")
+        cpu = ratio(ours, theirs, "cpu_ms_per_job")
+        headline += [
+            Headline.of(
+                f"{what}, jobs/s", jobs_per_s, **({"at_least": DIALECT_GOAL} if goal else {})
+            ),
+            Headline.of(
+                f"{what}, CPU per job", cpu, **({"at_most": 1 / DIALECT_GOAL} if goal else {})
+            ),
+        ]
     return headline
 
 
@@ -537,7 +584,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--only",
         type=_kinds,
-        help="comma-separated contenders (" + ",".join(KINDS) + "); all by default",
+        help="comma-separated contenders ("
+        + ",".join((*KINDS, *MORE_KINDS))
+        + "); all but "
+        + ",".join(MORE_KINDS)
+        + " by default",
     )
     p.add_argument(
         "--against",
@@ -555,7 +606,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _kinds(value: str) -> str:
-    unknown = sorted(set(value.split(",")) - set(KINDS))
+    unknown = sorted(set(value.split(",")) - {*KINDS, *MORE_KINDS})
     if unknown:
         raise argparse.ArgumentTypeError(f"unknown contender {unknown[0]!r}")
     return value

@@ -5,23 +5,19 @@ decision; each path, and a crash in the middle of the run."""
 
 from __future__ import annotations
 
+import asyncio
+
+from examples.shop_cases import CHAIR, CHAIR_TURNS, REFUNDED, TEAPOT, TEAPOT_TURNS
 from examples.support_agent import workflow
 from oncely import ApprovalDecision
 from oncely.testing import ProviderError, ToolCalls, run_step
-
-TEAPOT = {"customer": "ada@example.com", "message": "My teapot, order A-1001, arrived broken."}
-REFUNDED = {"ok": True, "id": "evt_1", "data": {}}
 
 
 async def test_a_small_refund_is_made_at_once_and_the_customer_gets_one_email() -> None:
     run = await run_step(
         workflow,
         TEAPOT,
-        answers=[
-            ToolCalls(("lookup_order", {"order_id": "A-1001"})),
-            ToolCalls(("refund", {"order_id": "A-1001", "cents": 4200, "reason": "broken"})),
-            "Sorry about the teapot: we refunded 42.00.",
-        ],
+        answers=TEAPOT_TURNS,
         calls={"refund.issue": REFUNDED},
     )
     assert run.result.refunded_cents == 4200
@@ -37,14 +33,8 @@ async def test_a_small_refund_is_made_at_once_and_the_customer_gets_one_email() 
 
 
 async def test_a_large_refund_waits_for_a_person_and_a_rejection_refunds_nothing() -> None:
-    chair = {"customer": "bo@example.com", "message": "The armchair A-1002 is the wrong colour."}
-    script = [
-        ToolCalls(("lookup_order", {"order_id": "A-1002"})),
-        ToolCalls(("refund", {"order_id": "A-1002", "cents": 38900, "reason": "wrong item"})),
-        "A colleague will look at your refund.",
-    ]
     rejected = await run_step(
-        workflow, chair, answers=script, approvals={"refund": ApprovalDecision(approved=False)}
+        workflow, CHAIR, answers=CHAIR_TURNS, approvals={"refund": ApprovalDecision(approved=False)}
     )
     assert rejected.result.refunded_cents == 0
     assert rejected.result.tool_calls == ["lookup_order:ok", "refund:rejected"]
@@ -53,8 +43,8 @@ async def test_a_large_refund_waits_for_a_person_and_a_rejection_refunds_nothing
 
     approved = await run_step(
         workflow,
-        chair,
-        answers=script,
+        CHAIR,
+        answers=CHAIR_TURNS,
         calls={"refund.issue": REFUNDED},
         approvals={"refund": True},
     )
@@ -91,3 +81,8 @@ async def test_a_crash_after_the_refund_call_repeats_nothing() -> None:
     )
     assert run.result.refunded_cents == 4200
     assert run.model_calls == 3, "no turn paid for twice"
+    # The crash went through the agent's task group: this task keeps no
+    # cancel request from it (it would cancel the next thing awaited).
+    task = asyncio.current_task()
+    assert task is not None and task.cancelling() == 0
+    await asyncio.sleep(0)

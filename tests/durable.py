@@ -5,6 +5,7 @@ stores, its workers on demand, and waits on state (``harness`` and
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -20,14 +21,19 @@ from oncely import App, Context, Workflow, webhook
 from oncely.api.auth import create_api_key
 from oncely.bootstrap import connect_llm, step_config
 from oncely.fakes.llm import FakeLLMServer
+from oncely.fakes.mail import FakeMailServer
 from oncely.jobs.checkpoints import Checkpoints
 from oncely.jobs.handler import WorkflowHandler
 from oncely.jobs.store import Jobs
+from oncely.live.events import JobEvents
 from oncely.llm.base import LLM
+from oncely.outbox.relay import Relay, RelayConfig
+from oncely.outbox.store import OutboxStore
 from oncely.outbox.wakeup import OutboxWakeUp
 from oncely.queue.stream import Stream
 from oncely.queue.worker import Worker, WorkerConfig
 from oncely.redis_client import RedisClient
+from oncely.senders import SendersConfig, build_router
 from oncely.settings import Settings
 from tests import steps_app
 from tests.helpers import asgi_app
@@ -50,7 +56,9 @@ class Harness:
     fake: FakeLLMServer
     side_file: Path
 
-    def worker(self, workflow: str, **config: Any) -> Worker:
+    def worker(self, workflow: str, *, events: JobEvents | None = None, **config: Any) -> Worker:
+        """A worker of ``workflow``, publishing its jobs' live events to
+        ``events`` when given."""
         handler = WorkflowHandler(
             self.app[workflow],
             self.jobs,
@@ -58,6 +66,7 @@ class Harness:
             step_config(self.settings),
             OutboxWakeUp(self.pool),
             checkpoints=self.checkpoints,
+            events=events,
         )
         return Worker(
             self.jobs.streams[workflow],
@@ -267,3 +276,20 @@ async def until_async(check: Callable[[], Awaitable[bool]], within_s: float = 20
 
 async def pending_is(h: Harness, workflow: str, n: int) -> bool:
     return await pending(h, workflow) == n
+
+
+@contextlib.asynccontextmanager
+async def relayed(harness: Harness, mail: FakeMailServer, secret: str) -> AsyncIterator[Relay]:
+    """A relay sending the harness's app's effects and calls, signed with
+    ``secret``, to the fake receiver ``mail``, and resuming the jobs whose
+    calls ended (as the relay process does)."""
+    config = SendersConfig(webhook_secret=secret, default_webhook_url=mail.events_url)
+    router = build_router(harness.app.effects(), config)
+
+    async def resume(ids: list[str]) -> None:
+        await harness.checkpoints.resume_due(len(ids), ids)
+
+    try:
+        yield Relay(OutboxStore(harness.pool), router, RelayConfig(batch=10), resume=resume)
+    finally:
+        await router.aclose()

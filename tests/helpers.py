@@ -8,6 +8,7 @@ from typing import Any
 
 from fastapi import FastAPI
 from psycopg_pool import AsyncConnectionPool
+from pydantic import BaseModel
 from redis.asyncio import Redis
 
 from oncely.app import App
@@ -18,6 +19,19 @@ from oncely.jobs.store import Jobs
 from oncely.queue.stream import Stream
 from oncely.queue.worker import Worker, WorkerConfig
 from oncely.settings import Settings
+
+
+# The refund tool's arguments and what its webhook answers, as the agent and
+# framework tests declare them (no docstrings: they would enter the tools'
+# JSON schemas).
+class RefundArgs(BaseModel):
+    order_id: str
+    cents: int
+
+
+class Refunded(BaseModel):
+    ok: bool
+    id: str
 
 
 def asgi_app(
@@ -51,6 +65,19 @@ async def submit(
     payload = {"text": text, "notify": "ada@example.com"}
     await Jobs(pool, {"summaries": stream}).accept(JobSpec(job_id, tenant, "summaries", payload))
     return job_id
+
+
+async def rows(pool: AsyncConnectionPool, sql: str, *args: Any) -> list[tuple[Any, ...]]:
+    """The rows ``sql`` answers (``args`` its parameters; none: ``%`` is a
+    literal)."""
+    async with pool.connection() as conn:
+        return list(await (await conn.execute(sql, args or None)).fetchall())
+
+
+async def scalar(pool: AsyncConnectionPool, sql: str, *args: Any) -> Any:
+    """The first column of the first row ``sql`` answers, or None."""
+    found = await rows(pool, sql, *args)
+    return found[0][0] if found else None
 
 
 async def count(pool: AsyncConnectionPool, sql: str, *args: Any) -> int:

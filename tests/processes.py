@@ -13,6 +13,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -86,7 +87,9 @@ async def wait_for(
         await asyncio.sleep(0.05)
 
 
-async def wait_healthy(base_url: str, proc: subprocess.Popen[bytes], log: Path) -> None:
+async def wait_healthy(
+    base_url: str, proc: subprocess.Popen[bytes], log: Path, within_s: float = 30.0
+) -> None:
     async def up() -> bool:
         if proc.poll() is not None:
             raise AssertionError(f"process exited {proc.returncode}: {tail(log)}")
@@ -96,7 +99,7 @@ async def wait_healthy(base_url: str, proc: subprocess.Popen[bytes], log: Path) 
         except httpx.TransportError:
             return False
 
-    await wait_for(up, what=f"{base_url}/healthz")
+    await wait_for(up, within_s, what=f"{base_url}/healthz")
 
 
 @contextmanager
@@ -158,3 +161,20 @@ def postgres_pids(pgdata: Path) -> list[int]:
             if int(stat.rsplit(")", 1)[1].split()[1]) == postmaster:
                 pids.append(int(proc.name))
     return pids
+
+
+async def repays_allowed(pool: Any, ids: list[str]) -> dict[str, int]:
+    """How many model turns each job may have paid twice: one per delivery
+    lost mid-run (SIGKILLed: its number is a gap, it left no row), one per
+    delivery that ran beside another under the same number (an overtaken
+    worker's), and one per delivery that ended in a retry (a turn that
+    timed out may have been billed). Resumes after a wait pay nothing again."""
+    async with pool.connection() as conn:
+        cur = await conn.execute(
+            "SELECT job_id::text, (max(delivery) - count(DISTINCT delivery))"
+            " + (count(*) - count(DISTINCT delivery))"
+            " + count(*) FILTER (WHERE outcome = 'retry') FROM job_deliveries"
+            " WHERE job_id = ANY(%s::uuid[]) GROUP BY job_id",
+            (ids,),
+        )
+        return {job: int(n) for job, n in await cur.fetchall()}

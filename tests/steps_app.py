@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -116,6 +117,62 @@ async def nap(request: Nap, ctx: Context) -> Rested:
     return Rested(before=before["sku"], after=after)
 
 
+class Transfer(BaseModel):
+    order: str = Field(min_length=1, max_length=100)
+    cents: int = Field(500, ge=1)
+    # Ask reconcile (it reads the side-calls file) before a person.
+    reconcile: bool = False
+    # The first transfer of an order hangs this long once it happened (a
+    # test kills its worker meanwhile); a resend returns at once.
+    hold_s: float = Field(0.0, ge=0)
+    # The first transfer of an order happens, then its connection breaks.
+    fail: bool = False
+
+
+class Transferred(BaseModel):
+    outcome: str
+    result: Any = None
+
+
+def send_money(order: str, cents: int, hold_s: float, fail: bool = False) -> dict[str, Any]:
+    """A payment API that does not dedupe: each call is a transfer."""
+    record_side_call("transfer", order)
+    path = os.environ.get(SIDE_CALLS)
+    sent = len([c for c in side_calls(Path(path), "transfer") if c["text"] == order]) if path else 1
+    if sent == 1 and hold_s:
+        time.sleep(hold_s)
+    if sent == 1 and fail:
+        raise ConnectionResetError("the bank hung up before it answered")
+    return {"transfer": sent, "cents": cents}
+
+
+def found_transfer(arguments: dict[str, Any], key: str) -> Any:
+    """Ask the bank whether the transfer happened."""
+    path = os.environ.get(SIDE_CALLS)
+    sent = [c for c in side_calls(Path(path), "transfer") if c["text"] == arguments["order"]]
+    if not sent:
+        return oncely.NOT_DONE
+    return {"transfer": len(sent), "cents": arguments["cents"], "found": True}
+
+
+async def transfer(request: Transfer, ctx: Context) -> Transferred:
+    """One effect no receiver dedupes, at most once (docs/at-most-once.md)."""
+    try:
+        paid = await ctx.step(
+            "pay",
+            send_money,
+            request.order,
+            request.cents,
+            request.hold_s,
+            request.fail,
+            at_most_once=True,
+            reconcile=found_transfer if request.reconcile else None,
+        )
+    except oncely.PermanentError as exc:
+        return Transferred(outcome="failed", result=str(exc))
+    return Transferred(outcome="paid", result=paid)
+
+
 chain = Workflow(
     name="chain",
     route="/v1/chain",
@@ -142,4 +199,13 @@ naps = Workflow(
     effects=[webhook("order.rested")],
 )
 
-app = oncely.App([chain, approvals, naps])
+transfers = Workflow(
+    name="transfers",
+    route="/v1/transfers",
+    request=Transfer,
+    result=Transferred,
+    step=transfer,
+    effects=[webhook("uncertain.raised")],
+)
+
+app = oncely.App([chain, approvals, naps, transfers])

@@ -11,8 +11,17 @@ import pytest
 from pydantic import BaseModel
 
 import oncely
-from oncely import Agent, AgentLimitReached, ApprovalDecision, Context, ToolContext, Workflow
+from oncely import (
+    Agent,
+    AgentLimitReached,
+    ApprovalDecision,
+    Context,
+    PermanentError,
+    ToolContext,
+    Workflow,
+)
 from oncely.testing import ProviderError, ReplayError, ToolCalls, run_step
+from tests.helpers import RefundArgs, Refunded
 
 LOOKUPS: list[dict[str, Any]] = []
 
@@ -22,11 +31,6 @@ def lookup_order(order_id: str, ctx: ToolContext) -> dict[str, Any]:
     """Look an order up by its id."""
     LOOKUPS.append({"order_id": order_id, "key": ctx.key})
     return {"order_id": order_id, "total_cents": 4200}
-
-
-class RefundArgs(BaseModel):
-    order_id: str
-    cents: int
 
 
 refund = oncely.call_tool(
@@ -51,11 +55,6 @@ class Answer(BaseModel):
     tools: list[str]
 
 
-class Refunded(BaseModel):
-    ok: bool
-    id: str
-
-
 def agent_workflow(agent: Agent) -> Workflow[Any, Any]:
     async def step(request: Ask, ctx: Context) -> Answer:
         run = await agent.run(ctx, request.text)
@@ -75,6 +74,7 @@ def agent_workflow(agent: Agent) -> Workflow[Any, Any]:
             oncely.webhook("refund.issue", returns=Refunded),
             oncely.webhook("approval.requested"),
         ],
+        agents=[agent],
     )
 
 
@@ -159,6 +159,11 @@ async def test_errors_the_model_can_recover_from_are_results_not_failures() -> N
     assert LOOKUPS == [], "a call with bad arguments never runs the tool"
     told = [m.content for m in run.calls[-1].messages if m.role == "tool"]
     assert "unknown tool 'no_such_tool'" in told[0]
+    # A name the model made up is never a metric label.
+    from prometheus_client import REGISTRY
+
+    labels = {s.labels.get("tool") for metric in REGISTRY.collect() for s in metric.samples}
+    assert "no_such_tool" not in labels and "unknown-tool" in labels
     assert "not a JSON object" in told[1]
     assert "invalid arguments" in told[2]
     assert "the call failed (refused)" in told[3]
@@ -286,3 +291,25 @@ def test_tool_names_and_shapes_are_checked_at_declaration() -> None:
 
 
 _ = ReplayError
+
+
+async def test_an_approval_its_workflow_cannot_receive_is_refused_at_the_wait() -> None:
+    """An agent whose workflow does not declare it has no approvals route:
+    a tool that asks for a decision fails loudly, not after 48 silent hours."""
+
+    async def step(request: Ask, ctx: Context) -> Answer:
+        run = await SUPPORT.run(ctx, request.text)
+        return Answer(reply=str(run.output), turns=run.turns, tools=[])
+
+    undeclared = Workflow(
+        name="support",
+        route="/v1/support",
+        request=Ask,
+        result=Answer,
+        step=step,
+        effects=[oncely.webhook("refund.issue", returns=Refunded)],
+    )
+    assert not undeclared.approvals
+    script = [ToolCalls(("refund", {"order_id": "A1", "cents": 100})), "done"]
+    with pytest.raises(PermanentError, match="no approvals route"):
+        await run_step(undeclared, {"text": "refund"}, answers=script)

@@ -25,11 +25,11 @@ from structlog.testing import capture_logs
 
 from oncely import names
 from oncely.api.idempotency import IdempotentRequest
-from oncely.api.keys import Scope, fingerprint
 from oncely.builtin.summaries import summaries
+from oncely.identity import Scope, fingerprint
 from oncely.jobs.reconcile import Reconciler
 from oncely.sql import query
-from tests.helpers import asgi_app
+from tests.helpers import asgi_app, rows
 from tests.processes import wait_for
 
 URL = "/v1/summaries"
@@ -39,12 +39,6 @@ KEY = "hardening-key-0001"
 
 def headers(auth: dict[str, str], key: str = KEY) -> dict[str, str]:
     return {**auth, "Idempotency-Key": key}
-
-
-async def rows(pool, sql: str, *args: object) -> list[tuple[object, ...]]:
-    async with pool.connection() as conn:
-        cur = await conn.execute(sql, args)
-        return await cur.fetchall()
 
 
 async def running_markers(redis) -> list[str]:
@@ -108,11 +102,12 @@ async def test_a_row_accepted_before_fingerprints_were_kept_replays_the_acceptan
 # -- truthful answers -------------------------------------------------------------
 
 
-async def test_a_failed_enqueue_after_the_row_committed_answers_202_and_the_reconciler_dispatches(
+async def test_a_failed_enqueue_after_the_row_committed_answers_202_and_is_dispatched_again(
     client, auth, pool, redis, jobs
 ):
     """The row is the record of acceptance: XADD failing afterwards is not a
-    503 (the job would run anyway); the reconciler sends it."""
+    503 (the job would run anyway). The process dispatches it again itself
+    as soon as Redis answers, once: the reconciler finds nothing to do."""
     await redis.set(summaries.keys.stream, "not a stream")  # every XADD fails (WRONGTYPE)
     with capture_logs() as logs:
         r = await client.post(URL, json=BODY, headers=headers(auth))
@@ -124,8 +119,14 @@ async def test_a_failed_enqueue_after_the_row_committed_answers_202_and_the_reco
     assert replay.content == r.content and replay.headers["idempotent-replayed"] == "true"
 
     await redis.delete(summaries.keys.stream)
-    await asyncio.sleep(0.05)
-    assert await Reconciler(jobs, "summaries", after_s=0.01).run_once() == 1
+
+    async def dispatched() -> bool:
+        return await redis.exists(summaries.keys.stream) and bool(
+            await redis.xrange(summaries.keys.stream)
+        )
+
+    await wait_for(dispatched, within_s=30, what="the job dispatched again")
+    assert await Reconciler(jobs, "summaries", after_s=0.01).run_once() == 0
     [(_, fields)] = await redis.xrange(summaries.keys.stream)
     assert fields["job_id"] == job_id
 
@@ -307,3 +308,40 @@ async def test_a_settled_outcome_is_answered_and_stored_even_past_the_max_hold(h
     replay = await client.post("/v1/hold", json={"value": 2}, headers=hdrs)
     assert replay.content == r.content and replay.headers["idempotent-replayed"] == "true"
     assert handler.calls == 1
+
+
+async def test_browsers_on_a_listed_origin_may_call_and_read_the_answers(
+    settings, redis, pool
+) -> None:
+    """``ONCELY_CORS_ORIGINS``: a listed origin's preflight is answered and
+    its answers carry the headers a browser needs to read them; another
+    origin gets none; ``*`` is refused as a setting."""
+    import httpx
+    from pydantic import ValidationError
+
+    from oncely.settings import Settings
+    from tests.helpers import asgi_app
+
+    allowed = "https://app.example.com"
+    app = asgi_app(settings.model_copy(update={"cors_origins": allowed}), redis, pool)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://api") as client:
+            preflight = await client.options(
+                "/v1/summaries",
+                headers={
+                    "Origin": allowed,
+                    "Access-Control-Request-Method": "POST",
+                    "Access-Control-Request-Headers": "authorization,idempotency-key",
+                },
+            )
+            refused = await client.get("/v1/summaries/x", headers={"Origin": allowed})
+            elsewhere = await client.get("/v1/summaries/x", headers={"Origin": "https://evil.io"})
+    assert preflight.status_code == 200
+    assert preflight.headers["access-control-allow-origin"] == allowed
+    assert "idempotency-key" in preflight.headers["access-control-allow-headers"].lower()
+    assert refused.status_code == 401
+    assert refused.headers["access-control-allow-origin"] == allowed
+    assert "access-control-allow-origin" not in elsewhere.headers
+    with pytest.raises(ValidationError, match="never"):
+        Settings(cors_origins="*")

@@ -16,9 +16,9 @@ from redis.asyncio import Redis
 
 from oncely import names
 from oncely.api.auth import create_api_key, revoke_api_key
-from oncely.api.keys import Scope
 from oncely.api.store import IdempotencyStore
 from oncely.builtin.summaries import summaries
+from oncely.identity import Scope
 from tests.helpers import asgi_app
 from tests.processes import wait_for
 

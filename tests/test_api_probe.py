@@ -20,10 +20,10 @@ from psycopg_pool import AsyncConnectionPool
 from structlog.testing import capture_logs
 
 from oncely import names
-from oncely.api.keys import Scope, fingerprint
 from oncely.api.problems import PROBLEM_BASE
 from oncely.api.store import IdempotencyStore, new_token
 from oncely.bootstrap import make_redis
+from oncely.identity import Scope, fingerprint
 from tests.conftest import _with_dbname
 from tests.helpers import asgi_app, count, make_worker
 from tests.processes import free_port
@@ -293,8 +293,13 @@ def _stream_provokers(
     async def tokened(c: Any, _: Any) -> Any:
         return await c.post(await finished(c) + "/stream-token", headers=auth)
 
+    async def malformed(c: Any, _: Any) -> Any:
+        # A resume id that is no event id.
+        return await c.get(await finished(c) + "/stream", headers={**auth, "Last-Event-ID": "$"})
+
     return {
         (live, "200"): streamed,
+        (live, "400"): malformed,
         (live, "401"): lambda c, _, r=route: c.get(f"{r}/{uuid.uuid4()}/stream"),
         (live, "404"): lambda c, _, r=route: c.get(f"{r}/{uuid.uuid4()}/stream", headers=auth),
         (live, "429"): crowded,
@@ -315,6 +320,70 @@ def _stream_provokers(
         (token, "503"): lambda c, _, r=route: via(
             no_postgres, "POST", f"{r}/{uuid.uuid4()}/stream-token", headers=auth
         ),
+    }
+
+
+def _uncertain_provokers(
+    route: str,
+    body: dict[str, str],
+    auth: dict[str, str],
+    pool: Any,
+    via: Any,
+    no_redis: Any,
+    broken_table: Any,
+) -> dict[tuple[str, str], Provoke]:
+    """A person's word on an uncertain call (docs/at-most-once.md), each
+    documented status provoked: a job made to wait on one by its rows."""
+    op = f"POST {route}/{{job_id}}/uncertain/{{call_id}}"
+    call = "0123456789abcdef0123"
+
+    async def waiting(c: Any, finished: bool = False) -> str:
+        fresh = {**auth, "Idempotency-Key": f"probe-uncertain-{uuid.uuid4()}"}
+        accepted = await c.post(route, json=body, headers=fresh)
+        job_id = accepted.json()["job_id"]
+        async with pool.connection() as conn:
+            await conn.execute(
+                "UPDATE jobs SET status = %s, waiting_for = %s,"
+                " wait_until = now() + interval '1 day' WHERE job_id = %s",
+                ("done" if finished else "waiting", f"uncertain:{call}", job_id),
+            )
+            await conn.execute(
+                "INSERT INTO checkpoints (job_id, key, ordinal, kind, status, value, until)"
+                " VALUES (%s, 'pay/uncertain', 1, 'uncertain', 'waiting', NULL,"
+                " now() + interval '1 day')",
+                (job_id,),
+            )
+        return f"{route}/{job_id}/uncertain/{call}"
+
+    def word(b: Any = None, headers: dict[str, str] | None = None) -> Any:
+        async def provoke(c: Any, _: Any) -> Any:
+            sent = {"resend": True} if b is None else b
+            sent_with = headers or {**auth, "Idempotency-Key": f"probe-word-{uuid.uuid4()}"}
+            return await c.post(await waiting(c), json=sent, headers=sent_with)
+
+        return provoke
+
+    async def conflict(c: Any, _: Any) -> Any:
+        return await c.post(
+            await waiting(c, finished=True),
+            json={"resend": True},
+            headers={**auth, "Idempotency-Key": f"probe-word-{uuid.uuid4()}"},
+        )
+
+    nowhere = f"{route}/{uuid.uuid4()}/uncertain/{call}"
+    h = {**auth, "Idempotency-Key": key()}
+    return {
+        (op, "202"): word(),
+        (op, "400"): word(headers=auth),
+        (op, "401"): lambda c, _: c.post(nowhere, json={"resend": True}),
+        (op, "404"): lambda c, _: c.post(nowhere, json={"resend": True}, headers=h),
+        (op, "409"): conflict,
+        (op, "413"): lambda c, _: c.post(nowhere, json={"failed": "x" * 2_000_000}, headers=h),
+        (op, "422"): word(b={"resend": True, "failed": "both"}),
+        (op, "500"): lambda c, _: broken_table(
+            c, lambda: c.post(nowhere, json={"resend": True}, headers=h)
+        ),
+        (op, "503"): lambda c, _: via(no_redis, "POST", nowhere, json={"resend": True}, headers=h),
     }
 
 
@@ -430,6 +499,7 @@ async def provokers(
             ),
         }
         table |= _stream_provokers(route, body, auth, pool, redis, via, no_postgres, broken_table)
+        table |= _uncertain_provokers(route, body, auth, pool, via, no_redis, broken_table)
     table |= {
         ("GET /healthz", "200"): lambda c, _: c.get("/healthz"),
         ("GET /readyz", "200"): lambda c, _: c.get("/readyz"),

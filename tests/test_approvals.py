@@ -5,6 +5,8 @@ and the decision route keeps the whole idempotency contract (docs/agents.md)."""
 
 from __future__ import annotations
 
+import getpass
+import json
 import uuid
 from collections.abc import AsyncIterator
 from datetime import timedelta
@@ -15,11 +17,12 @@ from pydantic import BaseModel
 
 import oncely
 from oncely import Agent, App, Context, Workflow, webhook
+from oncely.api.auth import hash_api_key
+from oncely.decisions import is_call_id
 from oncely.fakes.mail import FakeMailServer
-from oncely.outbox.relay import Relay, RelayConfig
-from oncely.outbox.store import OutboxStore
-from oncely.senders import SendersConfig, build_router
-from tests.durable import Harness, drain, pending, wait_until_due
+from oncely.outbox.relay import Relay
+from tests.durable import Harness, drain, pending, relayed, wait_until_due
+from tests.helpers import RefundArgs, Refunded
 
 SECRET = "approvals-test-secret"
 REFUND = '[[fake:tool=refund {"order_id": "A1", "cents": 1200}]]'
@@ -32,16 +35,6 @@ class Ask(BaseModel):
 class Answer(BaseModel):
     reply: str
     tools: list[str]
-
-
-class RefundArgs(BaseModel):
-    order_id: str
-    cents: int
-
-
-class Refunded(BaseModel):
-    ok: bool
-    id: str
 
 
 @oncely.tool
@@ -84,19 +77,13 @@ APP = helpdesk()
 
 
 @pytest.fixture
-async def desk(custom, pool, tmp_path) -> AsyncIterator[tuple[Harness, Relay, FakeMailServer]]:
-    app = APP
-    harness = await custom(app)
-    async with FakeMailServer(tmp_path / "mailbox.jsonl") as mail:
-        config = SendersConfig(webhook_secret=SECRET, default_webhook_url=mail.events_url)
-        router = build_router(app.effects(), config)
-
-        async def resume(ids: list[str]) -> None:
-            await harness.checkpoints.resume_due(len(ids), ids)
-
-        relay = Relay(OutboxStore(pool), router, RelayConfig(batch=10), resume=resume)
+async def desk(custom, tmp_path) -> AsyncIterator[tuple[Harness, Relay, FakeMailServer]]:
+    harness = await custom(APP)
+    async with (
+        FakeMailServer(tmp_path / "mailbox.jsonl") as mail,
+        relayed(harness, mail, SECRET) as relay,
+    ):
         yield harness, relay, mail
-        await router.aclose()
 
 
 async def decide(
@@ -107,10 +94,21 @@ async def decide(
     key: str | None = None,
     auth: dict[str, str] | None = None,
 ) -> Any:
-    headers = {**(auth or harness.auth), "Idempotency-Key": key or f"decision-{uuid.uuid4()}"}
+    headers = {
+        **(auth or harness.auth),
+        "Idempotency-Key": key or f"decision-{uuid.uuid4()}",
+        "Content-Type": "application/json",
+    }
+    # Escaped JSON: lone surrogates go as a client could send them.
     return await harness.api.post(
-        f"/v1/helpdesk/{job_id}/approvals/{call_id}", json=body, headers=headers
+        f"/v1/helpdesk/{job_id}/approvals/{call_id}", content=json.dumps(body), headers=headers
     )
+
+
+async def pending_call(harness: Harness, job_id: str) -> str:
+    """The id of the tool call the job waits on a decision for (GET)."""
+    view = await harness.get("/v1/helpdesk", job_id)
+    return str(view["waiting"]["approval"]["call_id"])
 
 
 async def topics(harness: Harness, job_id: str) -> list[str]:
@@ -125,11 +123,14 @@ async def test_a_tool_waiting_for_approval_holds_no_slot_and_sends_nothing_befor
 
     view = await harness.get("/v1/helpdesk", job_id)
     assert view["status"] == "waiting"
+    call = view["waiting"]["approval"]["call_id"]
     assert view["waiting"]["approval"] == {
-        "call_id": "call_1",
+        "call_id": call,
         "tool": "refund",
         "arguments": {"order_id": "A1", "cents": 1200},
     }
+    # oncely's own id, never the provider's (call_1 here).
+    assert is_call_id(call)
     assert [(s["key"], s["kind"], s["status"]) for s in view["steps"]] == [
         ("support/model", "model", "done"),
         ("support/refund/approval", "approval", "waiting"),
@@ -145,27 +146,28 @@ async def test_a_tool_waiting_for_approval_holds_no_slot_and_sends_nothing_befor
     assert (await harness.get("/v1/helpdesk", other))["status"] == "done"
 
     # Edited arguments that fail the tool's schema: 422, nothing stored.
-    bad = await decide(harness, job_id, "call_1", {"approved": True, "arguments": {"cents": "x"}})
+    bad = await decide(harness, job_id, call, {"approved": True, "arguments": {"cents": "x"}})
     assert bad.status_code == 422, bad.text
     assert bad.json()["type"].endswith("/validation")
 
-    # Unknown call, another tenant: 404.
-    assert (await decide(harness, job_id, "call_9", {"approved": True})).status_code == 404
+    # Unknown call (the provider's id names none), another tenant: 404.
+    assert (await decide(harness, job_id, "call_1", {"approved": True})).status_code == 404
+    assert (await decide(harness, job_id, "0" * 20, {"approved": True})).status_code == 404
     stranger = await oncely_key(harness, "globex")
     assert (
-        await decide(harness, job_id, "call_1", {"approved": True}, auth=stranger)
+        await decide(harness, job_id, call, {"approved": True}, auth=stranger)
     ).status_code == 404
 
     # The decision, with the idempotency contract.
-    first = await decide(harness, job_id, "call_1", {"approved": True}, key="approve-refund-a1")
+    first = await decide(harness, job_id, call, {"approved": True}, key="approve-refund-a1")
     assert first.status_code == 202
-    assert first.json() == {"job_id": job_id, "call_id": "call_1", "status": "approved"}
-    again = await decide(harness, job_id, "call_1", {"approved": True}, key="approve-refund-a1")
+    assert first.json() == {"job_id": job_id, "call_id": call, "status": "approved"}
+    again = await decide(harness, job_id, call, {"approved": True}, key="approve-refund-a1")
     assert again.status_code == 202 and again.headers["Idempotent-Replayed"] == "true"
     assert again.content == first.content
-    same = await decide(harness, job_id, "call_1", {"approved": True})
+    same = await decide(harness, job_id, call, {"approved": True})
     assert same.status_code == 202
-    other_decision = await decide(harness, job_id, "call_1", {"approved": False})
+    other_decision = await decide(harness, job_id, call, {"approved": False})
     assert other_decision.status_code == 409
     assert other_decision.json()["type"].endswith("/approval-already-decided")
 
@@ -182,8 +184,11 @@ async def test_a_tool_waiting_for_approval_holds_no_slot_and_sends_nothing_befor
     refunds = [k for k in (await mail.deliveries())["by_key"] if k.startswith("refund.issue")]
     assert refunds == [f"refund.issue:{job_id}:support/refund/call"]
     assert [s["kind"] for s in view["steps"]] == ["model", "approval", "call", "model"]
+    # Who decided: the API key's id, as `oncely keys list` shows it.
+    key_id = hash_api_key(harness.auth["Authorization"].removeprefix("Bearer "))[:12]
+    assert view["steps"][1]["decision"] == {"approved": True, "by": f"key:{key_id}", "reason": None}
 
-    finished = await decide(harness, job_id, "call_1", {"approved": False})
+    finished = await decide(harness, job_id, call, {"approved": False})
     assert finished.status_code in (404, 409)
 
 
@@ -198,9 +203,8 @@ async def test_a_rejected_refund_is_never_sent_and_the_model_hears_why(desk) -> 
     worker = harness.worker("helpdesk")
     job_id = await harness.submit("/v1/helpdesk", {"text": f"Refund A1. {REFUND}"})
     await drain(worker)
-    rejected = await decide(
-        harness, job_id, "call_1", {"approved": False, "reason": "over the limit"}
-    )
+    call = await pending_call(harness, job_id)
+    rejected = await decide(harness, job_id, call, {"approved": False, "reason": "over the limit"})
     assert rejected.json()["status"] == "rejected"
     await drain(worker)
     view = await harness.get("/v1/helpdesk", job_id)
@@ -232,17 +236,23 @@ async def test_no_decision_in_time_rejects_by_default(custom, pool) -> None:
 
 
 async def test_jobs_approve_decides_from_the_command_line(desk) -> None:
-    from oncely.cli.ops import decide_approval
+    from oncely.cli.ops import decide_call
 
     harness, _, _ = desk
     worker = harness.worker("helpdesk")
     job_id = await harness.submit("/v1/helpdesk", {"text": f"Refund A1. {REFUND}"})
     await drain(worker)
     s = harness.settings.model_copy(update={"app": "tests.test_approvals:APP"})
-    outcome = await decide_approval(s, uuid.UUID(job_id), "call_1", {"approved": False})
+    call = await pending_call(harness, job_id)
+    outcome = await decide_call(
+        s, uuid.UUID(job_id), call, {"approved": False, "reason": "no refunds today"}
+    )
     assert outcome is not None and outcome.outcome == "received"
+    [stored] = (await harness.checkpoints.events(job_id)).values()
+    assert stored["by"] == f"cli:{getpass.getuser()}"
+    assert stored["reason"] == "no refunds today"
     assert await harness.status(job_id) == "queued"
-    missing = await decide_approval(s, uuid.UUID(job_id), "call_7", {"approved": True})
+    missing = await decide_call(s, uuid.UUID(job_id), "0" * 20, {"approved": True})
     assert missing is not None and missing.outcome in ("missing", "duplicate")
 
 
@@ -258,15 +268,21 @@ async def test_the_console_lists_a_pending_approval_and_decides_it_with_csrf(
     harness, _, _ = desk
     job_id = await harness.submit("/v1/helpdesk", {"text": f"Refund A1. {REFUND}"})
     await drain(harness.worker("helpdesk"))
+    call = await pending_call(harness, job_id)
     settings = harness.settings.model_copy(update={"console_key": SecretStr(KEY)})
     transport = httpx.ASGITransport(app=asgi_app(settings, redis, pool, APP))
     async with httpx.AsyncClient(transport=transport, base_url="http://oncely.test") as console:
         assert (await console.post("/console/login", data={"key": KEY})).status_code == 303
         page = (await console.get(f"/console/workflows/helpdesk/jobs/{job_id}")).text
-        assert 'id="approval"' in page and "refund" in page and "call_1" in page
-        action = f"/console/workflows/helpdesk/jobs/{job_id}/approvals/call_1"
+        assert 'id="approval"' in page and "refund" in page and call in page
+        action = f"/console/workflows/helpdesk/jobs/{job_id}/approvals/{call}"
         forged = await console.post(action, data={"csrf": "f" * 64, "decision": "approve"})
         assert forged.status_code == 403
+        # A provider's id (or a path in one) names nothing on the console either.
+        for other in ("call_1", "..%2F..%2Foutbox%2F1%2Fretry"):
+            stray = f"/console/workflows/helpdesk/jobs/{job_id}/approvals/{other}"
+            refused = await console.post(stray, data={"csrf": csrf_of(page), "decision": "approve"})
+            assert refused.status_code == 404, (other, refused.status_code)
         assert await harness.status(job_id) == "waiting"
         decided = await console.post(
             action, data={"csrf": csrf_of(page), "decision": "reject", "reason": "no"}
@@ -275,7 +291,10 @@ async def test_the_console_lists_a_pending_approval_and_decides_it_with_csrf(
         assert "decided=rejected" in decided.headers["location"]
     assert await harness.status(job_id) == "queued"
     await drain(harness.worker("helpdesk"))
-    assert (await harness.get("/v1/helpdesk", job_id))["result"]["tools"] == ["refund:rejected"]
+    view = await harness.get("/v1/helpdesk", job_id)
+    assert view["result"]["tools"] == ["refund:rejected"]
+    [approval] = [step for step in view["steps"] if step["kind"] == "approval"]
+    assert approval["decision"] == {"approved": False, "by": "console", "reason": "no"}
 
 
 async def test_a_run_past_max_turns_is_dead_with_its_reason(custom) -> None:
@@ -293,7 +312,138 @@ async def test_a_run_past_max_turns_is_dead_with_its_reason(custom) -> None:
     job_id = await harness.submit("/v1/looping", {"text": f"Loop. {lookups}"})
     await drain(harness.worker("looping"))
     view = await harness.get("/v1/looping", job_id)
-    assert (view["status"], view["error"]) == ("dead", "agent-limit")
+    assert (view["status"], view["error"]) == ("dead", "agent-limit: max_turns")
     [(error,)] = await harness.rows("SELECT error FROM jobs WHERE job_id = %s", job_id)
     assert error.startswith("agent-limit: ") and "max_turns (2 turns" in error
     assert [s["kind"] for s in view["steps"]] == ["model", "tool", "model", "tool"]
+
+
+@pytest.mark.parametrize("ids", ["repeat", "none"])
+async def test_a_decision_decides_only_the_call_it_was_made_for(desk, ids) -> None:
+    """A provider that repeats ``call_0`` on every turn (or sends no ids):
+    approving a 500-cent refund does not approve the 999,999-cent one the
+    model asks for next; that one waits for a decision of its own."""
+    harness, relay, mail = desk
+    worker = harness.worker("helpdesk")
+    text = (
+        '[[fake:tool=refund {"order_id": "A1", "cents": 500}]] '
+        '[[fake:tool=refund {"order_id": "A1", "cents": 999999}]] '
+        f"[[fake:tool_ids={ids}]] Refund A1 twice."
+    )
+    job_id = await harness.submit("/v1/helpdesk", {"text": text})
+    await drain(worker)
+    first = (await harness.get("/v1/helpdesk", job_id))["waiting"]["approval"]
+    assert first["arguments"]["cents"] == 500 and is_call_id(first["call_id"])
+    approved = await decide(harness, job_id, first["call_id"], {"approved": True})
+    assert approved.status_code == 202, approved.text
+    await drain(worker)
+    await relay.run_once()
+    await drain(worker)
+
+    view = await harness.get("/v1/helpdesk", job_id)
+    assert view["status"] == "waiting", view
+    second = view["waiting"]["approval"]
+    assert second["arguments"]["cents"] == 999999
+    assert is_call_id(second["call_id"]) and second["call_id"] != first["call_id"]
+    # One refund went out, the approved one; the other waits for a person.
+    assert await topics(harness, job_id) == [
+        "approval.requested",
+        "refund.issue",
+        "approval.requested",
+    ]
+    assert [
+        (s["key"], s["status"]) for s in view["steps"] if s["kind"] in ("approval", "call")
+    ] == [
+        ("support/refund/approval", "done"),
+        ("support/refund/call", "done"),
+        ("support/refund#2/approval", "waiting"),
+    ]
+    rejected = await decide(harness, job_id, second["call_id"], {"approved": False})
+    assert rejected.json()["status"] == "rejected"
+    await drain(worker)
+    view = await harness.get("/v1/helpdesk", job_id)
+    assert view["status"] == "done", view
+    assert view["result"]["tools"] == ["refund:ok", "refund:rejected"]
+    await relay.run_once()
+    refunds = [k for k in (await mail.deliveries())["by_key"] if k.startswith("refund.issue")]
+    assert refunds == [f"refund.issue:{job_id}:support/refund/call"]
+
+
+async def test_decisions_with_unstorable_text_or_loose_arguments_are_refused(desk) -> None:
+    """NUL or a lone surrogate in a reason or in edited arguments, a call id
+    with NUL, extra fields and ``true`` for cents: 4xx, nothing stored, the
+    job still waits for its decision."""
+    harness, _, _ = desk
+    job_id = await harness.submit("/v1/helpdesk", {"text": f"Refund A1. {REFUND}"})
+    await drain(harness.worker("helpdesk"))
+    call = await pending_call(harness, job_id)
+    for body in (
+        {"approved": False, "reason": "no\u0000"},
+        {"approved": False, "reason": "half \ud800 a pair"},
+        {"approved": True, "arguments": {"order_id": "A1\u0000", "cents": 5}},
+        {"approved": True, "arguments": {"order_id": "A1", "cents": 5, "note": "x"}},
+        {"approved": True, "arguments": {"order_id": "A1", "cents": True}},
+    ):
+        refused = await decide(harness, job_id, call, body)
+        assert refused.status_code == 422, (body, refused.text)
+    nul_id = await harness.api.post(
+        f"/v1/helpdesk/{job_id}/approvals/%00",
+        json={"approved": True},
+        headers={**harness.auth, "Idempotency-Key": f"decision-{uuid.uuid4()}"},
+    )
+    assert nul_id.status_code == 404
+    assert await harness.checkpoints.events(job_id) == {}
+    assert await harness.status(job_id) == "waiting"
+
+
+async def test_tool_arguments_with_nul_are_answered_to_the_model_as_an_error(desk) -> None:
+    harness, _, _ = desk
+    nul = '[[fake:tool=lookup_order {"order_id": "A\\u0000"}]]'
+    job_id = await harness.submit("/v1/helpdesk", {"text": f"Look it up. {nul}"})
+    await drain(harness.worker("helpdesk"))
+    view = await harness.get("/v1/helpdesk", job_id)
+    assert view["status"] == "done", view
+    assert view["result"]["tools"] == ["lookup_order:error"]
+    told = harness.fake.model.recent[-1]
+    assert any("NUL" in (m.get("content") or "") for m in told if m["role"] == "tool")
+
+
+async def test_every_turn_of_a_streaming_agent_streams_its_tokens(custom, redis) -> None:
+    """``Workflow(stream=True)``: each model turn of an agent sends its text
+    as token events for its own step, and the tokens kept are the stored turn."""
+    from oncely.live.events import JobEvents
+
+    agent = Agent("support", "You help.", [lookup_order])
+
+    async def step(request: Ask, ctx: Context) -> Answer:
+        run = await agent.run(ctx, request.text)
+        return Answer(reply=str(run.output), tools=[c.tool for c in run.tool_calls])
+
+    app = App(
+        [
+            Workflow(
+                name="streamer",
+                route="/v1/streamer",
+                request=Ask,
+                result=Answer,
+                step=step,
+                stream=True,
+            )
+        ]
+    )
+    harness = await custom(app)
+    events = JobEvents(redis)
+    lookup = '[[fake:tool=lookup_order {"order_id": "A1"}]]'
+    job_id = await harness.submit("/v1/streamer", {"text": f"Where is A1? {lookup}"})
+    await drain(harness.worker("streamer", events=events))
+    await events.drain()
+
+    view = await harness.get("/v1/streamer", job_id)
+    assert view["status"] == "done", view
+    tokens: dict[str, str] = {}
+    for event in await events.after("streamer", job_id, None):
+        if event.type == "token":
+            step_key = event.data["step"]
+            tokens[step_key] = tokens.get(step_key, "") + event.data["text"]
+    assert tokens.get("support/model#2") == view["result"]["reply"]
+    assert view["result"]["reply"]

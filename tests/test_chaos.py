@@ -8,7 +8,8 @@ restarted empty mid-run and the fake model and provider fail at random;
 afterwards every invariant holds: nothing lost, each effect once, scripted
 422s and dead jobs as scripted, replays identical, no checkpointed model
 call or side step run again, and every excess call explained. And the
-runner's checks, on made-up evidence, catching each broken invariant."""
+runner's checks, on made-up evidence, catching each broken invariant. The
+same soak with the support agent written in Pydantic AI keeps them too."""
 
 from __future__ import annotations
 
@@ -104,6 +105,34 @@ def test_small_soak_with_kills_and_redis_restarted_empty_keeps_every_invariant(
     agents = report["agents"]
     assert agents["done"] > 0 and agents["turns_stored"] >= 2 * agents["done"]
     assert agents["refunds_received"] == agents["refund_calls_answered"] > 0
+    assert agents["excess_explained_by"].get("unexplained", 0) == 0
+    probe = report["relay_kill_mid_call"]
+    assert "skipped" not in probe, probe
+    assert probe["resumed_s"] < 15, f"{probe}: about 5 s at most; 15 s for a loaded machine"
+    assert probe["sends"] >= 2, "held, killed mid-send, sent again"
+
+
+@pytest.mark.slow
+@pytest.mark.soak
+@pytest.mark.timeout(300)
+@pytest.mark.standalone_redis("bench.chaos deploys on private single servers")
+def test_small_soak_with_the_support_agent_in_pydantic_ai_keeps_every_invariant(tmp_path):
+    """The same soak over ``bench.chaos_app:frameworks``: the support agent
+    is Pydantic AI's (examples/pydantic_ai_support.py), checked as oncely's
+    own: each stored turn paid once unless a kill explains it, one refund
+    per answered call, one reply."""
+    code, report, progress = run_soak(tmp_path, "--app", "bench.chaos_app:frameworks")
+
+    assert report["violations"] == [], progress
+    assert code == 0
+    assert (report["accepted"], report["lost"], report["duplicate_effects"]) == (REQUESTS, 0, 0)
+    assert report["effects"] == report["effects_expected"]
+    assert report["kills"]["total"] >= 5
+    agents = report["agents"]
+    assert agents["workflow"] == "pai_support"
+    assert agents["done"] > 0 and agents["turns_stored"] >= 2 * agents["done"]
+    assert agents["refunds_received"] == agents["refund_calls_answered"] > 0
+    assert agents["replies"] == agents["done"]
     assert agents["excess_explained_by"].get("unexplained", 0) == 0
 
 

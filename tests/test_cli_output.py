@@ -18,7 +18,8 @@ from pydantic import SecretStr
 from oncely.api.auth import create_api_key
 from oncely.cli.terminal import literal
 from oncely.jobs.records import JobSpec
-from oncely.usage.ledger import Call, CallSite, Ledger
+from oncely.usage.calls import Call, CallSite
+from oncely.usage.ledger import Ledger
 from oncely.usage.prices import Prices
 from tests.processes import oncely
 
@@ -142,10 +143,67 @@ async def test_usage_report_and_tenant_usage_print_names_literally(pool, env) ->
             "completion_tokens": 300,
             "cost_usd": 0.001,
             "wasted_calls": 2,  # no checkpoint kept either answer
+            "cached_tokens": 0,
+            "cache_write_tokens": 0,
+            "cache_saved_usd": None,  # neither row knows it
+            "lane_saved_usd": None,
         }
     ]
     out = await asyncio.to_thread(run, "tenants", "usage", tenant, env=env)
     assert "[red]acme[/red]\\u202e" in "".join(out.split())
+
+
+@pytest.mark.slow
+async def test_usage_report_by_dialect_shows_the_caches_tokens_and_savings(pool, env) -> None:
+    prices = Prices.parse("claude-x=3/15/0.30/3.75,gpt-x=2/8")
+    ledger = Ledger(pool, prices=prices)
+    site = CallSite("triage", str(uuid.uuid4()), "acme")
+    for model, dialect, read, written in (
+        ("claude-x", "anthropic", 0, 2000),
+        ("claude-x", "anthropic", 2000, 0),
+        ("gpt-x", "chat", 500, 0),
+    ):
+        ledger.record(
+            Call(
+                site,
+                "model",
+                model,
+                1,
+                "ok",
+                3000,
+                100,
+                10,
+                prices.cost(model, 3000, 100, read, written),
+                cached_tokens=read,
+                cache_write_tokens=written,
+                dialect=dialect,
+                cache_saved_usd=prices.cache_saved(model, 3000, read, written),
+            )
+        )
+    assert await ledger.flush() == 3
+
+    rows = json.loads(
+        await asyncio.to_thread(run, "usage", "report", "--json", "--by", "dialect", env=env)
+    )
+    by_dialect = {row.pop("dialect"): row for row in rows}
+    saved = (2000 * 2.70 - 2000 * 0.75) / 1_000_000
+    anthropic = by_dialect["anthropic"]
+    assert (anthropic["calls"], anthropic["cached_tokens"], anthropic["cache_write_tokens"]) == (
+        2,
+        2000,
+        2000,
+    )
+    assert anthropic["cache_saved_usd"] == pytest.approx(saved)
+    # gpt-x has no cache prices: its cached reads cost as any input, saving nothing.
+    chat = by_dialect["chat"]
+    assert (chat["cached_tokens"], chat["cache_saved_usd"]) == (500, 0)
+    assert chat["cost_usd"] == pytest.approx((3000 * 2 + 100 * 8) / 1_000_000)
+
+    out = await asyncio.to_thread(run, "usage", "report", "--by", "dialect", env=env)
+    flat = "".join(out.split())
+    for value in ("anthropic", "chat", "cachereads", "cachewrites", "cachesaved(USD)"):
+        assert value in flat, (value, out)
+    assert f"{saved:.6f}" in flat, out
 
 
 @pytest.mark.slow

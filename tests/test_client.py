@@ -15,7 +15,6 @@ from typing import Any
 import httpx
 import pytest
 
-from oncely.api.keys import Scope, fingerprint
 from oncely.api.problems import PROBLEM_BASE
 from oncely.api.store import IdempotencyStore, new_token
 from oncely.bootstrap import ApiServer, Resources, WorkerGroup, connect_llm
@@ -38,6 +37,7 @@ from oncely.client import (
 )
 from oncely.client import errors as client_errors
 from oncely.client.policy import retry_after_of
+from oncely.identity import Scope, fingerprint
 from tests.helpers import asgi_app, count
 from tests.processes import free_port
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import re
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,10 +23,12 @@ from oncely.jobs import dead_letters
 from oncely.jobs.handler import WorkflowHandler
 from oncely.llm.model import ModelRoute
 from oncely.outbox.wakeup import OutboxWakeUp
+from oncely.usage.calls import Call, CallSite
 from oncely.usage.ledger import Ledger
 from oncely.usage.prices import Prices
 from tests.helpers import asgi_app, count, drain, job_status, make_worker, submit
 from tests.processes import free_port, running, start, wait_for, wait_healthy
+from tests.steps_app import SIDE_CALLS, side_calls
 from tests.test_deliveries import flaky_job_done
 
 KEY = "operator-key-for-tests-only-7f3a"
@@ -249,16 +251,71 @@ async def test_the_usage_page_shows_cost_and_wasted_calls_per_workflow_and_model
     page = await operator.get("/console/usage")
     assert page.status_code == 200
     row = re.search(
-        r"<tr><td>summaries</td><td class=\"id\">oncely-fake</td>(.*?)</tr>", page.text, re.S
+        r"<tr><td>summaries</td><td>chat</td><td class=\"id\">oncely-fake</td>(.*?)</tr>",
+        page.text,
+        re.S,
     )
     assert row, page.text
     cells = re.findall(r"<td>([^<]*)</td>", row.group(1))
-    calls, _, _, shown_cost, wasted = cells
-    assert (calls, wasted) == ("3", "1")
+    calls, _, _, reads, writes, shown_cost, saved, wasted = cells
+    assert (calls, reads, writes, saved, wasted) == ("3", "0", "0", "0.000000", "1")
     assert float(shown_cost) == pytest.approx(cost / 1_000_000)
     # The last hour holds them too; an unknown period is the default one.
     assert row.group(0) in (await operator.get("/console/usage?since=1h")).text
     assert row.group(0) in (await operator.get("/console/usage?since=forever")).text
+
+
+async def test_the_usage_page_shows_each_dialect_and_what_the_cache_saved(operator, pool):
+    prices = Prices.parse("claude-x=3/15/0.30/3.75,meta-llama/llama-3=1/1")
+    ledger = Ledger(pool, prices=prices)
+    site = CallSite("triage", None, "acme")
+    for model, dialect, read, written in (
+        ("claude-x", "anthropic", 0, 4000),
+        ("claude-x", "anthropic", 4000, 0),
+        ("claude-x", "anthropic", 4000, 0),
+        ("meta-llama/llama-3", "chat", 0, 0),
+    ):
+        ledger.record(
+            Call(
+                site,
+                "model",
+                model,
+                1,
+                "ok",
+                5000,
+                100,
+                10,
+                prices.cost(model, 5000, 100, read, written),
+                cached_tokens=read,
+                cache_write_tokens=written,
+                dialect=dialect,
+                cache_saved_usd=prices.cache_saved(model, 5000, read, written),
+            )
+        )
+    assert await ledger.flush() == 4
+
+    page = (await operator.get("/console/usage")).text
+    rows = dict(
+        (m[0], re.findall(r"<td>([^<]*)</td>", m[1]))
+        for m in re.findall(
+            r"<tr><td>triage</td><td>([a-z]+)</td><td class=\"id\">[^<]*</td>(.*?)</tr>",
+            page,
+            re.S,
+        )
+    )
+    assert set(rows) == {"anthropic", "chat"}, page
+    calls, _, _, reads, writes, _, saved, _ = rows["anthropic"]
+    # Two reads saved 2.70 a million tokens each; the write cost 0.75 more.
+    expected = (8000 * 2.70 - 4000 * 0.75) / 1_000_000
+    assert (calls, reads, writes) == ("3", "8000", "4000")
+    assert float(saved) == pytest.approx(expected)
+    assert rows["chat"][3:5] == ["0", "0"] and rows["chat"][6] == "0.000000"
+    assert '<td class="id">meta-llama/llama-3</td>' in page
+    summary = re.search(r'<p id="cache-savings">(.*?)</p>', page, re.S)
+    assert summary, page
+    text = " ".join(summary.group(1).split())
+    assert "8000 prompt tokens read, 4000 written" in text
+    assert f"saved {expected:.6f} USD" in text
 
 
 # -- a real browser --------------------------------------------------------------
@@ -391,9 +448,8 @@ async def test_a_dead_job_replayed_in_the_browser_ends_done(
         driver.quit()
 
 
-def _reject_in_the_browser(driver: Any, base: str, job_id: str) -> None:
-    """Sign in, find the pending approval on the job's page, reject it."""
-    from selenium.common.exceptions import StaleElementReferenceException
+def _open_job_page(driver: Any, base: str, workflow: str, job_id: str) -> None:
+    """Sign in, then open the job's page."""
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support import expected_conditions as ec
     from selenium.webdriver.support.ui import WebDriverWait
@@ -402,10 +458,21 @@ def _reject_in_the_browser(driver: Any, base: str, job_id: str) -> None:
     driver.find_element(By.ID, "key").send_keys(KEY)
     driver.find_element(By.ID, "sign-in").click()
     # Generous waits: the machine runs the whole suite beside the browser.
-    WebDriverWait(driver, 60).until(ec.presence_of_element_located((By.ID, "workflow-support")))
-    driver.get(f"{base}/console/workflows/support/jobs/{job_id}")
+    WebDriverWait(driver, 60).until(ec.presence_of_element_located((By.ID, f"workflow-{workflow}")))
+    driver.get(f"{base}/console/workflows/{workflow}/jobs/{job_id}")
+
+
+def _reject_in_the_browser(driver: Any, base: str, job_id: str) -> None:
+    """Sign in, find the pending approval on the job's page, reject it."""
+    from selenium.common.exceptions import StaleElementReferenceException
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    _open_job_page(driver, base, "support", job_id)
     approval = driver.find_element(By.ID, "approval")
-    assert "refund" in approval.text and "call_1" in approval.text
+    # The call is named by oncely's own id, never the provider's call_1.
+    assert "refund" in approval.text and re.search(r"\b[0-9a-f]{20}\b", approval.text)
+    assert "call_1" not in approval.text
     _shot(driver, "approval")
     driver.find_element(By.ID, "approval-reason").send_keys("too much")
     driver.find_element(By.ID, "reject").click()
@@ -427,33 +494,31 @@ def _reject_in_the_browser(driver: Any, base: str, job_id: str) -> None:
     _shot(driver, "rejected")
     # No reload of our own: the page follows the job's live stream, and at
     # its end shows the job as it ended.
-    WebDriverWait(driver, 60).until(lambda d: d.find_element(By.ID, "job-status").text == "done")
+    WebDriverWait(driver, 60, ignored_exceptions=[StaleElementReferenceException]).until(
+        lambda d: d.find_element(By.ID, "job-status").text == "done"
+    )
     assert not driver.find_elements(By.ID, "live"), "a finished job's page is not live"
     _shot(driver, "followed-live")
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(240)
-async def test_a_pending_approval_is_rejected_in_the_browser(
-    redis_url, database_url, pool, fake_llm, tmp_path
-):
+async def _decided_in_the_browser(
+    pool: Any,
+    tmp_path: Path,
+    env: dict[str, str],
+    route: str,
+    body: dict[str, Any],
+    decide: Callable[[Any, str, str], None],
+) -> dict[str, Any]:
+    """An api and a worker of ``env``'s app; ``body`` posted to ``route``;
+    once the job waits, ``decide(driver, base, job_id)`` in the browser; the
+    job done, and the browser logged no error. The job as GET shows it."""
     driver = _chrome(tmp_path / "chromium-profile")
     key = await create_api_key(pool, "acme")
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    env = {
-        "ONCELY_APP": "examples.support_agent:app",
-        "ONCELY_REDIS_URL": redis_url,
-        "ONCELY_DATABASE_URL": database_url,
-        "ONCELY_LLM_BASE_URL": fake_llm.url,
-        "ONCELY_CONSOLE_KEY": KEY,
-        "ONCELY_LOG_FORMAT": "json",
-        "ONCELY_BLOCK_MS": "50",
-    }
+    env = {**env, "ONCELY_CONSOLE_KEY": KEY, "ONCELY_LOG_FORMAT": "json", "ONCELY_BLOCK_MS": "50"}
     api = start(["api", "--port", str(port)], env, tmp_path / "api.log")
     worker = start(["worker"], env, tmp_path / "worker.log")
-    refund = '{"order_id": "A-1002", "cents": 38900, "reason": "wrong item"}'
-    message = f"Wrong armchair. [[fake:tool=refund {refund}]]"
     try:
         with running(api, worker):
             await wait_healthy(base, api, tmp_path / "api.log")
@@ -461,25 +526,90 @@ async def test_a_pending_approval_is_rejected_in_the_browser(
                 base_url=base, headers={"Authorization": f"Bearer {key}"}
             ) as c:
                 r = await c.post(
-                    "/v1/support",
-                    json={"customer": "ada@example.com", "message": message},
-                    headers={"Idempotency-Key": "console-approval-rejected"},
+                    route, json=body, headers={"Idempotency-Key": f"console-{route}-1"}
                 )
                 assert r.status_code == 202, r.text
-            job_id = r.json()["job_id"]
+                job_id = r.json()["job_id"]
 
-            async def status_is(expected: str) -> bool:
-                return await job_status(pool, job_id) == expected
+                async def status_is(expected: str) -> bool:
+                    return await job_status(pool, job_id) == expected
 
-            await wait_for(lambda: status_is("waiting"), what="the approval wait")
-            await asyncio.to_thread(_reject_in_the_browser, driver, base, job_id)
-            await wait_for(lambda: status_is("done"), what="the job done after the rejection")
+                await wait_for(lambda: status_is("waiting"), what="the job waiting for a person")
+                await asyncio.to_thread(decide, driver, base, job_id)
+                await wait_for(lambda: status_is("done"), what="the job done after the decision")
+                job: dict[str, Any] = (await c.get(f"{route}/{job_id}")).json()
             severe = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
             assert severe == [], severe
-        refunds = await count(pool, "SELECT count(*) FROM outbox WHERE topic = 'refund.issue'")
-        assert refunds == 0, "a rejected refund is never sent"
     finally:
         driver.quit()
+    return job
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+async def test_a_pending_approval_is_rejected_in_the_browser(
+    redis_url, database_url, pool, fake_llm, tmp_path
+):
+    refund = '{"order_id": "A-1002", "cents": 38900, "reason": "wrong item"}'
+    env = {
+        "ONCELY_APP": "examples.support_agent:app",
+        "ONCELY_REDIS_URL": redis_url,
+        "ONCELY_DATABASE_URL": database_url,
+        "ONCELY_LLM_BASE_URL": fake_llm.url,
+    }
+    body = {
+        "customer": "ada@example.com",
+        "message": f"Wrong armchair. [[fake:tool=refund {refund}]]",
+    }
+    await _decided_in_the_browser(pool, tmp_path, env, "/v1/support", body, _reject_in_the_browser)
+    refunds = await count(pool, "SELECT count(*) FROM outbox WHERE topic = 'refund.issue'")
+    assert refunds == 0, "a rejected refund is never sent"
+
+
+def _say_it_happened_in_the_browser(driver: Any, base: str, job_id: str) -> None:
+    """Open the job's page, find the uncertain call, say it happened."""
+    from selenium.common.exceptions import StaleElementReferenceException
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    _open_job_page(driver, base, "transfers", job_id)
+    uncertain = driver.find_element(By.ID, "uncertain")
+    assert "pay" in uncertain.text and re.search(r"\b[0-9a-f]{20}\b", uncertain.text)
+    assert {"resend", "happened", "failed"} <= {
+        b.get_attribute("id") for b in driver.find_elements(By.CSS_SELECTOR, "button")
+    }
+    _shot(driver, "uncertain")
+    driver.find_element(By.ID, "uncertain-result").send_keys('{"transfer": "TR-991"}')
+    driver.find_element(By.ID, "happened").click()
+    # The page follows the job's live stream and reloads itself as it ends:
+    # an element read across a reload is stale, and read again.
+    WebDriverWait(driver, 60, ignored_exceptions=[StaleElementReferenceException]).until(
+        lambda d: d.find_element(By.ID, "job-status").text == "done"
+    )
+    _shot(driver, "uncertain-decided")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+async def test_an_uncertain_call_is_decided_in_the_browser(
+    redis, redis_url, database_url, pool, tmp_path
+):
+    """A transfer that timed out after it may have happened waits for a
+    person; the console shows it with its three choices, and the job ends
+    with the result the person gave, the transfer never sent again."""
+    side = tmp_path / "side-calls.jsonl"
+    env = {
+        "ONCELY_APP": "tests.steps_app:app",
+        "ONCELY_REDIS_URL": redis_url,
+        "ONCELY_DATABASE_URL": database_url,
+        SIDE_CALLS: str(side),
+    }
+    body = {"order": "T-browser", "fail": True}
+    job = await _decided_in_the_browser(
+        pool, tmp_path, env, "/v1/transfers", body, _say_it_happened_in_the_browser
+    )
+    assert job["result"] == {"outcome": "paid", "result": {"transfer": "TR-991"}}
+    assert len(side_calls(side, "transfer")) == 1, "sent once, never again"
 
 
 # -- sessions, sign-in, and what every page says -------------------------------------------
@@ -625,3 +755,75 @@ async def test_stored_text_cannot_disguise_itself_on_a_page(operator, pool, jobs
     page = (await operator.get(f"/console/workflows/summaries/jobs/{job_id}")).text
     assert "\u202e" not in page and "\U000e0041" not in page and "\u200b" not in page
     assert "\\u202elive\\u202c" in page and "\\U000e0041" in page
+
+
+def test_the_overview_lists_live_consumers_and_counts_the_ones_gone_quiet() -> None:
+    """A consumer idle over a minute with nothing pending (a worker that was
+    killed) is counted, not listed; one with pending entries always shows."""
+    from oncely.console.routes import _templates
+    from oncely.queue.stream import Consumer, StreamStats
+
+    stats = StreamStats(
+        length=3,
+        pending=1,
+        oldest_pending_age_s=1.0,
+        delayed=0,
+        dead_letters=0,
+        consumers=[
+            Consumer("worker-live", 0, 500),
+            Consumer("worker-stuck", 1, 600_000),
+            Consumer("worker-gone-1", 0, 120_000),
+            Consumer("worker-gone-2", 0, 3_000_000),
+        ],
+    )
+    outbox = {"unsent": 0, "in_flight": 0, "failed": 0, "oldest_unsent_age_s": None}
+    page = (
+        _templates()
+        .get_template("overview.html")
+        .render(rows=[("summaries", {}, stats)], outbox=outbox, statuses=[], refresh=5, session="")
+    )
+    assert "worker-live" in page and "worker-stuck" in page
+    assert "worker-gone" not in page
+    assert "2 idle consumer(s) with nothing pending" in page
+
+
+async def test_the_usage_page_shows_spend_and_savings_by_lane(operator, pool):
+    prices = Prices.parse("gpt-x=2/8")
+    ledger = Ledger(pool, prices=prices)
+    site = CallSite("digest", None, "acme")
+    for lane in ("batch", "batch", "flex", "standard"):
+        ledger.record(
+            Call(
+                site,
+                "model",
+                "gpt-x",
+                1,
+                "ok",
+                1000,
+                100,
+                10,
+                prices.cost("gpt-x", 1000, 100, lane=lane),
+                lane=lane,
+                lane_saved_usd=prices.lane_saved("gpt-x", lane, 1000, 100),
+            )
+        )
+    assert await ledger.flush() == 4
+
+    page = (await operator.get("/console/usage")).text
+    table = re.search(r'<table id="lanes">(.*?)</table>', page, re.S)
+    assert table, page
+    rows = {
+        m[0]: m[1:]
+        for m in re.findall(
+            r"<tr><td>([a-z]+)</td><td>(\d+)</td>\s*<td>([^<]*)</td>\s*<td>([^<]*)</td>",
+            table.group(1),
+        )
+    }
+    half = (1000 * 1 + 100 * 4) / 1_000_000
+    assert set(rows) == {"batch", "flex", "standard"}
+    assert rows["batch"][0] == "2" and float(rows["batch"][1]) == pytest.approx(2 * half)
+    assert float(rows["batch"][2]) == pytest.approx(2 * half)  # saved the other half
+    assert float(rows["flex"][2]) == pytest.approx(half)
+    assert (
+        float(rows["standard"][1]) == pytest.approx(2 * half) and rows["standard"][2] == "0.000000"
+    )

@@ -204,3 +204,53 @@ async def test_a_killed_dev_leaves_no_server_running_and_one_valkey_per_data_dir
         assert int((data_dir / "valkey" / VALKEY_PIDFILE).read_text()) != orphan
     finally:
         second.stop()
+
+
+async def test_dev_without_its_worker_and_relay_serves_ones_run_apart(tmp_path: Path) -> None:
+    """`oncely dev --no-worker --no-relay` runs the servers, the fakes and the
+    API only; `oncely worker` and `oncely relay` started apart from the same
+    directory find its servers and its fakes, and finish the job: one email."""
+    data_dir = tmp_path / "apart"
+    env = _env(data_dir)
+    port = _free_with_fakes()
+    app = ["--app", "examples.refunds:app"]
+    dev = _start(
+        [*app, "dev", "--port", str(port), "--no-worker", "--no-relay"], env, tmp_path / "d"
+    )
+    apart: list[subprocess.Popen[bytes]] = []
+    try:
+
+        async def up() -> bool:
+            if dev.poll() is not None:
+                raise AssertionError(f"oncely dev exited: {tail(tmp_path / 'd')}")
+            return (data_dir / "dev.json").exists()
+
+        await wait_for(up, within_s=180, what="the dev stack")
+        key = (data_dir / "dev-api-key").read_text().strip()
+        headers = {"Authorization": f"Bearer {key}", "Idempotency-Key": "apart-key-00000001"}
+        body = {"order_id": "A-1", "amount_cents": 100, "reason": "broken"}
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as api:
+            posted = await api.post("/v1/refunds", json=body, headers=headers)
+            assert posted.status_code == 202, posted.text
+            job_id = posted.json()["job_id"]
+            apart = [
+                _start([*app, "worker"], env, tmp_path / "w"),
+                _start([*app, "relay"], env, tmp_path / "r"),
+            ]
+
+            async def done() -> bool:
+                view = (await api.get(f"/v1/refunds/{job_id}", headers=headers)).json()
+                return view["status"] == "done"
+
+            await wait_for(done, within_s=120, what="the job done by the worker apart")
+        mailbox = data_dir / "mailbox.jsonl"
+
+        async def delivered() -> bool:
+            return mailbox.exists() and job_id in mailbox.read_text()
+
+        await wait_for(delivered, within_s=60, what="the relay apart's delivery")
+    finally:
+        for process in [*apart, dev]:
+            process.send_signal(signal.SIGINT)
+        for process in [*apart, dev]:
+            await asyncio.to_thread(process.wait, 60)

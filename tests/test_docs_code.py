@@ -80,3 +80,53 @@ def test_every_file_the_docs_cite_exists() -> None:
 
 def _exists(path: str) -> bool:
     return any((base / path).exists() for base in WHERE)
+
+
+# docs/architecture.md's module map: an entry is a root module or a package
+# at two spaces (`  jobs/  ...`), its description the lines indented under it.
+ENTRY = re.compile(r"  ([\w]+(?:\.py|/))(?: +(.*)|$)")
+MODULE = re.compile(r"(?<![\w/.<-])(\w+(?:/\w+)*\.py)\b")
+
+
+def _module_map() -> dict[str, str]:
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    block = page.split("## Library and application", 1)[1].split("```", 2)[1]
+    entries: dict[str, str] = {}
+    entry = None
+    for line in block.splitlines():
+        if (found := ENTRY.fullmatch(line)) is not None:
+            entry = found[1]
+            entries[entry] = found[2] or ""
+        elif entry is not None and line.startswith("   "):
+            entries[entry] += " " + line.strip()
+        else:
+            entry = None  # `src/oncely/`, `examples/`: not a module of the package
+    return entries
+
+
+def test_the_module_map_names_every_package_and_root_module() -> None:
+    """Every package of src/oncely/ and every module at its root has an
+    entry in docs/architecture.md's module map."""
+    package = ROOT / "src" / "oncely"
+    tree = {f"{p.parent.name}/" for p in package.glob("*/__init__.py")}
+    tree |= {p.name for p in package.glob("*.py")} - {"__init__.py", "__main__.py"}
+    entries = _module_map()
+    assert len(entries) > 30, "the pattern finds the map's entries"
+    assert sorted(tree - entries.keys()) == [], "missing from the module map"
+
+
+def test_every_module_the_module_map_names_exists() -> None:
+    """Each entry, and each module its description names (from its package,
+    `cli/ops.py`, or from the package root, `api/streaming.py`), exists."""
+    package = ROOT / "src" / "oncely"
+    stale = []
+    for entry, description in _module_map().items():
+        if not (package / entry).exists():
+            stale.append(entry)
+        home = package / entry if entry.endswith("/") else package
+        stale += [
+            f"{entry}: {module}"
+            for module in MODULE.findall(description)
+            if not (home / module).exists() and not (package / module).exists()
+        ]
+    assert stale == []

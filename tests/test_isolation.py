@@ -15,19 +15,13 @@ import pytest
 from oncely.api.auth import create_api_key
 from oncely.builtin import app as builtin_app
 from oncely.names import tenant_digest as tenant_tag
-from tests.helpers import asgi_app
+from tests.helpers import asgi_app, rows
 
 WORKFLOWS = {
     "/v1/summaries": {"text": "Acme's private text.", "notify": "ada@acme.example.com"},
     "/v1/triage": {"subject": "Acme's invoice", "body": "Acme's private ticket."},
 }
 KEY = "shared-looking-key-0001"
-
-
-async def rows(pool, sql: str, *args: Any) -> list[tuple[Any, ...]]:
-    async with pool.connection() as conn:
-        cur = await conn.execute(sql, args)
-        return await cur.fetchall()
 
 
 async def state(pool, redis) -> dict[str, Any]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from oncely.journal import Checkpoint, Emitted, Journal, Wait, Writes
+from oncely.journal import Checkpoint, Emitted, ForEvent, Journal, Recorded, Wait, Writes
 
 
 class GatedStore:
@@ -37,7 +37,7 @@ async def test_an_effect_emitted_by_one_branch_while_another_waits_is_kept() -> 
     journal = Journal([], store, workflow="refunds")  # type: ignore[arg-type]
 
     async def waits() -> Any:
-        return await journal.wait("approval", "wait", "approval", 60, lambda v: v)
+        return await journal.wait("approval", "wait", ForEvent("approval"), 60, lambda v: v)
 
     async def emits_meanwhile() -> None:
         await store.waiting.wait()
@@ -78,3 +78,31 @@ async def test_a_replayed_checkpoint_keeps_another_branchs_new_effect() -> None:
 
 async def _never_called() -> Any:
     raise AssertionError("a stored checkpoint is not worked again")
+
+
+async def test_a_shared_scope_keys_every_tasks_checkpoints_as_its_own_in_order() -> None:
+    """A framework's turns come from tasks it starts: in a shared scope they
+    are the scope's own checkpoints (``run/model``, ``run/model#2``), not
+    branches (``run/[1]/model``); an ordinary scope branches them."""
+    journal = Journal([], GatedStore(), workflow="frameworks")  # type: ignore[arg-type]
+
+    async def turn() -> Any:
+        async def work() -> Recorded[str]:
+            return Recorded("ok", "ok")
+
+        return await journal.record("model", "model", work, str)
+
+    async def step() -> None:
+        for shared, name in ((True, "run"), (False, "plain")):
+            scope = journal.open_scope(name, shared=shared)
+            with journal.within(scope):
+                for _ in range(2):
+                    await asyncio.create_task(turn())
+
+    await journal.run(step())
+    assert journal.reached == [
+        "run/model",
+        "run/model#2",
+        "plain/[1]/model",
+        "plain/[2]/model",
+    ]

@@ -2,8 +2,9 @@
 
 import pytest
 
-from oncely.api.keys import Scope, canonical_json, fingerprint, parse_key
+from oncely.api.keys import parse_key
 from oncely.errors import KeyMalformed, KeyMissing
+from oncely.identity import Scope, canonical_json, fingerprint
 
 KEY = "order-2026-11-30-0001"
 

@@ -15,7 +15,8 @@ from oncely.jobs.records import JobSpec
 from oncely.jobs.retention import Retention
 from oncely.journal import Emitted, NewCheckpoint, Writes
 from oncely.queue.worker import DeliveryReport
-from oncely.usage.ledger import Call, CallSite, Ledger
+from oncely.usage.calls import Call, CallSite
+from oncely.usage.ledger import Ledger
 from tests.processes import oncely
 
 DAY_S = 86400.0

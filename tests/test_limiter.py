@@ -5,14 +5,18 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 
 import pytest
+from prometheus_client import REGISTRY
 
 from oncely import names
+from oncely.bootstrap import make_redis
 from oncely.errors import TransientError
-from oncely.llm.base import Completion, Message, ResponseSchema
+from oncely.llm.base import Background, Completion, Message, ResponseSchema
 from oncely.llm.limiter import FleetLimiter, LimitedLLM, Limits, estimate_tokens
+from oncely.redis_client import RedisClient
+from tests.processes import free_port
 
 
 def ask(prompt: str) -> list[Message]:
@@ -40,6 +44,7 @@ class RecordingLLM:
         timeout: float,  # noqa: ASYNC109
         *,
         schema: ResponseSchema | None = None,
+        background: Background | None = None,
     ) -> Completion:
         self.calls.append(time.monotonic())
         self.schemas.append(schema)
@@ -214,3 +219,54 @@ async def test_a_call_reports_how_long_it_waited_on_the_limiter(redis, limiter):
     assert completion.queued_s >= 0.2
     unpaused = await LimitedLLM(RecordingLLM([]), limiter).complete(ask("y"), timeout=5)
     assert unpaused.queued_s < 0.2
+
+
+@pytest.fixture
+async def unreachable() -> AsyncIterator[RedisClient]:
+    """A real client of a Redis node that is gone (nothing listens there)."""
+    client = make_redis(f"redis://127.0.0.1:{free_port()}/0")
+    yield client
+    await client.aclose()
+
+
+async def test_a_limiter_whose_redis_is_gone_fails_open_to_the_local_limit(unreachable):
+    """No model call fails, or stalls, for the limiter's node: this process
+    paces itself at the configured limits (a burst of 6 at 60 rpm, then one a
+    second) and counts it."""
+    before = metric("oncely_limiter_fail_open_total")
+    limiter = FleetLimiter(unreachable, Limits(rpm=60))
+    waits = [await limiter.acquire(10) for _ in range(7)]
+    assert waits[:6] == [0.0] * 6
+    assert 0 < waits[6] <= 1.0
+    assert metric("oncely_limiter_fail_open_total") - before == 7
+
+    # Without pacing: calls go, and a 429 still pauses this process.
+    calls: list[float] = []
+    llm = LimitedLLM(
+        RecordingLLM(calls, fail_first_with_429=5.0), FleetLimiter(unreachable, Limits())
+    )
+    with pytest.raises(TransientError):
+        await llm.complete(ask("p"), timeout=10)
+    assert await llm.limiter.acquire(10) > 4
+
+
+def metric(name: str) -> float:
+    return REGISTRY.get_sample_value(name) or 0.0
+
+
+async def test_re_attaching_to_a_background_response_is_not_paced_again(redis) -> None:
+    """It was paced and counted when it was created: after a crash, the
+    delivery that re-attaches asks the provider for nothing new."""
+    calls: list[float] = []
+    limiter = FleetLimiter(redis, Limits(rpm=60))
+    await limiter.pause(30)  # the fleet paused: a new call would wait
+    llm = LimitedLLM(RecordingLLM(calls), limiter)
+
+    async def keep(response_id: str) -> None:
+        return None
+
+    stored = Background(stored="resp_1", keep=keep)
+    await llm.complete(ask("p"), timeout=2, background=stored)
+    assert len(calls) == 1, "went at once"
+    with pytest.raises(TransientError):  # a new call waits out the pause: longer than its time
+        await llm.complete(ask("q"), timeout=2, background=Background(stored=None, keep=keep))

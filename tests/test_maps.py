@@ -314,3 +314,27 @@ async def test_erasing_the_tenant_erases_its_maps_and_children(maps: Harness) ->
         "SELECT (SELECT count(*) FROM jobs WHERE tenant = 'acme'), (SELECT count(*) FROM job_maps)"
     )
     assert left == [(0, 0)]
+
+
+async def test_a_map_of_a_million_items_fails_after_taking_one_past_the_bound() -> None:
+    """``ctx.map`` takes at most ONCELY_MAP_MAX_ITEMS + 1 items before it
+    fails: a generator of a million is not read, nor validated, to the end."""
+    from oncely import PermanentError
+    from oncely.context import MAP_MAX_ITEMS
+    from oncely.testing import run_step
+
+    taken = {"n": 0}
+
+    def million() -> Any:
+        for n in range(1_000_000):
+            taken["n"] += 1
+            yield {"text": f"item {n}"}
+
+    async def huge(batch: Batch, ctx: Context) -> Digest:
+        await ctx.map(ITEM, million())
+        return Digest(lines=[], statuses=[])
+
+    workflow = Workflow(name="huge", route="/v1/huge", request=Batch, result=Digest, step=huge)
+    with pytest.raises(PermanentError, match="ONCELY_MAP_MAX_ITEMS"):
+        await run_step(workflow, {"texts": []})
+    assert taken["n"] == MAP_MAX_ITEMS + 1

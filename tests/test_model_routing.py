@@ -13,15 +13,17 @@ from typing import Any
 import pytest
 from prometheus_client import REGISTRY
 from pydantic import BaseModel
+from redis.asyncio import Redis
 
 from oncely.errors import PermanentError, ResumeLater, TransientError
-from oncely.llm.cooldown import Caller, Cooldown, CooldownPolicy
+from oncely.llm.cooldown import Cooldown, CooldownPolicy
 from oncely.llm.model import Model, ModelRoute
 from oncely.llm.openai_compat import OpenAICompatible
-from oncely.llm.routing import ModelSpec, Target, parse_models
+from oncely.llm.routing import Caller, ModelSpec, Target, parse_models
 from oncely.retry import Deadline, RetryPolicy
 from oncely.usage.budgets import BudgetLimits, Budgets, Spent, utc_day
-from oncely.usage.ledger import Call, CallSite, Ledger
+from oncely.usage.calls import Call, CallSite
+from oncely.usage.ledger import Ledger
 from oncely.usage.prices import Prices
 from tests.helpers import count
 from tests.processes import wait_for
@@ -273,9 +275,12 @@ async def test_failing_jobs_of_several_tenants_cool_the_model_for_the_fleet(
     assert other.cooling(PRIMARY)
 
 
-async def test_with_every_model_cooling_the_job_resumes_at_the_cooldowns_end(
+async def test_with_every_model_cooling_the_job_waits_for_them_a_cooldown_at_most(
     llm, fake_llm, redis
 ) -> None:
+    """The job pays for no call: it waits for any model of its route to
+    stop cooling for its tenant (the workers let it out then), a cooldown's
+    length at most."""
     fake_llm.model.outage = "503"
     cooldown = Cooldown(redis, policy())
     for i in range(3):
@@ -285,17 +290,87 @@ async def test_with_every_model_cooling_the_job_resumes_at_the_cooldowns_end(
     with pytest.raises(ResumeLater) as raised:
         await routed(llm, cooldown=cooldown).complete("Nothing is called now. Nothing.")
     assert "cooling down" in str(raised.value)
-    assert 30 < raised.value.resume_in_s <= 60
+    assert raised.value.resume_in_s == 60
+    assert raised.value.models == (PRIMARY, BACKUP)
+    assert raised.value.scope == Caller("any", "acme").scope
     assert fake_llm.stats().total == calls
 
 
-async def test_a_cooldown_lasts_no_longer_than_the_providers_retry_after(redis) -> None:
-    cooldown = Cooldown(redis, policy(cooldown_s=60))
+@pytest.mark.parametrize(
+    ("retry_after_s", "low", "high"), [(None, 3, 5), (1, 3, 5), (20, 18, 20), (500, 58, 60)]
+)
+async def test_the_providers_retry_after_spaces_the_probes_up_to_the_cooldowns_length(
+    redis, retry_after_s: float | None, low: float, high: float
+) -> None:
+    """The next probe comes a probe interval (5 s) after the failure, or as
+    late as the provider's Retry-After asks when it asks for longer, up to
+    ONCELY_LLM_COOLDOWN_S (60 s)."""
+    cooldown = Cooldown(redis, policy(cooldown_s=60, probe_every_s=5))
     for job in ("j1", "j2", "j3"):
-        await cooldown.failed("retry-after-model", Caller(job, "acme"), retry_after_s=5)
+        await cooldown.failed("retry-after-model", Caller(job, "acme"), retry_after_s=retry_after_s)
     admission = await cooldown.admit("retry-after-model", Caller("j4", "acme"))
     assert admission.verdict == "skip"
-    assert 3 < admission.wait_s <= 5
+    assert low < admission.wait_s <= high
+
+
+async def test_a_failed_probe_waits_a_probe_interval_not_a_whole_cooldown(redis) -> None:
+    """Half-open: while a model cools, one call goes through every probe
+    interval; its failure puts the next probe one interval off (not a new
+    60 s cooldown), and its answer ends the cooldown for every process."""
+    model, cooling = "half-open-model", policy(failures=2, cooldown_s=60, probe_every_s=0.5)
+    first, second = Cooldown(redis, cooling), Cooldown(redis, cooling)
+    for job in ("j1", "j2"):
+        await first.failed(model, Caller(job, "acme"))
+    admission = await first.admit(model, Caller("j3", "acme"))
+    assert admission.verdict == "skip" and admission.wait_s <= 0.5
+    for round_ in range(3):  # the model still down: each probe fails
+        await cooled_off(redis, first, second, model=model)
+        prober = Caller(f"probe-{round_}", "acme")
+        admission = await second.admit(model, prober)
+        assert admission.verdict == "probe"
+        assert (await first.admit(model, Caller("other", "acme"))).verdict == "skip"
+        await second.failed(model, prober, probe=admission.scope)
+        [until_ms] = (await armed(redis, model)).values()
+        seconds, micros = await redis.time()
+        assert until_ms - (seconds * 1000 + micros // 1000) <= 500, "one interval, not 60 s"
+    await cooled_off(redis, first, second, model=model)
+    admission = await first.admit(model, Caller("j9", "acme"))
+    assert admission.verdict == "probe"
+    await first.answered(model, Caller("j9", "acme"), probe=admission.scope)
+    assert await armed(redis, model) == {}
+    assert (await second.admit(model, Caller("j10", "acme"))).verdict == "go"
+
+
+async def test_the_workers_see_which_scopes_cool_and_when_their_probe_may_go(redis) -> None:
+    """``scopes``: what the workers let waiting jobs out by. A scope whose
+    probe is not due, or is out, holds them; an answer frees them; Redis
+    not answering frees them too (the cooldown holds no job on its own
+    account)."""
+    model, cooling = "scoped-model", policy(failures=2, probe_every_s=0.5, refresh_s=0.05)
+    cooldown = Cooldown(redis, cooling)
+    scope = Caller("any", "acme").scope
+    assert await cooldown.scopes(model) == {}
+    for job in ("j1", "j2"):
+        await cooldown.failed(model, Caller(job, "acme"))
+    assert await cooldown.scopes(model) == {scope: False}
+
+    async def probe_due() -> bool:
+        return await cooldown.scopes(model) == {scope: True}
+
+    await wait_for(probe_due, what="the probe's time")
+    admission = await cooldown.admit(model, Caller("j3", "acme"))
+    assert admission.verdict == "probe"
+    assert await cooldown.scopes(model) == {scope: False}, "a probe is out"
+    await cooldown.answered(model, Caller("j3", "acme"), probe=admission.scope)
+    assert await cooldown.scopes(model) == {}
+    await cooldown.failed(model, Caller("j4", "acme"))
+    await cooldown.failed(model, Caller("j5", "acme"))
+    assert await cooldown.scopes(model) == {scope: False}
+    unreachable = Redis.from_url("redis://127.0.0.1:1/0", socket_timeout=1)
+    try:
+        assert await Cooldown(unreachable, cooling).scopes(model) == {}
+    finally:
+        await unreachable.aclose()
 
 
 async def cooled_off(redis: Any, *views: Cooldown, model: str = PRIMARY) -> None:
@@ -312,8 +387,34 @@ async def cooled_off(redis: Any, *views: Cooldown, model: str = PRIMARY) -> None
     await wait_for(over, within_s=30, what="the cooldown's end")
 
 
+async def test_the_gauge_shows_the_fleets_cooldown_between_probes_until_one_answers(redis) -> None:
+    """``oncely_model_cooldown`` stays 1 between probes (not only for the
+    seconds after each one), and drops once another process's probe
+    answered and this one's workers read the cooldown again."""
+    model, cooling = "gauged-model", policy(failures=3, probe_every_s=0.3)
+    watcher, prober = Cooldown(redis, cooling), Cooldown(redis, cooling)
+    # (One gauge per model in a process: the view made last reports.)
+    assert (await prober.admit(model, Caller("j0", "newcomer"))).verdict == "go"
+    for job, tenant in (("j1", "initech"), ("j2", "hooli"), ("j3", "umbrella")):
+        await watcher.failed(model, Caller(job, tenant))
+
+    def gauge() -> float | None:
+        return REGISTRY.get_sample_value("oncely_model_cooldown", {"model": model})
+
+    assert gauge() == 1.0
+    await cooled_off(redis, watcher, model=model)
+    assert await watcher.scopes(model) == {"*": True}
+    assert gauge() == 1.0, "between probes: still cooling"
+    admission = await prober.admit(model, Caller("j4", "newcomer"))
+    assert admission.verdict == "probe"
+    await prober.answered(model, Caller("j4", "newcomer"), probe=admission.scope)
+    assert gauge() == 1.0, "not read since"
+    assert await watcher.scopes(model) == {}
+    assert gauge() == 0.0
+
+
 async def test_after_the_cooldown_one_probe_decides(llm, fake_llm, redis) -> None:
-    cooling = policy(failures=2, cooldown_s=2, probe_s=30)
+    cooling = policy(failures=2, probe_every_s=2, probe_s=30)
     cooldown = Cooldown(redis, cooling)
     fake_llm.model.model_outages[PRIMARY] = "hang"
     slow = RetryPolicy(per_call_timeout_s=0.3, max_attempts=2, backoff_base_s=0.001)
@@ -352,7 +453,7 @@ async def test_after_the_cooldown_one_probe_decides(llm, fake_llm, redis) -> Non
 async def test_the_job_that_failed_a_probe_leaves_the_next_one_to_another(redis) -> None:
     """A job whose own prompt fails cannot keep a model cooling by taking
     every probe: within the grace another job probes; alone, it may again."""
-    model, cooling = "probed-model", policy(failures=2, cooldown_s=1, probe_grace_s=1.5)
+    model, cooling = "probed-model", policy(failures=2, probe_every_s=1, probe_grace_s=1.5)
     cooldown = Cooldown(redis, cooling)
     for job in ("j1", "j2"):
         await cooldown.failed(model, Caller(job, "acme"))

@@ -232,6 +232,58 @@ def test_the_client_imports_none_of_the_servers_libraries() -> None:
     assert done.stdout.strip() == "", f"import oncely.client loaded {done.stdout.strip()}"
 
 
+@pytest.mark.slow
+def test_oncely_and_its_integrations_package_import_no_agent_framework() -> None:
+    """A framework is imported only by its own integration module, the MCP
+    SDK only by ``oncely.mcp``'s modules."""
+    frameworks = ("pydantic_ai", "agents", "langgraph", "langchain_core", "mcp")
+    probe = (
+        "import sys, oncely, oncely.integrations, oncely.integrations.runs, oncely.testing,"
+        " oncely.mcp;"
+        f" print(','.join(m for m in {frameworks!r} if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "", f"import oncely loaded {done.stdout.strip()}"
+
+
+@pytest.mark.slow
+def test_agents_and_reply_types_load_no_ledger_driver_or_provider_sdk() -> None:
+    """Reading a model turn (``oncely.agent``, ``oncely.Reply``) needs no
+    ledger, no PostgreSQL or Redis driver and no provider SDK: those are the
+    trip's (``oncely.llm.trip``) and the adapters' (docs/architecture.md)."""
+    heavy = (
+        "oncely.usage.ledger",
+        "oncely.llm.cooldown",
+        "oncely.llm.trip",
+        "psycopg",
+        "psycopg_pool",
+        "redis",
+        "openai",
+        "anthropic",
+    )
+    probe = (
+        "import sys, oncely, oncely.agent; oncely.Reply, oncely.ToolCall, oncely.Usage;"
+        f" print(','.join(m for m in {heavy!r} if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "", f"import oncely.agent loaded {done.stdout.strip()}"
+
+
+@pytest.mark.slow
+def test_the_job_vocabulary_and_the_testing_kit_load_no_driver() -> None:
+    """A job's statuses, identity and records (``oncely.statuses``,
+    ``oncely.identity``, ``oncely.jobs.records``, ``oncely.JobRecord``) are
+    plain data, and ``oncely.testing`` runs steps in memory: neither loads
+    PostgreSQL's or Redis's client."""
+    probe = (
+        "import sys, oncely, oncely.statuses, oncely.identity, oncely.jobs.records;"
+        " import oncely.testing; oncely.JobRecord;"
+        " print(','.join(m for m in ('psycopg', 'psycopg_pool', 'redis') if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "", f"the job vocabulary loaded {done.stdout.strip()}"
+
+
 def test_the_constraints_pin_every_requirement_within_its_bounds() -> None:
     """constraints.txt (what make test installs) stays inside pyproject's
     ranges, and the libraries oncely reaches into are held to one minor."""
@@ -242,7 +294,8 @@ def test_the_constraints_pin_every_requirement_within_its_bounds() -> None:
     }
     project = _project()
     wanted = [*project["dependencies"], *project["optional-dependencies"]["binary"]]
-    for extra in ("testing", "test", "embedded", "docs", "bench", "otel"):
+    extras = ("testing", "test", "embedded", "docs", "bench", "otel")
+    for extra in (*extras, "anthropic", "pydantic-ai", "openai-agents", "langgraph", "mcp"):
         wanted += project["optional-dependencies"][extra]
     for spec in wanted:
         requirement = Requirement(spec)
@@ -337,13 +390,13 @@ def test_one_step_kit_makes_every_context_and_the_handler_knows_no_shadow() -> N
 # modules"): a new one must be one of them.
 PUBLIC_ROOT = {
     "__init__", "__main__", "workflow", "context", "views", "agent", "tools", "effects",
-    "app", "errors", "testing", "settings",
+    "app", "errors", "testing", "settings", "decisions", "at_most_once",
 }  # fmt: skip
 LEAF_ROOT = {
     "names", "metrics", "tracing", "logs", "retry", "journal", "shown", "lazy", "batching",
-    "redis_client", "services", "timetable",
+    "redis_client", "services", "timetable", "storable", "statuses", "identity",
 }  # fmt: skip
-PROCESS_ROOT = {"health", "embedded"}
+PROCESS_ROOT = {"health", "embedded", "clock"}
 
 
 def test_every_root_module_is_public_a_leaf_or_process_plumbing() -> None:
@@ -420,6 +473,18 @@ def test_operator_commands_load_neither_the_model_sdk_nor_the_web_servers() -> N
     probe = f"import sys, oncely.cli.ops; print(','.join(m for m in {heavy!r} if m in sys.modules))"
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "", f"import oncely.cli.ops loaded {done.stdout.strip()}"
+
+
+def test_the_architecture_page_names_every_module_the_exports_come_from() -> None:
+    """docs/architecture.md's "Root modules" says where what ``import
+    oncely`` exports is defined: each module a public name comes from is
+    named there, and each it names is one of them."""
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    public = page.split("- *the public API*:", 1)[1].split("imported on first use", 1)[0]
+    named = set(re.findall(r"`(\w+(?:/\w+)*\.py)`", public))
+    homes = {m.removeprefix("oncely.").replace(".", "/") + ".py" for m in oncely._EXPORTS.values()}
+    assert homes - named == set(), "exported from, but not named"
+    assert named - homes == set(), "named, but nothing is exported from it"
 
 
 def test_every_public_name_is_exported_and_resolves() -> None:

@@ -22,6 +22,7 @@ from oncely.builtin.summaries import summaries
 from oncely.fakes.llm import FakeLLMServer
 from oncely.queue.stream import JobMessage, Stream
 from oncely.sql import query
+from tests.helpers import scalar
 
 pytestmark = pytest.mark.slow
 
@@ -64,13 +65,6 @@ async def submit_jobs(pool, redis, n: int, text: str) -> list[str]:
         await stream.enqueue(JobMessage.new(job_id, "acme", payload))
         ids.append(job_id)
     return ids
-
-
-async def scalar(pool, sql: str) -> Any:
-    async with pool.connection() as conn:
-        cur = await conn.execute(sql)
-        row = await cur.fetchone()
-    return row[0] if row else None
 
 
 async def wait_for(predicate, within_s: float = 15.0) -> None:

@@ -125,3 +125,28 @@ async def test_a_job_waiting_out_its_backoff_is_not_requeued(pool, stream, jobs,
     await redis.zrem(stream.keys.delayed, job_id)  # the delayed copy lost too
     await redis.delete(stream.keys.reconcile_lock)  # the next pass's turn
     assert await Reconciler(jobs, "summaries", after_s=0.1).run_once() == 1
+
+
+async def test_a_backlog_still_in_the_stream_cannot_hide_a_lost_job_behind_it(
+    pool, stream, jobs, redis
+):
+    """Pages walk past jobs whose messages wait in line: the lost one, older
+    than the threshold but behind a page of waiting ones, is found on the
+    next pass."""
+    waiting = [await accept(pool, stream, age_s=900 - i) for i in range(5)]
+    lost = await accept(pool, None, age_s=600)
+    reconciler = Reconciler(jobs, "summaries", after_s=300, batch=3)
+    found = 0
+    for _ in range(3):
+        await redis.delete(stream.keys.reconcile_lock)  # the next pass's turn
+        found += await reconciler.run_once()
+    assert found == 1
+    assert sorted(await stream_job_ids(stream)) == sorted([*waiting, lost])
+
+
+def test_a_lost_job_is_back_within_a_minute_by_default() -> None:
+    """The default itself (a pass every half of it: back within 1.5 × it),
+    whatever this machine's environment sets."""
+    from oncely.settings import Settings
+
+    assert Settings.model_fields["reconcile_after_s"].default * 1.5 <= 60

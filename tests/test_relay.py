@@ -15,6 +15,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import psycopg
 import pytest
 from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
@@ -72,26 +73,55 @@ class Crashing:
 
 class Blocking:
     """A send that hangs until released, then goes to the real provider;
-    counts the sends under way at once."""
+    counts the sends under way at once, and notes (loop time) when each
+    began and when one was cut off."""
 
     def __init__(self, inner: Sender) -> None:
         self.inner = inner
         self.keys: list[str] = []
         self.release = asyncio.Event()
         self.in_flight = self.most_in_flight = 0
+        self.started: dict[str, float] = {}
+        self.cut: dict[str, float] = {}
 
     async def send(self, topic: str, payload: dict[str, Any], dedupe_key: str) -> SendResult:
         self.keys.append(dedupe_key)
+        self.started[dedupe_key] = asyncio.get_running_loop().time()
         self.in_flight += 1
         self.most_in_flight = max(self.most_in_flight, self.in_flight)
         try:
             await self.release.wait()
             return await self.inner.send(topic, payload, dedupe_key)
+        except asyncio.CancelledError:
+            self.cut[dedupe_key] = asyncio.get_running_loop().time()
+            raise
         finally:
             self.in_flight -= 1
 
     async def aclose(self) -> None:
         pass
+
+
+class Watching:
+    """The real sender, noting when each send began (loop time)."""
+
+    def __init__(self, inner: Sender) -> None:
+        self.inner = inner
+        self.started: dict[str, float] = {}
+
+    async def send(self, topic: str, payload: dict[str, Any], dedupe_key: str) -> SendResult:
+        self.started.setdefault(dedupe_key, asyncio.get_running_loop().time())
+        return await self.inner.send(topic, payload, dedupe_key)
+
+    async def aclose(self) -> None:
+        pass
+
+
+class RenewalsFail(OutboxStore):
+    """A database that refuses every lease renewal."""
+
+    async def renew(self, *args: Any, **kwargs: Any) -> set[int]:
+        raise psycopg.OperationalError("renewal refused (injected)")
 
 
 @pytest.fixture
@@ -200,17 +230,18 @@ async def test_expired_lease_cannot_mark_a_row_another_relay_now_holds(
 ) -> None:
     [row_id] = await add_rows(pool, 1)
     first, second = uuid.uuid4(), uuid.uuid4()
-    assert [r.id for r in await store.claim(first, 10, 30)] == [row_id]
+    [old] = await store.claim(first, 10, 30)
     await sql(pool, "UPDATE outbox SET locked_until = now() - interval '1 s'")
-    assert [r.id for r in await store.claim(second, 10, 30)] == [row_id]
+    [new] = await store.claim(second, 10, 30)
+    assert (old.id, new.id) == (row_id, row_id)
 
-    assert await store.mark_sent_many(first, [(row_id, "msg_first")]) == set()
+    assert await store.mark_sent_many(first, [(old, "msg_first")]) == set()
     failed = await store.mark_failed_attempt(
-        row_id, first, "late", next_attempt_at_delay_s=0, give_up=True
+        old, first, "late", next_attempt_at_delay_s=0, give_up=True
     )
     assert failed is False
-    assert await store.mark_sent_many(second, [(row_id, "msg_second")]) == {row_id}
-    assert await store.mark_sent_many(second, [(row_id, "again")]) == set(), "sent stays sent"
+    assert await store.mark_sent_many(second, [(new, "msg_second")]) == {(row_id, 2)}
+    assert await store.mark_sent_many(second, [(new, "again")]) == set(), "sent stays sent"
 
     row = await store.get(row_id)
     assert row is not None
@@ -223,16 +254,46 @@ async def test_batched_marking_records_only_the_rows_this_relay_still_holds(
 ) -> None:
     ids = await add_rows(pool, 3)
     first, second = uuid.uuid4(), uuid.uuid4()
-    assert sorted(r.id for r in await store.claim(first, 10, 30)) == sorted(ids)
+    claimed = await store.claim(first, 10, 30)
+    assert sorted(r.id for r in claimed) == sorted(ids)
     # The first row's lease ran out and another relay took it.
     await sql(pool, "UPDATE outbox SET locked_until = now() - interval '1 s' WHERE id = %s", ids[0])
     assert [r.id for r in await store.claim(second, 10, 30)] == [ids[0]]
 
-    marked = await store.mark_sent_many(first, [(i, f"msg_{i}") for i in ids])
-    assert marked == set(ids[1:])
+    marked = await store.mark_sent_many(first, [(row, f"msg_{row.id}") for row in claimed])
+    assert marked == {(i, 1) for i in ids[1:]}
     rows = await sql(pool, "SELECT id, sent_at IS NOT NULL, locked_by FROM outbox ORDER BY id")
     assert rows == [(ids[0], False, second), (ids[1], True, None), (ids[2], True, None)]
-    assert await store.mark_sent_many(first, [(ids[1], "again")]) == set(), "sent stays sent"
+    again = [row for row in claimed if row.id == ids[1]]
+    assert await store.mark_sent_many(first, [(again[0], "again")]) == set(), "sent stays sent"
+
+
+async def test_a_relay_that_claims_its_own_row_again_fences_off_its_first_claim(
+    pool: AsyncConnectionPool, store: OutboxStore
+) -> None:
+    """One relay, one row, two claims (its first lease ended while the send
+    hung, and its next poll took the row back): the first claim's late
+    record of its failure must not release the row under the second
+    claim's running send, nor mark it sent."""
+    [row_id] = await add_rows(pool, 1)
+    owner = uuid.uuid4()
+    [first] = await store.claim(owner, 10, 30)
+    await sql(pool, "UPDATE outbox SET locked_until = now() - interval '1 s'")
+    [second] = await store.claim(owner, 10, 30)
+    assert (first.id, second.id, first.attempts, second.attempts) == (row_id, row_id, 1, 2)
+
+    late = await store.mark_failed_attempt(
+        first, owner, "cut off", next_attempt_at_delay_s=60, give_up=False
+    )
+    assert late is False
+    assert await store.mark_sent_many(owner, [(first, "msg_first")]) == set()
+    [(locked_by, held)] = await sql(
+        pool, "SELECT locked_by, locked_until > now() FROM outbox WHERE id = %s", row_id
+    )
+    assert (locked_by, held) == (owner, True), "the second claim still holds the row"
+    assert await store.mark_sent_many(owner, [(second, "msg_second")]) == {(row_id, 2)}
+    row = await store.get(row_id)
+    assert row is not None and (row.provider_message_id, row.last_error) == ("msg_second", None)
 
 
 async def test_stuck_send_holds_no_row_lock_and_keeps_its_rows_until_the_lease_ends(
@@ -315,15 +376,21 @@ async def test_the_loop_claims_a_slot_ahead_but_sends_no_more_than_its_concurren
 
 
 async def test_a_row_claimed_ahead_whose_lease_ends_before_its_slot_is_not_sent_by_it(
-    pool: AsyncConnectionPool, store: OutboxStore, sender: Sender, fake_mail: FakeMailServer
+    pool: AsyncConnectionPool, sender: Sender, fake_mail: FakeMailServer
 ) -> None:
-    """One slot, a 1 s lease: the first send hangs past its lease (cut off),
-    the row claimed behind it gets its slot with its lease over and is left
-    to its next claim. Every row is sent once in the end."""
+    """One slot, a 1 s lease that no renewal reaches: the first send hangs
+    past its lease (cut off), the row claimed behind it gets its slot with
+    its lease over and is left to its next claim. Every row is sent once in
+    the end."""
     ids = await add_rows(pool, 3)
     blocking = Blocking(sender)
     relay = make_relay(
-        store, blocking, concurrency=1, lease_s=1.0, backoff_base_s=0.05, backoff_max_s=0.05
+        RenewalsFail(pool),
+        blocking,
+        concurrency=1,
+        lease_s=1.0,
+        backoff_base_s=0.05,
+        backoff_max_s=0.05,
     )
     loop = asyncio.create_task(relay.run())
     try:
@@ -361,6 +428,208 @@ async def test_row_whose_lease_keeps_running_out_mid_send_gives_up_unsent(
     assert row.last_error is not None and "lease ran out mid-send 2 times" in row.last_error
     assert relay.stats["failed"] == 1
     assert (await fake_mail.deliveries())["requests"] == 0
+
+
+# -- leases renewed in short steps -----------------------------------------------
+
+
+async def lease_ends(pool: AsyncConnectionPool) -> tuple[Any, Any]:
+    """The earliest and the latest ``locked_until`` of the unsent rows."""
+    [(earliest, latest)] = await sql(
+        pool, "SELECT min(locked_until), max(locked_until) FROM outbox WHERE sent_at IS NULL"
+    )
+    return earliest, latest
+
+
+async def test_a_live_relays_slow_send_keeps_its_rows_lease_after_lease(
+    pool: AsyncConnectionPool, store: OutboxStore, sender: Sender, fake_mail: FakeMailServer
+) -> None:
+    """A 1.5 s lease renewed every half second: sends that outlast it many
+    times over are never taken over by the relay polling beside them, and
+    each row is sent once, by the relay that claimed it."""
+    await add_rows(pool, 2)
+    blocking = Blocking(sender)
+    slow = make_relay(store, blocking, lease_s=1.5)
+    watching = Watching(sender)
+    other = make_relay(store, watching, lease_s=1.5)
+    loops = [asyncio.create_task(slow.run())]
+    try:
+        await eventually(lambda: len(blocking.keys) == 2, timeout_s=10)
+        loops.append(asyncio.create_task(other.run()))
+        _, claimed_until = await lease_ends(pool)
+
+        async def renewed_past_two_more_leases() -> bool:
+            earliest, _ = await lease_ends(pool)
+            return bool((earliest - claimed_until).total_seconds() > 3.0)
+
+        await eventually(renewed_past_two_more_leases, timeout_s=30)
+        polls = other.stats["polls"]
+        await eventually(lambda: other.stats["polls"] >= polls + 2, timeout_s=10)
+        assert watching.started == {}, "the other relay took over a live relay's rows"
+        blocking.release.set()
+
+        async def all_sent() -> bool:
+            return await sql(pool, "SELECT count(*) FROM outbox WHERE sent_at IS NULL") == [(0,)]
+
+        await eventually(all_sent, timeout_s=10)
+    finally:
+        for relay in (slow, other):
+            relay.stop()
+        blocking.release.set()
+        await asyncio.wait_for(asyncio.gather(*loops), 5)
+    assert (slow.stats["sent"], slow.stats["lease_lost"], slow.stats["retried"]) == (2, 0, 0)
+    assert other.stats["sent"] == 0 and watching.started == {}
+    assert await sql(pool, "SELECT attempts, count(*) FROM outbox GROUP BY 1") == [(1, 2)]
+    deliveries = await fake_mail.deliveries()
+    assert deliveries["requests"] == deliveries["effects"] == 2
+
+
+async def test_a_dead_relays_rows_are_sent_by_another_within_a_lease(
+    pool: AsyncConnectionPool, store: OutboxStore, sender: Sender, fake_mail: FakeMailServer
+) -> None:
+    """With the default lease (3 s), a relay that dies mid-send (its task
+    cancelled: no renewal and no write from then on, as kill -9 leaves it)
+    has its rows claimed by the relay beside it once their lease ends,
+    never before, and each sent again with its key: one effect each."""
+    await add_rows(pool, 2)
+    blocking = Blocking(sender)
+    dying = make_relay(store, blocking, lease_s=RelayConfig.lease_s)
+    watching = Watching(sender)
+    survivor = make_relay(store, watching, lease_s=RelayConfig.lease_s)
+    dying_loop = asyncio.create_task(dying.run())
+    survivor_loop: asyncio.Task[None] | None = None
+    try:
+        await eventually(lambda: len(blocking.keys) == 2, timeout_s=10)
+        survivor_loop = asyncio.create_task(survivor.run())
+        _, claimed_until = await lease_ends(pool)
+
+        async def renewed() -> bool:
+            earliest, _ = await lease_ends(pool)
+            return bool(earliest > claimed_until)
+
+        await eventually(renewed, timeout_s=10)
+        dying_loop.cancel()
+        await asyncio.wait([dying_loop])
+        loop = asyncio.get_running_loop()
+        died = loop.time()
+        [(left_s,)] = await sql(
+            pool,
+            "SELECT extract(epoch FROM max(locked_until) - now())::float8 FROM outbox"
+            " WHERE sent_at IS NULL",
+        )
+        lease_ended = died + left_s  # on this loop's clock, give or take a statement
+
+        async def all_sent() -> bool:
+            return await sql(pool, "SELECT count(*) FROM outbox WHERE sent_at IS NULL") == [(0,)]
+
+        await eventually(all_sent, timeout_s=20)
+    finally:
+        survivor.stop()
+        if survivor_loop is not None:
+            await asyncio.wait_for(survivor_loop, 5)
+    assert blocking.cut.keys() == set(blocking.keys), "the dying relay's sends never finished"
+    assert set(watching.started) == set(blocking.keys)
+    taken_over = max(watching.started.values()) - died
+    assert min(watching.started.values()) >= lease_ended - 0.5, "resent before the lease ended"
+    assert taken_over < 15, (
+        f"resent {taken_over:.1f} s after the death: the bound is one lease (3 s) and a poll;"
+        " 15 s allowed for a loaded machine"
+    )
+    assert await sql(pool, "SELECT attempts, count(*) FROM outbox GROUP BY 1") == [(2, 2)]
+    deliveries = await fake_mail.deliveries()
+    assert deliveries["requests"] == deliveries["effects"] == 2
+
+
+async def test_a_hung_send_is_renewed_up_to_the_send_timeout_then_cut_off(
+    pool: AsyncConnectionPool, store: OutboxStore, sender: Sender, fake_mail: FakeMailServer
+) -> None:
+    """A provider that never answers (and a sender without a timeout of its
+    own): the relay renews the row while the send runs up to
+    ``send_timeout_s``, then no more, so the send is cut off a lease
+    later and the row released for another try."""
+    [row_id] = await add_rows(pool, 1)
+    blocking = Blocking(sender)
+    hung = make_relay(
+        store, blocking, lease_s=1.0, send_timeout_s=2.0, backoff_base_s=60, backoff_max_s=60
+    )
+    loop = asyncio.create_task(hung.run())
+    try:
+        await eventually(lambda: hung.stats["retried"] == 1, timeout_s=20)
+    finally:
+        hung.stop()
+        await asyncio.wait_for(loop, 5)
+    [key] = blocking.keys
+    assert blocking.cut[key] - blocking.started[key] >= 2.0, "renewed while the send was young"
+    row = await store.get(row_id)
+    assert row is not None and row.last_error is not None
+    assert "send cut off" in row.last_error and "end of its lease" in row.last_error
+    assert (row.sent_at, row.locked_by, row.attempts) == (None, None, 1)
+    assert (await fake_mail.deliveries())["requests"] == 0
+
+
+async def test_a_renewal_that_finds_the_row_taken_over_stops_the_send(
+    pool: AsyncConnectionPool, store: OutboxStore, sender: Sender, fake_mail: FakeMailServer
+) -> None:
+    """Another relay holds the row now (as its claim after an expired lease
+    leaves it): the next renewal tells, well before the relay's own view
+    of its 6 s lease ends, the send stops, and nothing is written over the
+    new holder's claim."""
+    [row_id] = await add_rows(pool, 1)
+    blocking = Blocking(sender)
+    first = make_relay(store, blocking, lease_s=6.0)
+    taker = uuid.uuid4()
+    with capture_logs() as logs:
+        loop = asyncio.create_task(first.run())
+        try:
+            await eventually(lambda: first.stats["renewals"] >= 1, timeout_s=10)
+            await sql(
+                pool,
+                "UPDATE outbox SET locked_by = %s, locked_until = now() + interval '1 minute',"
+                " attempts = attempts + 1",
+                taker,
+            )
+            await eventually(lambda: first.stats["lease_lost"] == 1, timeout_s=10)
+        finally:
+            first.stop()
+            await asyncio.wait_for(loop, 5)
+    assert [e["outbox_id"] for e in logs if e["event"] == "outbox.renewal_refused"] == [row_id]
+    assert set(blocking.cut) == set(blocking.keys)
+    row = await store.get(row_id)
+    assert row is not None
+    assert (row.locked_by, row.attempts, row.last_error, row.sent_at) == (taker, 2, None, None)
+    assert first.stats["retried"] == 0
+    assert (await fake_mail.deliveries())["requests"] == 0
+
+
+async def test_a_row_held_less_than_a_sixth_of_a_lease_costs_no_renewal(
+    pool: AsyncConnectionPool, store: OutboxStore, sender: Sender
+) -> None:
+    await add_rows(pool, 1)
+    blocking = Blocking(sender)
+    relay = make_relay(store, blocking, lease_s=60.0)
+    pass_ = asyncio.create_task(relay.run_once())
+    try:
+        await eventually(lambda: len(blocking.keys) == 1)
+        assert await relay.renew_leases() == 0, "held for less than 10 s: no statement"
+    finally:
+        blocking.release.set()
+        await asyncio.wait_for(pass_, 5)
+    assert relay.stats["renewals"] == 0 and relay.stats["sent"] == 1
+
+
+async def test_renew_is_owner_checked_and_never_revives_an_ended_lease(
+    pool: AsyncConnectionPool, store: OutboxStore
+) -> None:
+    """``OutboxStore.renew``: only the owner's unsent rows whose lease runs."""
+    ids = await add_rows(pool, 3)
+    owner, stranger = uuid.uuid4(), uuid.uuid4()
+    assert len(await store.claim(owner, 10, 30)) == 3
+    await sql(pool, "UPDATE outbox SET locked_until = now() - interval '1 s' WHERE id = %s", ids[0])
+    await sql(pool, "UPDATE outbox SET sent_at = now() WHERE id = %s", ids[1])
+    assert await store.renew(stranger, ids, 30, timeout_s=5) == set()
+    assert await store.renew(owner, ids, 60, timeout_s=5) == {ids[2]}
+    assert 50 < await seconds_until(pool, "locked_until", ids[2]) <= 60
+    assert await seconds_until(pool, "locked_until", ids[0]) < 0, "never revived"
 
 
 # -- provider failures -------------------------------------------------------------
@@ -633,9 +902,11 @@ def test_relay_config_from_settings_takes_the_relay_knobs() -> None:
         relay_concurrency=5,
         relay_poll_s=0.5,
         outbox_retention_s=60,
+        sender_timeout_s=4,
     )
     config = relay_config(settings)
     assert (config.max_attempts, config.lease_s, config.batch) == (3, 12, 7)
+    assert config.send_timeout_s == 4
     assert (config.concurrency, config.poll_s, config.retention_s) == (5, 0.5, 60)
 
 

@@ -337,3 +337,11 @@ async def test_each_retry_is_reported_and_logged_with_its_reason() -> None:
         (2, "5xx"),
         (3, "429"),
     ]
+
+
+async def test_a_retry_names_what_it_retries() -> None:
+    """A step's retries are logged as a step's, not a model call's."""
+    fn = Flaky(StatusError(503))
+    with capture_logs() as logs:
+        await call_with_retries(fn, sleep=RecordedSleep(), what="step", **policy())
+    assert [e["event"] for e in logs if e["event"].endswith(".retrying")] == ["step.retrying"]

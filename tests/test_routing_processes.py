@@ -15,7 +15,7 @@ import pytest
 
 from oncely.api.auth import create_api_key
 from oncely.queue.stream import Stream
-from tests.helpers import submit
+from tests.helpers import rows, submit
 from tests.processes import free_port, oncely, running, start, tail, wait_for, wait_healthy
 from tests.test_workflows_processes import deployment_env, providers, scalar
 
@@ -49,11 +49,6 @@ def stream(redis) -> Stream:
     from oncely.builtin import app
 
     return Stream(redis, app["summaries"].keys)
-
-
-async def rows(pool, sql: str, *args: Any) -> list[tuple[Any, ...]]:
-    async with pool.connection() as conn:
-        return await (await conn.execute(sql, args)).fetchall()
 
 
 async def all_done(pool, ids: list[str]) -> bool:
@@ -155,7 +150,7 @@ async def test_the_cooldown_holds_across_worker_processes_and_ends_by_itself(
         mail,
         ONCELY_WORKER_CONCURRENCY="1",
         ONCELY_LLM_COOLDOWN_FAILURES="2",
-        ONCELY_LLM_COOLDOWN_S="3",
+        ONCELY_LLM_COOLDOWN_PROBE_S="3",
     )
     model.model.model_outages[PRIMARY] = "503"
     first = start(["worker"], env, tmp_path / "first.log")

@@ -602,6 +602,29 @@ async def test_router_sends_email_topics_to_the_mail_api_and_webhook_topics_to_t
     assert verify(SPEC_SECRET, headers, body)
 
 
+async def test_an_answer_past_the_bound_is_not_read_and_a_plain_effect_is_sent_anyway(
+    mail: FakeMailServer, receiver: Receiver
+) -> None:
+    """``call_answer_max_bytes`` bounds every answer read; a plain webhook
+    or email whose provider answers more was still delivered (no message
+    id), and goes out once."""
+    effects = [("summaries", SUMMARY), ("triage", TRIAGE)]
+    urls = {"triage": receiver.url}
+    async with routing(
+        effects,
+        email_url=mail.url,
+        webhook_secret=SPEC_SECRET,
+        webhook_urls=urls,
+        call_answer_max_bytes=8,
+    ) as router:
+        hooked = await router.send("triage.done", TRIAGE_PAYLOAD, "triage:T-1")
+        mailed = await router.send("email.summary_ready", SUMMARY_PAYLOAD, KEY)
+
+    assert (hooked.provider_message_id, mailed.provider_message_id) == (None, None)
+    assert len(receiver.received) == 1
+    assert (await mail.deliveries())["by_key"] == {KEY: 1}
+
+
 async def test_router_refuses_an_unknown_topic_permanently(mail: FakeMailServer) -> None:
     async with routing([("summaries", SUMMARY)], email_url=mail.url) as router:
         with pytest.raises(PermanentError, match=r"email\.welcome"):

@@ -29,7 +29,7 @@ from oncely.shadow.dispatch import PRIMARY_FIELD
 from oncely.shadow.evaluate import Evaluation, evaluate, field_agreement
 from oncely.shadow.report import Thresholds, build_report, gate
 from oncely.shadow.store import ShadowResults
-from tests.helpers import count, drain
+from tests.helpers import count, drain, rows
 from tests.processes import oncely
 
 # -- pure logic ----------------------------------------------------------------------
@@ -142,11 +142,6 @@ async def accept_tickets(jobs, n: int, every_other_differs: int = 4) -> list[str
         await jobs.accept(JobSpec(job_id, "acme", "triage", payload))
         ids.append(job_id)
     return ids
-
-
-async def rows(pool, sql: str, *args: Any) -> list[tuple[Any, ...]]:
-    async with pool.connection() as conn:
-        return list(await (await conn.execute(sql, args)).fetchall())
 
 
 async def test_without_shadow_settings_the_primary_path_has_no_shadow_work(deploy):

@@ -30,8 +30,16 @@ OWN_CONNECTIONS = {
     # LISTEN waits by design; the relay pings it within a bound and
     # reconnects (outbox/relay.py).
     "outbox/relay.py": "the relay's LISTEN connection",
+    # One connection, after the pool could not open, to say why (a pooler
+    # refusing a startup parameter): the pool only says it gave up.
+    "bootstrap/clients.py": "the start-up error's one connection",
     # `oncely dev` creating its database on the embedded server.
     "embedded.py": "the embedded server's set-up",
+    # An MCP server's key store (oncely.mcp.idempotent): the key's row is
+    # held locked while the tool runs, as long as the tool takes, so that a
+    # concurrent repeat waits for the first (docs/mcp.md). It runs in the
+    # user's server, on its own pool.
+    "mcp/server.py": "a keyed tool call's transaction, held while the tool runs",
 }
 
 
@@ -45,7 +53,8 @@ def _connections(path: Path) -> list[int]:
         if node.func.attr == "connection" or (
             node.func.attr == "connect"
             and isinstance(node.func.value, ast.Name | ast.Attribute)
-            and ast.unparse(node.func.value) in {"psycopg", "psycopg.AsyncConnection"}
+            and ast.unparse(node.func.value)
+            in {"psycopg", "psycopg.AsyncConnection", "CountedConnection"}
         ):
             found.append(node.lineno)
     return found

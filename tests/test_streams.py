@@ -155,6 +155,38 @@ async def test_a_job_streams_its_status_and_steps_then_ends_with_what_get_answer
     assert streamed_text(events) == got["result"]["summary"]
 
 
+@pytest.mark.parametrize("door", ["api", "cli"])
+async def test_an_operator_cancel_reaches_an_open_stream_whichever_door(
+    served, settings, door: str
+) -> None:
+    """A page follows a queued job; a person cancels it through the API or
+    ``oncely jobs cancel``: the stream hears ``cancelled`` at once (not at
+    its next heartbeat's look at PostgreSQL), then ends with GET's answer."""
+    from oncely.cli.ops import cancel_job
+
+    async with httpx.AsyncClient(timeout=30) as http:
+        job_id = await served.post(http)
+        url = f"{served.base}/v1/summaries/{job_id}/stream"
+        opened = asyncio.Event()
+        reading = asyncio.create_task(read(http, url, served.auth, opened=opened))
+        await asyncio.wait_for(opened.wait(), 30)
+        if door == "api":
+            r = await http.post(f"{served.base}/v1/summaries/{job_id}/cancel", headers=served.auth)
+            assert r.status_code == 202, r.text
+        else:
+            found = await cancel_job(settings, uuid.UUID(job_id), workflow=None)
+            assert found is not None and found.status == "queued"
+        events = await asyncio.wait_for(reading, 30)
+        got = (await http.get(f"{served.base}/v1/summaries/{job_id}", headers=served.auth)).json()
+
+    # A finishing status event ends the stream under its own id; the
+    # heartbeat's look at PostgreSQL would end it under the last id seen
+    # ("0-0" here: the job never ran, so it has no event).
+    end_id, kind, data = events[-1]
+    assert kind == "end" and data == got and got["status"] == "cancelled", events
+    assert end_id not in ("", "0-0"), "ended at its heartbeat: nobody told it of the cancel"
+
+
 async def test_a_stream_cut_mid_answer_sends_reset_and_the_kept_tokens_are_the_answer(
     served,
 ) -> None:

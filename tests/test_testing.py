@@ -178,3 +178,20 @@ async def test_a_key_in_a_branch_is_named_with_its_scope_and_only_a_few_keys_are
     # The scoped key it suggests is one a crash can come after.
     run = await run_step(workflow(many), {"text": "q"}, crash_after="[501]/item-500")
     assert run.result.text == "done 599"
+
+
+async def test_current_context_is_the_running_steps_own_and_unknown_outside() -> None:
+    """Code a step calls without handing it ``ctx`` finds it."""
+    seen: list[str] = []
+
+    def deep_inside() -> str:
+        return oncely.current_context().job_id
+
+    async def step(request: Ask, ctx: oncely.Context) -> Answer:
+        seen.append(deep_inside())
+        return Answer(text=ctx.job_id)
+
+    run = await run_step(workflow(step), {"text": "x"})
+    assert seen == [run.result.text]
+    with pytest.raises(RuntimeError, match="only known while a step runs"):
+        oncely.current_context()

@@ -12,12 +12,13 @@ import pytest
 
 from oncely.bootstrap import connect_llm, step_config
 from oncely.builtin.summaries import summaries
-from oncely.errors import ResumeLater, TransientError
+from oncely.errors import PermanentError, ResumeLater, TransientError
 from oncely.jobs.handler import WorkflowHandler
+from oncely.jobs.store import Jobs
 from oncely.outbox.wakeup import OutboxWakeUp
 from oncely.queue.stream import JobMessage, Stream
 from oncely.queue.worker import Delivery
-from tests.durable import until
+from tests.durable import until, until_async
 from tests.helpers import count, drain, job_status, make_worker, pending, submit
 
 
@@ -159,6 +160,18 @@ async def test_transient_failures_back_off_per_job_and_die_only_when_old(pool, s
     assert runs == 3, "max_deliveries counts crash loops, not reported failures"
     assert await job_status(pool, job_id) == "queued"
 
+    async def later(message: JobMessage, delivery: Delivery) -> str:
+        raise ResumeLater("its batch is not answered yet", resume_in_s=0.01)
+
+    # Waiting on a cooling model or a batch line failed nothing: age is no
+    # reason to give up on it.
+    waiting = make_worker(stream, later, pool, **{**fast, "job_max_age_s": 0.0})
+    await drain(waiting)
+    assert await stream.redis.xlen(stream.dead) == 0
+    assert await stream.redis.hget(stream.index, job_id) == "delayed"
+    await asyncio.sleep(0.05)
+    assert await stream.promote_due() == 1
+
     old = make_worker(stream, flaky, pool, **{**fast, "job_max_age_s": 0.0})
     await drain(old)
     [(_, fields)] = await stream.redis.xrange(stream.dead)
@@ -198,6 +211,138 @@ async def test_a_job_whose_models_are_cooling_down_resumes_at_their_end_with_no_
         await stream.redis.zadd(stream.keys.delayed, {job_id: 0})
         assert await stream.promote_due() == 1
     assert await job_status(pool, job_id) == "queued"
+
+
+async def due_in_s(stream: Stream, job_id: str) -> float | None:
+    """How far off the job's due time is (server clock), None if not delayed."""
+    due_ms = await stream.redis.zscore(stream.keys.delayed, job_id)
+    if due_ms is None:
+        return None
+    seconds, micros = await stream.redis.time()
+    return (due_ms - (seconds * 1000 + micros // 1000)) / 1000
+
+
+def waiting_for_cooldown(scope: str = "acme-scope", models: tuple[str, ...] = ("m1",)):
+    async def handler(message: JobMessage, delivery: Delivery) -> str:
+        raise ResumeLater("every model of the route is cooling down", resume_in_s=60,
+                          models=models, scope=scope)  # fmt: skip
+
+    return handler
+
+
+async def test_jobs_waiting_for_a_cooldown_go_on_as_soon_as_it_ends_not_at_their_due_time(
+    pool, stream
+):
+    """Jobs whose every model cools wait a minute at most, and are let out
+    by the next round of redelivery once the cooldown no longer holds their
+    scope: spread over two seconds, into the stream, none left waiting."""
+    ids = [await submit(pool, stream, f"waits for m1 {i}") for i in range(3)]
+    worker = make_worker(stream, waiting_for_cooldown(), pool, redelivery_base_s=120)
+    cooling: dict[str, bool] = {"acme-scope": False}
+
+    async def scopes(model: str) -> dict[str, bool]:
+        assert model == "m1"
+        return cooling
+
+    worker.cooling = scopes
+    await drain(worker)
+    assert all(55 <= (w or 0) <= 67 for w in [await due_in_s(stream, j) for j in ids])
+    await worker.redeliver()
+    assert await stream.redis.xlen(stream.stream) == 3, "still cooling: nobody let out"
+    assert None not in [await due_in_s(stream, j) for j in ids]
+
+    cooling.clear()  # the probe answered
+    await worker.redeliver()
+    waits = [await due_in_s(stream, j) for j in ids]
+    assert all(w is None or w <= 2 for w in waits), waits
+
+    async def all_back() -> bool:
+        await worker.redeliver()
+        return [await due_in_s(stream, j) for j in ids] == [None] * 3
+
+    await until_async(all_back, within_s=10)
+    assert await stream.redis.xlen(stream.stream) == 3 + 3
+    assert await stream.redis.hget(stream.index, ids[0]) != "delayed"
+    assert not await stream.redis.exists(stream.keys.waiting_on("m1"))
+    assert not await stream.redis.exists(stream.keys.cooling)
+
+
+async def test_while_a_model_cools_one_waiting_job_at_a_time_is_let_out_to_probe_it(pool, stream):
+    """Once a scope's probe may go, one of its waiting jobs (the one due
+    first) is let out to make it, at most once per probe gap, while the
+    others wait; another tenant's jobs, whose scope the model does not
+    cool, go on at once."""
+    mine = [await submit(pool, stream, f"acme waits {i}") for i in range(3)]
+    worker = make_worker(stream, waiting_for_cooldown("acme-scope"), pool, redelivery_base_s=120)
+    await drain(worker)
+    theirs = await submit(pool, stream, "globex waits too")
+    await drain(make_worker(stream, waiting_for_cooldown("globex-scope"), pool,
+                            redelivery_base_s=120))  # fmt: skip
+    cooling = {"acme-scope": False}
+
+    async def scopes(model: str) -> dict[str, bool]:
+        return cooling
+
+    worker.cooling = scopes
+    await worker.redeliver()
+    assert await due_in_s(stream, theirs) is None, "globex's scope does not cool: let out"
+    assert None not in [await due_in_s(stream, j) for j in mine]
+
+    cooling["acme-scope"] = True  # its probe may go
+    due = {j: await due_in_s(stream, j) or 0.0 for j in mine}
+    before = await stream.redis.xlen(stream.stream)
+    await worker.redeliver()
+    await worker.redeliver()  # within the gap: no second one
+    let_out = [j for j in mine if await due_in_s(stream, j) is None]
+    assert let_out == [min(mine, key=due.__getitem__)], "the one due first, alone"
+    assert await stream.redis.xlen(stream.stream) == before + 1
+    assert await stream.redis.zcard(stream.keys.waiting_on("m1")) == 2
+
+
+async def test_a_job_delayed_again_for_a_failure_is_not_let_out_by_a_cooldowns_end(pool, stream):
+    """The waiting set remembers the due time a job waited to: once the job
+    came back and was delayed again for a failure of its own, the end of
+    the cooldown it once waited for does not cut that backoff short."""
+    job_id = await submit(pool, stream, "waits, then fails")
+    await drain(make_worker(stream, waiting_for_cooldown(), pool, redelivery_base_s=120))
+    await stream.redis.zadd(stream.keys.delayed, {job_id: 0})
+    assert await stream.promote_due() == 1
+
+    async def fails(message: JobMessage, delivery: Delivery) -> str:
+        raise TransientError("a failure of its own")
+
+    worker = make_worker(stream, fails, pool, redelivery_base_s=600, redelivery_max_s=600)
+    worker.rand = lambda: 1.0
+    await drain(worker)
+    await worker.redeliver()  # nothing cools now (no cooldown asked)
+    assert (await due_in_s(stream, job_id) or 0) > 500
+    assert not await stream.redis.exists(stream.keys.waiting_on("m1"))
+
+
+async def test_a_settle_postgres_did_not_answer_is_done_once_it_answers_not_after_claim_idle(
+    pool, stream
+):
+    """The job row of a dead letter could not be written (the jobs table
+    locked past the statement bound: PostgreSQL not answering, as during a
+    restart): the worker keeps the entry's lease and writes it as soon as
+    PostgreSQL answers, instead of leaving the entry pending for another
+    worker to reclaim a claim-idle time (here a minute) later."""
+
+    async def permanent(message: JobMessage, delivery: Delivery) -> str:
+        raise PermanentError("refused for good")
+
+    job_id = await submit(pool, stream, "dies while PostgreSQL is away")
+    worker = make_worker(stream, permanent, pool, claim_idle_ms=60_000)
+    worker.on_dead = Jobs(pool, {}, statement_timeout_s=0.3).mark_dead
+    async with pool.connection() as conn, conn.transaction():
+        await conn.execute("LOCK TABLE jobs IN ACCESS EXCLUSIVE MODE")
+        await worker.run_once()
+        await until(lambda: worker.stats["settle_retries"] >= 2)
+        assert await pending(stream) == 1
+    await asyncio.wait_for(worker.wait_idle(), 30)
+    assert await job_status(pool, job_id) == "dead"
+    assert await pending(stream) == 0
+    assert [f["reason"] for _, f in await stream.redis.xrange(stream.dead)] == ["permanent"]
 
 
 async def test_a_crash_loop_is_dead_lettered_after_max_deliveries(pool, stream):
@@ -495,19 +640,19 @@ async def test_a_background_loop_that_lost_its_cancellation_does_not_hold_the_sh
     calls = 0
     deaf = 0
 
-    async def swallowing_promote() -> int:
+    async def swallowing_promote() -> tuple[int, list[str]]:
         nonlocal calls, deaf
         calls += 1
         try:
             await asyncio.sleep(0.2)
         except asyncio.CancelledError:
             deaf += 1  # swallowed, as a lost cancellation would be
-        return 0
+        return 0, []
 
     async def ok(message: JobMessage, delivery: Delivery) -> str:
         return "done"
 
-    monkeypatch.setattr(stream, "promote_due", swallowing_promote)
+    monkeypatch.setattr(stream, "promote", swallowing_promote)
     worker = make_worker(stream, ok, pool, promote_every_s=0.01)
     run = asyncio.create_task(worker.run())
     while calls == 0:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
@@ -16,6 +15,7 @@ from oncely.api.auth import create_api_key
 from oncely.fakes.llm import FakeLLMServer
 from oncely.fakes.mail import FakeMailServer
 from oncely.senders.webhook import verify
+from tests.helpers import scalar
 from tests.processes import free_port, oncely, running, start, wait_for, wait_healthy
 
 pytestmark = pytest.mark.slow
@@ -46,12 +46,6 @@ def deployment_env(redis_url, database_url, model, mail, **extra: str) -> dict[s
         "ONCELY_BLOCK_MS": "50",
         **extra,
     }
-
-
-async def scalar(pool, sql: str, *args: Any) -> Any:
-    async with pool.connection() as conn:
-        row = await (await conn.execute(sql, args)).fetchone()
-    return row[0] if row else None
 
 
 def processes(env: dict[str, str], tmp_path: Path, port: int, app: str | None = None):

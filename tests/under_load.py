@@ -72,11 +72,15 @@ async def every_job_once_under(
     label: str,
     requests: int,
     workers: int = 2,
+    defaults: tuple[str, ...] = (),
+    recovered_within_s: float = 120,
 ) -> None:
     """An api, ``workers`` workers and a relay; ``requests`` clients, 0.1 s
     apart, each retrying its key until accepted; ``disrupt`` once the first
     emails are out. Then nothing lost, nothing duplicated, no process
-    restarted by hand. ``redis_env``: the processes' Redis settings."""
+    restarted by hand, every email out within ``recovered_within_s`` of the
+    disruption's end. ``redis_env``: the processes' Redis settings;
+    ``defaults``: settings of QUICK_RECOVERY left at their defaults."""
     async with FakeLLMServer() as model, FakeMailServer() as mail:
         async with AsyncConnectionPool(
             database_url, open=False, kwargs={"autocommit": True}
@@ -85,7 +89,7 @@ async def every_job_once_under(
             key = await create_api_key(pool, "acme")
         port = free_port()
         env = {
-            **QUICK_RECOVERY,
+            **{k: v for k, v in QUICK_RECOVERY.items() if k not in defaults},
             **redis_env,
             "ONCELY_DATABASE_URL": database_url,
             "ONCELY_LLM_BASE_URL": model.url,
@@ -118,7 +122,9 @@ async def every_job_once_under(
             async def all_delivered() -> bool:
                 return (await mail.deliveries())["effects"] >= len(set(accepted))
 
-            await wait_for(all_delivered, within_s=120, what="every accepted job's email")
+            await wait_for(
+                all_delivered, within_s=recovered_within_s, what="every accepted job's email"
+            )
             alive = [p.poll() is None for p in procs]
         assert all(alive), [tail(tmp_path / log) for log in logs]
         deliveries = await mail.deliveries()

@@ -12,6 +12,7 @@ from bench import chaos_app
 from bench.chaos.common import (
     AGENT_ORDER,
     AGENT_REFUND_CENTS,
+    AGENT_WORKFLOWS,
     KILL_REACH_S,
     RACE_S,
     REVIEW_CALLS,
@@ -117,8 +118,10 @@ class Tally:
 
 @dataclass
 class AgentTally:
-    """The numbers of the report's agents section (``support`` jobs)."""
+    """The numbers of the report's agents section (the support agent's jobs)."""
 
+    # The app's support agent (common.AGENT_WORKFLOWS).
+    workflow: str = "support"
     done: int = 0
     dead: int = 0
     # Model turns stored (checkpoints), and usable answers billed for them.
@@ -721,7 +724,7 @@ def review_effects(row: JobRow, e: Evidence) -> dict[str, dict[str, Any]]:
 ONE_CALL = ("summaries", "triage")
 # The workflows whose model calls are counted by prompt: one call each, and
 # the agent (a call per turn, all of one prompt).
-MODEL_CHECKED = (*ONE_CALL, "support")
+MODEL_CHECKED = (*ONE_CALL, *AGENT_WORKFLOWS)
 
 
 def check_model_calls(
@@ -739,9 +742,10 @@ def check_model_calls(
             continue
         prompt = e.prompts.get(o.planned.index)
         useful = _useful_answers(o.planned.workflow, prompt)
-        if o.planned.workflow == "support":
+        if o.planned.workflow in AGENT_WORKFLOWS:
             # An agent's turns share their prompt: one answer per turn stored.
             needed = sum(c.kind == "model" for c in e.checkpoints.get(row.job_id, []))
+            t.agents.workflow = o.planned.workflow
             t.agents.done += 1
             t.agents.turns += needed
             t.agents.billed += useful
@@ -820,4 +824,7 @@ def _other_causes(
 
 # The workflows whose effects follow their checkpoints, not only their
 # result: checked once the job ended, done or dead.
-_STEPWISE_EFFECTS = {"reviews": _check_review_effects, "support": _check_agent_effects}
+_STEPWISE_EFFECTS = {
+    "reviews": _check_review_effects,
+    **{name: _check_agent_effects for name in AGENT_WORKFLOWS},
+}

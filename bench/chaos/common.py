@@ -14,7 +14,12 @@ ROUTES = {
     "triage": "/v1/triage",
     "reviews": chaos_app.ROUTE,
     "support": "/v1/support",
+    "pai_support": "/v1/pai-support",
 }
+# The support agents: written with oncely.Agent (examples/support_agent.py)
+# and in Pydantic AI (examples/pydantic_ai_support.py), asked and checked
+# alike (an agent named ``support``: the same checkpoint keys and effects).
+AGENT_WORKFLOWS = ("support", "pai_support")
 # A support request's message scripts the agent's turns: the fake model
 # calls ``lookup_order``, then ``refund`` (below the approval threshold),
 # then answers; the refund is a call the relay sends and the fake answers.
@@ -86,7 +91,6 @@ FLEET_SETTINGS = {
     "ONCELY_JOB_BUDGET_S": "30",
     "ONCELY_JOB_GRACE_S": "3",
     "ONCELY_SENDER_TIMEOUT_S": "2",
-    "ONCELY_RELAY_LEASE_S": "8",
     "ONCELY_RELAY_POLL_S": "0.5",
     "ONCELY_SHUTDOWN_GRACE_S": "3",
     "ONCELY_IDEMPOTENCY_LOCK_TTL_S": "6",

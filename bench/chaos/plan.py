@@ -12,6 +12,7 @@ from typing import Any
 from bench.chaos.common import (
     AGENT_ORDER,
     AGENT_TOOLS,
+    AGENT_WORKFLOWS,
     DEFAULT_APP,
     DEFAULT_MAIL_FAULTS,
     DEFAULT_MODEL_FAULTS,
@@ -230,7 +231,7 @@ def _bodies(
         text = " ".join(rng.sample(SENTENCES, 3))
         body: dict[str, Any] = {"text": f"{marker}. {text}{fate}", "notify": f"user{i}@example.com"}
         return body, {**body, "text": body["text"] + " Edited."}, None
-    if workflow == "support":
+    if workflow in AGENT_WORKFLOWS:
         message = f"{marker}. My teapot {AGENT_ORDER} arrived broken. {AGENT_TOOLS}{fate}"
         body = {"customer": f"user{i}@example.com", "message": message}
         return body, {**body, "message": body["message"] + " Edited."}, None

@@ -103,7 +103,7 @@ def _model_section(e: Evidence, t: Tally) -> dict[str, Any]:
 def _agents_section(t: Tally) -> dict[str, Any]:
     a = t.agents
     return {
-        "workflow": "support",
+        "workflow": a.workflow,
         "done": a.done,
         "turns_stored": a.turns,
         "billed_for_turns": a.billed,

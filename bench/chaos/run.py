@@ -31,6 +31,7 @@ from bench.chaos.fleet import (
     wait_http,
 )
 from bench.chaos.plan import Clock, Options, parse_options, plan, served
+from bench.chaos.probe import relay_kill_mid_call
 from bench.chaos.report import report
 from bench.chaos.traffic import Client, Outcome, send_all
 from bench.harness.processes import free_port, oncely
@@ -145,6 +146,9 @@ async def run(options: Options, run_dir: Path) -> dict[str, Any]:
         drain_s = round(clock.offset() - drain_started, 3)
         say(f"drained={drained[0]} in {drain_s:.1f} s; checking")
         evidence = await gather_evidence(d, run_dir)
+        # After the evidence: the probe's job is no part of the checks.
+        probe = await relay_kill_mid_call(d, served(load_app(options.app)))
+        say(f"relay-kill probe: {probe}")
     finally:
         await fleet.stop()
         await servers.stop()
@@ -156,7 +160,9 @@ async def run(options: Options, run_dir: Path) -> dict[str, Any]:
         "drain": drain_s,
         "elapsed": clock.offset(),
     }
-    return report(options, outcomes, evidence, kills, d.fleet.exits, scenarios, timings, drained)
+    result = report(options, outcomes, evidence, kills, d.fleet.exits, scenarios, timings, drained)
+    result["relay_kill_mid_call"] = probe
+    return result
 
 
 @contextlib.contextmanager

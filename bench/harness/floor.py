@@ -13,7 +13,7 @@ from typing import Any
 
 from psycopg_pool import AsyncConnectionPool
 
-PG_POOL_MIN, PG_POOL_MAX = 2, 20  # oncely's defaults (Settings.pg_pool_min/max)
+PG_POOL_MIN, PG_POOL_MAX = 1, 10  # oncely's defaults (Settings.pg_pool_min/max)
 
 
 @contextlib.asynccontextmanager

@@ -119,6 +119,9 @@ async def checks(
         "model_calls": int(calls["total"]),
         "prompts_billed_once": sum(1 for b in billed if b == 1),
     }
+    if any((calls.get("background") or {}).values()):
+        # Background responses: creates, polls (GETs) and streams by id.
+        c["background"] = calls["background"]
     c["ok"] = (
         c["done"] == c["results"] == c["result_rows"] == c["outbox"] == n
         and keys == {dedupe_key(j) for j in job_ids}

@@ -6,6 +6,12 @@ own at start, smoke runs included), so a renamed or deleted function is an
 error instead of samples silently falling into "the rest". Each sample goes
 to the first bucket one of whose functions is on its stack (py-spy names a
 frame ``<qualname> (<file>:<line>)``): list inner work before what encloses it.
+A target ending in ``/`` (``pydantic_ai/``) names a whole package: any frame
+of a file in it, wherever on the stack (a framework's own code, which runs
+in tasks of its own whose stacks hold none of the functions that started them).
+py-spy names a file from the outermost directory with an ``__init__.py``:
+for a namespace package (``langgraph/``) that is each of its regular
+subpackages (``pregel/``, ``graph/``); its top-level modules go unnamed.
 """
 
 from __future__ import annotations
@@ -36,16 +42,24 @@ class MissingFunction(LookupError):
 class Bucket:
     name: str
     needles: tuple[str, ...]  # py-spy frame prefixes
+    files: tuple[str, ...] = ()  # ``(package/``: any frame of a file in it
+
+    def holds(self, framed: str) -> bool:
+        """Whether a stack (frames each led by ``;``) is this bucket's."""
+        return any(";" + x in framed for x in self.needles) or any(f in framed for f in self.files)
 
 
 def buckets(spec: Sequence[tuple[str, Sequence[str]]]) -> list[Bucket]:
     """``(bucket name, module:qualname targets)`` → buckets, every target
     looked up in the live code (MissingFunction if one is not there). A
-    class stands for any of its methods."""
+    class stands for any of its methods; ``package/`` for its every file."""
     out = []
     for name, targets in spec:
-        needles = []
+        needles, files = [], []
         for target in targets:
+            if target.endswith("/"):
+                files.extend(_package(name, target))
+                continue
             module, _, qualname = target.partition(":")
             try:
                 obj: Any = importlib.import_module(module)
@@ -56,8 +70,35 @@ def buckets(spec: Sequence[tuple[str, Sequence[str]]]) -> list[Bucket]:
                 if obj is None:
                     raise MissingFunction(f"profile bucket {name!r} names a missing {target}")
             needles.append(f"{qualname}." if isinstance(obj, type) else f"{qualname} (")
-        out.append(Bucket(name, tuple(needles)))
+        out.append(Bucket(name, tuple(needles), tuple(files)))
     return out
+
+
+def _package(bucket: str, target: str) -> list[str]:
+    """A package target as py-spy shows its files: ``(package/…``, or for a
+    namespace package the regular packages found below it (module docstring)."""
+    package = target.rstrip("/")
+    try:
+        found = importlib.import_module(package)
+    except ImportError as exc:
+        raise MissingFunction(f"profile bucket {bucket!r}: no package {package}") from exc
+    if not hasattr(found, "__path__"):
+        raise MissingFunction(f"profile bucket {bucket!r}: {package} is a module, not a package")
+    if getattr(found, "__file__", None):
+        return [f"({package.rsplit('.', 1)[-1]}/"]
+    return [f"({name}/" for root in found.__path__ for name in _regular_below(Path(root))]
+
+
+def _regular_below(root: Path) -> list[str]:
+    """The outermost regular packages under a namespace package's directory,
+    as paths from it."""
+    found = []
+    for sub in sorted(p for p in root.iterdir() if p.is_dir() and p.name != "__pycache__"):
+        if (sub / "__init__.py").exists():
+            found.append(sub.name)
+        else:
+            found.extend(f"{sub.name}/{name}" for name in _regular_below(sub))
+    return found
 
 
 def shares(folded: Path, rules: list[Bucket], cpu_ms: float | None = None) -> dict[str, Any]:
@@ -74,7 +115,7 @@ def shares(folded: Path, rules: list[Bucket], cpu_ms: float | None = None) -> di
         # Frames are ";"-separated: a needle matches at a frame's start, so
         # "OpenAICompatible." is not found in "LeanOpenAICompatible.complete".
         framed = ";" + stack
-        name = next((b.name for b in rules if any(";" + x in framed for x in b.needles)), REST)
+        name = next((b.name for b in rules if b.holds(framed)), REST)
         counts[name] += int(n)
     total = sum(counts.values()) or 1
     table: dict[str, Any] = {}

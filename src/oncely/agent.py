@@ -13,7 +13,9 @@ scope of its own named after its tool (``support/lookup_order/``,
 tool's checkpoints: ``tool`` (a function tool's run), ``call`` (a call
 tool's call), ``approval`` (the decision before either). A turn's tool calls
 run concurrently; their scopes are opened in the turn's order, so the keys
-are the same on every replay however the calls interleave.
+are the same on every replay however the calls interleave. A toolset's tools
+(an MCP server's) are listed once per run, before its first turn, as a
+checkpoint of its own (``support/shop.tools``): a run keeps the tools it saw.
 
 What the model is told of a tool that failed: a permanent error (a refused
 call, a tool raising ``PermanentError``), an unknown tool or arguments that
@@ -25,6 +27,7 @@ are retried as a step's are, then redeliver the job.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -34,27 +37,13 @@ from typing import Any, Literal
 from pydantic import BaseModel, ValidationError
 
 from oncely import metrics
-from oncely.context import Context, journal_of, record_step
-from oncely.errors import CallFailed, PermanentError, short_errors
+from oncely.context import Context
+from oncely.errors import PermanentError, short_errors
 from oncely.journal import Scope, check_name
-from oncely.llm.model import Reply, ToolCall
-from oncely.tools import Tool, ToolContext
+from oncely.llm.base import ToolSpec
+from oncely.llm.reply import Reply, ToolCall
+from oncely.tools import ERROR_CHARS, Tool, Toolset, ToolStatus
 from oncely.usage.totals import summed
-
-ToolStatus = Literal["ok", "error", "rejected"]
-
-# How many characters of a tool's error the model is told.
-_ERROR_CHARS = 500
-
-
-class ApprovalDecision(BaseModel):
-    """A person's decision on a tool call (``POST
-    <route>/{job_id}/approvals/{call_id}``): approved or not, with edited
-    ``arguments`` (they replace the model's) and a ``reason``."""
-
-    approved: bool
-    arguments: dict[str, Any] | None = None
-    reason: str | None = None
 
 
 @dataclass(frozen=True)
@@ -93,6 +82,18 @@ class AgentRun:
         return int(self.usage.get("prompt_tokens", 0)) + int(self.usage.get("completion_tokens", 0))
 
 
+@dataclass(frozen=True)
+class RunTools:
+    """The tools of one run: the agent's own and its toolsets' (listed as
+    the run starts), what the model is told of them, and each one's metric
+    label (its name; a toolset's name for a tool a server named, so that a
+    server cannot make labels up)."""
+
+    by_name: Mapping[str, Tool]
+    specs: tuple[ToolSpec, ...]
+    labels: Mapping[str, str]
+
+
 class AgentLimitReached(PermanentError):
     """A run reached one of its limits before a turn: ``reason`` is
     ``max_turns``, ``max_tokens`` or ``max_cost_usd``; ``run`` what it did.
@@ -107,17 +108,39 @@ class AgentLimitReached(PermanentError):
         self.run = run
 
 
+@dataclass(frozen=True)
+class RunLimits:
+    """What a run may spend, checked before each model turn: ``max_turns``,
+    ``max_tokens`` (prompt + completion so far) and ``max_cost_usd`` (None:
+    no limit). ``oncely.Agent`` and the framework integrations share them."""
+
+    max_turns: int | None = 10
+    max_tokens: int | None = None
+    max_cost_usd: float | None = None
+
+    def check(self, run: AgentRun) -> None:
+        """``AgentLimitReached`` when ``run`` may not take another turn."""
+        if self.max_turns is not None and run.turns >= self.max_turns:
+            raise AgentLimitReached("max_turns", run)
+        if self.max_tokens is not None and run.tokens >= self.max_tokens:
+            raise AgentLimitReached("max_tokens", run)
+        cost = run.usage.get("cost_usd")
+        if self.max_cost_usd is not None and cost is not None and cost >= self.max_cost_usd:
+            raise AgentLimitReached("max_cost_usd", run)
+
+
 class Agent:
     """An agent: a name (its checkpoints' scope), ``instructions`` (the
-    system message), ``tools``, an optional structured ``output`` model, and
-    limits checked before each turn. ``approval_timeout`` bounds a wait for
-    a decision; ``on_approval_timeout`` says what no decision means."""
+    system message), ``tools`` (tools and toolsets, mixed), an optional
+    structured ``output`` model, and limits checked before each turn.
+    ``approval_timeout`` bounds a wait for a decision;
+    ``on_approval_timeout`` says what no decision means."""
 
     def __init__(
         self,
         name: str,
         instructions: str,
-        tools: Sequence[Tool] = (),
+        tools: Sequence[Tool | Toolset] = (),
         *,
         output: type[BaseModel] | None = None,
         max_turns: int = 10,
@@ -128,17 +151,24 @@ class Agent:
     ) -> None:
         self.name = check_name(name)
         self.instructions = instructions
-        self.tools = {t.name: t for t in tools}
-        if len(self.tools) != len(tools):
+        own = [t for t in tools if not isinstance(t, Toolset)]
+        self.tools = {t.name: t for t in own}
+        if len(self.tools) != len(own):
             raise ValueError(f"agent {name!r}: two tools share a name")
-        # What every turn tells the model of the tools, worked out once.
-        self._specs = tuple(t.spec for t in self.tools.values())
+        self.toolsets = tuple(t for t in tools if isinstance(t, Toolset))
+        if len({t.name for t in self.toolsets}) != len(self.toolsets):
+            raise ValueError(f"agent {name!r}: two toolsets share a name")
+        # What every turn tells the model of its own tools, worked out once.
+        self._own = RunTools(
+            self.tools, tuple(t.spec for t in self.tools.values()), {n: n for n in self.tools}
+        )
         if max_turns < 1:
             raise ValueError(f"agent {name!r}: max_turns must be at least 1")
         self.output = output
         self.max_turns = max_turns
         self.max_tokens = max_tokens
         self.max_cost_usd = max_cost_usd
+        self.limits = RunLimits(max_turns, max_tokens, max_cost_usd)
         self.approval_timeout_s = (
             approval_timeout.total_seconds()
             if isinstance(approval_timeout, timedelta)
@@ -150,6 +180,13 @@ class Agent:
     def topics(self) -> frozenset[str]:
         """The call topics its call tools send (the workflow declares them)."""
         return frozenset(t.topic for t in self.tools.values() if t.topic is not None)
+
+    @property
+    def asks_approval(self) -> bool:
+        """Whether any of its tools may wait for a person's decision."""
+        return any(t.approval for t in self.tools.values()) or any(
+            t.approval for t in self.toolsets
+        )
 
     async def run(self, ctx: Context, input: str | Sequence[Mapping[str, Any]]) -> AgentRun:
         """Loop: a model turn, then each tool call it asked for (concurrently),
@@ -163,41 +200,53 @@ class Agent:
         run = AgentRun()
         usages: list[Mapping[str, Any]] = []
         with ctx.scope(self.name):
+            tools = await self._run_tools(ctx)
             while True:
-                self._check_limits(run)
-                reply = await self._turn(ctx, messages)
+                self.limits.check(run)
+                reply = await self._turn(ctx, messages, tools)
                 run.turns += 1
                 usages.append(reply.usage)
                 run.usage = summed(usages)
-                messages.append(_assistant(reply))
-                if not reply.tool_calls:
+                calls = with_conversation_ids(reply.tool_calls)
+                messages.append(_assistant(reply.text, calls))
+                if not calls:
                     finished, retry = self._final(reply)
                     if retry is None:
                         run.output = finished
                         return run
                     messages.append({"role": "user", "content": retry})
                     continue
-                records = await self._tool_calls(ctx, reply.tool_calls)
+                records = await self._tool_calls(ctx, calls, tools)
                 run.tool_calls.extend(records)
                 for record in records:
                     messages.append(_tool_message(record))
 
-    async def _turn(self, ctx: Context, messages: list[dict[str, Any]]) -> Reply:
+    async def _run_tools(self, ctx: Context) -> RunTools:
+        """The agent's own tools and its toolsets', each toolset listed in
+        order (a checkpoint each). A toolset's tool named as another tool is
+        refused: ``prefix=`` tells them apart."""
+        if not self.toolsets:
+            return self._own
+        by_name = dict(self.tools)
+        labels = dict(self._own.labels)
+        for toolset in self.toolsets:
+            for tool in await toolset.tools(ctx):
+                if tool.name in by_name:
+                    raise PermanentError(
+                        f"agent {self.name!r}: toolset {toolset.name!r} has a tool named"
+                        f" {tool.name!r}, as another of the agent's tools: give it prefix="
+                    )
+                by_name[tool.name] = tool
+                labels[tool.name] = toolset.name
+        return RunTools(by_name, tuple(t.spec for t in by_name.values()), labels)
+
+    async def _turn(self, ctx: Context, messages: list[dict[str, Any]], tools: RunTools) -> Reply:
         return await ctx.model.respond(
             messages,
-            tools=self._specs,
+            tools=tools.specs,
             output=self.output,
             step="model",
         )
-
-    def _check_limits(self, run: AgentRun) -> None:
-        if run.turns >= self.max_turns:
-            raise AgentLimitReached("max_turns", run)
-        if self.max_tokens is not None and run.tokens >= self.max_tokens:
-            raise AgentLimitReached("max_tokens", run)
-        cost = run.usage.get("cost_usd")
-        if self.max_cost_usd is not None and cost is not None and cost >= self.max_cost_usd:
-            raise AgentLimitReached("max_cost_usd", run)
 
     def _final(self, reply: Reply) -> tuple[Any, str | None]:
         """The run's output, or what to tell the model when it does not
@@ -214,125 +263,80 @@ class Agent:
 
     # -- tool calls -------------------------------------------------------------
 
-    async def _tool_calls(self, ctx: Context, calls: Sequence[ToolCall]) -> list[ToolCallRecord]:
+    async def _tool_calls(
+        self, ctx: Context, calls: Sequence[ToolCall], tools: RunTools
+    ) -> list[ToolCallRecord]:
         """Each call in a scope of its own, opened in the turn's order; run
         concurrently. A wait among them (a call tool, an approval) ends the
         run until it resumes: the others are done again then, or kept."""
-        journal = journal_of(ctx)
         scopes = [
-            journal.open_scope(call.name if call.name in self.tools else "unknown-tool")
+            ctx.open_scope(call.name if call.name in tools.by_name else "unknown-tool")
             for call in calls
         ]
         async with asyncio.TaskGroup() as group:
             tasks = [
-                group.create_task(self._tool_call(ctx, call, scope))
+                group.create_task(self._tool_call(ctx, call, scope, tools))
                 for call, scope in zip(calls, scopes, strict=True)
             ]
         return [task.result() for task in tasks]
 
-    async def _tool_call(self, ctx: Context, call: ToolCall, scope: Scope) -> ToolCallRecord:
-        with journal_of(ctx).within(scope):
-            record = await self._answered(ctx, call, scope)
-        metrics.TOOL_CALLS.labels(
-            workflow=ctx.workflow, tool=record.tool, status=record.status
-        ).inc()
+    async def _tool_call(
+        self, ctx: Context, call: ToolCall, scope: Scope, tools: RunTools
+    ) -> ToolCallRecord:
+        with ctx.within(scope):
+            record = await self._answered(ctx, call, tools)
+        # A name the model made up is no label: labels are bounded and ours.
+        tool = tools.labels.get(record.tool, "unknown-tool")
+        metrics.TOOL_CALLS.labels(workflow=ctx.workflow, tool=tool, status=record.status).inc()
         return record
 
-    async def _answered(self, ctx: Context, call: ToolCall, scope: Scope) -> ToolCallRecord:
-        tool = self.tools.get(call.name)
+    async def _answered(self, ctx: Context, call: ToolCall, tools: RunTools) -> ToolCallRecord:
+        tool = tools.by_name.get(call.name)
         if tool is None:
-            known = ", ".join(sorted(self.tools)) or "none"
+            known = ", ".join(sorted(tools.by_name)) or "none"
             return _error(call, f"unknown tool {call.name!r}; the tools are: {known}")
         if call.malformed is not None:
             return _error(call, f"the arguments are not a JSON object: {call.malformed}")
-        try:
-            args = tool.args.model_validate(call.arguments)
-        except ValidationError as exc:
-            return _error(call, f"invalid arguments: {short_errors(exc)}")
-        if tool.needs_approval(args):
-            decision = await self._approval(ctx, call, tool)
-            if not decision.approved:
-                reason = decision.reason or "rejected by a person"
-                return ToolCallRecord(
-                    call.id,
-                    tool.name,
-                    call.arguments,
-                    "rejected",
-                    {"rejected": True, "reason": reason},
-                )
-            if decision.arguments is not None:
-                try:
-                    args = tool.args.model_validate(decision.arguments)
-                except ValidationError as exc:
-                    return _error(call, f"the approved arguments are invalid: {short_errors(exc)}")
-        try:
-            result = await self._run_tool(ctx, tool, args, scope)
-        except CallFailed as exc:
-            return _error(call, f"the call failed ({exc.reason}): {exc}", tool.name)
-        except PermanentError as exc:
-            return _error(call, f"{type(exc).__name__}: {exc}", tool.name)
-        arguments = args.model_dump(mode="json")
-        return ToolCallRecord(call.id, tool.name, arguments, "ok", result)
-
-    async def _run_tool(self, ctx: Context, tool: Tool, args: BaseModel, scope: Scope) -> Any:
-        if tool.topic is not None:
-            answer = await ctx.call(tool.topic, args, step="call")
-            return answer.model_dump(mode="json") if isinstance(answer, BaseModel) else answer
-        assert tool.fn is not None
-        key = f"{ctx.job_id}:{scope.path}tool"
-        context = ToolContext(key=key, job_id=ctx.job_id, tenant=ctx.tenant)
-        kwargs = tool.keyword_arguments(args, context)
-        return await record_step(ctx, "tool", "tool", tool.fn, (), kwargs)
-
-    async def _approval(self, ctx: Context, call: ToolCall, tool: Tool) -> ApprovalDecision:
-        """Wait, holding nothing, for a person's decision on ``call``; no
-        decision in time is ``on_approval_timeout``'s."""
-        pending = {"call_id": call.id, "tool": tool.name, "arguments": dict(call.arguments or {})}
-        if ctx.declares("approval.requested"):
-            ctx.emit(
-                "approval.requested",
-                {"job_id": ctx.job_id, **pending},
-                dedupe_key=f"approval.requested:{ctx.job_id}:{call.id}",
-            )
-
-        def decode(value: Any) -> ApprovalDecision:
-            if value is None:
-                approved = self.on_approval_timeout == "approve"
-                return ApprovalDecision(approved=approved, reason="no decision in time")
-            return ApprovalDecision.model_validate(value)
-
-        return await journal_of(ctx).wait(
-            "approval",
-            "approval",
-            approval_event(call.id),
-            self.approval_timeout_s,
-            decode,
-            detail={"approval": pending},
+        outcome = await tool.invoke(
+            ctx,
+            call.arguments or {},
+            approval_timeout=self.approval_timeout_s,
+            on_approval_timeout=self.on_approval_timeout,
         )
+        return ToolCallRecord(call.id, tool.name, outcome.arguments, outcome.status, outcome.result)
 
 
-def approval_event(call_id: str) -> str:
-    """The event a decision on ``call_id`` is stored as (and waited for)."""
-    return f"approval:{call_id}"
+def with_conversation_ids(calls: Sequence[ToolCall]) -> tuple[ToolCall, ...]:
+    """The turn's calls, each with an id its result can answer to: the
+    provider's where it is a usable one, unique within the turn; else one of
+    oncely's (``oncely_call_<n>``). Providers send none, or repeat one; the
+    conversation would then pair results with the wrong calls."""
+    seen: set[str] = set()
+    fixed = []
+    for n, call in enumerate(calls, 1):
+        usable = bool(call.id) and call.id != "None" and call.id not in seen
+        seen.add(call.id)
+        fixed.append(call if usable else dataclasses.replace(call, id=f"oncely_call_{n}"))
+    return tuple(fixed)
 
 
-def _error(call: ToolCall, message: str, tool: str | None = None) -> ToolCallRecord:
+def _error(call: ToolCall, message: str) -> ToolCallRecord:
     return ToolCallRecord(
-        call.id, tool or call.name, call.arguments, "error", {"error": message[:_ERROR_CHARS]}
+        call.id, call.name, call.arguments, "error", {"error": message[:ERROR_CHARS]}
     )
 
 
-def _assistant(reply: Reply) -> dict[str, Any]:
+def _assistant(text: str, calls: Sequence[ToolCall]) -> dict[str, Any]:
     """The turn as the conversation's next assistant message."""
-    message: dict[str, Any] = {"role": "assistant", "content": reply.text or None}
-    if reply.tool_calls:
+    message: dict[str, Any] = {"role": "assistant", "content": text or None}
+    if calls:
         message["tool_calls"] = [
             {
                 "id": c.id,
                 "type": "function",
                 "function": {"name": c.name, "arguments": c.raw_arguments},
             }
-            for c in reply.tool_calls
+            for c in calls
         ]
     return message
 

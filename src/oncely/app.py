@@ -33,7 +33,15 @@ class App:
             if other.route == workflow.route:
                 raise ValueError(f"workflows {other.name!r} and {workflow.name!r} share a route")
             if clash := other.topics & workflow.topics:
-                raise ValueError(f"workflows {other.name!r} and {workflow.name!r} share {clash}")
+                topic = sorted(clash)[0]
+                raise ValueError(
+                    f"workflows {other.name!r} and {workflow.name!r} both declare topic"
+                    f" {topic!r}: a topic is one workflow's (its effects' rows and its calls'"
+                    " answers are that workflow's). To use one tool in both, give each its own"
+                    f" topic, e.g. call_tool('{workflow.name}.{topic}', name=..., ...), and"
+                    " route both to the same receiver (docs/agents.md, 'One tool in two"
+                    " workflows')"
+                )
         self._workflows[workflow.name] = workflow
         return workflow
 

@@ -3,8 +3,10 @@
 The first caller starts a flush; callers arriving while it runs queue up and
 go together in the next one. Nothing waits on a timer, so a lone caller pays
 no latency, and under load one Redis or Postgres call serves many jobs. The
-worker's acknowledgements, the relay's "sent" marks (``GroupCommit``) and
-the loads of the runs deliveries resume from (``GroupRead``) all use it.
+worker's acknowledgements, the relay's "sent" marks (``GroupCommit``),
+the loads of the runs deliveries resume from, the runs' checkpoint writes
+and the jobs' results (``GroupRead``, a write's answer its outcome) all use
+it. A batch that fails for one item's fault is split (``each_at_fault``).
 """
 
 from __future__ import annotations
@@ -75,3 +77,23 @@ class GroupCommit(GroupRead[T, K, bool]):
 
     async def __call__(self, item: T) -> bool:
         return await self.read(item) is True
+
+
+async def each_at_fault(
+    flush: Callable[[list[T]], Awaitable[Mapping[int, V]]],
+    items: list[T],
+    faults: tuple[type[Exception], ...],
+) -> dict[int, V | Exception]:
+    """``flush(items)``, answering by each item's ``id``. When the batch
+    fails with one of ``faults`` (an item's own fault: a key taken, a value
+    the database refuses), the items go again in halves, so that only the
+    one at fault gets its error, in a few flushes more."""
+    try:
+        return dict(await flush(items))
+    except faults as exc:
+        if len(items) == 1:
+            return {id(items[0]): exc}
+        half = len(items) // 2
+        return await each_at_fault(flush, items[:half], faults) | await each_at_fault(
+            flush, items[half:], faults
+        )

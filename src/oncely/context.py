@@ -12,8 +12,10 @@ import asyncio
 import contextlib
 import functools
 import inspect
+import itertools
 import json
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Generic, Literal, Protocol, TypeVar, overload
@@ -21,17 +23,26 @@ from typing import TYPE_CHECKING, Any, Generic, Literal, Protocol, TypeVar, over
 from pydantic import BaseModel, ValidationError
 from pydantic_core import PydanticSerializationError, to_jsonable_python
 
+from oncely.at_most_once import run_at_most_once, shown_arguments, step_arguments
+from oncely.decisions import ApprovalDecision, approval_event, call_id
 from oncely.errors import DeadlineExceeded, PermanentError, TransientError
 from oncely.journal import (
     Emitted,
+    ForCall,
+    ForChildren,
+    ForEvent,
+    ForTime,
     Journal,
     Kind,
     MapStart,
     Recorded,
+    Scope,
+    asked,
     check_name,
     current_checkpoint,
 )
 from oncely.retry import Deadline, RetryPolicy, call_with_retries, classify
+from oncely.statuses import FinishedStatus
 
 if TYPE_CHECKING:
     from oncely.live.events import LiveJob
@@ -51,9 +62,54 @@ CALL_TIMEOUT_S = 86400.0
 PROGRESS_MAX_BYTES = 8192
 # The most items one ``ctx.map`` takes (ONCELY_MAP_MAX_ITEMS).
 MAP_MAX_ITEMS = 10_000
+# How many of a map's items are validated before other tasks get a turn.
+_MAP_VALIDATED_AT_ONCE = 500
 # A map waits for its children with no time limit of its own (each child
 # has its own retries and age): this stands for "until they end".
 MAP_WAIT_S = 10 * 365 * 86400.0
+# How long a tool call waits for a person's decision, by default.
+APPROVAL_TIMEOUT_S = 48 * 3600.0
+
+# The stable key of the tool checkpoint whose work runs now (``tool_key``).
+_TOOL_KEY: ContextVar[str | None] = ContextVar("oncely_tool_key", default=None)
+
+
+# The context of the step running in this task (``current_context``).
+_CURRENT: ContextVar[Context | None] = ContextVar("oncely_context", default=None)
+
+
+def current_context() -> Context:
+    """The ``Context`` of the step running now, for code the step calls that
+    was not handed it (a framework's agent wrapped for durability, see
+    docs/frameworks.md). ``RuntimeError`` outside a step."""
+    ctx = _CURRENT.get()
+    if ctx is None:
+        raise RuntimeError("oncely.current_context() is only known while a step runs")
+    return ctx
+
+
+@contextlib.contextmanager
+def running(ctx: Context) -> Iterator[Context]:
+    """``ctx`` as ``current_context()`` for the code run in the block (and
+    the tasks it starts)."""
+    token = _CURRENT.set(ctx)
+    try:
+        yield ctx
+    finally:
+        _CURRENT.reset(token)
+
+
+def tool_key() -> str:
+    """Inside a tool's run (``ctx.tool``, an agent's function tool, a
+    framework's tool run by an oncely integration): the stable key of this
+    tool call, ``<job_id>:<checkpoint key>``. The same on every retry and
+    replay of the call and unique to it: pass it to an API that takes an
+    idempotency key and the tool's effect happens once. ``RuntimeError``
+    outside a tool's run."""
+    key = _TOOL_KEY.get()
+    if key is None:
+        raise RuntimeError("oncely.tool_key() is only known inside a tool's run")
+    return key
 
 
 class Declared(Protocol):
@@ -94,7 +150,7 @@ class ChildResult(Generic[ResultT]):
     its ``error`` (the stable reason GET shows)."""
 
     job_id: str
-    status: Literal["done", "dead", "cancelled"]
+    status: FinishedStatus
     result: ResultT | None = None
     error: str | None = None
 
@@ -157,6 +213,8 @@ class Context:
         self._call_timeout_s = call_timeout_s
         self._live = live
         self._map_max_items = map_max_items
+        # Whether a person's decision can reach this workflow's jobs.
+        self._approvals: bool = getattr(workflow, "approvals", True)
 
     @contextlib.contextmanager
     def scope(self, name: str) -> Iterator[str]:
@@ -166,6 +224,101 @@ class Context:
         rest of the step's. Yields the scope's path."""
         with self._journal.scope(name) as path:
             yield path
+
+    # -- the checkpoint kit (docs/checkpoint-kit.md) --------------------------
+    #
+    # What oncely.Agent and the framework integrations are built on: scopes,
+    # tool checkpoints, approvals, besides model turns (``ctx.model``) and
+    # calls that answer (``ctx.call``).
+
+    def open_scope(self, name: str, *, shared: bool = False) -> Scope:
+        """A scope keyed ``name/`` (``name#2/`` the second time) in the
+        running code's scope, entered later with ``within``. Scopes opened one
+        after another are named in that order however the code run in them
+        then interleaves: open the scopes of one model turn's tool calls in
+        the turn's order, then run the calls concurrently. ``shared``: the
+        tasks that enter it make no branches of it (a framework's run, whose
+        turns come from tasks of the framework's own)."""
+        return self._journal.open_scope(name, shared=shared)
+
+    def within(self, scope: Scope) -> contextlib.AbstractContextManager[str]:
+        """Checkpoints reached in the block are ``scope``'s (``open_scope``).
+        Yields the scope's path."""
+        return self._journal.within(scope)
+
+    async def tool(
+        self,
+        fn: Callable[..., Any],
+        /,
+        *args: Any,
+        name: str = "tool",
+        returns: type[BaseModel] | None = None,
+        at_most_once: bool = False,
+        reconcile: Callable[[Any, str], Any] | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """``fn(*args, **kwargs)`` as a tool checkpoint (key ``name`` in the
+        running scope, ``tool`` by default): at least once, its JSON value
+        kept, never run again for the job once it answered; retried and
+        classified as ``ctx.step`` is. Inside it ``oncely.tool_key()`` is
+        the call's stable key. ``at_most_once``/``reconcile``: as for
+        ``ctx.step``."""
+        return await record_step(
+            self, name, "tool", fn, args, kwargs, returns,
+            at_most_once=at_most_once, reconcile=reconcile,
+        )  # fmt: skip
+
+    async def approval(
+        self,
+        tool: str,
+        arguments: Mapping[str, Any] | None,
+        *,
+        timeout: float | timedelta = APPROVAL_TIMEOUT_S,  # noqa: ASYNC109 (a durable wait)
+        on_timeout: Literal["reject", "approve"] = "reject",
+        schema: Mapping[str, Any] | None = None,
+    ) -> ApprovalDecision:
+        """Wait, holding no worker slot, for a person's decision on calling
+        ``tool`` with ``arguments`` (checkpoint ``approval`` in the running
+        scope). The job shows ``waiting: {"approval": {"call_id", "tool",
+        "arguments"}}``; ``call_id`` is oncely's own (``oncely.decisions``),
+        and the decision is taken by ``POST <route>/{job_id}/approvals/
+        {call_id}``, ``oncely jobs approve`` or the console. With the effect
+        ``approval.requested`` declared, one is emitted with the wait. No
+        decision within ``timeout`` is ``on_timeout``'s. ``schema``: the
+        tool's arguments' JSON schema, kept with the wait so that the API
+        refuses (422) edited arguments that fail it (a framework's tool,
+        which the workflow's declaration cannot name)."""
+        if not self._approvals:
+            raise PermanentError(
+                f"tool {tool!r} asks for a person's decision, but workflow {self.workflow!r}"
+                " has no approvals route: declare the agent with Workflow(agents=[...])"
+            )
+        shown = dict(arguments or {})
+        reached = self._journal.reach("approval", "approval")
+        decided_as = call_id(reached.key, tool, shown)
+        pending = {"call_id": decided_as, "tool": tool, "arguments": shown}
+        if self.declares("approval.requested"):
+            self.emit(
+                "approval.requested",
+                {"job_id": self.job_id, **pending},
+                dedupe_key=f"approval.requested:{self.job_id}:{decided_as}",
+            )
+
+        def decode(value: Any) -> ApprovalDecision:
+            if value is None:
+                approved = on_timeout == "approve"
+                return ApprovalDecision(approved=approved, reason="no decision in time")
+            return ApprovalDecision.model_validate(value)
+
+        return await self._journal.wait(
+            "approval",
+            "approval",
+            ForEvent(approval_event(decided_as)),
+            max(_seconds(timeout), 0.0),
+            decode,
+            detail={"approval": pending if schema is None else {**pending, "schema": schema}},
+            reached=reached,
+        )
 
     @property
     def emitted(self) -> tuple[Emitted, ...]:
@@ -255,7 +408,13 @@ class Context:
         detail = {"call": topic}
         name = check_name(step if step is not None else topic)
         return await self._journal.wait(
-            name, "call", None, seconds, decode, call=row, detail=detail
+            name,
+            "call",
+            lambda key: ForCall(row(key)),
+            seconds,
+            decode,
+            detail=detail,
+            request=asked(data),
         )
 
     async def map(
@@ -277,13 +436,19 @@ class Context:
         tenant: their own retries, dead letters, usage and effects."""
         if concurrency < 1:
             raise ValueError("ctx.map: concurrency must be at least 1")
-        requests = tuple(_child_request(workflow, n, item) for n, item in enumerate(items))
-        if len(requests) > self._map_max_items:
+        # At most one item past the bound is taken: a million items fail as
+        # fast as the bound plus one, before any is validated.
+        taken = list(itertools.islice(items, self._map_max_items + 1))
+        if len(taken) > self._map_max_items:
             raise PermanentError(
-                f"ctx.map of {len(requests)} items: at most ONCELY_MAP_MAX_ITEMS"
-                f" ({self._map_max_items})"
+                f"ctx.map of more than {self._map_max_items} items: at most ONCELY_MAP_MAX_ITEMS"
             )
-        children = MapStart(workflow.name, requests, concurrency, declaration=workflow)
+        requests = []
+        for n, item in enumerate(taken):
+            requests.append(_child_request(workflow, n, item))
+            if n % _MAP_VALIDATED_AT_ONCE == _MAP_VALIDATED_AT_ONCE - 1:
+                await asyncio.sleep(0)  # other jobs on this worker go on meanwhile
+        children = MapStart(workflow.name, tuple(requests), concurrency, declaration=workflow)
         detail = {"children": {"workflow": workflow.name, "total": len(requests)}}
 
         def decode(value: Any) -> list[ChildResult[Any]]:
@@ -291,16 +456,30 @@ class Context:
 
         name = check_name(step if step is not None else "map")
         return await self._journal.wait(
-            name, "map", None, MAP_WAIT_S, decode, detail=detail, children=children
+            name, "map", ForChildren(children), MAP_WAIT_S, decode, detail=detail
         )
 
     @overload
     async def step(
-        self, name: str, fn: Callable[..., Any], *args: Any, returns: type[ValueT], **kwargs: Any
+        self,
+        name: str,
+        fn: Callable[..., Any],
+        *args: Any,
+        returns: type[ValueT],
+        at_most_once: bool = False,
+        reconcile: Callable[[Any, str], Any] | None = None,
+        **kwargs: Any,
     ) -> ValueT: ...
     @overload
     async def step(
-        self, name: str, fn: Callable[..., Any], *args: Any, returns: None = None, **kwargs: Any
+        self,
+        name: str,
+        fn: Callable[..., Any],
+        *args: Any,
+        returns: None = None,
+        at_most_once: bool = False,
+        reconcile: Callable[[Any, str], Any] | None = None,
+        **kwargs: Any,
     ) -> Any: ...
     async def step(
         self,
@@ -308,6 +487,8 @@ class Context:
         fn: Callable[..., Any],
         *args: Any,
         returns: type[BaseModel] | None = None,
+        at_most_once: bool = False,
+        reconcile: Callable[[Any, str], Any] | None = None,
         **kwargs: Any,
     ) -> Any:
         """``fn(*args, **kwargs)`` (sync, run in a thread, or async) once per
@@ -320,8 +501,18 @@ class Context:
         is left is raised as ``TransientError`` (redelivered), anything else
         as ``PermanentError`` (the job dies), the original as ``__cause__``.
         A failure the step catches and goes on past is kept: a replay raises
-        it again instead of running ``fn``."""
-        return await record_step(self, name, "step", fn, args, kwargs, returns)
+        it again instead of running ``fn``.
+
+        ``at_most_once=True``: an effect no receiver dedupes. Its intent is
+        stored before ``fn`` runs, and ``fn`` is never run twice without
+        ``reconcile(arguments, key)`` (``arguments``: ``fn``'s by parameter
+        name; ``oncely.NOT_DONE``: run it again) or a person saying so
+        (docs/at-most-once.md). It is not retried: a failure other than
+        ``PermanentError`` leaves its outcome unknown, as a crash does."""
+        return await record_step(
+            self, name, "step", fn, args, kwargs, returns,
+            at_most_once=at_most_once, reconcile=reconcile,
+        )  # fmt: skip
 
     async def _retried(
         self, name: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -340,7 +531,7 @@ class Context:
 
         try:
             return await call_with_retries(
-                attempt, policy=policy, deadline=deadline, min_attempt_s=0
+                attempt, policy=policy, deadline=deadline, min_attempt_s=0, what="step"
             )
         except (PermanentError, TransientError, DeadlineExceeded):
             raise
@@ -387,14 +578,14 @@ class Context:
         def decode(value: Any) -> Any:
             return None if value is None else model.model_validate(value)
 
-        return await self._journal.wait(name, "wait", name, seconds, decode)
+        return await self._journal.wait(name, "wait", ForEvent(name), seconds, decode)
 
     async def sleep(self, duration: float | timedelta) -> None:
         """Wait ``duration`` (seconds or a ``timedelta``) holding nothing: the
         job is ``waiting`` and resumes after that time, across restarts of
         every process. Checkpoint ``sleep`` (``sleep#2``, …)."""
         seconds = _seconds(duration)
-        await self._journal.wait("sleep", "sleep", None, seconds, lambda _: None)
+        await self._journal.wait("sleep", "sleep", ForTime(), seconds, lambda _: None)
 
     def _wait_seconds(self, timeout: float | timedelta | None) -> float:
         if timeout is None:
@@ -415,14 +606,44 @@ async def record_step(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     returns: type[BaseModel] | None = None,
+    *,
+    at_most_once: bool = False,
+    reconcile: Callable[[Any, str], Any] | None = None,
+    label: str | None = None,
+    arguments: Any = None,
 ) -> Any:
     """``ctx.step``'s checkpoint, of ``kind`` (an agent's function tool is a
-    ``tool``): ``fn`` run with the step's retries, its JSON value kept."""
+    ``tool``): ``fn`` run with the step's retries, its JSON value kept. With
+    ``at_most_once``, run at most once per decision instead
+    (``oncely.at_most_once``): ``label`` names it to operators (the tool;
+    the step's name by default), ``arguments`` is what ``reconcile`` is
+    given (the step's arguments by name by default)."""
     check_name(name)
+    if reconcile is not None and not at_most_once:
+        raise ValueError(f"step {name!r}: reconcile= goes with at_most_once=True")
     decode = _decoder(returns)
 
     async def work() -> Recorded[Any]:
-        value = await ctx._retried(name, fn, args, kwargs)
+        key = f"{ctx.job_id}:{current_checkpoint()}"
+        token = _TOOL_KEY.set(key if kind == "tool" or at_most_once else None)
+        try:
+            if at_most_once:
+                given = step_arguments(fn, args, kwargs) if arguments is None else arguments
+                value = await run_at_most_once(
+                    ctx,
+                    label=label or name,
+                    fn=fn,
+                    args=args,
+                    kwargs=kwargs,
+                    arguments=given,
+                    shown=shown_arguments(given),
+                    reconcile=reconcile,
+                    key=key,
+                )
+            else:
+                value = await ctx._retried(name, fn, args, kwargs)
+        finally:
+            _TOOL_KEY.reset(token)
         data = _json(name, value)
         return Recorded(data, decode(data))
 

@@ -19,6 +19,8 @@ message, and the provider dedupes it on the row's dedupe key.
 from __future__ import annotations
 
 import json
+import math
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -74,14 +76,22 @@ class WebhookEffect:
         return Event(self.topic, self.render(payload) if self.render else payload)
 
     def answer(self, body: bytes) -> Any:
-        """The receiver's 2xx answer as JSON valid for ``returns``; a
-        ``CallFailed`` (``invalid_answer``) if it is not."""
+        """The receiver's 2xx answer as JSON valid for ``returns`` and
+        storable; a ``CallFailed`` (``invalid_answer``) if it is not. Its
+        message names the answer's size, never its text."""
         try:
-            value = json.loads(body)
-        except ValueError:
+            value = json.loads(body, parse_constant=_no_constant)
+        except (ValueError, RecursionError):  # RecursionError: nested too deep
             raise CallFailed(
-                f"{self.topic}: the receiver's answer is not JSON", reason="invalid_answer"
+                f"{self.topic}: the receiver's answer ({len(body)} bytes) is not JSON",
+                reason="invalid_answer",
             ) from None
+        if not storable(value):
+            raise CallFailed(
+                f"{self.topic}: the receiver's answer ({len(body)} bytes) cannot be stored"
+                " (a NUL or a lone surrogate in a string, or a number out of range)",
+                reason="invalid_answer",
+            )
         if isinstance(self.returns, type) and issubclass(self.returns, BaseModel):
             try:
                 return self.returns.model_validate(value).model_dump(mode="json")
@@ -93,6 +103,36 @@ class WebhookEffect:
                     reason="invalid_answer",
                 ) from None
         return value
+
+
+# What PostgreSQL's jsonb refuses in a string: NUL, and a surrogate not in a
+# pair (json.loads joins a pair into one character, so any left is lone).
+_UNSTORABLE_TEXT = re.compile("[\x00\ud800-\udfff]")
+
+
+def storable(value: Any) -> bool:
+    """Whether jsonb stores ``value`` (parsed JSON) as it is: no string, key
+    or value, that it refuses, and no number beyond a float's range. Walked
+    without recursion: an answer may be nested as deep as JSON allows."""
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, str):
+            if _UNSTORABLE_TEXT.search(item):
+                return False
+        elif isinstance(item, dict):
+            pending.extend(item)
+            pending.extend(item.values())
+        elif isinstance(item, list):
+            pending.extend(item)
+        elif isinstance(item, float) and not math.isfinite(item):
+            return False
+    return True
+
+
+def _no_constant(name: str) -> Any:
+    # NaN and Infinity are no JSON, though Python's parser takes them.
+    raise ValueError(f"{name} is not JSON")
 
 
 Effect = EmailEffect | WebhookEffect

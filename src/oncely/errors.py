@@ -47,15 +47,33 @@ class TransientError(OncelyError):
         self.status = status
 
 
-class ResumeLater(TransientError):
-    """Nothing failed, but the work cannot go on for ``resume_in_s`` seconds:
-    every model of the route is cooling down (docs/model-routing.md). The
-    worker defers the job by that long (plus jitter, never longer than its
-    redelivery backoff would) without counting a failure."""
+class NotSent(TransientError):
+    """The call surely never left (its server refused the connection, or
+    none could be made): sending it again cannot do anything twice. An
+    at-most-once call that raises it is tried again on a later delivery,
+    nobody asked (docs/at-most-once.md)."""
 
-    def __init__(self, message: str, *, resume_in_s: float) -> None:
+
+class ResumeLater(TransientError):
+    """Nothing failed, but the work cannot go on for now: every model of the
+    route is cooling down (docs/model-routing.md). The worker defers the job
+    by ``resume_in_s`` at most (plus jitter, never longer than its
+    redelivery backoff would) without counting a failure, and lets it out
+    sooner, when one of ``models`` no longer cools for ``scope`` (the
+    tenant's, as the cooldown names it) or may take a probe."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        resume_in_s: float,
+        models: tuple[str, ...] = (),
+        scope: str = "",
+    ) -> None:
         super().__init__(message, retry_after_s=resume_in_s)
         self.resume_in_s = resume_in_s
+        self.models = models
+        self.scope = scope
 
 
 class PermanentError(OncelyError):
@@ -66,10 +84,38 @@ class PermanentError(OncelyError):
         self.status = status
 
 
+class Refused(PermanentError):
+    """The model declined to answer (Anthropic's ``stop_reason: "refusal"``,
+    a chat completion's ``refusal``): asking again gets the same. The job is
+    dead with the reason ``refused``; the ledger records the call as
+    ``refused``, with the tokens it was billed (``prompt_tokens``,
+    ``completion_tokens``)."""
+
+    dead_reason = "refused"
+
+    def __init__(
+        self, message: str = "the model refused to answer", *, tokens: tuple[int, int] = (0, 0)
+    ) -> None:
+        super().__init__(message)
+        self.prompt_tokens, self.completion_tokens = tokens
+
+
+class ProviderQuota(PermanentError):
+    """The provider's account cannot pay for the call: its credit is spent,
+    or a spend limit is reached (a 400, 402, 403 or 429 that says so). No
+    retry and no fallback will change that, and it says nothing of the
+    model's health: the call is never retried, never counts towards the
+    model's cooldown, and its job is dead with the reason
+    ``provider-quota`` (docs/providers.md)."""
+
+    dead_reason = "provider-quota"
+
+
 class CallFailed(PermanentError):
     """A call that answers (``ctx.call``, a call tool) ended without a usable
     answer. ``reason``: ``refused`` (the receiver answered 4xx: ``status``),
-    ``invalid_answer`` (its 2xx was not JSON valid for ``returns``),
+    ``invalid_answer`` (its 2xx was not JSON valid for ``returns``, too
+    large to read, or not storable by PostgreSQL),
     ``attempts`` (the relay's attempts ran out), ``timeout`` (no answer in
     the call's time) or ``undeliverable`` (the row could not be sent at all).
     A step that catches it gets a failed checkpoint: a replay raises it again."""
@@ -122,3 +168,30 @@ class Nondeterministic(PermanentError):
         self.ordinal = ordinal
         self.stored = stored
         self.asked = asked
+
+
+class Diverged(Nondeterministic):
+    """A replay reached a stored call asking to send another payload than
+    the one sent: the stored answer is for another question, so the job is
+    dead (``nondeterministic``) rather than handed it. The message names the
+    checkpoint and both payloads (cut short) for operators."""
+
+    def __init__(self, key: str, *, stored: str, asked: str) -> None:
+        PermanentError.__init__(
+            self,
+            f"replay of {key!r} asks to send {_cut(asked)} where the stored run sent"
+            f" {_cut(stored)}",
+        )
+        self.ordinal = 0
+        self.stored = stored
+        self.asked = asked
+        self.key = key
+
+
+def _cut(text: str, limit: int = 300) -> str:
+    return text if len(text) <= limit else f"{text[:limit]}… ({len(text)} characters)"
+
+
+class FleetLimited(TransientError):
+    """The fleet's limits held a call back longer than its attempt may wait:
+    it was never sent (no ledger row, no failure of the model's)."""

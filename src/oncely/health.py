@@ -3,7 +3,12 @@
 
 - ``/healthz``: the process's loop made progress within ``stale_after_s``
   (a wedged loop answers 503, so an orchestrator restarts it).
-- ``/readyz``: Redis and PostgreSQL answer (each bounded by ``timeout_s``).
+- ``/readyz``: Redis and PostgreSQL answer (each bounded by ``timeout_s``);
+  the relay's also says how it learns of new outbox rows (``wake_up``:
+  ``notify``, or ``poll`` behind a transaction pooler with no direct URL).
+  PostgreSQL's answer is its clock: a process more than a minute off it
+  stays ready, its body saying so (``clock_offset_s``, ``warnings``;
+  ``oncely.clock``).
 - ``/metrics``: Prometheus text; the backlog gauges (streams, delayed and
   dead jobs, outbox) are read from the servers at most every
   ``backlog_every_s``, so a scraper cannot turn into load.
@@ -21,14 +26,13 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from psycopg_pool import AsyncConnectionPool
 
-from oncely import metrics, redis_client
+from oncely import clock, metrics, redis_client
 from oncely.jobs.checkpoints import Checkpoints
 from oncely.jobs.store import Jobs
 from oncely.outbox.store import OutboxStore
 from oncely.queue.stream import Stream
 from oncely.redis_client import RedisClient
 from oncely.services import Progress
-from oncely.sql.bounded import run_statement
 
 log = structlog.get_logger("oncely.health")
 
@@ -40,6 +44,8 @@ class HealthConfig:
     stale_after_s: float = 60.0
     timeout_s: float = 2.0
     backlog_every_s: float = 5.0
+    # The relay's wake-up, "notify" or "poll" (None: not a relay).
+    wake_up: str | None = None
 
 
 class HealthServer:
@@ -84,12 +90,26 @@ class HealthServer:
         return web.json_response(body, status=200 if alive else 503)
 
     async def _readyz(self, _: web.Request) -> web.Response:
+        reading = await self._clock()
         checks = {
             "redis": await self._answers(self._ping_redis),
-            "postgres": await self._answers(self._ping_postgres),
+            "postgres": reading is not None,
         }
         ready = all(checks.values())
-        return web.json_response({"ready": ready, **checks}, status=200 if ready else 503)
+        body: dict[str, object] = {"ready": ready, **checks}
+        if self.config.wake_up is not None:
+            body["wake_up"] = self.config.wake_up
+        if reading is not None:
+            body.update(reading.readiness())
+        return web.json_response(body, status=200 if ready else 503)
+
+    async def _clock(self) -> clock.ClockOffset | None:
+        """PostgreSQL's clock against ours (None: it did not answer in time)."""
+        try:
+            async with asyncio.timeout(self.config.timeout_s):
+                return await clock.measure(self.pool, timeout_s=self.config.timeout_s)
+        except Exception:
+            return None
 
     async def _metrics(self, _: web.Request) -> web.Response:
         if time.monotonic() - self._backlog_at >= self.config.backlog_every_s:
@@ -130,6 +150,3 @@ class HealthServer:
     async def _ping_redis(self) -> None:
         if not await redis_client.ping(self.redis):
             raise RuntimeError("Redis answered the ping with something else")
-
-    async def _ping_postgres(self) -> None:
-        await run_statement(self.pool, "SELECT 1", timeout_s=self.config.timeout_s)

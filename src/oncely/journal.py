@@ -49,6 +49,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import json
 import re
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from contextvars import ContextVar
@@ -63,6 +65,7 @@ from oncely import metrics
 from oncely.errors import (
     CallFailed,
     DeadlineExceeded,
+    Diverged,
     Nondeterministic,
     OncelyError,
     PermanentError,
@@ -74,11 +77,27 @@ log = structlog.get_logger("oncely.journal")
 
 T = TypeVar("T")
 
-Kind = Literal["step", "model", "wait", "sleep", "tool", "call", "approval", "patch", "map"]
+Kind = Literal[
+    "step", "model", "wait", "sleep", "tool", "call", "approval", "patch", "map",
+    "intent", "uncertain", "reconcile",
+]  # fmt: skip
 # The kinds of checkpoint a run waits at, holding nothing.
-WaitKind = Literal["wait", "sleep", "call", "approval", "map"]
+WaitKind = Literal["wait", "sleep", "call", "approval", "map", "uncertain"]
 
 _NAME = re.compile(r"^[a-z][a-z0-9_.-]{0,62}$")
+
+
+def asked(value: Any) -> str:
+    """What a checkpoint is asked with, as kept to compare replays with:
+    ``value`` as canonical JSON text (a call's payload)."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
+
+
+def asked_digest(value: Any) -> str:
+    """``asked`` as a digest, for requests too large to keep (a model turn's
+    whole conversation)."""
+    text = asked(value).encode("utf-8", "surrogatepass")
+    return "sha256:" + hashlib.sha256(text).hexdigest()
 
 
 def check_name(name: str) -> str:
@@ -121,6 +140,8 @@ class Checkpoint:
     finished_at: datetime | None = None
     # Kept with the job's result (its last checkpoints): no value kept.
     with_result: bool = False
+    # What it was asked with (``NewCheckpoint.request``); None: not kept.
+    request: str | None = None
 
 
 @dataclass(frozen=True)
@@ -136,13 +157,19 @@ class NewCheckpoint:
     usage: Mapping[str, Any] | None
     emitted: tuple[Emitted, ...] = ()
     failure: BaseException | None = field(default=None, compare=False)
+    # What it was asked with, for replays to compare (``asked``): a call's
+    # payload as JSON text, a model turn's request as a digest.
+    request: str | None = None
 
     @property
     def status(self) -> Status:
         return "done" if self.failure is None else "failed"
 
     def stored(self) -> Checkpoint:
-        return Checkpoint(self.key, self.ordinal, self.kind, self.status, self.value, self.usage)
+        return Checkpoint(
+            self.key, self.ordinal, self.kind, self.status, self.value, self.usage,
+            request=self.request,
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -175,27 +202,77 @@ class MapStart:
 
 
 @dataclass(frozen=True)
+class ForEvent:
+    """Until the job receives the event ``name`` (a person's decision is one)."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class ForCall:
+    """Until the relay stores the answer to ``row``, the call's outbox row
+    (written with the wait)."""
+
+    row: Emitted
+
+
+@dataclass(frozen=True)
+class ForChildren:
+    """Until every child of the map ``start`` (started with the wait) has ended."""
+
+    start: MapStart
+
+
+@dataclass(frozen=True)
+class ForTime:
+    """Until the wait's time is up (a sleep)."""
+
+
+# What a wait waits for: one of these, never a record of optionals.
+Awaited = ForEvent | ForCall | ForChildren | ForTime
+
+
+@dataclass(frozen=True)
 class Wait:
-    """A wait of at most ``seconds`` for ``event`` (a received event of that
-    name ends it; None: none does), or for ``call``'s answer (the call's
-    outbox row, written with the wait). ``waiting_for`` is the name the
-    job's wake-up is matched on (default: the event); ``detail`` what GET
-    shows the job waits on."""
+    """A wait of at most ``seconds`` for what ``on`` says. ``detail`` is
+    what GET shows the job waits on; ``request`` what it was asked with (a
+    call's payload: ``NewCheckpoint.request``)."""
 
     key: str
     ordinal: int
     kind: WaitKind
-    event: str | None
     seconds: float
-    call: Emitted | None = None
-    waiting_for: str | None = None
+    on: Awaited
     detail: Mapping[str, Any] | None = None
-    # The children a map starts with its wait.
-    children: MapStart | None = None
+    request: str | None = None
+
+    @property
+    def event(self) -> str | None:
+        """The job event whose arrival ends the wait (a map's children's
+        ends are counted as one); None for a call or a sleep."""
+        match self.on:
+            case ForEvent(name):
+                return name
+            case ForChildren():
+                return f"map:{self.key}"
+        return None
 
     @property
     def wakes_on(self) -> str | None:
-        return self.waiting_for if self.waiting_for is not None else self.event
+        """The name the job's wake-up is matched on (None: only its time)."""
+        if isinstance(self.on, ForCall):
+            return f"call:{self.key}"
+        return self.event
+
+    @property
+    def call(self) -> Emitted | None:
+        """The call's outbox row, for a call."""
+        return self.on.row if isinstance(self.on, ForCall) else None
+
+    @property
+    def children(self) -> MapStart | None:
+        """The map to start, for a map."""
+        return self.on.start if isinstance(self.on, ForChildren) else None
 
 
 @dataclass(frozen=True)
@@ -242,11 +319,14 @@ class Scope:
     path prefixes its keys; its names are counted, and its checkpoints
     numbered, on their own."""
 
-    def __init__(self, path: str, owner: asyncio.Task[Any] | None) -> None:
+    def __init__(self, path: str, owner: asyncio.Task[Any] | None, *, shared: bool = False) -> None:
         self.path = path
         # The task whose code this scope is; another task reaching a
         # checkpoint here is a branch. None: branches are not told apart.
         self.owner = owner
+        # Any task's checkpoints are this scope's own, in the order reached
+        # (a framework's run: its turns come from tasks the framework starts).
+        self.shared = shared
         self.counts: dict[str, int] = {}
         self.reached = 0
         self.branches = 0
@@ -327,6 +407,8 @@ class Journal:
         # Checkpoints this run found stored, and the keys it reached, in order.
         self.replayed = 0
         self.reached: list[str] = []
+        # Model turns a replay asked with another request than the stored one's.
+        self.diverged: list[str] = []
 
     async def run(self, step: Awaitable[T]) -> T:
         """Await the step function: its task is the root scope, the tasks it
@@ -355,21 +437,26 @@ class Journal:
         key, ordinal, stored = self._reach(name, kind)
         return Reached(key, ordinal, kind, stored)
 
-    def open_scope(self, name: str) -> Scope:
+    def open_scope(self, name: str, *, shared: bool = False) -> Scope:
         """A scope keyed ``name/`` (``name#2/`` the second time) inside the
         running code's scope, to enter with ``within``: an agent's run keeps
         its turns under its name, and each tool call its own checkpoints.
         Scopes opened one after another in one task are named in that order,
         however the code run in them then interleaves, and each scope's
-        checkpoints are checked against the stored run on their own."""
+        checkpoints are checked against the stored run on their own. A
+        ``shared`` scope makes no branches: whichever task reaches a
+        checkpoint in it, the checkpoint is the scope's, keyed in the order
+        reached (for code that reaches them one at a time, from tasks it
+        does not choose: a framework's turns)."""
         parent = self._scope()
-        return Scope(parent.key(check_name(name)) + "/", None)
+        return Scope(parent.key(check_name(name)) + "/", None, shared=shared)
 
     @contextlib.contextmanager
     def within(self, scope: Scope) -> Iterator[str]:
         """Checkpoints reached in the block (by this task; tasks it starts
         are branches of it) are ``scope``'s. Yields its path."""
-        scope.owner = asyncio.current_task()
+        if not scope.shared:
+            scope.owner = asyncio.current_task()
         token = _SCOPE.set((self, scope))
         try:
             yield scope.path
@@ -390,12 +477,15 @@ class Journal:
         decode: Callable[[Any], T],
         *,
         reached: Reached | None = None,
+        request: str | None = None,
     ) -> T:
-        """The checkpoint ``name``'s value: stored, or ``work``'s (then kept)."""
+        """The checkpoint ``name``'s value: stored, or ``work``'s (then kept).
+        ``request``: what it is asked with, kept to compare replays with."""
         if reached is None:
             reached = self.reach(name, kind)
         key, ordinal, stored = reached.key, reached.ordinal, reached.stored
         if stored is not None:
+            self._compare(stored, request)
             return self._replayed(stored, decode)
         # What came before is durable before this one is paid for.
         await self.flush()
@@ -415,7 +505,9 @@ class Journal:
                 self._idle.set()
         emitted, self._since = tuple(self._since), []
         self._pending.append(
-            NewCheckpoint(key, ordinal, kind, recorded.value, recorded.usage, emitted)
+            NewCheckpoint(
+                key, ordinal, kind, recorded.value, recorded.usage, emitted, request=request
+            )
         )
         return recorded.native
 
@@ -428,35 +520,30 @@ class Journal:
         self,
         name: str,
         kind: WaitKind,
-        event: str | None,
+        on: Awaited | Callable[[str], Awaited],
         seconds: float,
         decode: Callable[[Any], T],
         *,
-        call: Callable[[str], Emitted] | None = None,
-        waiting_for: str | None = None,
         detail: Mapping[str, Any] | None = None,
         reached: Reached | None = None,
-        children: MapStart | None = None,
+        request: str | None = None,
     ) -> T:
-        """Wait for ``event`` (or, without one, sleep) up to ``seconds``:
-        the stored outcome, the event if it already arrived, or ``Suspended``.
-        ``call`` makes the outbox row (given the checkpoint's key) whose
-        answer ends the wait: written with it, in one transaction."""
+        """Wait up to ``seconds`` for what ``on`` says (or a function of the
+        checkpoint's key giving it: a call's outbox row names its key): the
+        stored outcome, the event if it already arrived, or ``Suspended``. A
+        call's row is written with the wait, in one transaction."""
         if reached is None:
             reached = self.reach(name, kind)
         key, ordinal, stored = reached.key, reached.ordinal, reached.stored
         if stored is not None:
+            self._compare(stored, request)
             return self._replayed(stored, decode)
-        if kind == "sleep" and (seconds <= 0 or not self.sleeps):
+        awaited = on(key) if callable(on) else on
+        if isinstance(awaited, ForTime) and (seconds <= 0 or not self.sleeps):
             emitted, self._since = tuple(self._since), []
             self._pending.append(NewCheckpoint(key, ordinal, kind, None, None, emitted))
             return decode(None)
-        row = call(key) if call is not None else None
-        if row is not None and waiting_for is None:
-            waiting_for = f"call:{key}"
-        if children is not None and event is None:
-            event = f"map:{key}"
-        wait = Wait(key, ordinal, kind, event, seconds, row, waiting_for, detail, children)
+        wait = Wait(key, ordinal, kind, seconds, awaited, detail, request)
         async with self._writing:
             self._check_open()
             batch = list(self._pending)
@@ -472,6 +559,35 @@ class Journal:
             raise _replayed_failure(outcome)
         return decode(outcome.value)
 
+    async def intend(
+        self,
+        name: str,
+        request: str | None = None,
+        *,
+        value: Any = True,
+        reached: Reached | None = None,
+    ) -> Checkpoint | None:
+        """Reach the intent ``name`` of an at-most-once call
+        (docs/at-most-once.md): the stored intent when a run before this one
+        stored it (that run may have made the call: its outcome is unknown),
+        else None once the intent is durable, written with what the run
+        reached before it in one statement, so the call may run now.
+        ``value``: what the intent keeps (a background model call's response
+        id, docs/providers.md); ``reached``: the intent, reached before
+        (``reach(name, "intent")``)."""
+        if reached is None:
+            reached = self.reach(check_name(name), "intent")
+        key, ordinal, stored = reached.key, reached.ordinal, reached.stored
+        if stored is not None:
+            self._compare(stored, request)
+            return stored
+        emitted, self._since = tuple(self._since), []
+        self._pending.append(
+            NewCheckpoint(key, ordinal, "intent", value, None, emitted, request=request)
+        )
+        await self.flush()
+        return None
+
     def patched(self, name: str) -> bool:
         """Whether this run takes the code path patched in as ``name``
         (docs/durable-steps.md, "Deploying changed steps"): True for a run
@@ -481,9 +597,7 @@ class Journal:
         existed (its stored run has another checkpoint here): it goes on
         down the old path, and nothing is kept."""
         self._check_open()
-        scope = self._scope()
-        expected = self._stored.get(scope.path, ())
-        stored = expected[scope.reached] if scope.reached < len(expected) else None
+        stored = self.upcoming()
         if stored is not None and stored.kind != "patch":
             return False
         key, ordinal, found = self._reach(check_name(name), "patch")
@@ -491,6 +605,14 @@ class Journal:
             emitted, self._since = tuple(self._since), []
             self._pending.append(NewCheckpoint(key, ordinal, "patch", True, None, emitted))
         return True
+
+    def upcoming(self) -> Checkpoint | None:
+        """The stored checkpoint the running scope reaches next, if a run
+        before this one stored one there: a look, not a reach (a replay
+        takes the path its stored run took)."""
+        scope = self._scope()
+        expected = self._stored.get(scope.path, ())
+        return expected[scope.reached] if scope.reached < len(expected) else None
 
     def _reach(self, name: str, kind: Kind) -> tuple[str, int, Checkpoint | None]:
         self._check_open()
@@ -516,11 +638,24 @@ class Journal:
             return self._root
         scope = current[1]
         task = asyncio.current_task()
-        if scope.owner is None or task is scope.owner or task is None:
+        if scope.shared or scope.owner is None or task is scope.owner or task is None:
             return scope
         branch = scope.branch(task)
         _SCOPE.set((self, branch))  # in this task's context only
         return branch
+
+    def _compare(self, stored: Checkpoint, request: str | None) -> None:
+        """A replay asks a stored checkpoint again: a call asked to send
+        another payload, or an at-most-once call's intent asked with other
+        arguments, stops the run (``Diverged``: its answer is for another
+        question); a model turn asked with another request is
+        counted and flagged (the stored answer stands, docs/durable-steps.md)."""
+        if request is None or stored.request is None or stored.request == request:
+            return
+        metrics.REPLAY_DIVERGENCE.labels(workflow=self.workflow, kind=stored.kind).inc()
+        if stored.kind in ("call", "intent"):
+            raise Diverged(stored.key, stored=stored.request, asked=request)
+        self.diverged.append(stored.key)
 
     def _check_open(self) -> None:
         if self._closed:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 import traceback
 from collections.abc import MutableMapping
@@ -85,6 +86,36 @@ def configure_logging(fmt: str = "json", level: str = "INFO") -> None:
     root = logging.getLogger()
     root.handlers = [handler]
     root.setLevel(threshold)
-    # psycopg-pool logs every failed connection attempt; the caller reports
-    # the outcome once, readably.
+    # psycopg-pool logs every failed connection attempt; oncely.sql.connect
+    # counts and says each refusal itself, readably and at most every few
+    # seconds.
     logging.getLogger("psycopg.pool").setLevel(logging.CRITICAL)
+    hide_url_secrets()
+
+
+# A secret a URL may carry: a stream token (``…/stream?token=``).
+_URL_SECRET = re.compile(r"([?&]token=)[^&\s\"]*")
+
+
+class HideUrlSecrets(logging.Filter):
+    """A server's access log writes each request's path with its query: the
+    value of a ``token`` parameter (a stream token, which opens a job's
+    stream) becomes ``[redacted]`` in every record's arguments."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple):
+            record.args = tuple(_hidden(a) for a in record.args)
+        record.msg = _hidden(record.msg)
+        return True
+
+
+def _hidden(value: Any) -> Any:
+    return _URL_SECRET.sub(r"\1[redacted]", value) if isinstance(value, str) else value
+
+
+def hide_url_secrets() -> None:
+    """Keep stream tokens out of uvicorn's access log, whoever configured
+    the logging (``uvicorn --factory`` configures its own, access log on)."""
+    access = logging.getLogger("uvicorn.access")
+    if not any(isinstance(f, HideUrlSecrets) for f in access.filters):
+        access.addFilter(HideUrlSecrets())

@@ -59,6 +59,29 @@ MODEL_COOLDOWN = Gauge(
     "1 while this process skips the model: the fleet's cooldown after repeated failures",
     ["model"],
 )
+# Alert on any increase: the provider's account has no credit left, or hit
+# its spend limit, and every call to that model fails until someone pays
+# (docs/providers.md, Dry accounts).
+MODEL_PROVIDER_QUOTA = Counter(
+    "oncely_model_provider_quota_total",
+    "Model calls refused because the provider account's credit or spend limit is exhausted",
+    ["model"],
+)
+MODEL_FLEX_FALLBACKS = Counter(
+    "oncely_model_flex_fallbacks_total",
+    "Flex-lane calls sent on at the standard tier once their flex retries met no capacity",
+    ["workflow", "model"],
+)
+BATCHES = Counter(
+    "oncely_batches_total",
+    "Batch-lane batches: created, adopted after a crash, and how they ended",
+    ["event"],
+)
+BATCH_LINES = Counter(
+    "oncely_batch_lines_total",
+    "Batch-lane lines: intended (stored before their batch), answered, failed",
+    ["outcome"],
+)
 CHECKPOINTS_WRITTEN = Counter(
     "oncely_checkpoints_written_total",
     "Checkpoints of multi-step runs written (steps, model calls, waits, sleeps)",
@@ -73,6 +96,26 @@ NONDETERMINISTIC = Counter(
     "oncely_jobs_nondeterministic_total",
     "Runs that asked for another checkpoint than the one stored (the job is dead)",
     ["workflow"],
+)
+REPLAY_DIVERGENCE = Counter(
+    "oncely_replay_divergence_total",
+    "Replays that asked a stored call or model turn with another request than the stored one's",
+    ["workflow", "kind"],
+)
+LIMITER_FAIL_OPEN = Counter(
+    "oncely_limiter_fail_open_total",
+    "Model calls paced by this process alone because the fleet limiter's Redis did not answer",
+)
+UNCERTAIN_CALLS = Counter(
+    "oncely_uncertain_calls_total",
+    "At-most-once calls whose outcome was unknown and that a person was asked about",
+    ["workflow"],
+)
+UNCERTAIN_RESOLVED = Counter(
+    "oncely_uncertain_resolved_total",
+    "At-most-once calls of unknown outcome, by how they were decided (reconcile, resend,"
+    " result, failed)",
+    ["workflow", "how"],
 )
 OUTBOX_SENDS = Counter("oncely_outbox_sends_total", "Relay sends by outcome", ["outcome"])
 CALLS = Counter(
@@ -126,4 +169,14 @@ OUTBOX_UNSENT = Gauge("oncely_outbox_unsent", "Outbox rows not yet sent (not fai
 OUTBOX_FAILED = Gauge("oncely_outbox_failed", "Outbox rows that gave up")
 OUTBOX_OLDEST_UNSENT_AGE = Gauge(
     "oncely_outbox_oldest_unsent_age_seconds", "Age of the oldest unsent outbox row (0 when none)"
+)
+DB_CONNECT_ERRORS = Counter(
+    "oncely_db_connect_errors_total",
+    "PostgreSQL connection attempts that failed, by reason (too_many_clients, auth,"
+    " unreachable, other)",
+    ["reason"],
+)
+CLOCK_OFFSET = Gauge(
+    "oncely_clock_offset_seconds",
+    "This process's clock minus PostgreSQL's, as last measured (docs/production.md, Clocks)",
 )

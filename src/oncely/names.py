@@ -19,6 +19,9 @@ API_KEYS_GENERATION = "oncely:api-keys:generation"
 # The tenant budgets the API enforces, as it last started with them (JSON),
 # for the operator commands run without its environment.
 BUDGET_LIMITS = "oncely:budget-limits"
+# Each long-running process's clock against PostgreSQL's, as it last measured
+# it: process name -> JSON (oncely.clock.ClockWatch), for `oncely status`.
+CLOCK_OFFSETS = "oncely:clock-offsets"
 
 # The fleet-wide model limiter: a pause after a 429, and GCRA state per limit.
 # One hash tag: its Lua script reads all three, which a cluster allows only
@@ -53,6 +56,15 @@ class WorkflowKeys:
     # Jobs cancelled lately: job_id -> when (a sorted set, trimmed to a day),
     # so that workers running them stop at their next lease renewal.
     cancelled: str
+    # The models delayed jobs wait for (m:<model>), and when a job may next
+    # be let out to probe each (p:<scope>:<model>): a hash
+    # (docs/model-routing.md, "The cooldown").
+    cooling: str
+
+    def waiting_on(self, model: str) -> str:
+        """The delayed jobs waiting for ``model``'s cooldown: "<scope> <job_id>"
+        -> the due time they were delayed to (a sorted set)."""
+        return f"{self.cooling}:{model}"
 
 
 def workflow_keys(workflow: str, group: str) -> WorkflowKeys:
@@ -67,6 +79,7 @@ def workflow_keys(workflow: str, group: str) -> WorkflowKeys:
         delayed=f"{tag}:delayed",
         delayed_messages=f"{tag}:delayed-messages",
         cancelled=f"{tag}:cancelled",
+        cooling=f"{tag}:cooling",
     )
 
 
@@ -86,6 +99,7 @@ def shadow_keys(workflow: str, variant: str) -> WorkflowKeys:
         delayed=f"{tag}:delayed",
         delayed_messages=f"{tag}:delayed-messages",
         cancelled=f"{tag}:cancelled",
+        cooling=f"{tag}:cooling",
     )
 
 

@@ -25,16 +25,19 @@ from dataclasses import dataclass
 from typing import Any, TypeAlias, cast
 
 import hiredis
+from redis._parsers import AsyncCommandsParser
 from redis._parsers.base import BaseParser
 from redis.asyncio import Connection, ConnectionPool, Redis
 from redis.asyncio.cluster import ClusterPipeline, RedisCluster
 from redis.client import EMPTY_RESPONSE, NEVER_DECODE
+from redis.cluster import PRIMARY
 from redis.commands.core import AsyncScript
 from redis.connection import HiredisRespSerializer
 from redis.exceptions import (
     ClusterDownError,
     ClusterError,
     InvalidResponse,
+    NoScriptError,
     RedisClusterException,
     RedisError,
     ResponseError,
@@ -348,8 +351,58 @@ class ClusterUnavailable(RedisConnectionError):
 _UNAVAILABLE = (ClusterError, TryAgainError, SlotNotCoveredError)
 
 
+class _CommandTable(AsyncCommandsParser):
+    """redis-py's table of the server's commands (what tells a command's
+    keys), asked of the cluster's first primary each time the client
+    re-reads the layout. With that node gone (a primary lost, its replica
+    not yet promoted) the whole client would fail, every slot's commands
+    with it (docs/production.md, "Failover"). It is read from the first
+    primary that answers."""
+
+    def __init__(self, nodes: Any) -> None:
+        super().__init__()
+        self._nodes = nodes
+
+    async def initialize(self, node: Any = None) -> None:
+        candidates = [node, *self._nodes.get_nodes_by_server_type(PRIMARY)]
+        failure: BaseException | None = None
+        for candidate in dict.fromkeys(c for c in candidates if c is not None):
+            try:
+                await super().initialize(candidate)
+                return
+            except (RedisConnectionError, RedisTimeoutError) as exc:
+                failure = exc
+        raise failure or RedisConnectionError("no primary answered COMMAND")
+
+
+class _KeyedScript(AsyncScript):
+    """A registered script as a cluster runs it: EVALSHA on its keys' node,
+    and on NOSCRIPT its text by EVAL there (which caches it on that node).
+    redis-py would SCRIPT LOAD it on every primary first, which fails while
+    any one primary is gone, for every slot's scripts (docs/production.md,
+    "Failover")."""
+
+    async def __call__(self, keys: Any = None, args: Any = None, client: Any = None) -> Any:
+        keys, args = list(keys or ()), list(args or ())
+        target = client if client is not None else self.registered_client
+        try:
+            return await target.evalsha(self.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            text = self.script if isinstance(self.script, str) else bytes(self.script).decode()
+            return await target.eval(text, len(keys), *keys, *args)
+
+
 class ClusterClient(RedisCluster):
-    """``RedisCluster`` whose unavailable states are ``ClusterUnavailable``."""
+    """``RedisCluster`` whose unavailable states are ``ClusterUnavailable``,
+    and which keeps serving the slots of the nodes that answer when one is
+    gone (``_CommandTable``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.commands_parser = _CommandTable(self.nodes_manager)
+
+    def register_script(self, script: Any) -> AsyncScript:  # type: ignore[override]  # redis-py types the sync Script
+        return _KeyedScript(self, script)
 
     # What a command is retried on once, after the client re-reads the
     # cluster's layout: as the single-server client retries a broken

@@ -193,6 +193,7 @@ async def call_with_retries(
     on_retry: Callable[[RetryEvent], Awaitable[None]] | None = None,
     min_attempt_s: float | None = None,
     sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    what: str = "model",
 ) -> T:
     """Call ``fn(attempt_timeout)`` until it succeeds, fails permanently or time is up.
 
@@ -201,7 +202,9 @@ async def call_with_retries(
     error) when the next sleep would leave less than ``min_attempt_s``
     (default: a quarter of the per-call timeout) before the deadline.
     ``on_retry`` hears every retry before its sleep. ``sleep`` is injectable
-    so tests can observe backoff without waiting for it.
+    so tests can observe backoff without waiting for it. ``what`` names what
+    is retried in the log (``<what>.retrying``: ``model``, ``step``,
+    ``mcp``).
     """
     loop = _RetryLoop(
         fn=fn,
@@ -212,6 +215,7 @@ async def call_with_retries(
         else min_attempt_s,
         jitter=wait_random_exponential(multiplier=policy.backoff_base_s, max=policy.backoff_max_s),
         on_retry=on_retry,
+        what=what,
     )
     # The common case (success on the first call) pays for no retry machinery.
     try:
@@ -260,6 +264,7 @@ class _RetryLoop(Generic[T]):
     useful_s: float
     jitter: wait_random_exponential
     on_retry: Callable[[RetryEvent], Awaitable[None]] | None
+    what: str = "model"
 
     async def attempt(self) -> T:
         timeout_s = min(self.policy.per_call_timeout_s, self.deadline.remaining())
@@ -288,7 +293,7 @@ class _RetryLoop(Generic[T]):
         error = _last_error(state)
         event = RetryEvent(state.attempt_number, retry_reason(error), state.upcoming_sleep, error)
         log.info(
-            "model.retrying",
+            f"{self.what}.retrying",
             attempt=event.attempt,
             reason=event.reason,
             sleep_s=round(event.sleep_s, 3),

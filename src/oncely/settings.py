@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 
@@ -80,12 +80,49 @@ class Settings(BaseSettings):
     # after upgrading redis-py past the versions this was written against.
     redis_shared_connection: bool = True
     database_url: str | None = None
+    # What stands between oncely and PostgreSQL (docs/production.md, Behind a
+    # connection pooler): `transaction` for PgBouncer's transaction mode and
+    # the like (no prepared statements, no session state, polling for the
+    # relay unless `database_listen_url` is given), `session` for a pooler
+    # that keeps one server connection per client (no startup `options`).
+    database_pooler: Literal["none", "session", "transaction"] = "none"
+    # A direct URL (no transaction pooler) the relay LISTENs on.
+    database_listen_url: str | None = None
     data_dir: Path = Path(".oncely")
 
-    # Model provider (OpenAI-compatible).
+    # Model provider. The base URL is written as OpenAI's (ending in /v1) for
+    # every dialect. The model may name its dialect first (`anthropic:claude-x`,
+    # docs/providers.md): it is then split off into `llm_provider`.
     llm_base_url: str = "http://127.0.0.1:8101/v1"
     llm_api_key: SecretStr = SecretStr("oncely-dev")
     llm_model: str = "oncely-fake"
+    # The primary's dialect: `chat` (OpenAI chat completions, what
+    # OpenAI-compatible servers speak), `responses` (OpenAI's Responses API,
+    # through the same `openai` SDK) or `anthropic` (Anthropic's Messages
+    # API through the `anthropic` SDK: the oncely[anthropic] extra).
+    llm_provider: Literal["chat", "responses", "anthropic"] = "chat"
+    # Background calls (docs/providers.md): a `responses:` call whose
+    # attempt may take longer than this (its timeout, ONCELY_LLM_TIMEOUT_S,
+    # is longer) is created in background mode, its response id stored
+    # before the worker waits, so a delivery after a crash re-attaches to
+    # it instead of paying for it again. 0: never.
+    llm_background_s: float = Field(30.0, ge=0)
+    # A flex-lane attempt's time (docs/lanes.md): OpenAI's flex tier answers
+    # slower than the standard one (still within the delivery's budget).
+    llm_flex_timeout_s: float = Field(900.0, gt=0)
+    # The batch lane (docs/lanes.md): calls of a model are gathered into a
+    # batch once this many wait, or the oldest waited this long; a waiting
+    # job looks for its answer, and a batch is polled, every `_POLL_S`; a
+    # process creating a batch holds it `_LEASE_S` (longer than creating
+    # one takes): a batch gathered by a process that died is looked for at
+    # the provider, by its id in the batch's metadata, once that has passed.
+    batch_gather_s: float = Field(60.0, ge=0)
+    batch_max_calls: int = Field(10_000, ge=1, le=50_000)
+    batch_poll_s: float = Field(30.0, gt=0)
+    batch_lease_s: float = Field(300.0, gt=0)
+    # The most tokens an answer may take where the dialect asks for a bound
+    # (Anthropic's `max_tokens` is required).
+    llm_max_tokens: int = Field(4096, ge=1)
     # How the worker talks to the endpoint: `openai`, the official SDK; `lean`,
     # straight HTTP (oncely.llm.lean), the same calls for less CPU per call.
     llm_client: Literal["openai", "lean"] = "openai"
@@ -107,13 +144,19 @@ class Settings(BaseSettings):
     # jobs (distinct; 429s never count) in the window, at least the share of
     # its calls, has the model skipped for its calls; the fleet, once that
     # many jobs of at least `_TENANTS` failing tenants (the share of those
-    # active) failed. Then one probe call decides (failures 0: off).
+    # active) failed (failures 0: off). While it cools, one call in the
+    # scope probes it every `_PROBE_S` (or the provider's longer
+    # Retry-After, up to `_S`); the first answer ends it for the fleet, and
+    # the jobs waiting for it go on. `_S` is also the longest such a job
+    # stays away before it looks again.
     llm_cooldown_failures: int = Field(5, ge=0)
     llm_cooldown_window_s: float = Field(30.0, gt=0)
     llm_cooldown_s: float = Field(60.0, gt=0)
+    llm_cooldown_probe_s: float = Field(5.0, gt=0)
     llm_cooldown_share: float = Field(0.5, gt=0, le=1)
     llm_cooldown_tenants: int = Field(3, ge=1)
-    # USD per million tokens in/out, per model: `gpt-4.1-mini=0.40/1.60,llama3=0/0`.
+    # USD per million tokens in/out, per model: `gpt-4.1-mini=0.40/1.60,llama3=0/0`;
+    # optionally cache read and cache write third and fourth (`claude-x=3/15/0.3/3.75`).
     llm_prices: str = ""
     # Per tenant per UTC day (0: no budget): over it, the intake answers 429.
     tenant_daily_tokens: int = Field(0, ge=0)
@@ -150,6 +193,9 @@ class Settings(BaseSettings):
     # Idempotent intake.
     idempotency_lock_ttl_s: float = Field(30.0, gt=0)
     idempotency_result_ttl_s: int = Field(86400, gt=0)
+    # How long oncely.mcp.idempotent keeps a key's result in an MCP server's
+    # own database (docs/mcp.md, "Servers you own").
+    mcp_keys_ttl_s: float = Field(7 * 86400.0, gt=0)
     # A running request renews its key at most this long, then ends 503.
     idempotency_max_hold_s: float = Field(120.0, gt=0)
     max_body_bytes: int = Field(1_048_576, gt=0)
@@ -177,7 +223,13 @@ class Settings(BaseSettings):
     # address the console's sign-in throttle counts, and the https that makes
     # its cookie Secure behind a TLS proxy.
     forwarded_allow_ips: str = "127.0.0.1"
-    reconcile_after_s: float = Field(300.0, gt=0)
+    # Browser origins allowed to call the API from another origin (CORS),
+    # comma-separated (`https://app.example.com`); empty: none, the browser's
+    # same-origin rule stands. Never "*": the API takes credentials.
+    cors_origins: str = ""
+    # A queued job with no stream entry this long is dispatched again
+    # (docs/production.md, "Failover"): the repair time after Redis lost data.
+    reconcile_after_s: float = Field(30.0, gt=0)
 
     # Stream worker.
     worker_concurrency: int = Field(64, ge=1)
@@ -202,8 +254,13 @@ class Settings(BaseSettings):
     stream_ttl_s: float = Field(3600.0, gt=0)
     # A comment line this often on an idle stream (proxies close idle ones).
     stream_heartbeat_s: float = Field(15.0, gt=0, le=300)
+    # Open streams one API process serves at once (then 503): each costs a
+    # bounded amount of memory, this bounds their sum.
+    streams_per_process: int = Field(1000, ge=1)
     # A call's default timeout (`ctx.call`, a call tool): then CallFailed.
     call_timeout_s: float = Field(86400.0, gt=0)
+    # The most of a call's answer read and stored: past it the call fails.
+    call_answer_max_bytes: int = Field(1_048_576, gt=0)
     # The most items one `ctx.map` takes (docs/fanout.md).
     map_max_items: int = Field(10_000, ge=1)
     # Schedules (docs/fanout.md): the tenant their jobs belong to, and what
@@ -216,7 +273,11 @@ class Settings(BaseSettings):
 
     # Outbox relay.
     relay_max_attempts: int = Field(10, ge=1)
-    relay_lease_s: float = Field(30.0, gt=0)
+    # How long a relay's claim on an outbox row lasts unless renewed: a live
+    # relay renews its rows every third of it (a send for at most
+    # sender_timeout_s), so a dead relay's rows are sent again within about
+    # this plus relay_poll_s (oncely.outbox.relay.RelayConfig).
+    relay_lease_s: float = Field(3.0, gt=0)
     relay_batch: int = Field(100, ge=1)
     relay_concurrency: int = Field(64, ge=1)
     relay_poll_s: float = Field(1.0, gt=0)
@@ -231,12 +292,26 @@ class Settings(BaseSettings):
     otel: bool = False
     log_format: Literal["console", "json"] = "json"
     log_level: str = "INFO"
-    pg_pool_min: int = Field(2, ge=1)
-    pg_pool_max: int = Field(20, ge=1)
+    # Each process's PostgreSQL pool (docs/production.md, Connection budget):
+    # it grows on demand up to the max and closes a connection unused for
+    # pg_pool_idle_s, one at a time, down to the min. A busy worker at the
+    # default concurrency ran as fast with 8 as with 20 (bench/pool_budget.py).
+    pg_pool_min: int = Field(1, ge=1)
+    pg_pool_max: int = Field(10, ge=1)
+    pg_pool_idle_s: float = Field(60.0, gt=0)
     # Bounds on every call to the servers (and on connecting to them).
     redis_timeout_s: float = Field(5.0, gt=0)
     pg_statement_timeout_s: float = Field(10.0, gt=0)
     connect_timeout_s: float = Field(5.0, gt=0)
+
+    @model_validator(mode="after")
+    def _pool_fits(self) -> Settings:
+        if self.pg_pool_min > self.pg_pool_max:
+            raise ValueError(
+                f"ONCELY_PG_POOL_MIN ({self.pg_pool_min}) is above ONCELY_PG_POOL_MAX "
+                f"({self.pg_pool_max})"
+            )
+        return self
 
     @field_validator("shadow")
     @classmethod
@@ -245,6 +320,33 @@ class Settings(BaseSettings):
 
         parse_shadow(value)
         return value
+
+    @field_validator("cors_origins")
+    @classmethod
+    def _origins_listed(cls, value: str) -> str:
+        for origin in (o.strip() for o in value.split(",") if o.strip()):
+            if origin == "*" or "://" not in origin or origin.endswith("/"):
+                raise ValueError(f"{origin!r}: list each origin as scheme://host[:port] (never *)")
+        return value
+
+    @model_validator(mode="after")
+    def _dialect_of_the_model(self) -> Settings:
+        """``ONCELY_LLM_MODEL=anthropic:claude-x`` is the model ``claude-x``
+        in the ``anthropic`` dialect; a dialect named twice must agree."""
+        from oncely.llm.routing import split_dialect
+
+        dialect, name = split_dialect(self.llm_model)
+        if dialect is None:
+            return self
+        provider_set = "llm_provider" in self.model_fields_set
+        if provider_set and self.llm_provider != dialect:
+            raise ValueError(
+                f"ONCELY_LLM_MODEL names the {dialect} dialect, ONCELY_LLM_PROVIDER"
+                f" {self.llm_provider}: name one, or the same"
+            )
+        self.llm_model = name
+        self.llm_provider = dialect
+        return self
 
     @field_validator("llm_fallbacks")
     @classmethod

@@ -33,6 +33,27 @@ tells what it did::
 - ``approvals``: the decision on each approval tool, by tool name: True,
   False, or an ``ApprovalDecision`` (edited arguments, a reason). A tool
   with no decision given times out (``on_approval_timeout`` decides).
+- ``uncertain``: what a person decides on each at-most-once call whose
+  outcome is unknown (docs/at-most-once.md), by tool or step name:
+  ``"resend"``, ``"failed"``, ``{"result": ...}``, ``{"failed": "reason"}``
+  or an ``UncertainDecision``. Use it with ``crash_after="<key>/intent"``:
+  the run stops after the call ran and before its result is stored, as if
+  its worker died mid-call (the effect happened, its result is lost). A
+  call asked about with no decision scripted fails the test.
+- ``tools``: what a tool answers, by the name the model calls it by,
+  in place of running it: its result (JSON: a dict, a list, a string, a
+  pydantic model), or an exception it raises
+  (``PermanentError("declined")``: the model is told). Any function tool,
+  an MCP server's, a framework's; its arguments are still checked against
+  its schema, and its checkpoint is stored as a worker stores it (at most
+  once: the intent first). A call tool's receiver is scripted with
+  ``calls=``.
+- ``toolsets``: what an MCP toolset lists, by its ``name=``, instead of
+  asking its server: the tools as ``tools/list`` answers them (dicts with
+  ``name``, ``inputSchema``, ``annotations``; or a name alone: a tool with
+  no annotations, at most once, that takes any object), or ``{"tools":
+  [...], "idempotent": True}`` for a server that dedupes on the key. With
+  every tool the model calls in ``tools=`` too, no server is needed.
 - ``prices``: what the models cost, as ONCELY_LLM_PRICES reads them
   (``"test-model=0.4/1.6"``) or ``Prices``: usage then has a cost, and an
   agent's ``max_cost_usd`` counts it. Unpriced by default.
@@ -57,6 +78,7 @@ something harmless, or patch it as any unit test would.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -65,9 +87,9 @@ from typing import Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel
 
-from oncely.agent import ApprovalDecision
+from oncely.decisions import ApprovalDecision, UncertainDecision
 from oncely.errors import CallFailed, Nondeterministic, PermanentError, TransientError
-from oncely.jobs.children import child_id
+from oncely.identity import child_id
 from oncely.jobs.kit import run_step_function, step_context
 from oncely.journal import (
     Checkpoint,
@@ -83,6 +105,7 @@ from oncely.llm.base import Completion, Message, ResponseSchema, ToolChoice, Too
 from oncely.llm.model import Model, ModelRoute
 from oncely.llm.routing import Target, parse_models
 from oncely.retry import Deadline, RetryPolicy, retryable_status
+from oncely.tools import ToolScript, scripted
 from oncely.usage.prices import Prices
 from oncely.workflow import Workflow
 
@@ -181,6 +204,9 @@ async def run_step(
     events: Mapping[str, BaseModel | Mapping[str, Any]] | None = None,
     calls: Mapping[str, Any] | None = None,
     approvals: Mapping[str, bool | ApprovalDecision | Mapping[str, Any]] | None = None,
+    uncertain: Mapping[str, str | UncertainDecision | Mapping[str, Any]] | None = None,
+    tools: Mapping[str, Any] | None = None,
+    toolsets: Mapping[str, Any] | None = None,
     crash_after: str | None = None,
     resume_from: Sequence[Checkpoint] = (),
     model: str = "test-model",
@@ -204,12 +230,36 @@ async def run_step(
     harness = _Harness(workflow, script, model, route, job_id or str(uuid.uuid4()), tenant, priced)
     stored = list(resume_from)
     store = _Memory(received, crash_after, _answers(calls), _decisions(approvals), stored)
+    store.uncertain = _uncertain(uncertain)
     store.children = harness.run_children
+    with scripted(_tool_script(tools, toolsets)):
+        return await _runs(harness, body, store, stored, crash_after)
+
+
+async def _runs(
+    harness: _Harness,
+    body: BaseModel,
+    store: _Memory,
+    stored: list[Checkpoint],
+    crash_after: str | None,
+) -> StepRun[Any]:
+    """The run, and the replay after its crash when there is one."""
+    task = asyncio.current_task()
+    cancels = task.cancelling() if task is not None else 0
     try:
         journal, result = await harness.run(
-            body, Journal(stored, store=store, workflow=workflow.name)
+            body, Journal(stored, store=store, workflow=harness.workflow.name)
         )
     except _Crashed:
+        # A task group the crash went through asks this task to stop and, on
+        # Python 3.11 when the crash comes while it waits for its children,
+        # never takes the request back: the replay (and the caller) would be
+        # cancelled at their next await.
+        while task is not None and task.cancelling() > cancels:
+            task.uncancel()
+        return await _replay(harness, body, store, crash_after)
+    if store.armed:
+        # The worker died after the call's attempt: nothing after it is kept.
         return await _replay(harness, body, store, crash_after)
     if crash_after is not None:
         pending = journal.unwritten()
@@ -227,6 +277,7 @@ async def _replay(
     """The second run, over what the first stored; checked against it."""
     first_calls = len(harness.script.calls)
     store = _Memory(crashed.events, None, crashed.calls, crashed.approvals, list(crashed.stored))
+    store.uncertain = crashed.uncertain
     store.children = harness.run_children
     journal = Journal(crashed.stored, store, workflow=harness.workflow.name)
     harness.script.replaying = True
@@ -236,6 +287,12 @@ async def _replay(
         raise ReplayError(
             f"after a crash past {key!r}, the replay asked for another key: {exc}"
         ) from exc
+    if journal.diverged:
+        raise ReplayError(
+            f"after a crash past {key!r}, the replay asked model turn {journal.diverged[0]!r}"
+            " with another request than the first run: what a step asks may depend only on"
+            " its request and its checkpoints' values"
+        )
     stored = {c.key for c in crashed.stored}
     again = [c for c in harness.script.calls[first_calls:] if c.step in stored]
     if again:
@@ -376,15 +433,20 @@ class _Memory:
     calls: Mapping[str, Any] = field(default_factory=dict)
     approvals: Mapping[str, Any] = field(default_factory=dict)
     stored: list[Checkpoint] = field(default_factory=list)
+    uncertain: Mapping[str, Any] = field(default_factory=dict)
+    # ``crash_after`` named an intent that is stored: the next write crashes.
+    armed: bool = False
     effects: list[Emitted] = field(default_factory=list)
     # Runs a map's children in memory: their outcomes, as a map stores them.
     children: Callable[[str, MapStart], Awaitable[list[dict[str, Any]]]] | None = None
 
     async def write(self, writes: Writes) -> None:
+        self._crash_if_armed()
         self.keep(writes)
         self._crash_if_stored(writes)
 
     async def wait(self, writes: Writes, wait: Wait) -> Checkpoint | None:
+        self._crash_if_armed()
         self.keep(writes)
         if wait.children is not None and self.children is not None:
             value = await self.children(wait.key, wait.children)
@@ -393,7 +455,7 @@ class _Memory:
             self._crash_if_stored(writes, wait.key)
             return outcome
         status, value = self._outcome(wait)
-        outcome = Checkpoint(wait.key, wait.ordinal, wait.kind, status, value)
+        outcome = Checkpoint(wait.key, wait.ordinal, wait.kind, status, value, request=wait.request)
         self.stored.append(outcome)
         self._crash_if_stored(writes, wait.key)
         return outcome
@@ -414,6 +476,14 @@ class _Memory:
         if wait.kind == "approval":
             tool = (wait.detail or {}).get("approval", {}).get("tool")
             return "done", self.approvals.get(tool)
+        if wait.kind == "uncertain":
+            tool = (wait.detail or {}).get("uncertain", {}).get("tool")
+            if tool not in self.uncertain:
+                raise AssertionError(
+                    f"the outcome of {tool!r} was unknown (its worker died mid-call) but no"
+                    " decision was scripted in uncertain="
+                )
+            return "done", self.uncertain[tool]
         return "done", self.events.get(wait.event) if wait.event is not None else None
 
     def keep(self, writes: Writes) -> None:
@@ -421,9 +491,18 @@ class _Memory:
         self.effects += writes.effects
 
     def _crash_if_stored(self, writes: Writes, *keys: str) -> None:
-        written = {c.key for c in writes.checkpoints} | set(keys)
-        if self.crash_after is not None and self.crash_after in written:
-            raise _Crashed(self.crash_after)
+        written = {c.key: c.kind for c in writes.checkpoints} | dict.fromkeys(keys, "wait")
+        if self.crash_after is None or self.crash_after not in written:
+            return
+        if written[self.crash_after] == "intent":
+            # The call runs; its worker dies before anything after it is stored.
+            self.armed = True
+            return
+        raise _Crashed(self.crash_after)
+
+    def _crash_if_armed(self) -> None:
+        if self.armed:
+            raise _Crashed(self.crash_after or "")
 
 
 @dataclass
@@ -515,6 +594,31 @@ def _decisions(
             decision = ApprovalDecision(approved=decision)
         found[tool] = _json(decision)
     return found
+
+
+def _uncertain(
+    decisions: Mapping[str, str | UncertainDecision | Mapping[str, Any]] | None,
+) -> dict[str, Any]:
+    found = {}
+    for tool, decision in (decisions or {}).items():
+        if decision == "resend":
+            decision = UncertainDecision(resend=True)
+        elif decision == "failed":
+            decision = UncertainDecision(failed="failed, as the test says")
+        elif not isinstance(decision, UncertainDecision):
+            decision = UncertainDecision.model_validate(decision)
+        found[tool] = decision.model_dump(mode="json", exclude_unset=True)
+    return found
+
+
+def _tool_script(tools: Mapping[str, Any] | None, toolsets: Mapping[str, Any] | None) -> ToolScript:
+    for name, listing in (toolsets or {}).items():
+        if isinstance(listing, str) or not isinstance(listing, Sequence | Mapping):
+            raise TypeError(
+                f"toolsets={{{name!r}: ...}}: a list of the server's tools (names, or dicts"
+                " as tools/list answers them), or {'tools': [...], 'idempotent': True}"
+            )
+    return ToolScript(results=dict(tools or {}), listings=dict(toolsets or {}))
 
 
 def _json(value: BaseModel | Mapping[str, Any] | Any) -> Any:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 import uuid
 from collections.abc import Mapping, Sequence
 from datetime import datetime
@@ -10,6 +11,8 @@ from typing import TYPE_CHECKING, Any, Generic, Literal, Self, TypeVar, cast
 
 from pydantic import BaseModel, ConfigDict
 
+from oncely.journal import Kind
+from oncely.statuses import JobStatus
 from oncely.usage.totals import summed
 
 if TYPE_CHECKING:
@@ -37,11 +40,29 @@ class UsageView(BaseModel):
     children: UsageView | None = None
 
 
+class DecisionView(BaseModel):
+    """A person's decision on a tool call: approved or not, who decided
+    (``key:<id>`` for an API key, ``console``, ``cli:<user>``), and why."""
+
+    approved: bool
+    by: str | None = None
+    reason: str | None = None
+
+
+class ResolutionView(BaseModel):
+    """A person's word on an at-most-once call of unknown outcome: what they
+    chose, who (as ``DecisionView.by``), and the reason of a ``failed``."""
+
+    chose: Literal["resend", "result", "failed"]
+    by: str | None = None
+    reason: str | None = None
+
+
 class StepView(BaseModel):
     """One checkpoint of a job, as its tenant sees it (never its value)."""
 
     key: str
-    kind: Literal["step", "model", "wait", "sleep", "tool", "call", "approval", "patch", "map"]
+    kind: Kind
     # failed: the work failed and the step went on past it (a replay raises it again).
     status: Literal["done", "waiting", "failed"]
     finished_at: datetime | None = None
@@ -51,6 +72,13 @@ class StepView(BaseModel):
     model: str | None = None
     # An agent's tool, approval and call-tool checkpoints: the tool's name.
     tool: str | None = None
+    # A model turn a replay asked with another request than the stored
+    # one's, and was given the stored answer (docs/durable-steps.md).
+    diverged: bool = False
+    # An approval a person (or the timeout) decided.
+    decision: DecisionView | None = None
+    # An uncertain call a person decided (docs/at-most-once.md).
+    resolution: ResolutionView | None = None
 
 
 class ApprovalView(BaseModel):
@@ -59,6 +87,17 @@ class ApprovalView(BaseModel):
     call_id: str
     tool: str
     arguments: dict[str, Any]
+
+
+class UncertainView(BaseModel):
+    """An at-most-once call whose outcome is unknown (its worker died
+    mid-call), waiting for a person's word since ``since``
+    (docs/at-most-once.md)."""
+
+    call_id: str
+    tool: str
+    arguments: dict[str, Any]
+    since: datetime
 
 
 class ChildrenView(BaseModel):
@@ -77,12 +116,14 @@ class ChildrenView(BaseModel):
 
 class WaitingView(BaseModel):
     """What a waiting job waits for until ``until``: the ``event`` (a sleep:
-    none of these), a ``call``'s answer (its topic), an ``approval``, or a
-    map's ``children`` (no ``until``: until they have all ended)."""
+    none of these), a ``call``'s answer (its topic), an ``approval``, a
+    person's word on an ``uncertain`` call, or a map's ``children`` (no
+    ``until``: until they have all ended)."""
 
     event: str | None = None
     call: str | None = None
     approval: ApprovalView | None = None
+    uncertain: UncertainView | None = None
     children: ChildrenView | None = None
     until: datetime | None = None
 
@@ -98,6 +139,8 @@ DEAD_REASONS = {
     "nondeterministic": "the step no longer reaches the checkpoints its stored run reached",
     "agent-limit": "an agent reached one of its run limits (turns, tokens or cost)",
 }
+# Which limit an agent reached: GET's error says it (``agent-limit: max_turns``).
+_AGENT_LIMIT = re.compile(r"\b(max_turns|max_tokens|max_cost_usd|usage_limits|recursion_limit)\b")
 
 
 DeadReason = Literal[
@@ -107,6 +150,11 @@ DeadReason = Literal[
     "malformed",
     "nondeterministic",
     "agent-limit",
+    "agent-limit: max_turns",
+    "agent-limit: max_tokens",
+    "agent-limit: max_cost_usd",
+    "agent-limit: usage_limits",
+    "agent-limit: recursion_limit",
     "failed",
 ]
 
@@ -115,7 +163,10 @@ def tenant_error(error: str | None) -> DeadReason | None:
     """The stable reason of a job row's ``error`` (``failed`` if unknown)."""
     if error is None:
         return None
-    reason = error.partition(":")[0].strip()
+    reason, _, detail = error.partition(":")
+    reason = reason.strip()
+    if reason == "agent-limit" and (limit := _AGENT_LIMIT.search(detail)) is not None:
+        return cast(DeadReason, f"agent-limit: {limit[1]}")
     return cast(DeadReason, reason) if reason in DEAD_REASONS else "failed"
 
 
@@ -127,7 +178,7 @@ class JobView(BaseModel, Generic[ResultT]):
 
     job_id: uuid.UUID
     # queued: in line; running: a worker holds it (docs/streaming.md).
-    status: Literal["queued", "running", "waiting", "done", "dead", "cancelled"]
+    status: JobStatus
     result: ResultT | None = None
     # Set once the job is dead: one of DEAD_REASONS, or "failed".
     error: DeadReason | None = None
@@ -183,10 +234,20 @@ def waiting_of(record: JobRecord) -> dict[str, Any]:
 
 def pending_approval(record: JobRecord) -> dict[str, Any] | None:
     """The tool call a waiting job waits on a decision for, if it does."""
+    return _pending(record, "approval")
+
+
+def pending_uncertain(record: JobRecord) -> dict[str, Any] | None:
+    """The at-most-once call of unknown outcome a waiting job waits on a
+    person's word for, if it does."""
+    return _pending(record, "uncertain")
+
+
+def _pending(record: JobRecord, kind: str) -> dict[str, Any] | None:
     if record.status != "waiting" or not record.waiting_detail:
         return None
-    approval = record.waiting_detail.get("approval")
-    return dict(approval) if isinstance(approval, dict) else None
+    pending = record.waiting_detail.get(kind)
+    return dict(pending) if isinstance(pending, dict) else None
 
 
 def waited_on(record: JobRecord) -> str:
@@ -200,6 +261,12 @@ def waited_on(record: JobRecord) -> str:
     if "approval" in detail:
         approval = detail["approval"]
         return f"a decision on {approval.get('tool')!r} (call {approval.get('call_id')!r})"
+    if "uncertain" in detail:
+        uncertain = detail["uncertain"]
+        return (
+            f"a person's word on {uncertain.get('tool')!r}, whose outcome is unknown"
+            f" (call {uncertain.get('call_id')!r})"
+        )
     if record.waiting_for:
         return f"event {record.waiting_for!r}"
     return "its sleep to end"

@@ -27,7 +27,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeGuard, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
@@ -35,6 +35,7 @@ from oncely import names
 from oncely.context import PRIMARY, WAIT_MAX_S, Step, is_async
 from oncely.effects import Effect, WebhookEffect
 from oncely.journal import check_name
+from oncely.llm.base import LANES, Lane
 from oncely.llm.routing import parse_models
 from oncely.timetable import Timetable
 from oncely.views import JobView
@@ -104,14 +105,20 @@ class Workflow(Generic[RequestT, ResultT]):
     # ``name`` or ``name@base_url`` (docs/model-routing.md); None: those of
     # ONCELY_LLM_FALLBACKS, [] none at all.
     fallbacks: Sequence[str] | None = None
-    # The agents its step runs (oncely.Agent): their call tools' topics are
+    # The agents its step runs: oncely.Agent (their call tools' topics are
     # checked against ``effects``, and a person's edited arguments for an
-    # approval tool are checked at the API (docs/agents.md).
-    agents: Sequence[Agent] = ()
+    # approval tool are checked at the API, docs/agents.md) or a framework's
+    # own agent (docs/frameworks.md). Declaring one that may ask for a
+    # person's decision is what opens the approvals route.
+    agents: Sequence[Agent | object] = ()
     # Every model call of the step streams its tokens to the job's live
     # stream (docs/streaming.md); one call can say otherwise
     # (``ctx.model.complete(..., stream=False)``).
     stream: bool = False
+    # How its model calls go unless one says otherwise (docs/lanes.md):
+    # ``standard``, ``flex`` (OpenAI's flex tier: cheaper, slower) or
+    # ``batch`` (the provider's batch API: about half the price, hours).
+    lane: Lane = "standard"
     # A cron expression (``"0 2 * * *"``): a job of this workflow is started
     # at every tick, once across the fleet (docs/fanout.md, Schedules), read
     # in ``schedule_tz``. Its request: ``schedule_request`` (a request, its
@@ -132,6 +139,10 @@ class Workflow(Generic[RequestT, ResultT]):
                 raise ValueError(f"workflow {self.name!r}: event {event!r} needs a pydantic model")
         if not is_async(self.step):
             raise ValueError(f"workflow {self.name!r}: step must be an async function")
+        if self.lane not in LANES:
+            raise ValueError(
+                f"workflow {self.name!r}: lane {self.lane!r}: expected one of {', '.join(LANES)}"
+            )
         if self.fallbacks is not None:
             try:
                 parse_models(self.fallbacks)
@@ -197,8 +208,18 @@ class Workflow(Generic[RequestT, ResultT]):
                 f"workflow {self.name!r}: variant names must be unique, not {PRIMARY!r}"
             )
 
+    @property
+    def approvals(self) -> bool:
+        """Whether a person's decision can reach its jobs (the approvals
+        route): one of its oncely agents has an approval tool, or it
+        declares a framework's agent (whose tools may ask for one)."""
+        return any(not _is_oncely_agent(agent) or agent.asks_approval for agent in self.agents)
+
+    def _oncely_agents(self) -> list[Agent]:
+        return [agent for agent in self.agents if _is_oncely_agent(agent)]
+
     def _check_agents(self) -> None:
-        for agent in self.agents:
+        for agent in self._oncely_agents():
             missing = sorted(agent.topics - set(self.calls))
             if missing:
                 raise ValueError(
@@ -208,7 +229,7 @@ class Workflow(Generic[RequestT, ResultT]):
 
     def approval_tool(self, name: str) -> Tool | None:
         """The approval tool ``name`` of one of the workflow's agents."""
-        for agent in self.agents:
+        for agent in self._oncely_agents():
             found = agent.tools.get(name)
             if found is not None and found.approval:
                 return found
@@ -226,3 +247,10 @@ class Workflow(Generic[RequestT, ResultT]):
     @property
     def job_view(self) -> type[JobView[Any]]:
         return self.view or JobView[self.result]  # type: ignore[name-defined]
+
+
+def _is_oncely_agent(agent: object) -> TypeGuard[Agent]:
+    # Imported when asked: declaring a workflow without agents loads none.
+    from oncely.agent import Agent
+
+    return isinstance(agent, Agent)

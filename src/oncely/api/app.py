@@ -16,11 +16,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from oncely import __version__, redis_client
-from oncely.api.auth import ApiKeyAuth, TenantDependency
+from oncely import __version__, clock, redis_client
+from oncely.api.auth import ApiKeyAuth, TenantDependency, key_id_of
 from oncely.api.clients import Clients
 from oncely.api.edge import Edge
 from oncely.api.idempotency import (
@@ -41,16 +42,16 @@ from oncely.api.streaming import (
     Live,
     StreamConfig,
     add_stream_routes,
+    key_still_active,
     stream_accepted,
     wants_stream,
 )
-from oncely.api.workflows import DirectIntake, add_workflow_routes
+from oncely.api.workflows import Answer, DirectIntake, add_workflow_routes
 from oncely.app import App
 from oncely.jobs.checkpoints import Checkpoints
 from oncely.jobs.store import Jobs
 from oncely.live.events import JobEvents, LiveConfig
 from oncely.queue.stream import Stream
-from oncely.sql.bounded import run_statement
 from oncely.usage.budgets import BudgetLimits, Budgets, publish_limits
 from oncely.workflow import Workflow
 
@@ -112,6 +113,11 @@ class ApiConfig:
     # A comment line this often keeps proxies from closing an idle stream;
     # the job's row is read again at each.
     stream_heartbeat_s: float = 15.0
+    # Open streams one API process serves at once (then 503).
+    streams_per_process: int = 1000
+    # Browser origins allowed to call from another origin (CORS); none: the
+    # same-origin rule stands.
+    cors_origins: tuple[str, ...] = ()
 
 
 class OncelyAPI:
@@ -142,7 +148,7 @@ class OncelyAPI:
         # With oncely's own API keys, the intake resolves its requests itself
         # (workflows.DirectIntake); with an app's own auth, FastAPI does.
         self._direct: DirectIntake | None = None
-        self._bearer: Callable[[Request], Awaitable[str]] | None = None
+        self._keys: ApiKeyAuth | None = None
         if auth is None:
             keys = ApiKeyAuth(
                 lambda: self.clients.pool,
@@ -152,7 +158,7 @@ class OncelyAPI:
                 unknown_per_minute=config.unknown_keys_per_minute,
             )
             auth = keys.dependency
-            self._bearer = keys.tenant_of
+            self._keys = keys
             self._direct = DirectIntake(
                 keys.tenant_of, idempotent_request_for(lambda: self._idempotency, config.max_hold_s)
             )
@@ -183,23 +189,24 @@ class OncelyAPI:
                 checkpoints=lambda: self._checkpoints,
                 event_idempotent=self.idempotent,
                 answer=self._answer(workflow),
-                cancelled=lambda name, job_id: self.live.events.publish(
-                    name, job_id, "status", {"status": "cancelled"}
-                ),
             )
             add_stream_routes(
-                router, workflow, lambda: self._jobs, lambda: self.live, self.tenant, self._bearer
+                router, workflow, lambda: self._jobs, lambda: self.live, self.tenant, self._keys
             )
 
-    def _answer(
-        self, workflow: Workflow[Any, Any]
-    ) -> Callable[[Response, Request, str], Awaitable[Response]]:
+    def _answer(self, workflow: Workflow[Any, Any]) -> Answer:
         """The intake's answer: the accepted job's stream when asked for."""
 
-        async def answer(response: Response, request: Request, tenant: str) -> Response:
+        async def answer(
+            request: Request, tenant: str, accept: Callable[[], Awaitable[Response]]
+        ) -> Response:
             if not wants_stream(request):
-                return response
-            return await stream_accepted(self.live, workflow, self._jobs, tenant, response, request)
+                return await accept()
+            key_id = key_id_of(request) if self._keys is not None else None
+            allowed = key_still_active(self._keys, key_id, tenant)
+            return await stream_accepted(
+                self.live, workflow, self._jobs, tenant, request, accept, allowed
+            )
 
         return answer
 
@@ -225,7 +232,12 @@ class OncelyAPI:
         events = JobEvents(
             clients.redis, LiveConfig(self.config.stream_maxlen, self.config.stream_ttl_s)
         )
-        config = StreamConfig(self.config.streams_per_tenant, self.config.stream_heartbeat_s)
+        self._jobs.transitions.subscribe(events.status_changed)
+        config = StreamConfig(
+            self.config.streams_per_tenant,
+            self.config.stream_heartbeat_s,
+            self.config.streams_per_process,
+        )
         self.live = Live(clients.redis, events, config)
         self._idempotency = IdempotencyStore(
             clients.redis,
@@ -309,6 +321,19 @@ def create_app(api: OncelyAPI, *, public_metrics: bool = True) -> FastAPI:
         max_header_bytes=api.config.max_header_bytes,
         body_timeout_s=api.config.body_timeout_s,
     )
+    if api.config.cors_origins:
+        # Outside the edge: a preflight is answered before any bound applies,
+        # and every answer (a 4xx included) carries the headers a browser
+        # needs to read it.
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(api.config.cors_origins),
+            allow_methods=["GET", "HEAD", "POST"],
+            allow_headers=["Authorization", "Content-Type", "Idempotency-Key", "Last-Event-ID"],
+            expose_headers=["Idempotent-Replayed", "Location", "Retry-After"],
+            allow_credentials=True,
+            max_age=600,
+        )
     return app
 
 
@@ -322,6 +347,12 @@ READINESS: dict[str, Any] = {
                     "ready": {"type": "boolean"},
                     "redis": {"type": "boolean"},
                     "postgres": {"type": "boolean"},
+                    "clock_offset_s": {
+                        "type": "number",
+                        "description": "Only when this process's clock is more than a "
+                        "minute off PostgreSQL's: by how much (positive: ahead).",
+                    },
+                    "warnings": {"type": "array", "items": {"type": "string"}},
                 },
                 "required": ["ready", "redis", "postgres"],
             }
@@ -343,10 +374,12 @@ def _add_operations(app: FastAPI, api: OncelyAPI, *, public_metrics: bool) -> No
     )
     async def readyz() -> JSONResponse:
         # Side by side: answered within the larger of the two bounds.
-        redis_ok, postgres_ok = await asyncio.gather(_redis_ok(api), _postgres_ok(api))
-        checks = {"redis": redis_ok, "postgres": postgres_ok}
+        redis_ok, reading = await asyncio.gather(_redis_ok(api), _postgres_clock(api))
+        checks = {"redis": redis_ok, "postgres": reading is not None}
         ready = all(checks.values())
-        return JSONResponse({"ready": ready, **checks}, status_code=200 if ready else 503)
+        # A skewed clock is said, not refused (docs/production.md, Clocks).
+        extra = reading.readiness() if reading is not None else {}
+        return JSONResponse({"ready": ready, **checks, **extra}, status_code=200 if ready else 503)
 
     if not public_metrics:
         return
@@ -374,12 +407,12 @@ async def _redis_ok(api: OncelyAPI) -> bool:
         return False
 
 
-async def _postgres_ok(api: OncelyAPI) -> bool:
+async def _postgres_clock(api: OncelyAPI) -> clock.ClockOffset | None:
+    """PostgreSQL's clock against ours; None when it does not answer."""
     try:
-        await run_statement(api.clients.pool, "SELECT 1", timeout_s=api.config.statement_timeout_s)
-        return True
+        return await clock.measure(api.clients.pool, timeout_s=api.config.statement_timeout_s)
     except Exception:
-        return False
+        return None
 
 
 def _add_problem_schema(app: FastAPI) -> None:

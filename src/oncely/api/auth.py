@@ -65,6 +65,12 @@ def hash_api_key(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
+def api_key_id(key: str) -> str:
+    """The key's id, as ``oncely keys list`` shows it: the start of its
+    hash (the ``api_keys.id`` column, migration 0006)."""
+    return hash_api_key(key)[:12]
+
+
 @dataclass(frozen=True)
 class ApiKey:
     """What an operator sees of a key: never the secret."""
@@ -127,6 +133,15 @@ async def revoke_api_key(
         pool, query("revoke_api_key"), (hash_api_key(key),), timeout_s=timeout_s
     )
     return str(result.rows[0][0]) if result.rows else None
+
+
+def key_id_of(request: Request) -> str | None:
+    """The id of the API key a request was sent with (``api_key_id``); None
+    without one."""
+    scheme, key = get_authorization_scheme_param(request.headers.get("authorization"))
+    if scheme.lower() != "bearer" or not key:
+        return None
+    return api_key_id(key)
 
 
 async def tenant_for_key(
@@ -408,6 +423,24 @@ class ApiKeyAuth:
         if tenant is None:
             self._unknown.count(client)
         return self._known(tenant)
+
+    async def tenant_of_id(self, key_id: str) -> str | None:
+        """The tenant of the active key with this id; None once it is
+        revoked or erased, within the same bound as the key itself (the
+        answer is cached as a key's is, and a revocation empties the cache)."""
+        entry = f"id:{key_id}"
+        if self._revocations is not None and await self._revocations.current():
+            cached, tenant = self._cache.get(entry)
+            if cached:
+                return tenant
+        epoch = self._cache.epoch
+        result = await run_statement(
+            self._pool(), query("tenant_for_key_id"), {"key_id": key_id}, timeout_s=self._timeout_s
+        )
+        tenant = str(result.rows[0][0]) if result.rows else None
+        if self._revocations is not None:
+            self._cache.put(entry, tenant, epoch)
+        return tenant
 
     async def _active_keys(self) -> dict[str, str]:
         result = await run_statement(

@@ -35,10 +35,11 @@ from pydantic import BaseModel
 from starlette.responses import Response
 
 from oncely import metrics
-from oncely.api.keys import Scope, fingerprint, parse_key
-from oncely.api.problems import HoldExpired, problem_schema
+from oncely.api.keys import parse_key
+from oncely.api.problems import HoldExpired
 from oncely.api.store import Claimed, Finished, IdempotencyStore, StoredResponse, new_token
 from oncely.errors import KeyReused, RequestInProgress
+from oncely.identity import Scope, fingerprint
 from oncely.redis_client import ScriptCall, call_together
 
 log = structlog.get_logger("oncely.idempotency")
@@ -61,45 +62,6 @@ RETENTION_POLICY = (
     "120 s, then it ends 503). Responses with status 5xx and failed requests are not "
     "kept: retrying with the same key runs the request again."
 )
-
-IDEMPOTENCY_RESPONSES: dict[int | str, dict[str, Any]] = {
-    400: problem_schema("Idempotency-Key missing, malformed or sent twice."),
-    401: problem_schema("Missing, unknown or revoked API key."),
-    409: {
-        **problem_schema("A request with this key and body is still running; retry later."),
-        "headers": {"Retry-After": {"schema": {"type": "integer"}, "description": "Seconds."}},
-    },
-    413: problem_schema("Request body over `ONCELY_MAX_BODY_BYTES`."),
-    429: {
-        **problem_schema(
-            "Over the tenant's `ONCELY_TENANT_RPM` (`rate-limited`), or over its daily "
-            "model budget (`budget-exceeded`, `Retry-After` to midnight UTC); no key "
-            "was claimed."
-        ),
-        "headers": {
-            "Retry-After": {"schema": {"type": "integer"}, "description": "Seconds."},
-            "RateLimit": {"schema": {"type": "string"}},
-            "RateLimit-Policy": {"schema": {"type": "string"}},
-        },
-    },
-    422: problem_schema(
-        "The body failed validation (no key was claimed), or the key was used "
-        "before with a different body."
-    ),
-    503: problem_schema(
-        "Redis or PostgreSQL did not answer in time, or the request ran past the "
-        "maximum hold; nothing was accepted, retrying with the same key is safe."
-    ),
-}
-
-
-def replay_header_doc() -> dict[str, Any]:
-    return {
-        REPLAY_HEADER: {
-            "schema": {"type": "string", "enum": ["true"]},
-            "description": "Present on a replayed response: the stored original, byte for byte.",
-        }
-    }
 
 
 def parse_prefer_wait(values: list[str]) -> float:
@@ -318,25 +280,6 @@ KEY_HEADER_DOC = (
 )
 PREFER_HEADER_DOC = "`wait=N` (N ≤ 10): wait for an in-flight duplicate and replay it."
 
-# The two headers as OpenAPI parameters, for routes whose dependency does not
-# declare them (``idempotency_dependency(document_headers=False)``).
-HEADER_PARAMETERS: list[dict[str, Any]] = [
-    {
-        "name": "Idempotency-Key",
-        "in": "header",
-        "required": True,
-        "schema": {"type": "string", "title": "Idempotency-Key"},
-        "description": KEY_HEADER_DOC,
-    },
-    {
-        "name": "prefer",
-        "in": "header",
-        "required": False,
-        "schema": {"type": "string", "title": "Prefer", "description": PREFER_HEADER_DOC},
-        "description": PREFER_HEADER_DOC,
-    },
-]
-
 
 def idempotent_request_for(
     store: Callable[[], IdempotencyStore], max_hold_s: float = 120.0
@@ -371,7 +314,7 @@ def idempotency_dependency(
     ``document_headers`` they are also declared as header parameters, so
     that FastAPI documents them; it then validates each on every request
     too, which the workflows' own routes skip (they document the headers
-    with ``HEADER_PARAMETERS``: bench/README.md, Intake)."""
+    with ``oncely.api.route_docs.HEADER_PARAMETERS``: bench/README.md, Intake)."""
 
     # ``tenant`` is a local: a string annotation could not name it, a default can.
     tenant_dependency = Depends(tenant)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import traceback
+import uuid
 from collections.abc import Mapping
 from http import HTTPStatus
 from typing import Any
@@ -11,7 +12,7 @@ import psycopg
 import psycopg_pool
 import redis.exceptions
 import structlog
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -22,6 +23,7 @@ from oncely.errors import (
     KeyReused,
     RequestInProgress,
 )
+from oncely.storable import UNSTORABLE_TEXT, unstorable
 
 PROBLEM_BASE = "https://oncely.dev/problems/"
 # The validation errors a 422 lists (``error_count`` says how many there were).
@@ -48,6 +50,14 @@ class BudgetExceeded(Exception):
 
     def __init__(self, retry_after_s: int) -> None:
         super().__init__("the tenant's daily model budget is spent")
+        self.retry_after_s = retry_after_s
+
+
+class StreamsFull(Exception):
+    """This API process has its most live streams open (503)."""
+
+    def __init__(self, retry_after_s: int) -> None:
+        super().__init__("this API process has its most streams open")
         self.retry_after_s = retry_after_s
 
 
@@ -114,6 +124,18 @@ def approval_already_decided(job_id: str, call_id: str) -> JSONResponse:
     )
 
 
+def uncertain_already_decided(job_id: str, call_id: str) -> JSONResponse:
+    """409: another word on that uncertain call was received before."""
+    return problem(
+        409,
+        "uncertain-already-decided",
+        "Uncertain call already decided",
+        f"the call {call_id!r} was decided otherwise before",
+        job_id=job_id,
+        call_id=call_id,
+    )
+
+
 def problem_schema(description: str) -> dict[str, Any]:
     """An OpenAPI ``responses`` entry for a problem+json answer."""
     return {
@@ -153,6 +175,16 @@ def install_problem_handlers(app: FastAPI, *, generic: bool = True) -> None:
             "Service unavailable",
             f"{exc}; it was stopped and its key released, retrying is safe",
             headers={"Retry-After": "1"},
+        )
+
+    @app.exception_handler(StreamsFull)
+    async def _streams_full(_: Request, exc: StreamsFull) -> JSONResponse:
+        return problem(
+            503,
+            "unavailable",
+            "Service unavailable",
+            f"{exc}; nothing was accepted, retrying (on another process) is safe",
+            headers={"Retry-After": str(exc.retry_after_s)},
         )
 
     for exc_type in _UNAVAILABLE:
@@ -288,3 +320,21 @@ def log_unhandled(exc: BaseException) -> None:
         sqlstate=getattr(exc, "sqlstate", None),
         where=[f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno} {f.name}" for f in frames[-6:]],
     )
+
+
+def refuse_unstorable_text(payload: dict[str, Any]) -> None:
+    """422 (before any key is claimed) for text PostgreSQL cannot store in
+    JSON (``oncely.storable``): otherwise every retry would fail the same
+    way, as a 500."""
+    found = unstorable(payload, ("body",))
+    if found is not None:
+        error = {"loc": found, "msg": UNSTORABLE_TEXT, "type": "string_unstorable"}
+        raise RequestValidationError([error])
+
+
+def job_uuid(job_id: str) -> uuid.UUID:
+    """A job id from a path; 404 (never 422) for one that is no job id."""
+    try:
+        return uuid.UUID(job_id)
+    except ValueError:
+        raise HTTPException(404, "job not found") from None

@@ -7,7 +7,9 @@ at a time, was held forever. ``BoundedHead`` adds both bounds: a head over
 ``max_head_bytes`` (request line and header fields) is answered 431 and the
 connection closed, as soon as the bytes are seen; a connection whose head
 has not arrived in full ``head_timeout_s`` after it opened (or after the
-request's first byte, on a kept-alive one) is closed. The bounds on the
+request's first byte, on a kept-alive one) is closed. A connection whose
+answer the app left unfinished (a stalled live stream) is aborted, not
+closed gracefully behind a peer that never reads. The bounds on the
 body and on the count of header fields are the app's
 (``oncely.api.edge.Edge``), so they hold under any server.
 """
@@ -38,7 +40,7 @@ class BoundedHead(HttpToolsProtocol):
         self._too_large = False
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
+        super().connection_made(_CutShort(transport, self))  # type: ignore[arg-type]
         self._arm()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -103,6 +105,28 @@ class BoundedHead(HttpToolsProtocol):
         self._head_timer = None
         if not self.transport.is_closing():
             self.transport.close()
+
+
+class _CutShort:
+    """A connection's transport, except that closing it after an answer cut
+    short (started, never finished: a live stream whose writes stalled,
+    docs/streaming.md) aborts it. A graceful close waits for the peer to
+    read what is buffered: one that reads nothing would hold the connection,
+    and its buffer, forever."""
+
+    def __init__(self, transport: asyncio.Transport, protocol: HttpToolsProtocol) -> None:
+        self._transport = transport
+        self._protocol = protocol
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+    def close(self) -> None:
+        cycle = self._protocol.cycle
+        if cycle is not None and cycle.response_started and not cycle.response_complete:
+            self._transport.abort()
+        else:
+            self._transport.close()
 
 
 def bounded_protocol(*, head_timeout_s: float, max_head_bytes: int) -> type[BoundedHead]:

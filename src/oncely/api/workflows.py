@@ -8,10 +8,10 @@ request and response models from annotations built per workflow.
 """
 
 import json
-import re
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Annotated, Any, Literal, cast
 
 from fastapi import APIRouter, Depends, HTTPException, Request
@@ -23,33 +23,26 @@ from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from oncely import metrics, tracing
-from oncely.api.approvals import add_approval_route
-from oncely.api.idempotency import (
-    HEADER_PARAMETERS,
-    IDEMPOTENCY_RESPONSES,
-    IdempotentRequest,
-    mark_replayed,
-    replay_header_doc,
-)
-from oncely.api.keys import fingerprint
+from oncely.api import route_docs
+from oncely.api.approvals import add_approval_route, add_uncertain_route
+from oncely.api.idempotency import IdempotentRequest, mark_replayed
 from oncely.api.problems import (
     BudgetExceeded,
     RateLimited,
     event_already_received,
     job_finished,
-    problem_schema,
+    job_uuid,
+    refuse_unstorable_text,
 )
 from oncely.api.ratelimit import TenantLimiter
 from oncely.errors import KeyReused
+from oncely.identity import fingerprint
 from oncely.jobs.checkpoints import Checkpoints, EventOutcome
 from oncely.jobs.records import JobRecord, JobSpec
 from oncely.jobs.store import Jobs
 from oncely.usage.budgets import Budgets
 from oncely.views import JobView
 from oncely.workflow import Workflow
-
-# What PostgreSQL refuses in JSON text (docs/decisions.md).
-_UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
 
 
 class Accepted(BaseModel):
@@ -83,12 +76,14 @@ class DirectIntake:
     idempotent: Callable[[Request, str], IdempotentRequest]
 
 
-# The intake's answer, as the client gets it: (response, request, tenant).
-Answer = Callable[[Response, Request, str], Awaitable[Response]]
+# The intake's answer, as the client gets it: (request, tenant, accept), where
+# ``accept()`` runs the intake and answers as JSON. It may refuse the request
+# before calling ``accept`` (a stream with no room: nothing accepted).
+Answer = Callable[[Request, str, Callable[[], Awaitable[Response]]], Awaitable[Response]]
 
 
-async def _as_it_is(response: Response) -> Response:
-    return response
+async def _as_it_is(accept: Callable[[], Awaitable[Response]]) -> Response:
+    return await accept()
 
 
 def add_workflow_routes(
@@ -104,7 +99,6 @@ def add_workflow_routes(
     event_idempotent: Callable[..., Awaitable[IdempotentRequest]] | None = None,
     budgets: Callable[[], Budgets | None] = lambda: None,
     answer: Answer | None = None,
-    cancelled: Callable[[str, str], None] | None = None,
 ) -> None:
     """POST and GET for one workflow, its cancel and its events, added to
     ``router``. ``jobs`` and ``checkpoints`` are called per request, so the
@@ -120,11 +114,12 @@ def add_workflow_routes(
     _add_intake(router, workflow, jobs, idempotent, gates, direct)
     _add_read(router, workflow, jobs, tenant)
     control = checkpoints or (lambda: Checkpoints(jobs()))
-    _add_cancel(router, workflow, control, tenant, cancelled)
+    _add_cancel(router, workflow, control, tenant)
     for event, model in workflow.events.items():
         _add_event(router, workflow, event, model, jobs, control, event_idempotent or idempotent)
-    if any(t.approval for agent in workflow.agents for t in agent.tools.values()):
+    if workflow.approvals:
         add_approval_route(router, workflow, jobs, control, event_idempotent or idempotent)
+    add_uncertain_route(router, workflow, jobs, control, event_idempotent or idempotent)
 
 
 @dataclass(frozen=True)
@@ -136,7 +131,7 @@ class _Gates:
     budgets: Callable[[], Budgets | None]
     # What the client gets of the intake's answer (its job's stream, if it
     # asked for one: oncely.api.streaming.stream_accepted).
-    answer: Answer = field(default=lambda response, request, tenant: _as_it_is(response))
+    answer: Answer = field(default=lambda request, tenant, accept: _as_it_is(accept))
 
 
 def _add_intake(
@@ -148,7 +143,7 @@ def _add_intake(
     direct: DirectIntake | None,
 ) -> None:
     request_model = workflow.request
-    accepted_total = metrics.JOBS_ACCEPTED.labels(workflow=workflow.name)
+    intake = _Intake(workflow, jobs, gates)
     Idempotent = Annotated[IdempotentRequest, Depends(idempotent)]
 
     async def create(
@@ -157,43 +152,6 @@ def _add_intake(
         request: Request,
     ) -> Response:
         return await intake(body, idem, request)
-
-    async def intake(body: BaseModel, idem: IdempotentRequest, request: Request) -> Response:
-        payload = body.model_dump(mode="json")
-        refuse_unstorable_text(payload)
-        tenant_name = idem.scope.tenant
-        location = f"{request.scope['path'].rstrip('/')}/{idem.job_id}"
-
-        async def accept() -> Response:
-            if budget is not None:
-                await _reserve(budget, body, idem, jobs(), workflow.name)
-            job = JobSpec(idem.job_id, tenant_name, workflow.name, payload)
-            response, fresh = await accept_job(jobs(), job, idem, location)
-            if fresh:
-                accepted_total.inc()
-            return response
-
-        # Over the tenant's limit: refused before any key is claimed.
-        tenant_limit = gates.limiter()
-        if tenant_limit is not None:
-            admission = await tenant_limit.admit(tenant_name)
-            if not admission.admitted:
-                raise RateLimited(admission.headers())
-        # Found over its budget a moment ago: no key claimed, no Redis call
-        # (but a retry of a job it had accepted is answered as ever).
-        budget = gates.budgets()
-        wait_s = budget.refusing(tenant_name) if budget is not None else None
-        if wait_s is not None and not await _accepted(idem, jobs(), workflow.name):
-            raise BudgetExceeded(wait_s)
-        # The trace starts here and travels with the job (oncely.tracing).
-        with tracing.span(
-            f"POST {workflow.route}",
-            kind="server",
-            attributes={"http.request.method": "POST", "http.route": workflow.route},
-        ):
-            response = await idem.run(body, accept)
-        # ``Accept: text/event-stream``: the accepted job's stream instead.
-        return await gates.answer(response, request, tenant_name)
 
     route_class = APIRoute
     if direct is not None:
@@ -204,24 +162,78 @@ def _add_intake(
         methods=["POST"],
         route_class_override=route_class,
         status_code=202,
-        tags=[workflow.name],
         response_model=Accepted,
-        summary=workflow.summary or f"Accept a {workflow.name} job",
-        operation_id=f"create_{workflow.name}",
-        responses={
-            202: {
-                "description": "Accepted (or, with `Idempotent-Replayed`, the stored original).",
-                "headers": {
-                    "Location": {"schema": {"type": "string"}, "description": "The job's URL."},
-                    **replay_header_doc(),
-                },
-            },
-            **IDEMPOTENCY_RESPONSES,
-        },
-        # The dependency reads the headers without declaring them (one
-        # validation less per request): documented here instead.
-        openapi_extra={"parameters": HEADER_PARAMETERS},
+        **route_docs.intake(workflow).fields(),
     )
+
+
+class _Intake:
+    """A workflow's intake once its request is read: the tenant's gates,
+    then the job accepted under its key, answered as the client asked."""
+
+    def __init__(self, workflow: Workflow[Any, Any], jobs: Callable[[], Jobs], gates: _Gates):
+        self.workflow = workflow
+        self.jobs = jobs
+        self.gates = gates
+        self.accepted_total = metrics.JOBS_ACCEPTED.labels(workflow=workflow.name)
+
+    async def __call__(
+        self, body: BaseModel, idem: IdempotentRequest, request: Request
+    ) -> Response:
+        payload = body.model_dump(mode="json")
+        refuse_unstorable_text(payload)
+        tenant_name = idem.scope.tenant
+        location = f"{request.scope['path'].rstrip('/')}/{idem.job_id}"
+        # Over the tenant's limit: refused before any key is claimed.
+        tenant_limit = self.gates.limiter()
+        if tenant_limit is not None:
+            admission = await tenant_limit.admit(tenant_name)
+            if not admission.admitted:
+                raise RateLimited(admission.headers())
+        # Found over its budget a moment ago: no key claimed, no Redis call
+        # (but a retry of a job it had accepted is answered as ever).
+        budget = self.gates.budgets()
+        wait_s = budget.refusing(tenant_name) if budget is not None else None
+        if wait_s is not None and not await _accepted(idem, self.jobs(), self.workflow.name):
+            raise BudgetExceeded(wait_s)
+
+        accept = partial(self._accept, body, payload, idem, location, budget)
+        # ``Accept: text/event-stream``: the accepted job's stream instead.
+        run = partial(_run, self.workflow, idem, body, accept)
+        return await self.gates.answer(request, tenant_name, run)
+
+    async def _accept(
+        self,
+        body: BaseModel,
+        payload: dict[str, Any],
+        idem: IdempotentRequest,
+        location: str,
+        budget: Budgets | None,
+    ) -> Response:
+        """The job reserved in its tenant's budget, recorded and enqueued."""
+        if budget is not None:
+            await _reserve(budget, body, idem, self.jobs(), self.workflow.name)
+        job = JobSpec(idem.job_id, idem.scope.tenant, self.workflow.name, payload)
+        response, fresh = await accept_job(self.jobs(), job, idem, location)
+        if fresh:
+            self.accepted_total.inc()
+        return response
+
+
+async def _run(
+    workflow: Workflow[Any, Any],
+    idem: IdempotentRequest,
+    body: BaseModel,
+    accept: Callable[[], Awaitable[Response]],
+) -> Response:
+    """The intake under its key (``idem.run``), traced: the trace starts here
+    and travels with the job (oncely.tracing)."""
+    with tracing.span(
+        f"POST {workflow.route}",
+        kind="server",
+        attributes={"http.request.method": "POST", "http.route": workflow.route},
+    ):
+        return await idem.run(body, accept)
 
 
 async def _reserve(
@@ -258,17 +270,11 @@ def _add_read(
 
     @router.get(
         workflow.route + "/{job_id}",
-        tags=[workflow.name],
         response_model=view_model,
-        summary=f"Read a {workflow.name} job and, once done, its result",
-        operation_id=f"get_{workflow.name}",
-        responses={
-            404: problem_schema("No such job for this tenant."),
-            503: problem_schema("PostgreSQL did not answer in time; retrying is safe."),
-        },
+        **route_docs.read(workflow).fields(),
     )
     async def read(job_id: str, tenant_name: Tenant, response: Response) -> Any:
-        record = await jobs().get(workflow.name, _job_uuid(job_id), tenant_name)
+        record = await jobs().get(workflow.name, job_uuid(job_id), tenant_name)
         if record is None:
             raise HTTPException(404, "job not found")
         # A job changes, and holds a tenant's data: no cache keeps it.
@@ -292,57 +298,27 @@ async def current_view(
     return view.model_copy(update={"status": "running"}) if held else view
 
 
-def _job_uuid(job_id: str) -> uuid.UUID:
-    """A job id from the path; 404 (never 422) for one that is no job id."""
-    try:
-        return uuid.UUID(job_id)
-    except ValueError:
-        raise HTTPException(404, "job not found") from None
-
-
-_FINISHED_DOC: dict[int | str, dict[str, Any]] = {
-    409: problem_schema("The job is done, dead or cancelled (`job-finished`, with its `status`)."),
-}
-
-
 def _add_cancel(
     router: APIRouter,
     workflow: Workflow[Any, Any],
     checkpoints: Callable[[], Checkpoints],
     tenant: Callable[..., Awaitable[str]],
-    cancelled: Callable[[str, str], None] | None,
 ) -> None:
     Tenant = Annotated[str, Depends(tenant)]
 
     @router.post(
         workflow.route + "/{job_id}/cancel",
         status_code=202,
-        tags=[workflow.name],
         response_model=CancelAccepted,
-        summary=f"Cancel a {workflow.name} job",
-        description=(
-            "From now on nothing more is written for the job: a running delivery stops "
-            "at its next checkpoint (or within the lease renewal interval, its model "
-            "call cancelled), a waiting job never resumes. Effects that committed "
-            "before stay. Idempotent: no `Idempotency-Key` needed; cancelling twice "
-            "answers the same."
-        ),
-        operation_id=f"cancel_{workflow.name}",
-        responses={
-            404: problem_schema("No such job for this tenant."),
-            **_FINISHED_DOC,
-            503: problem_schema("PostgreSQL did not answer in time; retrying is safe."),
-        },
+        **route_docs.cancel(workflow).fields(),
     )
     async def cancel(job_id: str, tenant_name: Tenant) -> Any:
-        parsed = _job_uuid(job_id)
+        parsed = job_uuid(job_id)
         found = await checkpoints().cancel(parsed, tenant=tenant_name, kind=workflow.name)
         if found is None:
             raise HTTPException(404, "job not found")
         if found.finished:
             return job_finished(str(parsed), found.status)
-        if cancelled is not None:
-            cancelled(workflow.name, str(parsed))
         return JSONResponse({"job_id": str(parsed), "status": "cancelled"}, status_code=202)
 
 
@@ -362,20 +338,10 @@ def _add_event(
         body: event_model,  # type: ignore[valid-type]
         idem: Idempotent,
     ) -> Response:
-        parsed = _job_uuid(job_id)
+        parsed = job_uuid(job_id)
         payload = cast(BaseModel, body).model_dump(mode="json")
         refuse_unstorable_text(payload)
-
-        async def receive() -> Response:
-            outcome = await checkpoints().receive_event(
-                workflow.name, parsed, idem.scope.tenant, event, payload, fingerprint(payload)
-            )
-            response = _event_response(str(parsed), event, outcome)
-            if outcome.resumed is not None:
-                # Queued again: enqueued with the stored response, in one round trip.
-                idem.settle(response, along=[jobs().enqueue_call(outcome.resumed)])
-            return response
-
+        receive = partial(_receive_event, jobs, checkpoints, workflow, event, parsed, idem, payload)
         # The key covers which job and which event, not only the body: the
         # same key sent to another job is a reused key.
         return await idem.run({"job_id": str(parsed), "event": event, "body": payload}, receive)
@@ -385,25 +351,29 @@ def _add_event(
         send,
         methods=["POST"],
         status_code=202,
-        tags=[workflow.name],
         response_model=EventReceived,
-        summary=f"Send the {event!r} event to a {workflow.name} job",
-        description=(
-            f"Stores the event; a job waiting for `{event}` resumes, and one that has "
-            "not reached its wait yet finds it there. Same idempotency contract as the "
-            "intake."
-        ),
-        operation_id=f"send_{workflow.name}_{event.replace('-', '_').replace('.', '_')}",
-        responses={
-            **IDEMPOTENCY_RESPONSES,
-            404: problem_schema("No such job for this tenant."),
-            409: problem_schema(
-                "Another event of that name was received (`event-already-received`), "
-                "the job is done, dead or cancelled (`job-finished`), or a request with "
-                "this key is still running (`idempotency-key-in-progress`)."
-            ),
-        },
+        **route_docs.event(workflow, event).fields(),
     )
+
+
+async def _receive_event(
+    jobs: Callable[[], Jobs],
+    checkpoints: Callable[[], Checkpoints],
+    workflow: Workflow[Any, Any],
+    event: str,
+    job_id: uuid.UUID,
+    idem: IdempotentRequest,
+    payload: Any,
+) -> Response:
+    """The event stored under its key: 202, or why not."""
+    outcome = await checkpoints().receive_event(
+        workflow.name, job_id, idem.scope.tenant, event, payload, fingerprint(payload)
+    )
+    response = _event_response(str(job_id), event, outcome)
+    if outcome.resumed is not None:
+        # Queued again: enqueued with the stored response, in one round trip.
+        idem.settle(response, along=[jobs().enqueue_call(outcome.resumed)])
+    return response
 
 
 def _event_response(job_id: str, event: str, outcome: EventOutcome) -> Response:
@@ -415,34 +385,6 @@ def _event_response(job_id: str, event: str, outcome: EventOutcome) -> Response:
         return job_finished(job_id, outcome.status or "finished")
     body = {"job_id": job_id, "event": event, "status": "received"}
     return JSONResponse(body, status_code=202)
-
-
-def refuse_unstorable_text(payload: dict[str, Any]) -> None:
-    """422 (before any key is claimed) for text PostgreSQL cannot store in
-    JSON: NUL, and halves of surrogate pairs. Otherwise every retry would
-    fail the same way, as a 500."""
-    found = _unstorable(payload, ("body",))
-    if found is not None:
-        msg = "text must not contain NUL (U+0000) or lone surrogates (U+D800–U+DFFF)"
-        raise RequestValidationError([{"loc": found, "msg": msg, "type": "string_unstorable"}])
-
-
-def _unstorable(value: Any, loc: tuple[str | int, ...]) -> tuple[str | int, ...] | None:
-    """The location of the first unstorable string (or key) in ``value``."""
-    if isinstance(value, str):
-        return loc if _UNSTORABLE.search(value) else None
-    if isinstance(value, dict):
-        items: list[tuple[Any, Any]] = list(value.items())
-    elif isinstance(value, list):
-        items = list(enumerate(value))
-    else:
-        return None
-    for key, item in items:
-        if isinstance(key, str) and _UNSTORABLE.search(key):
-            return (*loc, key)
-        if (found := _unstorable(item, (*loc, key))) is not None:
-            return found
-    return None
 
 
 async def accept_job(

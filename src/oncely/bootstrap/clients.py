@@ -4,13 +4,15 @@ PostgreSQL pool, the model client, and the stores made of them."""
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import psycopg
 from psycopg import conninfo
-from psycopg_pool import AsyncConnectionPool
+from psycopg_pool import AsyncConnectionPool, PoolTimeout
 from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
@@ -24,7 +26,8 @@ from oncely.jobs.store import Jobs
 from oncely.queue.stream import Stream
 from oncely.redis_client import ClusterClient, HiredisPacked, RedisClient, SharedConnectionRedis
 from oncely.settings import Settings
-from oncely.sql.bounded import run_transaction
+from oncely.sql.bounded import TransactionPooled, run_transaction
+from oncely.sql.connect import CountedConnection
 from oncely.sql.migrate import SchemaMismatch, schema_state
 from oncely.usage.budgets import BudgetLimits, Budgets
 from oncely.usage.ledger import Ledger
@@ -94,37 +97,109 @@ def make_redis(
     )
 
 
-def postgres_pool(database_url: str, s: Settings) -> AsyncConnectionPool:
+def postgres_pool(database_url: str, s: Settings, kind: str = "cli") -> AsyncConnectionPool:
+    """The pool of a process of ``kind`` (api, worker, relay, cli: its
+    ``application_name`` in ``pg_stat_activity`` unless the URL names one).
+
+    It holds ``ONCELY_PG_POOL_MIN`` connections, grows on demand up to
+    ``ONCELY_PG_POOL_MAX``, and closes one unused for
+    ``ONCELY_PG_POOL_IDLE_S`` at a time (docs/production.md, Connection
+    budget); every failed connect is counted and logged
+    (``oncely.sql.connect``).
+
+    How the server's statement bound is set depends on
+    what stands in front of PostgreSQL (``ONCELY_DATABASE_POOLER``): the
+    startup ``options`` when nothing does; a ``SET`` once per connection
+    behind a session pooler (which refuses ``options``); ``SET LOCAL`` in
+    each transaction behind a transaction pooler, with no prepared
+    statements either, since the next transaction may run on another
+    server connection, where the statement was never prepared."""
     bounds = client_bounds(s)
+    timeout_ms = int(bounds.statement_timeout_s * 1000)
     params = conninfo.conninfo_to_dict(database_url)
-    statement_timeout = f"-c statement_timeout={int(bounds.statement_timeout_s * 1000)}"
-    options = f"{params.get('options') or ''} {statement_timeout}".strip()
-    return AsyncConnectionPool(
-        database_url,
-        min_size=s.pg_pool_min,
-        max_size=s.pg_pool_max,
-        open=False,
+    kwargs: dict[str, Any] = {
+        # Each statement commits on its own unless code opens
+        # ``conn.transaction()``: no BEGIN/COMMIT round trips for single
+        # statements, which is every hot-path write.
+        "autocommit": True,
+        # libpq counts whole seconds, at least 2.
+        "connect_timeout": max(2, math.ceil(bounds.connect_timeout_s)),
+    }
+    if not params.get("application_name"):
+        kwargs["application_name"] = f"oncely-{kind}"
+    options: dict[str, Any] = {
+        "connection_class": CountedConnection,
+        "min_size": s.pg_pool_min,
+        "max_size": s.pg_pool_max,
+        "max_idle": s.pg_pool_idle_s,
+        "open": False,
         # The longest wait for a free connection: a request fails fast when
         # the pool has none (server down or frozen) instead of queueing.
-        timeout=bounds.connect_timeout_s,
+        "timeout": bounds.connect_timeout_s,
         # Give up replacing a lost connection after a second; the pool grows
         # again on demand, so a returning server serves at once instead of
         # after a backoff of many seconds.
-        reconnect_timeout=1.0,
-        kwargs={
-            # Each statement commits on its own unless code opens
-            # ``conn.transaction()``: no BEGIN/COMMIT round trips for single
-            # statements, which is every hot-path write.
-            "autocommit": True,
-            # libpq counts whole seconds, at least 2.
-            "connect_timeout": max(2, math.ceil(bounds.connect_timeout_s)),
-            "options": options,
-        },
+        "reconnect_timeout": 1.0,
+        "kwargs": kwargs,
+    }
+    if s.database_pooler == "transaction":
+        kwargs["prepare_threshold"] = None
+        return TransactionPooled(database_url, statement_timeout_ms=timeout_ms, **options)
+    if s.database_pooler == "session":
+
+        async def bound_session(conn: psycopg.AsyncConnection[Any]) -> None:
+            await conn.execute(f"SET statement_timeout = {timeout_ms}")
+
+        return AsyncConnectionPool(database_url, configure=bound_session, **options)
+    kwargs["options"] = f"{params.get('options') or ''} -c statement_timeout={timeout_ms}".strip()
+    return AsyncConnectionPool(database_url, **options)
+
+
+async def open_pool(pool: AsyncConnectionPool, database_url: str, s: Settings) -> None:
+    """Open ``pool``, its first connections made; when they cannot be, one
+    line that says why (the pool itself only says it gave up waiting)."""
+    bounds = client_bounds(s)
+    try:
+        await pool.open(wait=True, timeout=max(10, bounds.connect_timeout_s))
+    except PoolTimeout:
+        await pool.close()
+        kwargs = pool.kwargs if isinstance(pool.kwargs, dict) else {}
+        refused = await _why_not_connected(database_url, kwargs)
+        if refused is not None:
+            raise SystemExit(refused) from None
+        raise
+
+
+async def _why_not_connected(database_url: str, kwargs: dict[str, Any]) -> str | None:
+    """A pooler refusing what the pool sends at connect time, as one line
+    naming the setting that fixes it (None: some other cause)."""
+    try:
+        conn = await psycopg.AsyncConnection.connect(database_url, **kwargs)
+    except psycopg.OperationalError as exc:
+        return pooler_refusal(str(exc))
+    await conn.close()
+    return None
+
+
+def pooler_refusal(error: str) -> str | None:
+    """PgBouncer (and poolers like it) answer a startup parameter it does not
+    pass on with ``unsupported startup parameter: <name>``; that line, with
+    what to set, or None for any other error."""
+    found = re.search(r"unsupported startup parameter:\s*(\S+)", error)
+    if found is None:
+        return None
+    return (
+        f"PostgreSQL's connection pooler (PgBouncer or the like) refused the startup "
+        f"parameter `{found.group(1)}`: set ONCELY_DATABASE_POOLER=transaction (session "
+        "for a session-mode pooler) and take any `options` out of ONCELY_DATABASE_URL "
+        "(docs/production.md, Behind a connection pooler)"
     )
 
 
 @asynccontextmanager
-async def open_resources(settings: Settings) -> AsyncIterator[Resources]:
+async def open_resources(settings: Settings, kind: str = "cli") -> AsyncIterator[Resources]:
+    """The Redis client and the PostgreSQL pool of a process of ``kind``
+    (``postgres_pool``), closed on the way out."""
     redis_url, database_url = require_urls(settings)
     bounds = client_bounds(settings)
     redis = make_redis(
@@ -134,8 +209,8 @@ async def open_resources(settings: Settings) -> AsyncIterator[Resources]:
         connect_timeout_s=bounds.connect_timeout_s,
         shared=settings.redis_shared_connection,
     )
-    pool = postgres_pool(database_url, settings)
-    await pool.open(wait=True, timeout=max(10, bounds.connect_timeout_s))
+    pool = postgres_pool(database_url, settings, kind)
+    await open_pool(pool, database_url, settings)
     try:
         yield Resources(settings, redis, pool)
     finally:
@@ -160,14 +235,33 @@ def jobs_for(app: App, res: Resources) -> Jobs:
 
 
 def connect_llm(s: Settings) -> ModelClient:
-    """The primary model's client."""
-    return connect_model(s, s.llm_base_url, s.llm_api_key.get_secret_value(), s.llm_model)
+    """The primary model's client, in its dialect (ONCELY_LLM_PROVIDER, or
+    the prefix of ONCELY_LLM_MODEL)."""
+    key = s.llm_api_key.get_secret_value()
+    return connect_model(s, s.llm_base_url, key, s.llm_model, s.llm_provider)
 
 
-def connect_model(s: Settings, base_url: str, api_key: str, model: str) -> ModelClient:
-    """A client of one endpoint, as ``ONCELY_LLM_CLIENT`` says (each module
-    is imported here, by the processes that call a model: not by `oncely
-    status` and the like)."""
+def connect_model(
+    s: Settings, base_url: str, api_key: str, model: str, dialect: str = "chat"
+) -> ModelClient:
+    """A client of one endpoint in ``dialect``: ``anthropic``, Anthropic's
+    SDK (the ``oncely[anthropic]`` extra); ``responses``, OpenAI's Responses
+    API through the ``openai`` SDK; ``chat``, as ``ONCELY_LLM_CLIENT``
+    says. Each module is imported here, by the processes that call a model:
+    not by `oncely status` and the like."""
+    if dialect == "anthropic":
+        try:
+            from oncely.llm.anthropic_messages import AnthropicMessages
+        except ImportError as exc:
+            raise RuntimeError(
+                f"the anthropic: dialect ({model}) needs the anthropic SDK:"
+                " pip install 'oncely[anthropic]'"
+            ) from exc
+        return AnthropicMessages.connect(base_url, api_key, model, max_tokens=s.llm_max_tokens)
+    if dialect == "responses":
+        from oncely.llm.openai_responses import OpenAIResponses
+
+        return OpenAIResponses.connect(base_url, api_key, model)
     if s.llm_client == "lean":
         from oncely.llm.lean import LeanOpenAICompatible
 

@@ -44,6 +44,8 @@ def api_config(s: Settings) -> ApiConfig:
         stream_maxlen=s.stream_maxlen,
         stream_ttl_s=s.stream_ttl_s,
         stream_heartbeat_s=s.stream_heartbeat_s,
+        streams_per_process=s.streams_per_process,
+        cors_origins=tuple(o.strip() for o in s.cors_origins.split(",") if o.strip()),
     )
 
 
@@ -93,6 +95,7 @@ def cooldown_policy(s: Settings) -> CooldownPolicy:
         failures=s.llm_cooldown_failures,
         window_s=s.llm_cooldown_window_s,
         cooldown_s=s.llm_cooldown_s,
+        probe_every_s=s.llm_cooldown_probe_s,
         share=s.llm_cooldown_share,
         tenants=s.llm_cooldown_tenants,
         # A probe is one call: out for at most one attempt's time.
@@ -106,11 +109,25 @@ def relay_config(s: Settings) -> RelayConfig:
     return RelayConfig(
         max_attempts=s.relay_max_attempts,
         lease_s=s.relay_lease_s,
+        send_timeout_s=s.sender_timeout_s,
         batch=s.relay_batch,
         concurrency=s.relay_concurrency,
         poll_s=s.relay_poll_s,
         retention_s=s.outbox_retention_s,
     )
+
+
+def listen_url(s: Settings) -> str | None:
+    """Where the relay LISTENs for new outbox rows; None: it only polls,
+    every ``ONCELY_RELAY_POLL_S``. A transaction pooler hands the LISTEN's
+    server connection to other clients once its transaction ends, so a
+    notification would never arrive: behind one, only a direct URL
+    (``ONCELY_DATABASE_LISTEN_URL``) can listen."""
+    if s.database_listen_url:
+        return s.database_listen_url
+    if s.database_pooler == "transaction":
+        return None
+    return s.database_url
 
 
 def senders_config(s: Settings) -> SendersConfig:
@@ -120,6 +137,7 @@ def senders_config(s: Settings) -> SendersConfig:
         email=s.sender,
         email_url=s.sender_url,
         timeout_s=s.sender_timeout_s,
+        call_answer_max_bytes=s.call_answer_max_bytes,
         webhook_secret=s.webhook_secret.get_secret_value(),
         smtp_from=s.smtp_from,
         webhook_urls=dict(s.workflow_webhook_urls),

@@ -31,12 +31,14 @@ from oncely.bootstrap.configs import (
     app_from,
     cooldown_policy,
     limits,
+    listen_url,
     relay_config,
     senders_config,
     shadow_plan,
     step_config,
     worker_config,
 )
+from oncely.clock import ClockWatch, process_name
 from oncely.effects import WebhookEffect
 from oncely.health import HealthConfig, HealthServer
 from oncely.jobs.checkpoints import Checkpoints
@@ -49,10 +51,12 @@ from oncely.jobs.schedules import Scheduler, scheduled
 from oncely.jobs.timers import Timers
 from oncely.live.events import JobEvents, LiveConfig
 from oncely.llm.base import LLM, ModelClient
+from oncely.llm.batches import Batcher, BatchLines, OpenAIBatches
 from oncely.llm.cooldown import Cooldown
 from oncely.llm.limiter import FleetLimiter, LimitedLLM
 from oncely.llm.model import ModelRoute
 from oncely.llm.routing import ModelSpec, Target, parse_models
+from oncely.logs import hide_url_secrets
 from oncely.outbox.relay import Relay
 from oncely.outbox.store import OutboxStore
 from oncely.outbox.wakeup import OutboxWakeUp
@@ -111,7 +115,7 @@ def http_api(
     from oncely.api.app import OncelyAPI
 
     s = settings or Settings()
-    clients = resources if resources is not None else (lambda: open_resources(s))
+    clients = resources if resources is not None else (lambda: open_resources(s, "api"))
     return OncelyAPI(app, api_config(s), clients, auth=auth)
 
 
@@ -132,7 +136,9 @@ def standalone_app(api: OncelyAPI, settings: Settings, *, public_metrics: bool =
 def asgi_app() -> FastAPI:
     """ASGI factory: ``uvicorn --factory oncely.bootstrap:asgi_app`` (or
     gunicorn with uvicorn workers). Settings and ``ONCELY_APP`` from the
-    environment; clients opened by the lifespan."""
+    environment; clients opened by the lifespan. uvicorn's access log, on
+    by default here, never shows a stream token (``logs.hide_url_secrets``)."""
+    hide_url_secrets()
     settings = Settings()
     return standalone_app(http_api(app_from(settings), settings), settings)
 
@@ -198,11 +204,11 @@ class ApiServer:
 
 async def serve_api(settings: Settings, *, host: str, port: int) -> None:
     app = app_from(settings)
-    async with open_resources(settings) as res:
+    async with open_resources(settings, "api") as res:
         await require_current_schema(res)
         server = ApiServer(app, res, host=host, port=port)
         health = health_server(res, list(jobs_for(app, res).streams.values()), [])
-        await run_services(server, *([health] if health else []))
+        await run_services(server, clock_watch(res, "api"), *([health] if health else []))
 
 
 class WorkerGroup:
@@ -228,7 +234,21 @@ class WorkerGroup:
         self._settings = s
         self.cooldown = Cooldown(res.redis, cooldown_policy(s))
         self.events = JobEvents(res.redis, LiveConfig(s.stream_maxlen, s.stream_ttl_s))
+        self.jobs.transitions.subscribe(self.events.status_changed)
         self.ledger = ledger_for(res)
+        # The batch lane's lines, and what gathers them into batches of the
+        # primary's endpoint (docs/lanes.md).
+        self.batch_lines = BatchLines(
+            res.pool, poll_s=s.batch_poll_s, statement_timeout_s=s.pg_statement_timeout_s
+        )
+        self._batch_api = OpenAIBatches.connect(s.llm_base_url, s.llm_api_key.get_secret_value())
+        self.batcher = Batcher(
+            self.batch_lines,
+            {"chat": self._batch_api, "responses": self._batch_api.for_dialect("responses")},
+            gather_s=s.batch_gather_s,
+            max_calls=s.batch_max_calls,
+            lease_s=s.batch_lease_s,
+        )
         # Adapters of fallbacks on endpoints of their own, closed with the group.
         self._endpoints: dict[tuple[ModelSpec, str], ModelClient] = {}
         plan = shadow_plan(s)
@@ -266,7 +286,15 @@ class WorkerGroup:
             variant=variant,
             shadows=ShadowDispatch(shadows) if shadows else None,
             checkpoints=self.checkpoints,
-            route=ModelRoute(self._fallbacks(w), self.cooldown, self.ledger),
+            route=ModelRoute(
+                self._fallbacks(w),
+                self.cooldown,
+                self.ledger,
+                background_s=self._settings.llm_background_s,
+                lane=w.lane,
+                flex_timeout_s=self._settings.llm_flex_timeout_s,
+                batches=self.batch_lines,
+            ),
             events=self.events,
         )
         return Worker(
@@ -277,6 +305,7 @@ class WorkerGroup:
             on_dead=self._on_dead(w.name),
             on_failed=self._on_failed(w.name),
             is_cancelled=self.checkpoints.is_cancelled,
+            cooling=self.cooldown.scopes,
         )
 
     def _on_dead(self, workflow: str) -> Callable[[str, str, int | None], Awaitable[None]]:
@@ -285,7 +314,7 @@ class WorkerGroup:
         async def dead(job_id: str, error: str, generation: int | None) -> None:
             if await self.jobs.mark_dead(job_id, error, generation):
                 await self.checkpoints.children.ended([job_id])
-            self.events.publish(workflow, job_id, "status", {"status": "dead"})
+            self.jobs.transitions.changed(workflow, job_id, "dead")
 
         return dead
 
@@ -297,7 +326,7 @@ class WorkerGroup:
             await self.jobs.record_deliveries(reports)
             for r in reports:
                 if r.outcome == "retry":
-                    self.events.publish(workflow, r.job_id, "status", {"status": "queued"})
+                    self.jobs.transitions.changed(workflow, r.job_id, "queued")
 
         return failed
 
@@ -334,20 +363,26 @@ class WorkerGroup:
 
     def _fallbacks(self, w: Workflow[Any, Any]) -> tuple[Target, ...]:
         """The workflow's fallbacks (its own, else ONCELY_LLM_FALLBACKS): a
-        name alone is another model of the primary's endpoint; the N-th's
-        key is ONCELY_LLM_API_KEY_<N>, else the primary's."""
+        name alone is another model of the primary's endpoint, in the
+        primary's dialect; one with its own endpoint or another dialect gets
+        a client of its own (``chat`` unless it names one:
+        docs/providers.md). The N-th's key is ONCELY_LLM_API_KEY_<N>, else
+        the primary's."""
         s = self._settings
         specs = parse_models(w.fallbacks if w.fallbacks is not None else s.llm_fallbacks)
         targets = []
         for number, spec in enumerate(specs, start=1):
-            if spec.base_url is None:
+            same_endpoint = spec.base_url is None
+            dialect = spec.dialect or (s.llm_provider if same_endpoint else "chat")
+            if same_endpoint and dialect == s.llm_provider:
                 targets.append(Target(spec.name, self._models(spec.name)))
                 continue
             key = s.llm_api_keys.get(number, s.llm_api_key).get_secret_value()
-            adapter = self._endpoints.get((spec, key))
+            endpoint = replace(spec, base_url=spec.base_url or s.llm_base_url, dialect=dialect)
+            adapter = self._endpoints.get((endpoint, key))
             if adapter is None:
-                adapter = connect_model(s, spec.base_url, key, spec.name)
-                self._endpoints[spec, key] = adapter
+                adapter = connect_model(s, endpoint.base_url or "", key, spec.name, dialect)
+                self._endpoints[endpoint, key] = adapter
             targets.append(Target(spec.name, adapter))
         return tuple(targets)
 
@@ -373,6 +408,7 @@ class WorkerGroup:
             self.retention,
             self.timers,
             self.schedules,
+            self.batcher,
         ]
 
     async def run(self) -> None:
@@ -385,6 +421,7 @@ class WorkerGroup:
         finally:
             for adapter in self._endpoints.values():
                 await adapter.aclose()
+            await self._batch_api.aclose()
 
     def stop(self) -> None:
         for service in self.services:
@@ -401,29 +438,46 @@ def _model_switch(llm: LLM) -> Callable[[str], LLM]:
 
 async def run_worker(settings: Settings, workflows: list[str] | None = None) -> None:
     app = app_from(settings, workflows)
-    async with open_resources(settings) as res, connect_llm(settings) as llm:
+    async with open_resources(settings, "worker") as res, connect_llm(settings) as llm:
         await require_current_schema(res)
-        log.info("model.client", client=settings.llm_client, model=settings.llm_model)
+        log.info(
+            "model.client",
+            client=settings.llm_client,
+            dialect=settings.llm_provider,
+            model=settings.llm_model,
+        )
         group = WorkerGroup(app, res, llm)
         health = health_server(
             res,
             list(group.jobs.streams.values()),
             [*(w.progress for w in group.loops), group.timers.progress, group.schedules.progress],
         )
-        await run_services(group, *([health] if health else []))
+        await run_services(group, clock_watch(res, "worker"), *([health] if health else []))
 
 
 def health_server(
-    res: Resources, streams: list[Stream], loops: list[Progress]
+    res: Resources, streams: list[Stream], loops: list[Progress], *, wake_up: str | None = None
 ) -> HealthServer | None:
-    """``/metrics``, ``/healthz``, ``/readyz`` on ``ONCELY_METRICS_PORT``, if set."""
+    """``/metrics``, ``/healthz``, ``/readyz`` on ``ONCELY_METRICS_PORT``, if
+    set (``wake_up``: how the relay learns of new outbox rows, for /readyz)."""
     s = res.settings
     if s.metrics_port is None:
         return None
     # A loop may wait for a free slot as long as a handler may run.
     stale_after_s = max(60.0, s.job_budget_s + s.job_grace_s + 30)
-    config = HealthConfig(port=s.metrics_port, stale_after_s=stale_after_s)
+    config = HealthConfig(port=s.metrics_port, stale_after_s=stale_after_s, wake_up=wake_up)
     return HealthServer(config, redis=res.redis, pool=res.pool, streams=streams, loops=loops)
+
+
+def clock_watch(res: Resources, kind: str) -> ClockWatch:
+    """The process's clock against PostgreSQL's, warned about and reported
+    for ``oncely status`` (docs/production.md, Clocks)."""
+    return ClockWatch(
+        res.pool,
+        res.redis,
+        process_name(kind),
+        timeout_s=res.settings.pg_statement_timeout_s,
+    )
 
 
 async def run_services(*services: Service) -> None:
@@ -460,7 +514,7 @@ def build_relay(app: App, res: Resources) -> tuple[Relay, EffectRouter]:
         OutboxStore(res.pool, statement_timeout_s=res.settings.pg_statement_timeout_s),
         router,
         relay_config(res.settings),
-        database_url=res.settings.database_url,
+        database_url=listen_url(res.settings),
         resume=resume,
         workflow_of=calls,
     )
@@ -469,11 +523,20 @@ def build_relay(app: App, res: Resources) -> tuple[Relay, EffectRouter]:
 
 async def run_relay(settings: Settings) -> None:
     app = app_from(settings)
-    async with open_resources(settings) as res:
+    async with open_resources(settings, "relay") as res:
         await require_current_schema(res)
         relay, router = build_relay(app, res)
-        health = health_server(res, list(jobs_for(app, res).streams.values()), [relay.progress])
+        wake_up = "notify" if relay.database_url else "poll"
+        if wake_up == "poll":
+            log.warning(
+                "outbox.polling_only",
+                reason="ONCELY_DATABASE_POOLER=transaction without ONCELY_DATABASE_LISTEN_URL",
+                poll_s=relay.config.poll_s,
+            )
+        health = health_server(
+            res, list(jobs_for(app, res).streams.values()), [relay.progress], wake_up=wake_up
+        )
         try:
-            await run_services(relay, *([health] if health else []))
+            await run_services(relay, clock_watch(res, "relay"), *([health] if health else []))
         finally:
             await router.aclose()

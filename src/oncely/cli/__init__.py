@@ -1,6 +1,10 @@
 """The ``oncely`` command (``oncely.cli:main``) and what only it uses: the
-commands (``commands.py``), the operator commands (``ops.py``), what
-``oncely status`` reads (``status.py``), printing stored text literally
+command tree (``commands.py``), one module per command group (``keys.py``,
+``dlq.py``, ``outbox.py``, ``tenants.py``, ``shadow_eval.py``, ``usage.py``,
+``schedules.py``, ``jobs.py``), the processes (``processes.py``) and the fake
+providers (``fake_servers.py``), what every command runs on
+(``invocation.py``), the operator commands' work (``ops.py``), what ``oncely
+status`` reads (``status.py``), printing stored text literally
 (``terminal.py``) and ``oncely dev`` (``dev.py``, ``dev_address.py``).
 Nothing outside this package imports it."""
 

@@ -47,7 +47,9 @@ class DevRefused(Exception):
     """``oncely dev`` cannot start here; the message says why and what to do."""
 
 
-async def run_dev(settings: Settings, *, port: int) -> None:
+async def run_dev(
+    settings: Settings, *, port: int, workers: bool = True, relay: bool = True
+) -> None:
     """Embedded servers (unless URLs are set), the fakes, migrations, a dev
     key and every process, until a signal. Refused, before anything starts,
     when another stack runs from the same data dir or a port is taken."""
@@ -72,7 +74,7 @@ async def run_dev(settings: Settings, *, port: int) -> None:
             }
         )
     try:
-        await _run_services(settings, port)
+        await _run_services(settings, port, workers=workers, relay=relay)
     finally:
         dev_address.withdraw(settings.data_dir)
         await asyncio.to_thread(servers.stop)
@@ -131,21 +133,28 @@ def _dev_secret(path: Path) -> str:
     return secret
 
 
-async def _run_services(settings: Settings, port: int) -> None:
+async def _run_services(settings: Settings, port: int, *, workers: bool, relay: bool) -> None:
+    """The API, and the workers and the relay unless left to processes of
+    their own (``oncely worker``, ``oncely relay`` from the same directory
+    find this stack's servers)."""
     assert settings.database_url is not None
     await migrate(settings.database_url)
     app = app_from(settings)
-    async with open_resources(settings) as res, connect_llm(settings) as llm:
+    async with open_resources(settings, "dev") as res, connect_llm(settings) as llm:
         key = await _dev_key(res, settings.data_dir / "dev-api-key")
         api = ApiServer(app, res, host="127.0.0.1", port=port)
-        workers = WorkerGroup(app, res, llm)
-        relay, router = build_relay(app, res)
+        services: list[Any] = [api]
+        if workers:
+            services.append(WorkerGroup(app, res, llm))
+        relayed, router = build_relay(app, res)
+        if relay:
+            services.append(relayed)
         background = _fakes(settings, port)
-        stops: list[Callable[[], object]] = [api.stop, workers.stop, relay.stop]
+        stops: list[Callable[[], object]] = [service.stop for service in services]
         stops += [task.cancel for task in background]
         try:
             with stop_on_signals(*stops):
-                running = asyncio.gather(api.run(), workers.run(), relay.run())
+                running = asyncio.gather(*(service.run() for service in services))
                 if await api.serving(running):
                     _publish(settings, port)
                     _banner(settings, port, key, app)
@@ -166,6 +175,12 @@ def _publish(settings: Settings, port: int) -> None:
         redis_url=settings.redis_url,
         database_url=settings.database_url,
         app=settings.app,
+        providers={
+            "llm_base_url": settings.llm_base_url,
+            "sender": settings.sender,
+            "sender_url": settings.sender_url,
+            "webhook_url": settings.webhook_url or "",
+        },
     )
     dev_address.publish(settings.data_dir, address)
 

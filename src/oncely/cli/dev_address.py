@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 FILE = "dev.json"
@@ -24,6 +24,9 @@ class DevAddress:
     redis_url: str
     database_url: str
     app: str
+    # Where the stack's model and providers are (its fakes, unless set):
+    # settings by name, for a worker or relay run apart (``--no-worker``).
+    providers: dict[str, str] = field(default_factory=dict)
 
 
 def publish(data_dir: Path, address: DevAddress) -> Path:

@@ -4,6 +4,7 @@ where a script wants to read the answer."""
 
 from __future__ import annotations
 
+import getpass
 import json
 import re
 import time
@@ -12,23 +13,27 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import asdict
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Literal
 
 from oncely.app import App
 from oncely.bootstrap.clients import budgets, jobs_for, open_resources, shadow_streams
 from oncely.bootstrap.configs import app_from
-from oncely.cli.status import read_status
+from oncely.cli.status import Clocks, read_clocks, read_status
 from oncely.cli.terminal import console, literal, print_rows
+from oncely.clock import SKEW_WARN_S
 from oncely.jobs import dead_letters
 from oncely.jobs.checkpoints import Cancelled, Checkpoints, EventOutcome, Rewound
 from oncely.jobs.inspection import UNREPORTED_NOTE, JobInspection, inspect_job
 from oncely.jobs.records import JobRecord
 from oncely.jobs.schedules import Scheduler, scheduled
 from oncely.jobs.store import Jobs
+from oncely.live.events import JobEvents, LiveConfig
+from oncely.llm.batches import BatchLines, BatchRow
 from oncely.outbox.store import OutboxRow, OutboxStore
 from oncely.settings import Settings
 from oncely.shadow.report import VariantReport, build_report
 from oncely.shadow.store import ShadowResults
+from oncely.statuses import ROW_STATUSES
 from oncely.usage import ledger
 from oncely.usage.budgets import BudgetLimits, published_limits, utc_day
 from oncely.views import waited_on
@@ -38,20 +43,29 @@ out = console()
 
 @asynccontextmanager
 async def _jobs(settings: Settings, workflows: list[str] | None = None) -> AsyncIterator[Jobs]:
+    """The jobs stores, with a status change an operator makes told to the
+    job's live stream (``oncely.jobs.transitions``) before the command ends."""
     app: App = app_from(settings, workflows)
     async with open_resources(settings) as res:
-        yield jobs_for(app, res)
+        jobs = jobs_for(app, res)
+        events = JobEvents(res.redis, LiveConfig(settings.stream_maxlen, settings.stream_ttl_s))
+        jobs.transitions.subscribe(events.status_changed)
+        try:
+            yield jobs
+        finally:
+            await events.drain()
 
 
 async def show_status(settings: Settings, *, as_json: bool) -> None:
     app = app_from(settings)
     async with open_resources(settings) as res:
         jobs = jobs_for(app, res)
-        status = await read_status(jobs, OutboxStore(jobs.pool), shadow_streams(app, res))
+        clocks = await read_clocks(res.pool, res.redis, timeout_s=settings.pg_statement_timeout_s)
+        status = await read_status(jobs, OutboxStore(jobs.pool), shadow_streams(app, res), clocks)
     if as_json:
         print(json.dumps(status.to_json(), indent=2))
         return
-    statuses = ("queued", "waiting", "done", "dead", "cancelled")
+    statuses = ROW_STATUSES
     columns = ("workflow", "stream", "pending", "delayed", "dead letters", *statuses)
     rows: list[list[object]] = [
         [w.workflow, w.stream.length, w.stream.pending, w.stream.delayed, w.stream.dead_letters]
@@ -76,6 +90,19 @@ async def show_status(settings: Settings, *, as_json: bool) -> None:
             out.print(
                 f"consumer {name}/{literal(c.name)}: {c.pending} pending, idle {c.idle_ms} ms"
             )
+    _print_clocks(status.clocks)
+
+
+def _print_clocks(clocks: Clocks) -> None:
+    """One line when every clock is in sync, else one warning per clock off."""
+    warnings = clocks.warnings()
+    for warning in warnings:
+        out.print(f"warning: {literal(warning)}", style="yellow")
+    if not warnings:
+        out.print(
+            f"clocks: this machine's and {len(clocks.processes)} running processes' "
+            f"within {SKEW_WARN_S:.0f} s of PostgreSQL's"
+        )
 
 
 async def show_dead_letters(
@@ -302,16 +329,23 @@ async def cancel_job(
         return await Checkpoints(jobs).cancel(job_id, kind=workflow)
 
 
-async def decide_approval(
-    settings: Settings, job_id: uuid.UUID, call_id: str, decision: dict[str, Any]
+async def decide_call(
+    settings: Settings,
+    job_id: uuid.UUID,
+    call_id: str,
+    decision: dict[str, Any],
+    *,
+    on: Literal["approval", "uncertain"] = "approval",
 ) -> EventOutcome | None:
-    """A person's decision on a tool call the job waits on, as the API takes
-    it (``oncely.api.approvals``): stored, and the job queued again. None:
-    no such job."""
+    """A person's decision on a call the job waits on (an approval, or the
+    word on an uncertain call), as the API takes it
+    (``oncely.api.approvals``): stored, and the job queued again. None: no
+    such job."""
     from oncely.jobs.approvals import decide
 
     async with _jobs(settings) as jobs:
-        outcome = await decide(Checkpoints(jobs), job_id, call_id, decision)
+        by = f"cli:{getpass.getuser()}"
+        outcome = await decide(Checkpoints(jobs), job_id, call_id, decision, by=by, on=on)
         if outcome is not None and outcome.resumed is not None:
             await jobs.restore(outcome.resumed)
         return outcome
@@ -516,13 +550,63 @@ async def usage_report(
     if as_json:
         print(json.dumps([row.to_json(by) for row in rows], indent=2))
         return rows
-    columns = (by, "calls", "prompt tokens", "completion tokens", "cost (USD)", "wasted calls")
+    columns = (
+        by,
+        "calls",
+        "prompt tokens",
+        "completion tokens",
+        "cache reads",
+        "cache writes",
+        "cost (USD)",
+        "cache saved (USD)",
+        "lane saved (USD)",
+        "wasted calls",
+    )
     cells = [
-        (r.group, r.calls, r.prompt_tokens, r.completion_tokens, _usd(r.cost_usd), r.wasted_calls)
+        (
+            r.group,
+            r.calls,
+            r.prompt_tokens,
+            r.completion_tokens,
+            r.cached_tokens,
+            r.cache_write_tokens,
+            _usd(r.cost_usd),
+            _usd(r.cache_saved_usd),
+            _usd(r.lane_saved_usd),
+            r.wasted_calls,
+        )
         for r in rows
     ]
     title = f"model calls since {since.astimezone(UTC):%Y-%m-%d %H:%M} UTC, by {by}"
     print_rows(out, title, columns, cells, ids=1)
+    return rows
+
+
+async def show_batches(
+    settings: Settings,
+    *,
+    batch_id: str | None = None,
+    limit: int = 50,
+    as_json: bool = False,
+) -> list[BatchRow]:
+    """``oncely batches list|show``: the batch lane's batches, newest first
+    (docs/lanes.md); one of them by its oncely id."""
+    async with open_resources(settings) as res:
+        rows = await BatchLines(res.pool).batches(batch_id, limit=limit)
+    if batch_id is not None and not rows:
+        return rows
+    if as_json:
+        items = [row.to_json() for row in rows]
+        print(json.dumps(items[0] if batch_id is not None else items, indent=2))
+        return rows
+    columns = ("batch", "provider id", "status", "model", "dialect", "lines", "answered",
+               "failed", "jobs waiting", "created")  # fmt: skip
+    cells = [
+        (r.batch_id, r.provider_id or "(not recorded)", r.status, r.model, r.dialect, r.lines,
+         r.answered, r.failed, r.waiting, f"{r.created_at.astimezone(UTC):%Y-%m-%d %H:%M:%S}")
+        for r in rows
+    ]  # fmt: skip
+    print_rows(out, "batch-lane batches, newest first", columns, cells, ids=2)
     return rows
 
 

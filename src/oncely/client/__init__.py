@@ -46,6 +46,7 @@ from oncely.client.errors import (
 from oncely.client.jobs import (
     Accepted,
     Cancelled,
+    Decision,
     EventReceived,
     Job,
     JobStep,
@@ -83,6 +84,7 @@ __all__ = [
     "BadRequest",
     "Cancelled",
     "Client",
+    "Decision",
     "EventAlreadyReceived",
     "EventReceived",
     "GaveUp",

@@ -10,13 +10,10 @@ from typing import Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict
 
+from oncely.statuses import FINISHED, JobStatus
+
 R = TypeVar("R")
 M = TypeVar("M", bound=BaseModel)
-
-# queued: in line; running: a worker holds it.
-JobStatus = Literal["queued", "running", "waiting", "done", "dead", "cancelled"]
-# Statuses after which nothing about a job changes.
-FINISHED = frozenset({"done", "dead", "cancelled"})
 
 
 class Accepted(BaseModel):
@@ -50,6 +47,17 @@ class JobUsage(BaseModel):
     children: JobUsage | None = None
 
 
+class Decision(BaseModel):
+    """A person's decision on a tool call (``by``: ``key:<id>``,
+    ``console`` or ``cli:<user>``)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    approved: bool
+    by: str | None = None
+    reason: str | None = None
+
+
 class JobStep(BaseModel):
     """One checkpoint of a job (never its value)."""
 
@@ -64,6 +72,10 @@ class JobStep(BaseModel):
     model: str | None = None
     # An agent's tool, approval and call-tool checkpoints: the tool.
     tool: str | None = None
+    # A model turn a replay asked differently, and answered as stored.
+    diverged: bool = False
+    # An approval's decision: approved or not, who decided, and why.
+    decision: Decision | None = None
 
 
 class PendingApproval(BaseModel):

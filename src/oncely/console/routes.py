@@ -18,33 +18,35 @@ import json
 import uuid
 from datetime import UTC, datetime, timedelta
 from importlib import resources
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import parse_qs, urlencode
 
 import structlog
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response, StreamingResponse
 from jinja2 import Environment, PackageLoader, select_autoescape
 from markupsafe import Markup
+from pydantic import ValidationError
 
-from oncely.api.streaming import EVENT_STREAM, JobStream
+from oncely.api.streaming import EVENT_STREAM, JobStream, resume_after
 from oncely.console.session import COOKIE, SESSION_S, ConsoleKey, Sessions
+from oncely.decisions import UncertainDecision, is_call_id
 from oncely.jobs import approvals, dead_letters
 from oncely.jobs.checkpoints import Checkpoints
 from oncely.jobs.inspection import UNREPORTED_NOTE, inspect_job
-from oncely.jobs.records import JOB_STATUSES
 from oncely.jobs.store import Jobs
 from oncely.outbox.store import OutboxStore
 from oncely.shown import literal
+from oncely.statuses import FINISHED, ROW_STATUSES
 from oncely.usage import ledger
-from oncely.views import pending_approval, waited_on
+from oncely.views import pending_approval, pending_uncertain, waited_on
 
 if TYPE_CHECKING:
     from oncely.api.clients import Host
 
 log = structlog.get_logger("oncely.console")
 
-STATUSES = JOB_STATUSES
+STATUSES = ROW_STATUSES
 # Read pages reload themselves this often while open.
 REFRESH_S = 10
 _LIST_LIMIT = 100
@@ -342,7 +344,7 @@ def _add_job_page(router: APIRouter, console: Console) -> None:
             return console.not_found("job", session)
         # An unfinished job's page follows its live stream (console.js); a
         # finished one has nothing left to change.
-        unfinished = view.job.status not in ("done", "dead", "cancelled")
+        unfinished = view.job.status not in FINISHED
         parent = None
         if view.job.parent_id is not None:
             parent = await console.jobs.detail(None, view.job.parent_id)
@@ -361,6 +363,7 @@ def _add_job_page(router: APIRouter, console: Console) -> None:
             checkpoints=view.checkpoints,
             waited_on=waited_on(view.job),
             approval=pending_approval(view.job),
+            uncertain=pending_uncertain(view.job),
             decided=decided,
             parent=parent,
             maps=view.maps,
@@ -386,7 +389,10 @@ def _add_live(router: APIRouter, console: Console) -> None:
             return Response(status_code=404)
         declared = console.api.app[workflow]
         stream = JobStream(console.api.live, declared, console.jobs, record.tenant, parsed)
-        after = request.headers.get("last-event-id")
+        try:
+            after = resume_after(request.headers.get("last-event-id"))
+        except HTTPException:
+            return Response(status_code=400)
         return StreamingResponse(
             stream.events(after), media_type=EVENT_STREAM, headers={"Cache-Control": "no-store"}
         )
@@ -406,14 +412,65 @@ def _add_approvals(router: APIRouter, console: Console) -> None:
         decision: dict[str, Any] = {"approved": form.get("decision") == "approve"}
         if form.get("reason"):
             decision["reason"] = form["reason"]
-        checkpoints = Checkpoints(console.jobs)
-        outcome = await approvals.decide(checkpoints, parsed, call_id, decision, kind=workflow)
-        if outcome is not None and outcome.resumed is not None:
-            await console.jobs.restore(outcome.resumed)
-        found = outcome is not None and outcome.outcome in ("received", "duplicate")
-        log.info("console.approval_decided", job_id=job_id, decided=found)
-        state = ("approved" if decision["approved"] else "rejected") if found else "not-pending"
-        return _redirect(f"/console/workflows/{workflow}/jobs/{job_id}", decided=state)
+        state = "approved" if decision["approved"] else "rejected"
+        return await _decide(console, workflow, parsed, call_id, decision, "approval", state)
+
+    @router.post("/workflows/{workflow}/jobs/{job_id}/uncertain/{call_id}")
+    async def resolve_call(
+        request: Request,
+        workflow: str,
+        job_id: str,
+        call_id: str,
+        _: str = Depends(console.checked),
+        parsed: uuid.UUID = Depends(console.job),
+    ) -> Response:
+        form = await _form(request)
+        chosen = form.get("decision", "")
+        given: dict[str, Any] = {
+            "resend": {"resend": True},
+            "result": {"result": _json_or_text(form.get("result", ""))},
+            "failed": {"failed": form.get("reason") or "failed, a person said"},
+        }.get(chosen, {})
+        try:
+            decision = UncertainDecision.model_validate(given).model_dump(
+                mode="json", exclude_unset=True
+            )
+        except ValidationError:
+            return _redirect(f"/console/workflows/{workflow}/jobs/{parsed}", decided="invalid")
+        return await _decide(console, workflow, parsed, call_id, decision, "uncertain", chosen)
+
+
+async def _decide(
+    console: Console,
+    workflow: str,
+    job_id: uuid.UUID,
+    call_id: str,
+    decision: dict[str, Any],
+    on: Literal["approval", "uncertain"],
+    state: str,
+) -> Response:
+    """Store a person's decision from the console, and show the job again."""
+    if not is_call_id(call_id):
+        # Only ids oncely made name a call: nothing else reaches a decision.
+        return Response(status_code=404)
+    outcome = await approvals.decide(
+        Checkpoints(console.jobs), job_id, call_id, decision, by="console", kind=workflow, on=on
+    )
+    if outcome is not None and outcome.resumed is not None:
+        await console.jobs.restore(outcome.resumed)
+    found = outcome is not None and outcome.outcome in ("received", "duplicate")
+    log.info("console.call_decided", job_id=str(job_id), on=on, decided=found)
+    return _redirect(
+        f"/console/workflows/{workflow}/jobs/{job_id}", decided=state if found else "not-pending"
+    )
+
+
+def _json_or_text(text: str) -> Any:
+    """A result typed into the console: JSON when it is, else the text."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 def _add_dead_letters(router: APIRouter, console: Console) -> None:
@@ -476,9 +533,21 @@ def _add_usage(router: APIRouter, console: Console) -> None:
         period = since if since in _USAGE_PERIODS else "24h"
         start = datetime.now(UTC) - _USAGE_PERIODS[period]
         found = await ledger.usage_report(
-            console.api.clients.pool, since=start, by="workflow/model"
+            console.api.clients.pool, since=start, by="workflow/dialect/model"
         )
-        rows = [(*row.group.split("/", 1), row) for row in found]
+        # Model names may hold slashes; workflow and dialect names do not.
+        rows = [(*row.group.split("/", 2), row) for row in found]
+        priced = [row.cache_saved_usd for row in found if row.cache_saved_usd is not None]
+        # Spend and savings by lane (docs/lanes.md).
+        lanes = await ledger.usage_report(console.api.clients.pool, since=start, by="lane")
         return console.page(
-            "usage.html", session, rows=rows, period=period, periods=list(_USAGE_PERIODS)
+            "usage.html",
+            session,
+            rows=rows,
+            period=period,
+            periods=list(_USAGE_PERIODS),
+            cache_saved=sum(priced) if priced else None,
+            cache_reads=sum(row.cached_tokens for row in found),
+            cache_writes=sum(row.cache_write_tokens for row in found),
+            lanes=lanes,
         )

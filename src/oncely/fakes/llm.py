@@ -1,17 +1,14 @@
 """The fake model: an OpenAI-compatible chat endpoint whose faults are scripted
-by the prompt itself (docs/fakes.md).
+by the prompt itself (docs/fakes.md). This module is the server: it reads
+requests in each dialect, counts calls and serves or fails them as the
+prompt's script says (``oncely.fakes.script``: the directives and the
+answer; ``oncely.fakes.schema``: the one instance of a response schema).
 
 It answers an extractive summary of the last user message (its first two
-sentences; for a model whose name contains ``v2``, the first sentence only).
-A request with ``response_format: {"type": "json_schema", ...}`` gets instead
-the one JSON instance of that schema the fake derives from the same message:
-an enum takes the first of its values, in declared order, that the message
-mentions (case-insensitive; ``v2`` takes the second one mentioned), else its
-first value; strings are the summary fitted to ``minLength``/``maxLength``;
-numbers the least their lower bound allows (0 without one); booleans false;
-objects every property; arrays ``minItems`` items; ``$ref``, ``anyOf``,
-``oneOf``, ``allOf`` and ``const`` are followed. ``usage`` estimates four
-characters a token over all messages.
+sentences; for a model whose name contains ``v2``, the first sentence only),
+or, for a ``json_schema`` response format, the schema's instance derived
+from the same message. ``usage`` estimates four characters a token over
+all messages.
 
 Directives in the last user message, counted per distinct prompt (sha256), so
 a job's fate is written in its own text and survives redeliveries:
@@ -29,6 +26,14 @@ a job's fate is written in its own text and survives redeliveries:
 - ``[[fake:typing=S]]``: a streamed answer waits S seconds between chunks;
   a whole answer waits as long, before it is sent.
 
+The flex tier (docs/lanes.md): a request with ``service_tier: "flex"`` is
+answered as any other, its answer saying ``service_tier: "flex"``
+(``default`` otherwise); ``[[fake:busy*N]]`` makes the prompt's next N
+flex calls answer 429 ``resource_unavailable`` (the flex tier out of
+capacity, ``Retry-After: 1``) while its standard-tier calls answer.
+``/_calls`` counts calls per tier (``tiers``) and the ``busy`` fault per
+prompt.
+
 Without ``*N`` a fault applies to every call. Faults run in the order written:
 ``[[fake:503*2]] [[fake:429*1]]`` answers 503, 503, 429, then a summary.
 
@@ -45,7 +50,10 @@ with that ``tool_call_id`` (``[[fake:tools=parallel]]``: all of them in one
 turn), then its usual final answer (text, or JSON for the schema). A name
 the request did not declare is called all the same (an agent must cope).
 ``[[fake:badargs]]`` sends the first unanswered call's arguments as text
-that is not JSON. ``GET /_calls?messages=1`` adds ``requests``: the
+that is not JSON. ``[[fake:tool_ids=repeat]]`` gives every call the id
+``call_0`` and ``[[fake:tool_ids=none]]`` gives none, as some
+OpenAI-compatible servers do: calls then count as answered in order, one per
+``tool`` message. ``GET /_calls?messages=1`` adds ``requests``: the
 messages of the last 100 requests, oldest first.
 
 A whole-provider outage is switched by the test: ``POST /_outage {"fault":
@@ -86,53 +94,57 @@ import re
 import sys
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import asdict, dataclass, field, replace
 from types import TracebackType
 from typing import Any, Literal, cast
 
 import structlog
 from aiohttp import web
 
+from oncely.fakes import messages as messages_wire
+from oncely.fakes import responses as responses_wire
+from oncely.fakes.batches import (
+    DEFAULT_BATCH_DELAY_S,
+    FAKE_BATCHES,
+    MAX_BATCH_FILE_BYTES,
+    FakeBatches,
+    mount_batches,
+)
 from oncely.fakes.faults import RandomFaults
+from oncely.fakes.schema import InvalidSchema
+from oncely.fakes.script import (
+    CHARS_PER_TOKEN,
+    NO_IDS,
+    REPEATED_IDS,
+    ChatRequest,
+    Dialect,
+    FaultKind,
+    HttpFault,
+    Prompt,
+    excerpt,
+    tool_script,
+)
 
 log = structlog.get_logger(__name__)
 
-HttpFault = Literal["429", "503", "400", "hang", "drip"]
-FaultKind = HttpFault | Literal["badjson", "cut"]
 # What ``--faults`` may name, in the order rates are drawn.
 RANDOM_FAULTS = ("429", "503", "hang", "drip", "slow", "badjson")
 RandomFault = FaultKind | Literal["slow"]
 
-_DIRECTIVE = re.compile(
-    r"\[\[fake:(?:(?P<fault>429|503|400|hang|drip|badjson|cut)(?:\*(?P<times>\d+))?"
-    r"|sleep=(?P<sleep>\d+(?:\.\d+)?)|typing=(?P<typing>\d+(?:\.\d+)?))\]\]"
-)
-# Every directive, to take out of an answer (tool calls' JSON included).
-_ANY_DIRECTIVE = re.compile(r"\[\[fake:.*?\]\]")
-_TOOL = re.compile(r"\[\[fake:tool=(?P<name>[A-Za-z0-9_-]+)(?:\s+(?P<args>\{.*?\}))?\]\]")
-_PARALLEL = "[[fake:tools=parallel]]"
-_BAD_ARGS = "[[fake:badargs]]"
 # How many requests' messages ``/_calls?messages=1`` keeps.
 _RECENT = 100
-_SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
-_SUMMARY_SENTENCES = 2
-_SUMMARY_MAX_CHARS = 280
-_EXCERPT_CHARS = 80
-_CHARS_PER_TOKEN = 4
+# What ``[[fake:refusal]]`` and ``[[fake:credit]]`` say.
+_REFUSAL = "I can't help with that."
+_NO_CREDIT = (
+    "Your credit balance is too low to access the Anthropic API. Please go to Plans & Billing"
+    " to upgrade or purchase credits."
+)
+_NO_QUOTA = "You exceeded your current quota, please check your plan and billing details."
 # What ``[[fake:badjson]]`` answers: invalid for any schema, and not JSON at all.
 _BAD_JSON = '{"oops": '
 _NOT_JSON = "not json"
-# Values for string formats pydantic emits, where the summary would not validate.
-_STRING_FORMATS = {
-    "date-time": "1970-01-01T00:00:00Z",
-    "date": "1970-01-01",
-    "time": "00:00:00",
-    "duration": "PT0S",
-    "uuid": "00000000-0000-4000-8000-000000000000",
-    "email": "fake@example.com",
-    "uri": "https://example.com/",
-}
+# The fake's rate limit window (``--rpm``).
 _LIMIT_WINDOW_S = 60.0
 # Fakes hold nothing worth waiting for; a hung call must not stall shutdown.
 _SHUTDOWN_TIMEOUT_S = 0.1
@@ -140,91 +152,62 @@ _SHUTDOWN_TIMEOUT_S = 0.1
 DEFAULT_SLOW_S = 2.0
 
 
-@dataclass(frozen=True)
-class Fault:
-    kind: FaultKind
-    times: int | None  # None: every call from here on
-
-
-@dataclass(frozen=True)
-class _ChatRequest:
-    """What the fake reads from a chat completion request."""
-
-    model: str
-    text: str  # the last user message: what faults are counted and answers keyed on
-    chars: int  # of all messages' text, for the token estimate
-    schema: Mapping[str, Any] | None  # from a ``json_schema`` response format
-    schema_key: str  # ``schema`` as canonical JSON; "" without one
-    # With tools declared: the first user message (its tool directives) and
-    # the tool calls already answered by a ``tool`` message.
-    tools: bool = False
-    first_user: str = ""
-    answered: frozenset[str] = frozenset()
-    # Asked for server-sent chunks (``stream: true``).
-    stream: bool = False
-
-    @property
-    def prompt_tokens(self) -> int:
-        return self.chars // _CHARS_PER_TOKEN + 1
-
-    @property
-    def second_choice(self) -> bool:
-        """The "v2" model answers differently, for shadow comparisons."""
-        return "v2" in self.model.lower()
-
-
 @dataclass
-class _Prompt:
-    """One distinct prompt: its script and answers, worked out once, and how often
-    it was called."""
+class _Job:
+    """A background response: its id, what it asks, the document GET
+    answers, the task working on it (None once done), and its stream's
+    events so far (``sequence_number`` = index), for every client that
+    streams it, from any point."""
 
-    sha256: str
-    text: str
-    script: tuple[Fault, ...]
-    sleep_s: float
-    # Between a stream's chunks.
-    typing_s: float = 0.0
-    count: int = 0
-    billed: int = 0
-    billed_ports: list[int] = field(default_factory=list)
-    faults: dict[str, int] = field(default_factory=dict)
-    fault_ports: dict[str, list[int]] = field(default_factory=dict)
-    abandoned: int = 0
-    _answers: dict[tuple[bool, str], str] = field(default_factory=dict, repr=False)
+    id: str
+    chat: ChatRequest
+    document: dict[str, Any]
+    task: asyncio.Task[None] | None = None
+    events: list[dict[str, Any]] = field(default_factory=list)
+    finished: bool = False
+    _grown: asyncio.Event = field(default_factory=asyncio.Event)
 
-    @classmethod
-    def parse(cls, sha256: str, text: str) -> _Prompt:
-        script: list[Fault] = []
-        sleep_s = typing_s = 0.0
-        for match in _DIRECTIVE.finditer(text):
-            if match["sleep"] is not None:
-                sleep_s = float(match["sleep"])
-            elif match["typing"] is not None:
-                typing_s = float(match["typing"])
-            else:
-                times = int(match["times"]) if match["times"] is not None else None
-                script.append(Fault(cast(FaultKind, match["fault"]), times))
-        return cls(sha256, text, tuple(script), sleep_s, typing_s)
+    def add(self, event: dict[str, Any]) -> None:
+        self.events.append({**event, "sequence_number": len(self.events)})
+        self._wake()
 
-    def answer(self, request: _ChatRequest) -> str:
-        """The content for this prompt, once per model variant and schema."""
-        key = (request.second_choice, request.schema_key)
-        content = self._answers.get(key)
-        if content is None:
-            content = _answer(self.text, request.schema, second_choice=request.second_choice)
-            self._answers[key] = content
-        return content
+    def finish(self, document: dict[str, Any]) -> None:
+        self.document, self.finished = document, True
+        self._wake()
 
-    def fault_for(self, call: int) -> FaultKind | None:
-        """The fault scripted for this prompt's ``call``-th call (1-based)."""
-        scripted = 0
-        for fault in self.script:
-            if fault.times is None:
-                return fault.kind
-            scripted += fault.times
-            if call <= scripted:
-                return fault.kind
-        return None
+    def _wake(self) -> None:
+        self._grown.set()
+        self._grown = asyncio.Event()
+
+    async def follow(self, after: int) -> AsyncIterator[dict[str, Any]]:
+        """The events after number ``after``, as they come, until it is done."""
+        number = after + 1
+        while True:
+            grown = self._grown
+            while number < len(self.events):
+                yield self.events[number]
+                number += 1
+            if self.finished:
+                return
+            await grown.wait()
+
+
+# Faults that still answer 200 (the answer itself is what is wrong).
+_ANSWERED_FAULTS = frozenset({"badjson", "slow", "cut", "refusal", "pause"})
+# Faults a background create answers at once: (status, message, code).
+_CREATE_ERRORS = {
+    "429": (429, "Rate limit reached (scripted)", "rate_limit_exceeded"),
+    "400": (400, "Invalid request (scripted)", "invalid_request_error"),
+    "credit": (429, _NO_QUOTA, "insufficient_quota"),
+}
+
+
+# What a batch's line answers for a fault that would be an HTTP status.
+_LINE_ERRORS = {
+    **_CREATE_ERRORS,
+    "503": (503, "The server had an error (scripted)", "server_error"),
+    "529": (529, "Overloaded (scripted)", "overloaded_error"),
+}
 
 
 @dataclass(frozen=True)
@@ -256,8 +239,16 @@ class CallStats:
     abandoned: int = 0
     # The usage each model's answers reported: {"prompt": n, "completion": m}.
     tokens: dict[str, dict[str, int]] = field(default_factory=dict)
+    # Calls per dialect: ``chat`` (/v1/chat/completions), ``responses``
+    # (POST /v1/responses: creates), ``anthropic`` (/v1/messages).
+    dialects: dict[str, int] = field(default_factory=dict)
+    # The Responses API's background responses: ``created`` (background
+    # creates), ``retrieved`` (GET /v1/responses/{id}), ``cancelled``.
+    background: dict[str, int] = field(default_factory=dict)
     rate_limited: int | None = None  # only when an rpm/tpm limit is on
     random_faults: dict[str, int] | None = None  # only when random faults are on
+    # OpenAI calls per tier asked (``flex``, ``default``), busy ones included.
+    tiers: dict[str, int] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, object]:
         body = asdict(self)
@@ -321,8 +312,18 @@ class FakeModel:
         self.rate_limited = 0
         self.random_faults: dict[str, int] = {}
         self.models: dict[str, int] = {}
+        self.dialects: dict[str, int] = {}
         self.tokens: dict[str, dict[str, int]] = {}
-        self._prompts: dict[str, _Prompt] = {}
+        self.background = {"created": 0, "retrieved": 0, "cancelled": 0, "streamed": 0}
+        # Each background stream asked for again: the ``starting_after`` it
+        # gave (-1: none, from the first event).
+        self.resumed_after: list[int] = []
+        self.tiers: dict[str, int] = {}
+        for job in getattr(self, "_jobs", {}).values():
+            if job.task is not None:
+                job.task.cancel()
+        self._jobs: dict[str, _Job] = {}
+        self._prompts: dict[str, Prompt] = {}
         self._tool_scripts: dict[str, tuple[list[dict[str, Any]], bool, bool]] = {}
         self.recent: deque[list[Any]] = deque(maxlen=_RECENT)
         self._limit = _RateLimit(*self._limits) if any(self._limits) else None
@@ -332,7 +333,7 @@ class FakeModel:
             PromptCalls(
                 p.sha256,
                 p.count,
-                _excerpt(p.text),
+                excerpt(p.text),
                 p.billed,
                 list(p.billed_ports),
                 dict(p.faults),
@@ -352,17 +353,63 @@ class FakeModel:
             dict(self.models),
             self.abandoned,
             {model: dict(kinds) for model, kinds in self.tokens.items()},
+            dict(self.dialects),
+            dict(self.background),
             rate_limited,
             random_faults,
+            dict(self.tiers),
         )
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._call(request, "chat")
+
+    async def messages(self, request: web.Request) -> web.StreamResponse:
+        """Anthropic's Messages API (``oncely.fakes.messages``)."""
+        return await self._call(request, "anthropic")
+
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        """OpenAI's Responses API (``oncely.fakes.responses``)."""
+        return await self._call(request, "responses")
+
+    async def retrieve_response(self, request: web.Request) -> web.StreamResponse:
+        """``GET /v1/responses/{id}``: a background response as it stands;
+        with ``stream=true`` its events after ``starting_after`` (from the
+        first without it), as they come, to its end."""
+        job = self._jobs.get(request.match_info["id"])
+        if job is None:
+            return _error(404, "No response found with that id", "not_found", "responses")
+        if request.query.get("stream") != "true":
+            self.background["retrieved"] += 1
+            return web.json_response(job.document)
+        try:
+            after = int(request.query.get("starting_after", "-1"))
+        except ValueError:
+            return _error(400, "starting_after must be an integer", "invalid_value", "responses")
+        self.background["streamed"] += 1
+        self.resumed_after.append(after)
+        return await _follow(request, job, after)
+
+    async def cancel_response(self, request: web.Request) -> web.Response:
+        """``POST /v1/responses/{id}/cancel``: a background response not done
+        yet is cancelled (its generation stops, unbilled if not begun)."""
+        job = self._jobs.get(request.match_info["id"])
+        if job is None:
+            return _error(404, "No response found with that id", "not_found", "responses")
+        if job.document["status"] in ("queued", "in_progress"):
+            self.background["cancelled"] += 1
+            if job.task is not None:
+                job.task.cancel()
+            job.finish(responses_wire.cancelled(job.id, job.chat.model))
+        return web.json_response(job.document)
+
+    async def _call(self, request: web.Request, dialect: Dialect) -> web.StreamResponse:
         self.total += 1
+        self.dialects[dialect] = self.dialects.get(dialect, 0) + 1
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
-        prompt: list[_Prompt] = []
+        prompt: list[Prompt] = []
         try:
-            return await self._complete(request, prompt)
+            return await self._complete(request, prompt, dialect)
         except asyncio.CancelledError:
             # The client went away first (its call was cancelled or cut off).
             self.abandoned += 1
@@ -372,60 +419,133 @@ class FakeModel:
         finally:
             self.in_flight -= 1
 
-    async def _complete(self, request: web.Request, called: list[_Prompt]) -> web.StreamResponse:
-        parsed = _parse_request(await request.read())
+    async def _complete(
+        self, request: web.Request, called: list[Prompt], dialect: Dialect
+    ) -> web.StreamResponse:
+        parsed = _parse_request(await request.read(), dialect)
         if isinstance(parsed, web.Response):
             return parsed
         chat, messages = parsed
         self.recent.append(messages)
         self.models[chat.model] = self.models.get(chat.model, 0) + 1
-        refused = self._refuse_over_limit(chat.prompt_tokens)
+        refused = self._refuse_over_limit(chat.prompt_tokens, dialect)
         if refused is not None:
             return refused
         prompt = self._prompt(chat.text)
         called.append(prompt)
         prompt.count += 1
         call = prompt.count  # read before sleeping: concurrent calls each get their number
+        port = _client_port(request)
+        if chat.dialect != "anthropic":
+            tier = chat.tier or "default"
+            self.tiers[tier] = self.tiers.get(tier, 0) + 1
+            if tier == "flex" and prompt.no_capacity():
+                prompt.faults["busy"] = prompt.faults.get("busy", 0) + 1
+                prompt.fault_ports.setdefault("busy", []).append(port)
+                return _no_flex_capacity(dialect)
+        if chat.background:
+            return await self._start_background(request, chat, prompt, call, port)
         if prompt.sleep_s:
             await asyncio.sleep(prompt.sleep_s)
+        fault = self._fault(chat, prompt, call, port)
+        if fault is not None and fault not in _ANSWERED_FAULTS:
+            return await _FAULTS[cast(HttpFault, fault)](request, dialect)
+        try:
+            answer = await self._answer(chat, prompt, fault, port)
+        except InvalidSchema as exc:
+            return _error(400, f"invalid json_schema: {exc}", "invalid_request_error", dialect)
+        return await _respond(request, chat, answer, prompt, fault)
+
+    def _fault(self, chat: ChatRequest, prompt: Prompt, call: int, port: int) -> str | None:
+        """The fault the prompt's ``call``-th call meets (counted), if any."""
         fault = (
             self.outage
             or self.model_outages.get(chat.model)
             or prompt.fault_for(call)
             or self._random_fault(prompt.sha256, call)
         )
-        port = _client_port(request)
         if fault is not None:
             prompt.faults[fault] = prompt.faults.get(fault, 0) + 1
             prompt.fault_ports.setdefault(fault, []).append(port)
+        return fault
+
+    async def _answer(
+        self, chat: ChatRequest, prompt: Prompt, fault: str | None, port: int
+    ) -> dict[str, Any]:
+        """The answer, as a chat completion (the dialect's shape is
+        ``_document``'s), billed once generating starts, as a provider bills
+        it, even if the client goes away before a slow answer is done."""
         if fault == "badjson":
             content = _BAD_JSON if chat.schema is not None else _NOT_JSON
-        elif fault is not None and fault not in ("slow", "cut"):
-            return await _FAULTS[cast(HttpFault, fault)](request)
         else:
             calls = self._tool_calls(chat)
             if calls:
                 prompt.billed += 1
                 prompt.billed_ports.append(port)
-                answer = _tool_completion(chat, calls, self.total)
-                return await _respond(request, chat, answer, prompt, cut=fault == "cut")
-            try:
-                content = prompt.answer(chat)
-            except _InvalidSchema as exc:
-                return _error(400, f"invalid json_schema: {exc}", "invalid_request_error")
-            # Billed once generating starts, as a provider does, even if the
-            # client goes away before a slow answer is done.
+                return _tool_completion(chat, calls, self.total)
+            content = _rest(prompt.answer(chat), chat.continued)
             prompt.billed += 1
             prompt.billed_ports.append(port)
             if fault == "slow":
                 await asyncio.sleep(self.slow_s)
-        answer = _completion(chat, content, self.total)
         used = self.tokens.setdefault(chat.model, {"prompt": 0, "completion": 0})
         used["prompt"] += chat.prompt_tokens
         used["completion"] += _completion_tokens(content)
-        return await _respond(request, chat, answer, prompt, cut=fault == "cut")
+        return _completion(chat, content, self.total, refused=fault == "refusal")
 
-    def _refuse_over_limit(self, tokens: int) -> web.Response | None:
+    async def _start_background(
+        self, request: web.Request, chat: ChatRequest, prompt: Prompt, call: int, port: int
+    ) -> web.StreamResponse:
+        """A background response: created at once (``queued``), worked on by a
+        task of its own (``_think``), its events streamed to the creator when
+        asked (``stream: true``: the creator going away stops nothing). A
+        fault the API answers at create time (429, 400, a dry account) is
+        answered now; a 503 or 529 fails the response; a hang or a drip
+        never ends it."""
+        fault = self._fault(chat, prompt, call, port)
+        if fault in ("429", "400", "credit"):
+            return _error(*_CREATE_ERRORS[fault], "responses")
+        self.background["created"] += 1
+        response_id = f"resp_fake_{self.total}"
+        job = _Job(response_id, chat, responses_wire.pending(response_id, chat.model))
+        job.add({"type": "response.created", "response": job.document})
+        self._jobs[response_id] = job
+        job.task = asyncio.create_task(self._think(job, prompt, fault, port))
+        if chat.stream:
+            return await _follow(request, job, -1)
+        return web.json_response(job.document)
+
+    async def _think(self, job: _Job, prompt: Prompt, fault: str | None, port: int) -> None:
+        """Work a background response out: its events one by one (a
+        ``typing`` pause between them), the document done with the last."""
+        chat = job.chat
+        job.document = responses_wire.pending(job.id, chat.model, "in_progress")
+        try:
+            if prompt.sleep_s:
+                await asyncio.sleep(prompt.sleep_s)
+            if fault in ("503", "529"):
+                _fail(job, "server_error", "The server had an error (scripted)")
+                return
+            if fault in ("hang", "drip"):
+                await asyncio.Event().wait()
+            try:
+                answer = await self._answer(chat, prompt, fault, port)
+            except InvalidSchema as exc:
+                _fail(job, "invalid_prompt", f"invalid json_schema: {exc}")
+                return
+            document, _ = _document(chat, answer, prompt, fault)
+            document = {**document, "id": job.id}
+            *events, _ = responses_wire.events(document)[1:]
+            for event in events:
+                if prompt.typing_s:
+                    await asyncio.sleep(prompt.typing_s)
+                job.add(event)
+            job.add({"type": "response.completed", "response": document})
+            job.finish(document)
+        finally:
+            job.task = None
+
+    def _refuse_over_limit(self, tokens: int, dialect: Dialect) -> web.Response | None:
         if self._limit is None:
             return None
         wait_s = self._limit.admit(tokens, time.monotonic())
@@ -433,27 +553,36 @@ class FakeModel:
             return None
         self.rate_limited += 1
         retry_after = max(1, math.ceil(wait_s))
-        return _error(429, "Rate limit reached", "rate_limit_exceeded", retry_after=retry_after)
+        return _error(
+            429, "Rate limit reached", "rate_limit_exceeded", dialect, retry_after=retry_after
+        )
 
-    def _prompt(self, text: str) -> _Prompt:
+    def _prompt(self, text: str) -> Prompt:
         sha = hashlib.sha256(text.encode()).hexdigest()
         prompt = self._prompts.get(sha)
         if prompt is None:
-            prompt = self._prompts[sha] = _Prompt.parse(sha, text)
+            prompt = self._prompts[sha] = Prompt.parse(sha, text)
         return prompt
 
-    def _tool_calls(self, chat: _ChatRequest) -> list[dict[str, Any]]:
+    def _tool_calls(self, chat: ChatRequest) -> list[dict[str, Any]]:
         """The tool calls this turn answers (none: the final answer)."""
         if not chat.tools or "[[fake:tool" not in chat.first_user:
             return []
         script = self._tool_scripts.get(chat.first_user)
         if script is None:
-            script = self._tool_scripts[chat.first_user] = _tool_script(chat.first_user)
+            script = self._tool_scripts[chat.first_user] = tool_script(chat.first_user)
         calls, parallel, bad_args = script
-        pending = [c for c in calls if c["id"] not in chat.answered]
+        if REPEATED_IDS in chat.first_user or NO_IDS in chat.first_user:
+            pending = calls[chat.tool_results :]
+        else:
+            pending = [c for c in calls if c["id"] not in chat.answered]
         if not pending:
             return []
         turn = pending if parallel else pending[:1]
+        if REPEATED_IDS in chat.first_user:
+            turn = [{**c, "id": "call_0"} for c in turn]
+        elif NO_IDS in chat.first_user:
+            turn = [{k: v for k, v in c.items() if k != "id"} for c in turn]
         if bad_args:
             first = turn[0]
             turn = [
@@ -467,6 +596,31 @@ class FakeModel:
         if kind is not None:
             self.random_faults[kind] = self.random_faults.get(kind, 0) + 1
         return cast(RandomFault | None, kind)
+
+    async def answer_line(self, body: object, dialect: str) -> tuple[int, dict[str, Any]]:
+        """A ``chat`` or ``responses`` request's answer with no HTTP request
+        of its own (a batch's line, ``oncely.fakes.batches``): its status and
+        body, its prompt's directives and counts as for any call."""
+        asked: Dialect = "responses" if dialect == "responses" else "chat"
+        parsed = _parse_request(json.dumps(body).encode(), asked)
+        if isinstance(parsed, web.Response):
+            return parsed.status, json.loads(cast(bytes, parsed.body))
+        chat, _ = parsed
+        self.total += 1
+        self.dialects[asked] = self.dialects.get(asked, 0) + 1
+        self.models[chat.model] = self.models.get(chat.model, 0) + 1
+        prompt = self._prompt(chat.text)
+        prompt.count += 1
+        fault = self._fault(chat, prompt, prompt.count, 0)
+        if fault in _LINE_ERRORS:
+            status, message, code = _LINE_ERRORS[fault]
+            return status, {"error": {"message": message, "type": code, "code": code}}
+        try:
+            answer = await self._answer(chat, prompt, fault, 0)
+        except InvalidSchema as exc:
+            return 400, {"error": {"message": f"invalid json_schema: {exc}", "code": "invalid"}}
+        document, _ = _document(chat, answer, prompt, fault)
+        return 200, document
 
     async def calls(self, request: web.Request) -> web.Response:
         body = self.stats(request.query.get("contains")).to_json()
@@ -482,7 +636,9 @@ class FakeModel:
         body = await request.json() if request.can_read_body else {}
         fault, model = body.get("fault", "503"), body.get("model")
         if fault not in _FAULTS:
-            return _error(400, f"fault must be one of {sorted(_FAULTS)}", "invalid_request_error")
+            return _error(
+                400, f"fault must be one of {sorted(_FAULTS)}", "invalid_request_error", "chat"
+            )
         if model is None:
             self.outage = fault
         else:
@@ -512,11 +668,15 @@ def _with_fault_rate(faults: Mapping[str, float], fault_rate: float) -> dict[str
     return rates
 
 
-def _parse_request(raw: bytes) -> tuple[_ChatRequest, list[Any]] | web.Response:
+def _parse_request(raw: bytes, dialect: Dialect) -> tuple[ChatRequest, list[Any]] | web.Response:
     """What the fake needs from a request, with its messages as sent, or the
     400 a real provider would send."""
     try:
         body = json.loads(raw)
+        if dialect == "anthropic":
+            return _read_messages(body), body["messages"]
+        if dialect == "responses":
+            return replace(_read_responses(body), tier=_tier(body)), body["input"]
         messages = [(m["role"], _text(m.get("content"))) for m in body["messages"]]
         text = next(content for role, content in reversed(messages) if role == "user")
         schema = _response_schema(body.get("response_format"))
@@ -525,15 +685,97 @@ def _parse_request(raw: bytes) -> tuple[_ChatRequest, list[Any]] | web.Response:
         answered = frozenset(
             str(m.get("tool_call_id")) for m in body["messages"] if m["role"] == "tool"
         )
+        tool_results = sum(1 for m in body["messages"] if m["role"] == "tool")
         stream = body.get("stream") is True
-    except (ValueError, KeyError, TypeError, AttributeError, StopIteration):
-        return _error(400, "expected a JSON body with a user message", "invalid_request_error")
+    except (ValueError, KeyError, TypeError, AttributeError, StopIteration, IndexError):
+        return _error(
+            400, "expected a JSON body with a user message", "invalid_request_error", dialect
+        )
     chars = sum(len(content) for _, content in messages)
-    # Interned: the answer caches of all prompts asked with one schema share one key.
-    schema_key = "" if schema is None else sys.intern(json.dumps(schema, sort_keys=True))
     model = str(body.get("model", "oncely-fake"))
-    chat = _ChatRequest(model, text, chars, schema, schema_key, tools, first, answered, stream)
+    chat = ChatRequest(
+        model,
+        text,
+        chars,
+        schema,
+        _schema_key(schema),
+        tools,
+        first,
+        answered,
+        tool_results,
+        stream,
+        tier=_tier(body),
+    )
     return chat, body["messages"]
+
+
+def _tier(body: Mapping[str, Any]) -> str:
+    """The ``service_tier`` a request asks for ("" for none)."""
+    tier = body.get("service_tier")
+    return tier if isinstance(tier, str) else ""
+
+
+def _no_flex_capacity(dialect: Dialect) -> web.Response:
+    """The flex tier out of capacity, as OpenAI says it."""
+    return _error(
+        429,
+        "Resource unavailable: no flex capacity (scripted)",
+        "resource_unavailable",
+        dialect,
+        retry_after=1,
+    )
+
+
+def _schema_key(schema: Mapping[str, Any] | None) -> str:
+    # Interned: the answer caches of all prompts asked with one schema share one key.
+    return "" if schema is None else sys.intern(json.dumps(schema, sort_keys=True))
+
+
+def _read_messages(body: Any) -> ChatRequest:
+    """A Messages API request (``oncely.fakes.messages``) as the fake reads a
+    chat completion's; StopIteration without a user message."""
+    read = messages_wire.read_request(body)
+    texts = [(role, text) for role, text in read.roles if role == "user"]
+    if not texts:
+        raise ValueError("no user message")
+    return ChatRequest(
+        read.model,
+        texts[-1][1],
+        sum(len(text) for _, text in read.roles),
+        read.schema,
+        _schema_key(read.schema),
+        read.tools,
+        texts[0][1] if read.tools else "",
+        read.answered,
+        read.tool_results,
+        read.stream,
+        "anthropic",
+        read.continued,
+    )
+
+
+def _read_responses(body: Any) -> ChatRequest:
+    """A Responses API request (``oncely.fakes.responses``) as the fake
+    reads a chat completion's."""
+    read = responses_wire.read_request(body)
+    texts = [text for role, text in read.roles if role == "user"]
+    if not texts:
+        raise ValueError("no user message")
+    return ChatRequest(
+        read.model,
+        texts[-1],
+        sum(len(text) for _, text in read.roles),
+        read.schema,
+        _schema_key(read.schema),
+        read.tools,
+        texts[0] if read.tools else "",
+        read.answered,
+        read.tool_results,
+        read.stream,
+        "responses",
+        background=read.background,
+        reasoning=read.reasoning,
+    )
 
 
 def _text(content: object) -> str:
@@ -558,195 +800,12 @@ def _response_schema(response_format: object) -> Mapping[str, Any] | None:
     return schema
 
 
-def _subject(text: str) -> str:
-    """The text to summarise: inside ``<text>…</text>`` when the prompt fences it
-    (``build_summary_prompt`` does), else the whole message."""
-    start, end = text.find("<text>"), text.rfind("</text>")
-    return text[start + len("<text>") : end] if 0 <= start < end else text
-
-
-def summarise(text: str, sentences: int = _SUMMARY_SENTENCES) -> str:
-    """Extractive: the first sentences of the subject, directives removed."""
-    words = " ".join(_ANY_DIRECTIVE.sub(" ", _subject(text)).split())
-    summary = " ".join(_SENTENCE_END.split(words)[:sentences])
-    if len(summary) > _SUMMARY_MAX_CHARS:
-        summary = summary[: _SUMMARY_MAX_CHARS - 1].rstrip() + "…"
-    return summary or "Nothing to summarise."
-
-
-def _excerpt(text: str) -> str:
-    return " ".join(_subject(text).split())[:_EXCERPT_CHARS]
-
-
-def _answer(text: str, schema: Mapping[str, Any] | None, *, second_choice: bool) -> str:
-    summary = summarise(text, 1 if second_choice else _SUMMARY_SENTENCES)
-    if schema is None:
-        return summary
-    instance = _SchemaFiller(schema, text.lower(), summary, second_choice).fill(schema)
-    return json.dumps(instance, ensure_ascii=False)
-
-
-class _InvalidSchema(ValueError):
-    """A response schema the fake cannot build an instance of (a real provider
-    refuses such a request with a 400 too)."""
-
-
-_Schema = Mapping[str, Any]
-_Expanding = frozenset[str]  # the ``$ref``s being filled on the current path
-
-
-@dataclass(frozen=True)
-class _SchemaFiller:
-    """Builds the one instance of a JSON schema the fake answers for a prompt."""
-
-    root: _Schema
-    lowered: str  # the last user message, lower-cased, for enum choices
-    summary: str
-    second_choice: bool
-
-    def fill(self, schema: _Schema, expanding: _Expanding = frozenset()) -> object:
-        if "$ref" in schema:
-            return self._fill_ref(schema["$ref"], expanding)
-        if "const" in schema:
-            return schema["const"]
-        if "enum" in schema:
-            return self._choose(schema["enum"])
-        alternatives = schema.get("anyOf") or schema.get("oneOf")
-        if alternatives:
-            return self.fill(_pick(alternatives, expanding), expanding)
-        if "allOf" in schema:
-            return _merge([self.fill(part, expanding) for part in schema["allOf"]])
-        return self._fill_typed(schema, expanding)
-
-    def _fill_ref(self, ref: str, expanding: _Expanding) -> object:
-        if ref in expanding:
-            return None  # a model that must contain itself has no finite instance
-        return self.fill(_resolve(self.root, ref), expanding | {ref})
-
-    def _choose(self, values: Sequence[object]) -> object:
-        """The first value the prompt mentions (v2: the second), else the first value."""
-        if not values:
-            raise _InvalidSchema("an enum without values")
-        mentioned = [v for v in values if isinstance(v, str) and v.lower() in self.lowered]
-        if not mentioned:
-            return values[0]
-        return mentioned[1] if self.second_choice and len(mentioned) > 1 else mentioned[0]
-
-    def _fill_typed(self, schema: _Schema, expanding: _Expanding) -> object:
-        kind = _type_of(schema)
-        if kind == "object":
-            properties = schema.get("properties", {})
-            return {name: self.fill(prop, expanding) for name, prop in properties.items()}
-        if kind == "array":
-            return self._fill_array(schema, expanding)
-        if kind in ("string", "any"):
-            fixed = _STRING_FORMATS.get(schema.get("format", ""))
-            return fixed or _fit(self.summary, schema.get("minLength", 0), schema.get("maxLength"))
-        if kind in ("integer", "number"):
-            return _least_number(schema, integer=kind == "integer")
-        if kind in ("boolean", "null"):
-            return False if kind == "boolean" else None
-        raise _InvalidSchema(f"unknown type {kind!r}")
-
-    def _fill_array(self, schema: _Schema, expanding: _Expanding) -> list[object]:
-        items = [self.fill(part, expanding) for part in schema.get("prefixItems", ())]
-        missing = schema.get("minItems", 0) - len(items)
-        if missing > 0:
-            each = schema.get("items")
-            items += [self.fill(each if isinstance(each, dict) else {}, expanding)] * missing
-        return items
-
-
-def _resolve(root: _Schema, ref: str) -> _Schema:
-    """A local reference (``#/$defs/Name``, ``#/definitions/Name``) in ``root``."""
-    if not ref.startswith("#"):
-        raise _InvalidSchema(f"only local $ref is supported, not {ref!r}")
-    target: Any = root
-    for token in filter(None, ref[1:].split("/")):
-        try:
-            target = target[token.replace("~1", "/").replace("~0", "~")]
-        except (KeyError, TypeError):
-            raise _InvalidSchema(f"unresolvable $ref {ref!r}") from None
-    if not isinstance(target, dict):
-        raise _InvalidSchema(f"$ref {ref!r} is not a schema")
-    return target
-
-
-def _pick(alternatives: Sequence[_Schema], expanding: _Expanding) -> _Schema:
-    """The first non-null alternative, unless it only recurses into a model being
-    filled (``next: Node | None``), where null ends the recursion."""
-    for alternative in alternatives:
-        if alternative.get("type") != "null" and alternative.get("$ref") not in expanding:
-            return alternative
-    return next((a for a in alternatives if a.get("type") == "null"), alternatives[0])
-
-
-def _merge(parts: list[object]) -> object:
-    """``allOf``: the objects' properties together; otherwise the first part."""
-    merged: dict[str, object] = {}
-    for part in parts:
-        if not isinstance(part, dict):
-            return parts[0]
-        merged.update(part)
-    return merged
-
-
-def _type_of(schema: _Schema) -> str:
-    kind = schema.get("type")
-    if isinstance(kind, list):
-        kind = next((k for k in kind if k != "null"), "null")
-    if kind is None:
-        return "object" if "properties" in schema else "any"
-    return str(kind)
-
-
-def _fit(text: str, min_length: int, max_length: int | None) -> str:
-    """``text`` repeated up to ``min_length``, cut at ``max_length``."""
-    if len(text) < min_length:
-        text = " ".join([text] * (min_length // (len(text) + 1) + 1))
-    return text if max_length is None else text[:max_length]
-
-
-def _least_number(schema: _Schema, *, integer: bool) -> float:
-    """The minimum (0 without one), kept inside the upper bounds."""
-    value: float = schema.get("minimum", 0)
-    above = schema.get("exclusiveMinimum")
-    if above is not None and ("minimum" not in schema or value <= above):
-        value = math.floor(above) + 1 if integer else above + 1
-    if "maximum" in schema and value > schema["maximum"]:
-        value = schema["maximum"]
-    below = schema.get("exclusiveMaximum")
-    if below is not None and value >= below:
-        lower = schema.get("minimum", above)
-        if integer:
-            value = math.ceil(below) - 1
-        else:
-            value = below - 1 if lower is None else (lower + below) / 2
-    return math.ceil(value) if integer else value
-
-
 def _completion_tokens(content: str) -> int:
-    return len(content) // _CHARS_PER_TOKEN + 1
-
-
-def _tool_script(text: str) -> tuple[list[dict[str, Any]], bool, bool]:
-    """The tool calls ``[[fake:tool=…]]`` directives script, in order (ids
-    ``call_<n>``), and whether they come at once and with bad arguments."""
-    calls = []
-    for number, match in enumerate(_TOOL.finditer(text), start=1):
-        arguments = match["args"] or "{}"
-        calls.append(
-            {
-                "id": f"call_{number}",
-                "type": "function",
-                "function": {"name": match["name"], "arguments": arguments},
-            }
-        )
-    return calls, _PARALLEL in text, _BAD_ARGS in text
+    return len(content) // CHARS_PER_TOKEN + 1
 
 
 def _tool_completion(
-    chat: _ChatRequest, calls: list[dict[str, Any]], number: int
+    chat: ChatRequest, calls: list[dict[str, Any]], number: int
 ) -> dict[str, object]:
     completion_tokens = sum(len(c["function"]["arguments"]) for c in calls) // 4 + 1
     return {
@@ -769,17 +828,25 @@ def _tool_completion(
     }
 
 
-def _completion(chat: _ChatRequest, content: str, number: int) -> dict[str, object]:
+def _completion(
+    chat: ChatRequest, content: str, number: int, *, refused: bool = False
+) -> dict[str, object]:
+    """A chat completion answering ``content`` (``refused``: declining to),
+    at the tier it was asked at."""
     completion_tokens = _completion_tokens(content)
+    said: dict[str, Any] = {"role": "assistant", "content": content}
+    if refused:
+        said = {"role": "assistant", "content": None, "refusal": _REFUSAL}
     return {
         "id": f"chatcmpl-fake-{number}",
         "object": "chat.completion",
         "created": int(time.time()),
         "model": chat.model,
+        "service_tier": chat.tier or "default",
         "choices": [
             {
                 "index": 0,
-                "message": {"role": "assistant", "content": content},
+                "message": said,
                 "finish_reason": "stop",
             }
         ],
@@ -791,23 +858,56 @@ def _completion(chat: _ChatRequest, content: str, number: int) -> dict[str, obje
     }
 
 
+def _rest(content: str, continued: str) -> str:
+    """The answer after what a paused turn already said."""
+    return content[len(continued) :] if continued and content.startswith(continued) else content
+
+
+def _document(
+    chat: ChatRequest, answer: dict[str, Any], prompt: Prompt, fault: str | None
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The answer in the request's dialect, whole and as its stream's
+    events. A ``pause`` (Anthropic's) stops the turn halfway. A prompt's
+    cacheable tokens are written by its first answer, read by the others."""
+    cached = min(prompt.cache_tokens, max(0, chat.prompt_tokens - 1))
+    written = cached if prompt.billed <= 1 else 0
+    if chat.dialect == "anthropic":
+        document = messages_wire.message(
+            answer, cache_write=written, cache_read=cached - written, pause=fault == "pause"
+        )
+        return document, messages_wire.events(document)
+    if chat.dialect == "responses":
+        thought = responses_wire.REASONING_TOKENS.get(chat.reasoning, 16) if chat.reasoning else 0
+        response_id = str(answer["id"]).replace("chatcmpl-fake", "resp_fake")
+        document = responses_wire.response(
+            answer, response_id, cached=cached - written, reasoning=thought
+        )
+        return document, responses_wire.events(document)
+    if cached - written:
+        details = {"cached_tokens": cached - written}
+        answer = {**answer, "usage": {**answer["usage"], "prompt_tokens_details": details}}
+    return answer, _chunks(answer)
+
+
 async def _respond(
     request: web.Request,
-    chat: _ChatRequest,
+    chat: ChatRequest,
     answer: dict[str, Any],
-    prompt: _Prompt,
-    *,
-    cut: bool,
+    prompt: Prompt,
+    fault: str | None,
 ) -> web.StreamResponse:
-    """The answer, whole or (``stream: true``) as server-sent chunks, a
-    ``typing`` pause between them (a whole answer waits as long, once: the
-    same generation, not streamed). ``cut``: the connection drops halfway."""
+    """The answer (``_document``), whole or (``stream: true``) as
+    server-sent events, a ``typing`` pause between them (a whole answer waits
+    as long, once: the same generation, not streamed). A ``cut`` drops the
+    connection halfway."""
+    document, chunks = _document(chat, answer, prompt, fault)
+    cut = fault == "cut"
     if not chat.stream:
         if prompt.typing_s:
-            await asyncio.sleep(prompt.typing_s * (len(_chunks(answer)) - 1))
+            await asyncio.sleep(prompt.typing_s * (len(chunks) - 1))
         if not cut:
-            return web.json_response(answer)
-        body = json.dumps(answer).encode()
+            return web.json_response(document)
+        body = json.dumps(document).encode()
         response = web.StreamResponse(headers={"Content-Type": "application/json"})
         response.content_length = len(body)
         await response.prepare(request)
@@ -817,7 +917,6 @@ async def _respond(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
     )
     await response.prepare(request)
-    chunks = _chunks(answer)
     if cut:
         chunks = chunks[: max(1, len(chunks) // 2)]
     # Chunks on a schedule from the first (not a pause after each): a busy
@@ -828,12 +927,43 @@ async def _respond(
     for number, chunk in enumerate(chunks):
         if number and prompt.typing_s:
             await asyncio.sleep(max(0.0, started + number * prompt.typing_s - loop.time()))
-        await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        await response.write(_event(chat.dialect, chunk))
     if cut:
         return _drop(request, response)
-    await response.write(b"data: [DONE]\n\n")
+    if chat.dialect == "chat":
+        await response.write(b"data: [DONE]\n\n")
     await response.write_eof()
     return response
+
+
+def _fail(job: _Job, code: str, message: str) -> None:
+    """A background response failed: its last event and document say so."""
+    document = responses_wire.failed(job.id, job.chat.model, code, message)
+    job.add({"type": "response.failed", "response": document})
+    job.finish(document)
+
+
+async def _follow(request: web.Request, job: _Job, after: int) -> web.StreamResponse:
+    """A background response's events after number ``after``, as server-sent
+    events while they come; the stream ends with the response (a cancelled
+    one's without an ending event)."""
+    response = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    )
+    await response.prepare(request)
+    async for event in job.follow(after):
+        await response.write(responses_wire.sse(event))
+    await response.write_eof()
+    return response
+
+
+def _event(dialect: Dialect, chunk: dict[str, Any]) -> bytes:
+    """One server-sent event: Anthropic's named, OpenAI's data alone."""
+    if dialect == "anthropic":
+        return messages_wire.sse(chunk)
+    if dialect == "responses":
+        return responses_wire.sse(chunk)
+    return b"data: " + json.dumps(chunk).encode() + b"\n\n"
 
 
 def _drop(request: web.Request, response: web.StreamResponse) -> web.StreamResponse:
@@ -862,9 +992,11 @@ def _chunks(answer: dict[str, Any]) -> list[dict[str, Any]]:
 
     chunks = [chunk({"role": "assistant", "content": ""})]
     chunks += [chunk({"content": piece}) for piece in _PIECE.findall(message["content"] or "")]
+    if message.get("refusal"):
+        chunks.append(chunk({"refusal": message["refusal"]}))
     for index, call in enumerate(message.get("tool_calls") or ()):
         function = call["function"]
-        opening = {"index": index, "id": call["id"], "type": "function"}
+        opening = {"index": index, "id": call.get("id"), "type": "function"}
         opening["function"] = {"name": function["name"], "arguments": ""}
         arguments = {"index": index, "function": {"arguments": function["arguments"]}}
         chunks += [chunk({"tool_calls": [opening]}), chunk({"tool_calls": [arguments]})]
@@ -873,31 +1005,53 @@ def _chunks(answer: dict[str, Any]) -> list[dict[str, Any]]:
     return chunks
 
 
-def _error(status: int, message: str, kind: str, *, retry_after: int | None = None) -> web.Response:
+def _error(
+    status: int, message: str, kind: str, dialect: Dialect, *, retry_after: int | None = None
+) -> web.Response:
+    """An error in the dialect's shape: OpenAI's ``error.code`` ``kind``, or
+    Anthropic's ``{"type": "error", "error": {"type", "message"}}``."""
     headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
-    body = {"error": {"message": message, "type": kind, "param": None, "code": kind}}
+    body: dict[str, Any] = {
+        "error": {"message": message, "type": kind, "param": None, "code": kind}
+    }
+    if dialect == "anthropic":
+        body = messages_wire.error_body(status, message)
     return web.json_response(body, status=status, headers=headers)
 
 
-async def _answer_429(request: web.Request) -> web.StreamResponse:
-    return _error(429, "Rate limit reached (scripted)", "rate_limit_exceeded", retry_after=1)
+async def _answer_429(request: web.Request, dialect: Dialect) -> web.StreamResponse:
+    return _error(
+        429, "Rate limit reached (scripted)", "rate_limit_exceeded", dialect, retry_after=1
+    )
 
 
-async def _answer_503(request: web.Request) -> web.StreamResponse:
-    return _error(503, "The server is overloaded (scripted)", "server_error")
+async def _answer_503(request: web.Request, dialect: Dialect) -> web.StreamResponse:
+    return _error(503, "The server is overloaded (scripted)", "server_error", dialect)
 
 
-async def _answer_400(request: web.Request) -> web.StreamResponse:
-    return _error(400, "Invalid request (scripted)", "invalid_request_error")
+async def _answer_529(request: web.Request, dialect: Dialect) -> web.StreamResponse:
+    return _error(529, "Overloaded (scripted)", "overloaded_error", dialect)
 
 
-async def _hang(request: web.Request) -> web.StreamResponse:
+async def _answer_400(request: web.Request, dialect: Dialect) -> web.StreamResponse:
+    return _error(400, "Invalid request (scripted)", "invalid_request_error", dialect)
+
+
+async def _answer_credit(request: web.Request, dialect: Dialect) -> web.StreamResponse:
+    """A dry account, as each provider says it: Anthropic a 400 about the
+    credit balance, OpenAI a 429 ``insufficient_quota``."""
+    if dialect == "anthropic":
+        return _error(400, _NO_CREDIT, "invalid_request_error", dialect)
+    return _error(429, _NO_QUOTA, "insufficient_quota", dialect)
+
+
+async def _hang(request: web.Request, dialect: Dialect) -> web.StreamResponse:
     # Never set: the runner cancels this handler when the client goes away.
     await asyncio.Event().wait()
     raise AssertionError("unreachable")
 
 
-async def _drip(request: web.Request) -> web.StreamResponse:
+async def _drip(request: web.Request, dialect: Dialect) -> web.StreamResponse:
     """Headers at once, then a byte a second: defeats per-read timeouts."""
     response = web.StreamResponse(headers={"Content-Type": "application/json"})
     await response.prepare(request)
@@ -909,10 +1063,12 @@ async def _drip(request: web.Request) -> web.StreamResponse:
         return response
 
 
-_FAULTS: dict[HttpFault, Callable[[web.Request], Awaitable[web.StreamResponse]]] = {
+_FAULTS: dict[HttpFault, Callable[[web.Request, Dialect], Awaitable[web.StreamResponse]]] = {
     "429": _answer_429,
     "503": _answer_503,
+    "529": _answer_529,
     "400": _answer_400,
+    "credit": _answer_credit,
     "hang": _hang,
     "drip": _drip,
 }
@@ -928,14 +1084,21 @@ def make_app(
     seed: int = 0,
     faults: Mapping[str, float] | None = None,
     slow_s: float = DEFAULT_SLOW_S,
+    batch_delay_s: float = DEFAULT_BATCH_DELAY_S,
 ) -> web.Application:
-    """The fake's aiohttp app; its ``FakeModel`` is at ``app[FAKE_MODEL]``."""
+    """The fake's aiohttp app; its ``FakeModel`` is at ``app[FAKE_MODEL]``,
+    its batch APIs' state at ``app[FAKE_BATCHES]`` (``oncely.fakes.batches``)."""
     model = FakeModel(
         rpm=rpm, tpm=tpm, fault_rate=fault_rate, seed=seed, faults=faults, slow_s=slow_s
     )
-    app = web.Application()
+    app = web.Application(client_max_size=MAX_BATCH_FILE_BYTES)
     app[FAKE_MODEL] = model
+    mount_batches(app, model, batch_delay_s)
     app.router.add_post("/v1/chat/completions", model.chat_completions)
+    app.router.add_post("/v1/messages", model.messages)
+    app.router.add_post("/v1/responses", model.responses)
+    app.router.add_get("/v1/responses/{id}", model.retrieve_response)
+    app.router.add_post("/v1/responses/{id}/cancel", model.cancel_response)
     app.router.add_get("/_calls", model.calls)
     app.router.add_post("/_reset", model.reset_route)
     app.router.add_post("/_outage", model.start_outage)
@@ -965,9 +1128,18 @@ async def serve_fake_llm(
     seed: int = 0,
     faults: Mapping[str, float] | None = None,
     slow_s: float = DEFAULT_SLOW_S,
+    batch_delay_s: float = DEFAULT_BATCH_DELAY_S,
 ) -> None:
     """Serve the fake model until cancelled."""
-    app = make_app(rpm=rpm, tpm=tpm, fault_rate=fault_rate, seed=seed, faults=faults, slow_s=slow_s)
+    app = make_app(
+        rpm=rpm,
+        tpm=tpm,
+        fault_rate=fault_rate,
+        seed=seed,
+        faults=faults,
+        slow_s=slow_s,
+        batch_delay_s=batch_delay_s,
+    )
     runner = await _start(app, host, port)
     log.info(
         "fake_llm.started",
@@ -999,9 +1171,16 @@ class FakeLLMServer:
         seed: int = 0,
         faults: Mapping[str, float] | None = None,
         slow_s: float = DEFAULT_SLOW_S,
+        batch_delay_s: float = DEFAULT_BATCH_DELAY_S,
     ) -> None:
         self._app = make_app(
-            rpm=rpm, tpm=tpm, fault_rate=fault_rate, seed=seed, faults=faults, slow_s=slow_s
+            rpm=rpm,
+            tpm=tpm,
+            fault_rate=fault_rate,
+            seed=seed,
+            faults=faults,
+            slow_s=slow_s,
+            batch_delay_s=batch_delay_s,
         )
         self._runner: web.AppRunner | None = None
         self.root_url = ""
@@ -1013,6 +1192,10 @@ class FakeLLMServer:
     @property
     def model(self) -> FakeModel:
         return self._app[FAKE_MODEL]
+
+    @property
+    def batches(self) -> FakeBatches:
+        return self._app[FAKE_BATCHES]
 
     def stats(self, contains: str | None = None) -> CallStats:
         return self.model.stats(contains)

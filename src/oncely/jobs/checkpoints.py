@@ -38,20 +38,28 @@ from psycopg_pool import AsyncConnectionPool
 from redis.exceptions import RedisError
 
 from oncely import metrics, tracing
-from oncely.batching import GroupRead
+from oncely.batching import GroupRead, each_at_fault
 from oncely.jobs.children import Children
 from oncely.jobs.records import DeliveryReport, JobSpec
-from oncely.jobs.rows import delivery_params, raced, writes_params
+from oncely.jobs.rows import (
+    checkpoint_rows,
+    delivery_params,
+    effect_rows,
+    raced,
+    writes_params,
+)
 from oncely.jobs.store import Jobs
 from oncely.journal import Checkpoint, RunStopped, Wait, Writes
 from oncely.redis_client import call_together
 from oncely.sql import query
 from oncely.sql.bounded import StatementResult, run_statement, run_transaction
+from oncely.statuses import CANCELLABLE, FINISHED
 
 log = structlog.get_logger("oncely.checkpoints")
 
-# Running, waiting and finished, as a job row says them.
-FINISHED = frozenset({"done", "dead", "cancelled"})
+# A batch's errors that are one run's own fault (a key another delivery
+# took, a value PostgreSQL refuses): that run alone gets them.
+_RUN_FAULTS = (psycopg.errors.UniqueViolation, psycopg.errors.DataError)
 
 
 @dataclass(frozen=True)
@@ -65,6 +73,35 @@ class JobRun:
     checkpoints: tuple[Checkpoint, ...]
     # The parent job, for a map's child.
     parent: str | None = None
+
+
+@dataclass(frozen=True, eq=False)
+class _RunWrite:
+    """One run's checkpoints and effects to write (``Checkpoints.write``),
+    in a batch of them."""
+
+    job_id: str
+    generation: int
+    workflow: str
+    trace_context: str | None
+    checkpoints: list[dict[str, Any]]
+    effects: list[dict[str, Any]]
+
+
+def _batch(runs: Sequence[_RunWrite]) -> list[dict[str, Any]]:
+    """``write_checkpoints``' one parameter: each run, ``n`` its place."""
+    return [
+        {
+            "n": n,
+            "job_id": r.job_id,
+            "generation": r.generation,
+            "workflow": r.workflow,
+            "trace_context": r.trace_context,
+            "checkpoints": r.checkpoints,
+            "effects": r.effects,
+        }
+        for n, r in enumerate(runs)
+    ]
 
 
 @dataclass(frozen=True)
@@ -115,6 +152,10 @@ class Checkpoints:
         self.children = Children(jobs)
         # Loads asked while one query runs share the next one.
         self._runs: GroupRead[str, str, JobRun] = GroupRead(self._load_runs, key=str)
+        # Checkpoint writes asked while one statement runs share the next one.
+        self._writes: GroupRead[_RunWrite, int, bool | Exception] = GroupRead(
+            self._write_runs, key=id
+        )
 
     async def _run(self, name: str, params: Any = None) -> StatementResult:
         return await run_statement(
@@ -143,22 +184,38 @@ class Checkpoints:
         }
 
     async def write(self, workflow: str, job_id: str, generation: int, writes: Writes) -> None:
-        """Store a run's checkpoints and the effects emitted before them.
-        ``Replay`` when a key or ordinal is taken; ``RunStopped`` when the
-        job no longer runs in this generation."""
-        params = {
-            "job_id": job_id,
-            "generation": generation,
-            "workflow": workflow,
-            "trace_context": tracing.traceparent(),
-            **writes_params(writes),
-        }
-        try:
-            rows = (await self._run("write_checkpoints", params)).rows
-        except psycopg.errors.UniqueViolation as exc:
-            raise raced(exc) from exc
-        if not rows or not rows[0][0]:
+        """Store a run's checkpoints and the effects emitted before them, in
+        one statement with the writes of other runs asked meanwhile
+        (``GroupRead``: a lone write waits for nothing). ``Replay`` when a
+        key or ordinal is taken; ``RunStopped`` when the job no longer runs
+        in this generation."""
+        row = _RunWrite(
+            job_id,
+            generation,
+            workflow,
+            tracing.traceparent(),
+            checkpoint_rows(writes),
+            effect_rows(writes),
+        )
+        outcome = await self._writes.read(row)
+        if isinstance(outcome, psycopg.errors.UniqueViolation):
+            raise raced(outcome) from outcome
+        if isinstance(outcome, Exception):
+            raise outcome
+        if not outcome:
             raise RunStopped(job_id)
+
+    async def _write_runs(self, runs: list[_RunWrite]) -> dict[int, bool | Exception]:
+        """Each run's outcome by ``id``: written, not running (False), or
+        the error to raise. A key taken, or a value refused, fails the
+        statement for all: only the run at fault gets the error (a run
+        that lost its race replays)."""
+        return await each_at_fault(self._write_batch, runs, _RUN_FAULTS)
+
+    async def _write_batch(self, runs: list[_RunWrite]) -> dict[int, bool]:
+        rows = (await self._run("write_checkpoints", {"writes": Jsonb(_batch(runs))})).rows
+        written = {n for (n,) in rows}
+        return {id(run): n in written for n, run in enumerate(runs)}
 
     async def start_wait(
         self,
@@ -169,7 +226,8 @@ class Checkpoints:
         wait: Wait,
         delivery: DeliveryReport | None = None,
     ) -> Checkpoint | None:
-        """Store ``writes`` and the wait in one transaction: the wait's
+        """Store ``writes`` and the wait in one statement (a map's: one
+        transaction, its children started in it): the wait's
         checkpoint, done, if its event had arrived; None when the job now
         waits. ``RunStopped``/``Replay`` as ``write``."""
         params = {
@@ -187,6 +245,7 @@ class Checkpoints:
             "call_topic": wait.call.topic if wait.call is not None else None,
             "call_dedupe_key": wait.call.dedupe_key if wait.call is not None else None,
             "call_payload": Jsonb(wait.call.payload) if wait.call is not None else None,
+            "request": wait.request,
             **writes_params(writes),
             **delivery_params(delivery),
         }
@@ -194,21 +253,27 @@ class Checkpoints:
         released: list[JobSpec] = []
         started_before = False
 
-        async def work(conn: psycopg.AsyncConnection[Any]) -> tuple[Any, ...] | None:
+        async def with_children(conn: psycopg.AsyncConnection[Any]) -> tuple[Any, ...] | None:
+            # A map's children start between the lock and the wait.
             nonlocal released, started_before
+            assert wait.children is not None
             cur = await conn.execute(query("lock_running_job"), params)
             if (running := await cur.fetchone()) is None:
                 return None
-            if wait.children is not None:
-                parent = JobSpec(job_id, running[1], workflow, {})
-                released, started_before = await self.children.start(
-                    conn, parent, wait.key, wait.children
-                )
+            parent = JobSpec(job_id, running[1], workflow, {})
+            released, started_before = await self.children.start(
+                conn, parent, wait.key, wait.children
+            )
             cur = await conn.execute(query("start_wait"), params)
             return await cur.fetchone()
 
         try:
-            row = await run_transaction(self.pool, work, timeout_s=self.jobs.statement_timeout_s)
+            if wait.children is not None:
+                timeout_s = self.jobs.statement_timeout_s
+                row = await run_transaction(self.pool, with_children, timeout_s=timeout_s)
+            else:
+                rows = (await self._run("start_wait", params)).rows
+                row = rows[0] if rows else None
         except psycopg.errors.UniqueViolation as exc:
             raise raced(exc) from exc
         if row is None:
@@ -222,6 +287,14 @@ class Checkpoints:
                 await self.children.recount(job_id, wait.key)
             return None
         return Checkpoint(wait.key, wait.ordinal, wait.kind, "done", json.loads(value))
+
+    async def flag_diverged(self, job_id: str, keys: Sequence[str]) -> None:
+        """Flag the model turns a replay asked with another request (GET's
+        ``steps[].diverged``). A view only: a failure is logged, not raised."""
+        try:
+            await self._run("flag_diverged", {"job_id": job_id, "keys": list(keys)})
+        except (psycopg.Error, TimeoutError) as exc:
+            log.warning("checkpoints.divergence_not_flagged", job_id=job_id, error=repr(exc))
 
     # -- events, timers, cancels, rewinds ----------------------------------------
 
@@ -270,7 +343,10 @@ class Checkpoints:
             resumed = None if row is None else JobSpec(str(row[0]), row[1], row[2], row[3])
             return EventOutcome("received", status, resumed)
 
-        return await run_transaction(self.pool, work, timeout_s=self.jobs.statement_timeout_s)
+        outcome = await run_transaction(self.pool, work, timeout_s=self.jobs.statement_timeout_s)
+        if outcome.resumed is not None:
+            self.jobs.transitions.changed(kind, outcome.resumed.job_id, "queued")
+        return outcome
 
     async def waiting_detail(
         self, kind: str, job_id: uuid.UUID, tenant: str
@@ -293,6 +369,7 @@ class Checkpoints:
         resumed = []
         for job_id, tenant, kind, data, timed_out in rows:
             resumed.append(JobSpec(str(job_id), tenant, kind, data))
+            self.jobs.transitions.changed(kind, str(job_id), "queued")
             for key in timed_out or ():
                 topic = key.rpartition("/")[2].partition("#")[0]
                 metrics.CALLS.labels(workflow=kind, topic=topic, outcome="timeout").inc()
@@ -315,13 +392,15 @@ class Checkpoints:
             return None
         status, kind_of, parent = rows[0]
         found = Cancelled(status=status, kind=kind_of)
-        if found.status not in ("queued", "waiting", "held"):
+        if found.status not in CANCELLABLE:
             return found
         await self._announce_cancel(str(job_id), found.kind)
+        self.jobs.transitions.changed(found.kind, str(job_id), "cancelled")
         # Its unfinished children go with it; a child's end counts in its map.
         for child, was, child_kind in await self.children.cancel(str(job_id)):
             if was == "queued":
                 await self._announce_cancel(child, child_kind)
+            self.jobs.transitions.changed(child_kind, child, "cancelled")
         if parent is not None:
             await self.children.settle([str(job_id)])
         return found
@@ -362,6 +441,7 @@ class Checkpoints:
             if stream is not None:
                 # Its old cancel must not stop the new run (workers confirm it anyway).
                 await stream.forget_cancel(rewound.job.job_id)
+            self.jobs.transitions.changed(rewound.job.kind, rewound.job.job_id, "queued")
             await self.jobs.restore(rewound.job)
         return rewound
 

@@ -23,7 +23,6 @@ message, which the reconciler restores, as for the intake.
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +32,7 @@ import structlog
 from psycopg.types.json import Jsonb
 
 from oncely.batching import GroupCommit
+from oncely.identity import child_id
 from oncely.jobs.records import JobSpec
 from oncely.jobs.store import Jobs
 from oncely.journal import MapStart
@@ -48,12 +48,6 @@ log = structlog.get_logger("oncely.children")
 _ENQUEUE_BATCH = 500
 # How long a child's end may stay uncounted before the repair pass counts it.
 REPAIR_AFTER_S = 10.0
-
-
-def child_id(parent_id: str, key: str, position: int) -> str:
-    """A child's job id: the same for the same parent, map and item, so a
-    replay never starts a child twice."""
-    return str(uuid.uuid5(uuid.UUID(parent_id), f"{key}/{position}"))
 
 
 @dataclass(frozen=True)

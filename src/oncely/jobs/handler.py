@@ -51,7 +51,7 @@ from oncely.llm.base import LLM
 from oncely.llm.model import Model, ModelRoute
 from oncely.outbox.wakeup import OutboxWakeUp
 from oncely.queue.stream import JobMessage
-from oncely.usage.ledger import CallSite
+from oncely.usage.calls import CallSite
 from oncely.workflow import Variant, Workflow
 
 if TYPE_CHECKING:
@@ -172,6 +172,9 @@ class WorkflowHandler:
         except BaseException as exc:  # cancelled: keep what is done, now
             await journal.keep_after_failure(exc)
             raise
+        finally:
+            if journal.diverged:
+                await self.checkpoints.flag_diverged(message.job_id, journal.diverged)
         if not stored:
             return "duplicate"
         if run.parent is not None:
@@ -191,8 +194,10 @@ class WorkflowHandler:
         journal = Journal(run.checkpoints, store, workflow=self.workflow.name)
         site = CallSite(self.workflow.name, message.job_id, message.tenant)
         model = store.model = self._model(journal, site)
+        # A background response its call waits for is cancelled with the job.
+        model.cancelled_when(lambda: delivery.job_cancelled)
         if live is not None:
-            model.stream_to(live, streaming=self.workflow.stream, redelivered=delivery.number > 1)
+            model.stream_to(live, streaming=self.workflow.stream, delivery=delivery.number)
         ctx = step_context(
             self.workflow,
             message.job_id,

@@ -12,11 +12,11 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from pydantic import BaseModel, ValidationError
 
-from oncely.context import CALL_TIMEOUT_S, MAP_MAX_ITEMS, WAIT_MAX_S, Context
+from oncely.context import CALL_TIMEOUT_S, MAP_MAX_ITEMS, WAIT_MAX_S, Context, running
 from oncely.errors import (
     DeadlineExceeded,
     Nondeterministic,
@@ -25,12 +25,14 @@ from oncely.errors import (
     short_errors,
 )
 from oncely.journal import Journal, Replay, RunStopped, Suspended
-from oncely.live.events import LiveJob
 from oncely.llm.base import LLM
 from oncely.llm.model import Model, ModelRoute
 from oncely.retry import Deadline, RetryPolicy, classify
-from oncely.usage.ledger import CallSite
+from oncely.usage.calls import CallSite
 from oncely.workflow import Variant, Workflow
+
+if TYPE_CHECKING:
+    from oncely.live.events import LiveJob
 
 T = TypeVar("T")
 
@@ -122,7 +124,8 @@ async def run_step_function(
 ) -> BaseModel:
     """``step`` on ``request`` over ``journal``: its answer as the declared
     result model; an error its task groups raised, as the one that decides."""
-    value = await journal.run(ungrouped(step(request, ctx)))
+    with running(ctx):
+        value = await journal.run(ungrouped(step(request, ctx)))
     return checked_result(workflow, value)
 
 

@@ -1,8 +1,11 @@
 """The reconciler: PostgreSQL is the record of acceptance, Redis only dispatch.
 
-A job still ``queued`` after ``reconcile_after_s`` whose stream entry no
-longer exists is enqueued again with the same job id: Redis lost its data,
-or the API died between the insert and the XADD. A job whose entry still
+A job still ``queued`` after ``reconcile_after_s`` (30 s by default) whose
+stream entry no longer exists is enqueued again with the same job id: Redis
+lost its data (a failover, a restart without its file), or the API died
+between the insert and the XADD. Each pass reads one page of such jobs, the
+next pass the page after it (a cursor), so a backlog still in the stream
+never hides a lost job behind it. A job whose entry still
 exists is merely slow or waiting, and is left alone (re-enqueueing it would
 pay for a second model call), and so is one waiting out a redelivery
 backoff in the delayed set. The stream's index hash (job id → entry id, or
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from datetime import datetime
 
 import psycopg
 import redis.exceptions
@@ -39,6 +43,8 @@ class Reconciler:
         # the stream at most 1.5 × reconcile_after_s after it was accepted.
         self.every_s = max(after_s / 2, 0.1)
         self._stopping = asyncio.Event()
+        # Where the next pass's page starts (None: from the oldest).
+        self._after: tuple[datetime, str] | None = None
 
     async def run(self) -> None:
         while not self._stopping.is_set():
@@ -61,7 +67,9 @@ class Reconciler:
         the work (a Redis lock with a TTL); the others return 0."""
         if not await self.stream.take_reconcile_turn(int(self.every_s * 1000)):
             return 0
-        candidates = await self.jobs.stale_queued(self.workflow, self.after_s, self.batch)
+        candidates, self._after = await self.jobs.stale_queued(
+            self.workflow, self.after_s, self.batch, self._after
+        )
         lost = await self._without_entries(candidates)
         for job in lost:
             await self.jobs.restore(job)

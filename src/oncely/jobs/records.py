@@ -10,10 +10,6 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-# What a job row's status may be, withdrawn intakes aside (they are not jobs).
-# "held": a map's child its map's concurrency holds back (docs/fanout.md).
-JOB_STATUSES = ("queued", "held", "waiting", "done", "dead", "cancelled")
-
 
 @dataclass(frozen=True)
 class JobSpec:

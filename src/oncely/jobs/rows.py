@@ -28,11 +28,21 @@ def raced(exc: psycopg.errors.UniqueViolation) -> BaseException:
 
 def writes_params(writes: Writes) -> dict[str, Any]:
     """The parameters of a statement that stores ``writes`` as checkpoint
-    rows (the checkpoints' own statements): one JSON document each for the
+    rows (the wait's statement): one JSON document each for the
     checkpoints (their values as JSON text, NUL and all) and the effects.
     One document converts far faster than a parameter array per column."""
-    checkpoints = [{**step_summary(c), "value": json_text(c.value)} for c in writes.checkpoints]
-    return {"checkpoints": Jsonb(checkpoints), "effects": effects_param(writes)}
+    return {
+        "checkpoints": Jsonb(checkpoint_rows(writes)),
+        "effects": Jsonb(effect_rows(writes)),
+    }
+
+
+def checkpoint_rows(writes: Writes) -> list[dict[str, Any]]:
+    """``writes``' checkpoints as the rows a statement inserts."""
+    return [
+        {**step_summary(c), "value": json_text(c.value), "request": c.request}
+        for c in writes.checkpoints
+    ]
 
 
 def step_summary(checkpoint: NewCheckpoint) -> dict[str, Any]:
@@ -46,13 +56,11 @@ def step_summary(checkpoint: NewCheckpoint) -> dict[str, Any]:
     }
 
 
-def effects_param(writes: Writes) -> Jsonb:
-    return Jsonb(
-        [
-            {"topic": e.topic, "dedupe_key": e.dedupe_key, "payload": e.payload}
-            for e in writes.effects
-        ]
-    )
+def effect_rows(writes: Writes) -> list[dict[str, Any]]:
+    """``writes``' effects as the outbox rows a statement inserts."""
+    return [
+        {"topic": e.topic, "dedupe_key": e.dedupe_key, "payload": e.payload} for e in writes.effects
+    ]
 
 
 def json_text(value: Any) -> str:
@@ -77,6 +85,15 @@ def delivery_params(report: DeliveryReport | None) -> dict[str, Any]:
         "started_at": utc_moment(report.started_at),
         "model_calls": report.model_calls,
     }
+
+
+def delivery_fields(report: DeliveryReport | None) -> dict[str, Any]:
+    """``delivery_params`` as JSON fields (the moment as ISO 8601 text),
+    for a statement that takes its rows as one JSON document."""
+    fields = delivery_params(report)
+    if fields["started_at"] is not None:
+        fields["started_at"] = fields["started_at"].isoformat()
+    return fields
 
 
 def utc_moment(unix_s: float) -> datetime:

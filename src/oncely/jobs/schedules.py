@@ -5,7 +5,9 @@ Only this module runs SQL on the ``schedules`` table (``sql/schedules.sql``).
 
 Every worker process runs this service. Each pass reads the schedules'
 rows; a tick that has come (the latest at or before now, after the row's
-``last_tick``) is claimed by the update that moves ``last_tick`` forward,
+``last_tick``; now is this process's clock, never ahead of PostgreSQL's,
+and the claim itself refuses a tick PostgreSQL's clock has not reached)
+is claimed by the update that moves ``last_tick`` forward,
 which one process wins, and the tick's job is recorded in the same
 transaction, as the intake would record a ``POST`` with the idempotency
 key ``schedule:<workflow>:<tick>`` for tenant ``ONCELY_SCHEDULE_TENANT``.
@@ -31,7 +33,7 @@ import psycopg
 import structlog
 from psycopg.types.json import Jsonb
 
-from oncely.api.keys import Scope, fingerprint
+from oncely.identity import Scope, fingerprint
 from oncely.jobs.records import JobSpec
 from oncely.jobs.store import Jobs
 from oncely.redis_client import call_together
@@ -127,10 +129,9 @@ class Scheduler:
         started."""
         if not self.scheduled:
             return []
-        known = await self._known()
+        known, now = await self._known()
         started = []
         for s in self.scheduled.values():
-            now = self.clock()
             latest = s.timetable.latest(now)
             row = known.get(s.workflow)
             if row is None or row[0] != s.timetable.expression:
@@ -150,8 +151,7 @@ class Scheduler:
 
     async def states(self) -> list[ScheduleState]:
         """Every schedule: its last tick and job, and its next tick."""
-        known = await self._known()
-        now = self.clock()
+        known, now = await self._known()
         found = []
         for s in self.scheduled.values():
             _, last, last_job = known.get(s.workflow, (None, None, None))
@@ -169,7 +169,11 @@ class Scheduler:
             )
         return found
 
-    async def _known(self) -> dict[str, tuple[str, datetime | None, Any]]:
+    async def _known(self) -> tuple[dict[str, tuple[str, datetime | None, Any]], datetime]:
+        """The schedules' rows, and the time ticks are read at: this
+        process's clock, but never ahead of PostgreSQL's (a process whose
+        clock runs ahead must not start ticks early, nor move a schedule
+        past ticks that then run nowhere)."""
         rows = (
             await run_statement(
                 self.jobs.pool,
@@ -178,7 +182,8 @@ class Scheduler:
                 timeout_s=self.jobs.statement_timeout_s,
             )
         ).rows
-        return {w: (expression, last, job) for w, expression, last, job in rows}
+        now = min(self.clock(), rows[0][0])
+        return {w: (e, last, job) for _, w, e, last, job in rows if w is not None}, now
 
     async def _start(self, s: Scheduled, tick: datetime | None) -> None:
         params = {"workflow": s.workflow, "expression": s.timetable.expression, "tick": tick}

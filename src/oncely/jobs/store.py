@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from datetime import datetime
 from typing import Any
 
 import psycopg
@@ -41,9 +42,9 @@ from psycopg_pool import AsyncConnectionPool, PoolTimeout
 from redis.exceptions import RedisError
 
 from oncely import tracing
+from oncely.batching import GroupRead, each_at_fault
 from oncely.errors import RequestInProgress
 from oncely.jobs.records import (
-    JOB_STATUSES,
     Acceptance,
     DeadJob,
     DeliveryRecord,
@@ -52,12 +53,14 @@ from oncely.jobs.records import (
     JobRecord,
     JobSpec,
 )
-from oncely.jobs.rows import delivery_params, effects_param, step_summary, utc_moment
+from oncely.jobs.rows import delivery_fields, effect_rows, step_summary, utc_moment
+from oncely.jobs.transitions import Transitions
 from oncely.journal import Writes
 from oncely.queue.stream import JobMessage, Stream
 from oncely.redis_client import ScriptCall, call_together
 from oncely.sql import query
 from oncely.sql.bounded import StatementResult, outcome_unknown, run_statement
+from oncely.statuses import ROW_STATUSES
 
 log = structlog.get_logger("oncely.jobs")
 
@@ -66,6 +69,11 @@ NOTHING = Writes()
 # Withdrawals retry while PostgreSQL does not answer: first after this long,
 # doubling up to the cap.
 _WITHDRAW_RETRY_S = (0.2, 2.0)
+# A batch's errors that are one delivery's own fault (a value PostgreSQL
+# refuses): that delivery alone gets them.
+_RESULT_FAULTS = (psycopg.errors.DataError,)
+# Accepted jobs whose enqueue failed that one process retries itself.
+_REDISPATCH_MAX = 10_000
 
 
 class Jobs:
@@ -75,13 +83,21 @@ class Jobs:
         streams: Mapping[str, Stream],
         *,
         statement_timeout_s: float = 10.0,
+        transitions: Transitions | None = None,
     ) -> None:
         self.pool = pool
         # workflow name -> its stream
         self.streams = streams
+        # Told of every status change made through these stores.
+        self.transitions = transitions or Transitions()
         # The client-side bound on every statement (ONCELY_PG_STATEMENT_TIMEOUT_S).
         self.statement_timeout_s = statement_timeout_s
         self._withdrawals = _Withdrawals(self._run)
+        self._redispatch = _Redispatch(streams)
+        # Results finished while one statement runs share the next one.
+        self._finished: GroupRead[dict[str, Any], int, bool | Exception] = GroupRead(
+            self._finish_batch, key=id
+        )
 
     async def _run(self, name: str, params: Any = None) -> StatementResult:
         return await run_statement(
@@ -127,10 +143,12 @@ class Jobs:
     def enqueue_call(self, job: JobSpec) -> ScriptCall:
         """The enqueue of a recorded job, to send with other writes in one
         round trip (``redis_client.call_together``). Its failure is logged:
-        the row is the record of acceptance, the reconciler dispatches it."""
+        the row is the record of acceptance, and this process dispatches it
+        again as soon as Redis answers (the reconciler would, later)."""
 
         def failed(exc: RedisError) -> None:
             log.warning("jobs.enqueue_failed", job_id=job.job_id, error=type(exc).__name__)
+            self._redispatch.add(job)
 
         message = JobMessage.new(job.job_id, job.tenant, job.payload)
         return self.streams[job.kind].enqueue_call(message, on_error=failed)
@@ -174,21 +192,43 @@ class Jobs:
         delivery stored this job's result first, or the job no longer runs
         in this ``generation`` (cancelled, dead, rerun); then nothing of this
         delivery is written but its history row, as ``duplicate``."""
-        steps = [step_summary(c) for c in writes.checkpoints]
-        params = {
+        finished = {
             "job_id": job_id,
             "workflow": workflow,
             "generation": generation,
-            "result": Jsonb(result),
-            "usage": None if usage is None else Jsonb(usage),
-            "steps": Jsonb(steps) if steps else None,
-            "effects": effects_param(writes),
+            "result": result,
+            "usage": usage,
+            "steps": [step_summary(c) for c in writes.checkpoints] or None,
+            "effects": effect_rows(writes),
             # The relay's send continues the delivery's trace.
             "trace_context": tracing.traceparent(),
-            **delivery_params(delivery),
+            **delivery_fields(delivery),
         }
-        rows = (await self._run("finish_job", params)).rows
-        return bool(rows) and bool(rows[0][0])
+        outcome = await self._finished.read(finished)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome is True
+
+    async def _finish_batch(self, batch: list[dict[str, Any]]) -> dict[int, bool | Exception]:
+        """``finish_job`` for every delivery in ``batch`` (GroupRead's
+        flush): whether each stored its result, by ``id``. A job finished
+        twice in one batch has its second delivery go in the next
+        statement; a value PostgreSQL refuses fails its own delivery only."""
+        first: dict[str, dict[str, Any]] = {}
+        later = []
+        for row in batch:
+            if row["job_id"] in first:
+                later.append(row)
+            else:
+                first[row["job_id"]] = row
+        outcomes = await each_at_fault(self._finish_rows, list(first.values()), _RESULT_FAULTS)
+        return outcomes | (await self._finish_batch(later) if later else {})
+
+    async def _finish_rows(self, rows: list[dict[str, Any]]) -> dict[int, bool]:
+        numbered = [{**row, "n": n} for n, row in enumerate(rows)]
+        answered = (await self._run("finish_job", {"finished": Jsonb(numbered)})).rows
+        stored = {n for (n,) in answered}
+        return {id(row): n in stored for n, row in enumerate(rows)}
 
     async def mark_dead(self, job_id: str, reason: str, generation: int | None = None) -> bool:
         """The job dead with ``reason``, if it still runs in ``generation``
@@ -235,17 +275,34 @@ class Jobs:
         found, tenant, k, payload = rows[0]
         return JobSpec(str(found), tenant, k, payload)
 
-    async def stale_queued(self, kind: str, older_than_s: float, limit: int) -> list[JobSpec]:
-        params = {"kind": kind, "age_s": older_than_s, "limit": limit}
+    async def stale_queued(
+        self,
+        kind: str,
+        older_than_s: float,
+        limit: int,
+        after: tuple[datetime, str] | None = None,
+    ) -> tuple[list[JobSpec], tuple[datetime, str] | None]:
+        """A page of the workflow's jobs queued longer than ``older_than_s``,
+        oldest first, after the cursor ``after``; and the cursor of the next
+        page (None: this was the last)."""
+        params = {
+            "kind": kind,
+            "age_s": older_than_s,
+            "limit": limit,
+            "after_at": after[0] if after else None,
+            "after_id": after[1] if after else None,
+        }
         rows = (await self._run("queued_jobs_older_than", params)).rows
-        return [JobSpec(str(job_id), tenant, k, payload) for job_id, tenant, k, payload in rows]
+        jobs = [JobSpec(str(job_id), tenant, k, payload) for job_id, tenant, k, payload, _ in rows]
+        cursor = (rows[-1][4], str(rows[-1][0])) if len(rows) == limit else None
+        return jobs, cursor
 
     async def counts(self) -> dict[str, dict[str, int]]:
         """Jobs by workflow and status (withdrawn intakes are not jobs)."""
         rows = (await self._run("jobs_by_kind_and_status")).rows
         counts: dict[str, dict[str, int]] = {}
         for kind, status, n in rows:
-            counts.setdefault(kind, dict.fromkeys(JOB_STATUSES, 0))[status] = int(n)
+            counts.setdefault(kind, dict.fromkeys(ROW_STATUSES, 0))[status] = int(n)
         return counts
 
     async def recent(
@@ -366,6 +423,45 @@ class _Withdrawals:
                 del self._pending[job.job_id]
             # "undone": the insert had landed; without this the job would run.
             log.info("intake.withdrawn", job_id=job.job_id, undone=job.job_id in undone)
+
+
+class _Redispatch:
+    """Accepted jobs whose enqueue failed, dispatched again by this process
+    as soon as Redis answers, not a reconcile pass later (docs/production.md,
+    "Failover"). The enqueue skips a job the index already knows (its lost
+    reply may hide a landed XADD). Bounded: past ``_REDISPATCH_MAX`` jobs,
+    the rest are the reconciler's. A task runs only while some are pending."""
+
+    def __init__(self, streams: Mapping[str, Stream]) -> None:
+        self._streams = streams
+        self._pending: dict[str, JobSpec] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    def add(self, job: JobSpec) -> None:
+        if len(self._pending) >= _REDISPATCH_MAX:
+            return
+        self._pending[job.job_id] = job
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._drain())
+            self._task.add_done_callback(_log_death)
+
+    async def _drain(self) -> None:
+        delay, cap = _WITHDRAW_RETRY_S
+        while self._pending:
+            job = next(iter(self._pending.values()))
+            message = JobMessage.new(job.job_id, job.tenant, job.payload)
+            try:
+                await self._streams[job.kind].enqueue_unless_indexed(message)
+            except RedisError as exc:
+                log.info(
+                    "jobs.redispatch_waiting", jobs=len(self._pending), error=type(exc).__name__
+                )
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, cap)
+                continue
+            delay = _WITHDRAW_RETRY_S[0]
+            del self._pending[job.job_id]
+            log.info("jobs.redispatched", job_id=job.job_id)
 
 
 def _withdraw_params(batch: list[tuple[JobSpec, uuid.UUID]]) -> dict[str, Any]:

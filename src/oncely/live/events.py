@@ -33,8 +33,8 @@ from oncely.redis_client import RedisClient, ScriptCall, call_together
 log = structlog.get_logger(__name__)
 
 EventType = Literal["status", "step", "token", "progress", "reset"]
-# What ends a job's stream.
-FINISHED = frozenset({"done", "dead", "cancelled"})
+# Each part of an entry id is an unsigned 64-bit integer in Redis.
+_MAX_ID_PART = 2**64 - 1
 
 # KEYS: the jobs' events, one key per event (of one workflow: one slot).
 # ARGV: maxlen, ttl ms, then each event's type and data (JSON).
@@ -94,6 +94,13 @@ class JobEvents:
         if self._sender is None or self._sender.done():
             self._sender = asyncio.ensure_future(self._send_queued())
 
+    def status_changed(
+        self, workflow: str, job_id: str, status: str, extra: Mapping[str, Any]
+    ) -> None:
+        """A job's status change as ``oncely.jobs.transitions`` tells it: its
+        ``status`` event."""
+        self.publish(workflow, job_id, "status", {"status": status, **extra})
+
     async def drain(self) -> None:
         """Until every event queued so far was sent (or given up)."""
         while self._sender is not None and not self._sender.done():
@@ -124,11 +131,14 @@ class JobEvents:
 
     # -- reading --------------------------------------------------------------------
 
-    async def after(self, workflow: str, job_id: str, after: str | None) -> list[JobEvent]:
-        """The job's events after ``after`` (all of them when None)."""
+    async def after(
+        self, workflow: str, job_id: str, after: str | None, count: int | None = None
+    ) -> list[JobEvent]:
+        """The job's events after ``after`` (from the first when None), at
+        most ``count`` of them (all when None)."""
         key = names.job_events(workflow, job_id)
         start = "-" if after is None else f"({after}"
-        entries: Any = await self.redis.xrange(key, min=start, max="+")
+        entries: Any = await self.redis.xrange(key, min=start, max="+", count=count)
         return [JobEvent.of(entry_id, fields) for entry_id, fields in entries]
 
     async def follow(self, workflow: str, job_id: str, after: str, block_ms: int) -> list[JobEvent]:
@@ -141,6 +151,12 @@ class JobEvents:
             for entry_id, fields in entries
         ]
 
+    async def latest(self, workflow: str, job_id: str, count: int) -> list[JobEvent]:
+        """The job's last ``count`` events, the latest first."""
+        key = names.job_events(workflow, job_id)
+        entries: Any = await self.redis.xrevrange(key, count=count)
+        return [JobEvent.of(entry_id, fields) for entry_id, fields in entries]
+
     async def last_id(self, workflow: str, job_id: str) -> str | None:
         """The id of the job's latest event (None: none kept)."""
         found: Any = await self.redis.xrevrange(names.job_events(workflow, job_id), count=1)
@@ -149,6 +165,25 @@ class JobEvents:
 
 def _text(value: str | bytes) -> str:
     return value.decode() if isinstance(value, bytes) else value
+
+
+def event_id(text: str) -> str | None:
+    """``text`` as the id of an event a client may resume after (``ms-seq``,
+    or ``ms`` for ``ms-0``), None when it is not one. What a client sends
+    reaches Redis as an id: anything else (``$``, ``+``, ``-5``, 2**64)
+    would make Redis refuse the read, or mean something else than "after
+    this event"."""
+    ms, dash, seq = text.partition("-")
+    parts = (ms, seq) if dash else (ms, "0")
+    if not all(_id_part(p) for p in parts):
+        return None
+    return f"{int(parts[0])}-{int(parts[1])}"
+
+
+def _id_part(text: str) -> bool:
+    # 20 digits at most before int(): a longer one is no id, and Python
+    # refuses to read over 4,300 digits at all.
+    return 0 < len(text) <= 20 and text.isascii() and text.isdigit() and int(text) <= _MAX_ID_PART
 
 
 @dataclass(frozen=True)
@@ -171,36 +206,76 @@ class LiveJob:
     def progress(self, data: Any, step: str | None = None) -> None:
         self.events.publish(self.workflow, self.job_id, "progress", {"data": data, "step": step})
 
-    def tokens(self, step: str | None, attempt: int, *, reset: bool) -> TokenStream:
+    def tokens(
+        self, step: str | None, attempt: int, *, reset: bool, delivery: int = 1
+    ) -> TokenStream:
         """A streamed model call's tokens, coalesced (``TokenStream``)."""
-        return TokenStream(self, step, attempt, reset=reset)
+        return TokenStream(self, step, attempt, reset=reset, delivery=delivery)
+
+    async def streamed_to(self, step: str | None, response: str) -> int | None:
+        """How far the text of the background response kept as ``response``
+        (its intent's key) reached the view for ``step``: the provider's
+        number (``seq``) of the last piece the step's last ``token`` event
+        carried; None when that event is a ``reset`` or another response's
+        token, or none is kept (Redis not answering included: the view is
+        then started over). Events queued by this process are sent first."""
+        try:
+            await self.events.drain()
+            found = await self.events.latest(self.workflow, self.job_id, _RESUME_SCAN)
+        except RedisError:
+            return None
+        for event in found:
+            data = event.data if isinstance(event.data, dict) else {}
+            if event.type in ("token", "reset") and data.get("step") == step:
+                number = data.get("seq") if data.get("response") == response else None
+                return number if type(number) is int else None
+        return None
 
 
 # At most one token event per streamed call this often (seconds).
 TOKEN_EVERY_S = 0.05
+# How many of a job's latest events a re-attached call looks through for
+# where its text reached the view.
+_RESUME_SCAN = 500
 
 
 class TokenStream:
     """A streamed model call's text as ``token`` events: deltas gathered and
     sent at most every ``TOKEN_EVERY_S`` (and what is left at the end). With
     ``reset`` (an attempt after the first, or a redelivery), its first delta
-    sends a ``reset`` first: the client drops what that step streamed before."""
+    sends a ``reset`` first: the client drops what that step streamed before.
+    A background response's pieces are numbered by the provider (``mark``):
+    each token event carries its last piece's number as ``seq``, and the key
+    of the intent that keeps the response as ``response``, so a delivery
+    that re-attaches to it goes on from there (``LiveJob.streamed_to``)."""
 
-    def __init__(self, job: LiveJob, step: str | None, attempt: int, *, reset: bool) -> None:
+    def __init__(
+        self, job: LiveJob, step: str | None, attempt: int, *, reset: bool, delivery: int = 1
+    ) -> None:
         self.job = job
         self.step = step
+        # The call's attempt in its delivery (fallbacks included), and the delivery.
         self.attempt = attempt
+        self.delivery = delivery
         # This attempt may start over what another streamed for the step.
         self.reset = reset
         self._held: list[str] = []
         self._sent_at = 0.0
         self._started = False
+        self._sequence: int | None = None
+        # The key of the intent keeping the background response streamed.
+        self.response: str | None = None
+
+    def mark(self, sequence: int) -> None:
+        """The provider's number of the piece fed next."""
+        self._sequence = sequence
 
     def feed(self, delta: str) -> None:
         if not self._started:
             self._started = True
             if self.reset:
-                self._publish("reset", {"step": self.step, "attempt": self.attempt})
+                data = {"step": self.step, "attempt": self.attempt, "delivery": self.delivery}
+                self._publish("reset", data)
         self._held.append(delta)
         now = time.monotonic()
         if now - self._sent_at >= TOKEN_EVERY_S:
@@ -211,7 +286,10 @@ class TokenStream:
             return
         text, self._held = "".join(self._held), []
         self._sent_at = time.monotonic() if now is None else now
-        self._publish("token", {"step": self.step, "text": text})
+        data: dict[str, Any] = {"step": self.step, "text": text}
+        if self._sequence is not None:
+            data.update(seq=self._sequence, response=self.response)
+        self._publish("token", data)
 
     def _publish(self, kind: EventType, data: Any) -> None:
         self.job.events.publish(self.job.workflow, self.job.job_id, kind, data)

@@ -1,7 +1,9 @@
 """Stream tokens (docs/streaming.md): a browser's ``EventSource`` cannot send
 an ``Authorization`` header, so ``POST <route>/{job_id}/stream-token``
 gives a token that opens that one job's stream, for a while, and nothing
-else: ``GET <route>/{job_id}/stream?token=...``.
+else: ``GET <route>/{job_id}/stream?token=...``. A token names the API key
+it was given for (by id, ``oncely keys list``'s): the stream route refuses
+it once that key is revoked or erased, as it refuses the key.
 
 A token is its claims (workflow, job, tenant, expiry) and an HMAC-SHA256 of
 them under a key every API process shares: made once at random and kept in
@@ -33,6 +35,9 @@ class StreamClaims:
     job_id: str
     tenant: str
     expires_at: float
+    # The id of the API key the token was given for (None: given without
+    # one, or before tokens named their key).
+    key_id: str | None = None
 
 
 class StreamTokens:
@@ -40,10 +45,12 @@ class StreamTokens:
         self.redis = redis
         self.ttl_s = ttl_s
 
-    async def issue(self, workflow: str, job_id: str, tenant: str) -> tuple[str, float]:
+    async def issue(
+        self, workflow: str, job_id: str, tenant: str, key_id: str | None = None
+    ) -> tuple[str, float]:
         """A token for the job's stream, and when it expires (unix seconds)."""
         expires_at = round(time.time() + self.ttl_s)
-        claims = {"w": workflow, "j": job_id, "t": tenant, "e": expires_at}
+        claims = {"w": workflow, "j": job_id, "t": tenant, "e": expires_at, "k": key_id}
         body = _b64(json.dumps(claims, separators=(",", ":")).encode())
         return f"{body}.{_b64(await self._sign(body))}", float(expires_at)
 
@@ -53,8 +60,11 @@ class StreamTokens:
         try:
             given = _unb64(signature)
             raw = json.loads(_unb64(body))
-            claims = StreamClaims(str(raw["w"]), str(raw["j"]), str(raw["t"]), float(raw["e"]))
-        except (ValueError, KeyError, TypeError, binascii.Error):
+            key_id = None if raw.get("k") is None else str(raw["k"])
+            claims = StreamClaims(
+                str(raw["w"]), str(raw["j"]), str(raw["t"]), float(raw["e"]), key_id
+            )
+        except (ValueError, KeyError, TypeError, AttributeError, binascii.Error):
             return None
         if not hmac.compare_digest(given, await self._sign(body)):
             return None

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Literal, Protocol, Self, runtime_checkable
@@ -70,6 +70,9 @@ class Completion:
     # completion tokens, those spent reasoning (0 when not reported).
     cached_tokens: int = 0
     reasoning_tokens: int = 0
+    # Of the prompt tokens, those written to the provider's cache (Anthropic's
+    # cache_creation_input_tokens; 0 when not reported).
+    cache_write_tokens: int = 0
 
 
 class LLM(Protocol):
@@ -82,7 +85,11 @@ class LLM(Protocol):
     ``tools`` and ``on_text`` are passed only to calls that use them, so an
     ``LLM`` without them still answers every other call. With ``on_text``
     the answer is streamed: each piece of its text goes to ``on_text`` as it
-    arrives, and the ``Completion`` is still the whole answer."""
+    arrives, and the ``Completion`` is still the whole answer. ``reasoning``
+    (a ``Reasoning`` effort) and ``background`` (a ``Background``) go only
+    to adapters whose dialect takes them (``responses``), ``service_tier``
+    (``flex``) only to the OpenAI dialects' (``chat``, ``responses``):
+    never to these."""
 
     async def complete(
         self,
@@ -94,6 +101,47 @@ class LLM(Protocol):
         tool_choice: ToolChoice | None = None,
         on_text: Callable[[str], None] | None = None,
     ) -> Completion: ...
+
+
+# How a call goes (docs/lanes.md): ``standard``; ``flex``, OpenAI's
+# ``service_tier: "flex"`` (cheaper, slower, may answer 429 for lack of
+# capacity); ``batch``, through the provider's batch API (hours, not seconds).
+Lane = Literal["standard", "flex", "batch"]
+LANES: tuple[Lane, ...] = ("standard", "flex", "batch")
+# What a ``flex`` attempt asks for, where the dialect takes it (``chat``,
+# ``responses``: docs/lanes.md).
+FLEX_TIER = "flex"
+
+
+# How hard a reasoning model thinks, where the dialect takes it (``responses``:
+# ``reasoning.effort``; docs/providers.md): ``minimal``, ``low``, ``medium``,
+# ``high``, or another word the provider knows.
+Reasoning = str
+
+
+@dataclass(frozen=True)
+class Background:
+    """A call the provider runs in background mode (the ``responses``
+    dialect, docs/providers.md, Background calls), so that a delivery after
+    a crash re-attaches to it instead of asking again. ``stored``: the
+    response id a delivery before this one stored for this attempt (None:
+    create it); ``keep``: stores a new response's id durably, awaited before
+    the adapter waits for the answer; ``cancels``: whether a cancellation
+    that reaches the waiting adapter now ends the call for good (the job was
+    cancelled, or the attempt's time ran out), so the adapter cancels the
+    response at the provider; any other (a shutdown) leaves it running for
+    the next delivery. A streamed one (``on_text``) re-attached to goes on
+    ``after`` the event of that number (the last whose text the caller
+    already has; None: from the first), and ``seen`` is told each text
+    piece's event number just before the piece goes to ``on_text``.
+    ``name``: what keeps it (its intent's key)."""
+
+    stored: str | None
+    keep: Callable[[str], Awaitable[None]]
+    cancels: Callable[[], bool] = lambda: False
+    after: int | None = None
+    seen: Callable[[int], None] = lambda number: None
+    name: str = ""
 
 
 class ClosedOnExit:
@@ -140,12 +188,22 @@ def call_options(
     tools: Sequence[ToolSpec],
     tool_choice: ToolChoice | None,
     on_text: Callable[[str], None] | None,
+    reasoning: Reasoning | None = None,
+    background: Background | None = None,
+    service_tier: str | None = None,
 ) -> dict[str, Any]:
     """The keyword options of ``LLM.complete`` a call uses, and only those:
-    an ``LLM`` written before tools or streaming still answers the rest."""
+    an ``LLM`` written before tools, streaming, reasoning effort, background
+    calls or the flex tier still answers the rest."""
     options: dict[str, Any] = {}
     if tools:
         options = {"tools": tools, "tool_choice": tool_choice}
     if on_text is not None:
         options["on_text"] = on_text
+    if reasoning is not None:
+        options["reasoning"] = reasoning
+    if background is not None:
+        options["background"] = background
+    if service_tier is not None:
+        options["service_tier"] = service_tier
     return options

@@ -19,14 +19,20 @@ A cooldown must tell a sick provider from a sick request. The rule:
   failing tenants (each as above, by share) that make up at least ``share``
   of the tenants active in the window. In a deployment with one tenant, its
   cooldown is the fleet's in effect.
-- **Its length** is ``cooldown_s``, or the provider's ``Retry-After`` when
-  the failure that started it asked for less.
-- **The probe.** Once a cooldown is over, the next call in its scope is the
-  probe: an answer ends the cooldown, a failure starts another. Meanwhile
-  other calls keep skipping (at most ``probe_s``). The job whose failure was
-  the last probe's may not probe again within ``probe_grace_s`` of the
-  cooldown's end while another job may: one failing job cannot keep a model
-  cooling by taking every probe.
+- **The probe** (half-open). A cooling scope lets one call through every
+  ``probe_every_s``: the first call in the scope past that time is the
+  probe. Its answer ends the cooldown at once; its failure waits another
+  ``probe_every_s`` for the next (the provider's ``Retry-After``, when it
+  asks for longer, up to ``cooldown_s``), never a whole new cooldown, so a
+  model that comes back is found within seconds. Meanwhile other calls
+  keep skipping (at most ``probe_s`` per probe out). The job whose failure
+  was the last probe's may not probe again within ``probe_grace_s`` of the
+  next probe's time while another job may: one failing job cannot keep a
+  model cooling by taking every probe.
+- **The jobs waiting.** A job whose every model cools waits outside the
+  worker (``oncely.errors.ResumeLater``) for ``cooldown_s`` at most; the
+  workers let it out earlier (``scopes``): one such job per scope when its
+  probe may go, and all of them once their scope no longer cools.
 
 State lives in Redis, per model, in three keys of one hash slot
 (``names.model_cooldown``): the scopes' cooldowns, the window's failing
@@ -51,6 +57,7 @@ import structlog
 from redis.exceptions import RedisError
 
 from oncely import metrics, names
+from oncely.llm.routing import Caller
 from oncely.redis_client import RedisClient
 
 log = structlog.get_logger(__name__)
@@ -66,7 +73,11 @@ class CooldownPolicy:
     # Failing jobs (distinct) in the window before a scope may cool.
     failures: int = 5
     window_s: float = 30.0
+    # The longest between two probes (a Retry-After asking for more is cut
+    # to it), and the longest a job waiting for the cooldown stays away.
     cooldown_s: float = 60.0
+    # Between two probes of a cooling scope (half-open): one call through.
+    probe_every_s: float = 5.0
     # The share of failing jobs (of a tenant's failing jobs and answered
     # calls), and of failing tenants (of the active ones), that cools.
     share: float = 0.5
@@ -74,26 +85,13 @@ class CooldownPolicy:
     tenants: int = 3
     # The longest a probe may stay out before another call may probe.
     probe_s: float = 30.0
-    # How long past a cooldown's end the job that failed its last probe
-    # leaves the next probe to another job.
+    # How long past the next probe's time the job that failed the last
+    # probe leaves that probe to another job.
     probe_grace_s: float = 5.0
     # How long a call that found a probe out waits before asking again.
     probe_wait_s: float = 2.0
     # How stale this process's view of a model may be.
     refresh_s: float = 0.5
-
-
-@dataclass(frozen=True)
-class Caller:
-    """Whose call it is: the job (its failures count once) and the tenant
-    (whose cooldown it may be)."""
-
-    job: str
-    tenant: str
-
-    @property
-    def scope(self) -> str:
-        return names.tenant_digest(self.tenant) or "-"
 
 
 @dataclass(frozen=True)
@@ -175,7 +173,7 @@ return snapshot(probe(mine) or probe('*') or {0, 0, ''})
 )
 
 # ARGV: job, tenant scope, probe scope ('' if none), failures, window ms,
-# cooldown ms, share, tenants, state ttl ms, then answered calls (scope,
+# ms until the next probe, share, tenants, state ttl ms, then answered calls (scope,
 # count)... Returns the snapshot.
 _FAILED = (
     _COMMON
@@ -221,6 +219,28 @@ return snapshot({})
 """
 )
 
+# The cooling scopes, each with 1 when its probe may go now (its time has
+# come and no probe is out), else 0.
+_SCOPES = (
+    _COMMON
+    + """
+local all, out = redis.call('HGETALL', KEYS[1]), {}
+local probes = {}
+for i = 1, #all, 2 do
+  if string.sub(all[i], 1, 2) == 'p:' then probes[string.sub(all[i], 3)] = tonumber(all[i + 1]) end
+end
+for i = 1, #all, 2 do
+  if string.sub(all[i], 1, 2) == 'u:' then
+    local s = string.sub(all[i], 3)
+    local ready = tonumber(all[i + 1]) <= now and (probes[s] or 0) <= now
+    out[#out + 1] = s
+    out[#out + 1] = ready and 1 or 0
+  end
+end
+return out
+"""
+)
+
 # ARGV: the scope whose probe answered. Its cooldown is over, and its
 # counts start afresh.
 _RECOVERED = (
@@ -253,6 +273,8 @@ class _View:
 
     cooling: dict[str, float] = field(default_factory=dict)
     checked: float = float("-inf")
+    # When the workers last saw the fleet's cooldown in Redis (``scopes``).
+    seen: float = float("-inf")
     answered: Counter[str] = field(default_factory=Counter)
     # The refresh in flight, which concurrent callers share.
     refreshing: asyncio.Future[None] | None = None
@@ -286,6 +308,7 @@ class Cooldown:
         self._admit = redis.register_script(_ADMIT)
         self._failed = redis.register_script(_FAILED)
         self._recovered = redis.register_script(_RECOVERED)
+        self._scopes = redis.register_script(_SCOPES)
         self._views: dict[str, _View] = {}
 
     @property
@@ -359,11 +382,14 @@ class Cooldown:
         if not self.enabled:
             return
         p = self.policy
-        cooldown_s = p.cooldown_s if retry_after_s is None else min(p.cooldown_s, retry_after_s)
+        # Until the next probe: a failed one or a new cooldown alike.
+        next_s = p.probe_every_s
+        if retry_after_s is not None:
+            next_s = min(max(next_s, retry_after_s), max(p.cooldown_s, p.probe_every_s))
         ttl_ms = _ms(p.cooldown_s + p.probe_s + _STATE_TTL_S)
         view = self._view(model)
         args: list[str | int | float] = [caller.job, caller.scope, probe, p.failures]
-        args += [_ms(p.window_s), _ms(max(cooldown_s, 1.0)), p.share, p.tenants, ttl_ms]
+        args += [_ms(p.window_s), _ms(next_s), p.share, p.tenants, ttl_ms]
         args += view.take_answered()
         try:
             snapshot = await self._failed(keys=names.model_cooldown(model), args=args)
@@ -400,12 +426,44 @@ class Cooldown:
         except RedisError as exc:
             log.warning("cooldown.unwritable", model=model, error=type(exc).__name__)
 
+    async def scopes(self, model: str) -> dict[str, bool]:
+        """The scopes cooling ``model`` fleet-wide, each True when its probe
+        may go now: what the workers let waiting jobs out by. Redis not
+        answering: none (the cooldown never holds a job on its own account)."""
+        if not self.enabled:
+            return {}
+        try:
+            reply = await self._scopes(keys=names.model_cooldown(model), args=[])
+        except RedisError as exc:
+            log.warning("cooldown.unreadable", model=model, error=type(exc).__name__)
+            return {}
+        found = {
+            _text(s): int(ready) == 1 for s, ready in zip(reply[::2], reply[1::2], strict=True)
+        }
+        view = self._view(model)
+        for scope in [s for s in view.cooling if s not in found]:
+            del view.cooling[scope]  # ended by another process's probe
+        if FLEET in found:
+            view.cooling.setdefault(FLEET, 0.0)
+            view.seen = time.monotonic()
+        return found
+
+    def _fleet_cools(self, model: str) -> bool:
+        """The gauge: the fleet's cooldown of ``model`` as this process last
+        read it (between probes, too), within a cooldown's length."""
+        view, now = self._views.get(model), time.monotonic()
+        if view is None or FLEET not in view.cooling:
+            return False
+        return view.wait_s(FLEET, now) > 0 or now - max(view.checked, view.seen) < (
+            self.policy.cooldown_s
+        )
+
     def _view(self, model: str) -> _View:
         view = self._views.get(model)
         if view is None:
             view = self._views[model] = _View()
             gauge = metrics.MODEL_COOLDOWN.labels(model=model)
-            gauge.set_function(lambda: 1.0 if self.cooling(model) else 0.0)
+            gauge.set_function(lambda: 1.0 if self._fleet_cools(model) else 0.0)
         return view
 
 

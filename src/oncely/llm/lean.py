@@ -81,6 +81,10 @@ class _Endpoint:
 class LeanOpenAICompatible(ClosedOnExit):
     """The ``LLM`` protocol over chat completions, without the SDK."""
 
+    dialect = "chat"
+    # It takes OpenAI's flex tier and Batch API (docs/lanes.md).
+    lanes = ("standard", "flex", "batch")
+
     def __init__(self, endpoint: _Endpoint, model: str) -> None:
         self._endpoint = endpoint
         self.model = model
@@ -103,8 +107,9 @@ class LeanOpenAICompatible(ClosedOnExit):
         tools: Sequence[ToolSpec] = (),
         tool_choice: ToolChoice | None = None,
         on_text: Callable[[str], None] | None = None,
+        service_tier: str | None = None,
     ) -> Completion:
-        body = wire.request_body(self.model, messages, schema, tools, tool_choice)
+        body = wire.request_body(self.model, messages, schema, tools, tool_choice, service_tier)
         if on_text is not None:
             body = wire.stream_body(body)
         endpoint = self._endpoint

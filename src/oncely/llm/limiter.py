@@ -11,6 +11,12 @@ Two mechanisms, checked in one Lua call before every model call:
   is not made; the caller is told how long to wait. A call reserves its
   estimated tokens; once the provider reports what it used, the TPM state is
   moved by the difference, so the pacing follows real usage, not the guess.
+
+**Redis away.** A limiter whose Redis node does not answer fails open to
+the local limit (docs/production.md, "Failover"): this process paces its
+own calls at ``ONCELY_LLM_RPM``/``TPM`` and keeps its own pause until Redis
+answers again, so one node's loss stalls no model call whose keys it did
+not hold, and no call that never left is failed for it.
 """
 
 from __future__ import annotations
@@ -23,19 +29,22 @@ from dataclasses import dataclass, replace
 import structlog
 from redis.exceptions import RedisError
 
-from oncely import names
-from oncely.errors import TransientError
+from oncely import metrics, names
+from oncely.errors import FleetLimited
 from oncely.llm.base import (
     LLM,
+    Background,
     Completion,
     Message,
+    Reasoning,
     ResponseSchema,
     ToolChoice,
     ToolSpec,
     call_options,
 )
+from oncely.llm.routing import dialect_of, lanes_of
 from oncely.redis_client import RedisClient
-from oncely.retry import retry_after_s, status_of
+from oncely.retry import classify, retry_after_s, status_of
 
 log = structlog.get_logger(__name__)
 
@@ -105,6 +114,10 @@ return backlog
 
 # How stale this process's view of a fleet pause may be (no RPM/TPM limits).
 _PAUSE_REFRESH_S = 0.1
+# While Redis does not answer, one warning this often, and Redis asked
+# again this often.
+_FAIL_OPEN_LOG_EVERY_S = 10.0
+_FLEET_RETRY_S = 1.0
 # A tenth of a minute's allowance may go at once; the rest is paced.
 _BURST_SHARE = 0.1
 _MINUTE_MS = 60_000.0
@@ -159,9 +172,35 @@ class FleetLimiter:
         self._buckets = [(names.LLM_RPM, names.LLM_TPM, 1.0)]
         if share < 1:
             self._buckets.append((names.LLM_SHARE_RPM, names.LLM_SHARE_TPM, share))
+        # This process's pacing while Redis does not answer.
+        self._local = _LocalPacing(limits, share)
+        self._fail_open_logged_at = -_FAIL_OPEN_LOG_EVERY_S
+        self._fleet_again_at = 0.0
 
     async def acquire(self, tokens: int) -> float:
-        """0 if a call may go now (and it is counted), else seconds to wait."""
+        """0 if a call may go now (and it is counted), else seconds to wait.
+        Redis not answering: this process's own pause and pacing decide."""
+        if time.monotonic() >= self._fleet_again_at:
+            try:
+                return await self._acquire_fleet(tokens)
+            except RedisError as exc:
+                self._failed_open(exc)
+        metrics.LIMITER_FAIL_OPEN.inc()
+        wait = max(0.0, self._paused_until - time.monotonic(), self._local.wait(tokens))
+        if wait > 0:
+            self.waits += 1
+        return wait
+
+    def _failed_open(self, exc: RedisError) -> None:
+        """Redis did not answer: this process decides alone for a while,
+        rather than wait for it on every call."""
+        now = time.monotonic()
+        self._fleet_again_at = now + _FLEET_RETRY_S
+        if now - self._fail_open_logged_at >= _FAIL_OPEN_LOG_EVERY_S:
+            self._fail_open_logged_at = now
+            log.warning("limiter.fail_open", error=type(exc).__name__)
+
+    async def _acquire_fleet(self, tokens: int) -> float:
         if not (self.limits.rpm or self.limits.tpm):
             wait = await self._pause_left()
             if wait > 0:
@@ -219,14 +258,43 @@ class FleetLimiter:
             return
         self.pauses += 1
         self._paused_until = max(self._paused_until, time.monotonic() + ms / 1000)
-        current = await self.redis.pttl(names.LLM_PAUSE)
-        if current < ms:
-            await self.redis.set(names.LLM_PAUSE, "1", px=ms)
+        try:
+            current = await self.redis.pttl(names.LLM_PAUSE)
+            if current < ms:
+                await self.redis.set(names.LLM_PAUSE, "1", px=ms)
+        except RedisError as exc:
+            # This process pauses all the same; the others find the limit too.
+            self._failed_open(exc)
 
 
-class FleetLimited(TransientError):
-    """The fleet's limits held a call back longer than its attempt may wait:
-    it was never sent (no ledger row, no failure of the model's)."""
+class _LocalPacing:
+    """The fleet's GCRA for one process alone, at the configured limits:
+    what paces its calls while Redis does not answer."""
+
+    def __init__(self, limits: Limits, share: float) -> None:
+        self._rpm_ms = _interval_ms(limits.rpm, share)
+        self._tpm_ms = _interval_ms(limits.tpm, share)
+        self._rpm_tat = self._tpm_tat = 0.0
+
+    def wait(self, tokens: int) -> float:
+        """0 if a call may go now (and it is counted), else seconds to wait."""
+        now = time.monotonic() * 1000
+        wait_r, rpm_tat = _gcra(self._rpm_tat, now, self._rpm_ms, 1)
+        wait_t, tpm_tat = _gcra(self._tpm_tat, now, self._tpm_ms, tokens)
+        if max(wait_r, wait_t) > 0:
+            return max(wait_r, wait_t) / 1000
+        self._rpm_tat, self._tpm_tat = rpm_tat, tpm_tat
+        return 0.0
+
+
+def _gcra(tat: float, now: float, interval: float, cost: int) -> tuple[float, float]:
+    """``_ACQUIRE``'s check in Python: (ms to wait, the new arrival time)."""
+    if interval <= 0:
+        return 0.0, tat
+    tat = max(tat, now)
+    burst = _burst_ms(interval)
+    wait = tat - now if interval * cost > burst else tat + interval * cost - burst - now
+    return (wait, tat) if wait > 0 else (0.0, tat + interval * cost)
 
 
 class LimitedLLM:
@@ -237,6 +305,10 @@ class LimitedLLM:
     def __init__(self, llm: LLM, limiter: FleetLimiter) -> None:
         self.llm = llm
         self.limiter = limiter
+        # The dialect of the adapter behind it (its ledger rows say it).
+        self.dialect = dialect_of(llm)
+        # And the lanes it takes (docs/lanes.md).
+        self.lanes = lanes_of(llm)
 
     async def complete(
         self,
@@ -247,22 +319,32 @@ class LimitedLLM:
         tools: Sequence[ToolSpec] = (),
         tool_choice: ToolChoice | None = None,
         on_text: Callable[[str], None] | None = None,
+        reasoning: Reasoning | None = None,
+        background: Background | None = None,
+        service_tier: str | None = None,
     ) -> Completion:
         started = time.monotonic()
-        reserved = estimate_tokens(messages)
-        while (wait := await self.limiter.acquire(reserved)) > 0:
+        # Re-attaching to a background response asks the provider for
+        # nothing new: it was paced, and counted, when it was created.
+        reattaching = background is not None and background.stored is not None
+        reserved = 0 if reattaching else estimate_tokens(messages)
+        while not reattaching and (wait := await self.limiter.acquire(reserved)) > 0:
             if time.monotonic() - started + wait >= timeout:
                 raise FleetLimited("fleet rate limit", retry_after_s=wait)
             await asyncio.sleep(wait)
         left = timeout - (time.monotonic() - started)
-        extra = call_options(tools, tool_choice, on_text)
+        extra = call_options(tools, tool_choice, on_text, reasoning, background, service_tier)
         try:
             completion = await self.llm.complete(messages, left, schema=schema, **extra)
         except Exception as exc:
-            # Adapters translate a provider's 429 into TransientError(status=429).
-            if status_of(exc) == 429:
+            # Adapters translate a provider's 429 into TransientError(status=429);
+            # a 429 that says the account cannot pay (ProviderQuota) is no pace,
+            # nor is a flex call's (the flex tier out of capacity says nothing
+            # of the standard tier's pace: docs/lanes.md).
+            if status_of(exc) == 429 and classify(exc) and service_tier is None:
                 await self.limiter.pause(retry_after_s(exc) or 1.0)
             raise
-        used = completion.prompt_tokens + completion.completion_tokens
-        await self.limiter.settle(reserved, used)
+        if not reattaching:
+            used = completion.prompt_tokens + completion.completion_tokens
+            await self.limiter.settle(reserved, used)
         return replace(completion, queued_s=timeout - left)

@@ -18,7 +18,9 @@ nowhere else (``oncely.retry`` imports no SDK):
 - ``APIConnectionError`` and transport errors that escape the SDK unwrapped
   (httpx, aiohttp) become ``TransientError``.
 - Any other SDK error, and a 200 without an answer or that is not JSON, is a
-  ``PermanentError``.
+  ``PermanentError``; a 200 whose answer is a refusal is ``oncely.Refused``,
+  and an error whose code says the account cannot pay (``insufficient_quota``)
+  is ``ProviderQuota`` (docs/providers.md).
 
 What a status means, and how an answer's usage and emptiness are read, is
 shared with the lean client (``oncely.llm.wire``, ``oncely.llm.lean``).
@@ -42,7 +44,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from typing import Any, Self, cast
 
 import aiohttp
 import httpx
@@ -50,7 +52,7 @@ import openai
 from openai.types.chat import ChatCompletion
 from openai.types.chat.chat_completion import Choice
 
-from oncely.errors import OncelyError, PermanentError, TransientError
+from oncely.errors import OncelyError, PermanentError, Refused, TransientError
 from oncely.llm import wire
 from oncely.llm.base import (
     ClosedOnExit,
@@ -75,16 +77,16 @@ _SDK_ERRORS: tuple[type[Exception], ...] = (openai.OpenAIError, *_TRANSPORT_ERRO
 _PATH = "/chat/completions"
 
 
-class OpenAICompatible(ClosedOnExit):
-    """The ``LLM`` protocol over chat completions, optionally with structured
-    output (``response_format: json_schema``)."""
+class OpenAIEndpoint(ClosedOnExit):
+    """An OpenAI endpoint through the openai SDK (its retries off), for a
+    model: what the chat and the Responses dialects share."""
 
     def __init__(self, client: openai.AsyncOpenAI, model: str) -> None:
         self._client = client
         self.model = model
 
     @classmethod
-    def connect(cls, base_url: str, api_key: str, model: str) -> OpenAICompatible:
+    def connect(cls, base_url: str, api_key: str, model: str) -> Self:
         """Build the client; no connection opens until the first call."""
         client = openai.AsyncOpenAI(
             base_url=base_url,
@@ -94,10 +96,22 @@ class OpenAICompatible(ClosedOnExit):
         )
         return cls(client, model)
 
-    def with_model(self, model: str) -> OpenAICompatible:
+    def with_model(self, model: str) -> Self:
         """The same endpoint and connections, asking for another model (a
         workflow's variant, docs/shadow.md)."""
-        return self if model == self.model else OpenAICompatible(self._client, model)
+        return self if model == self.model else type(self)(self._client, model)
+
+    async def aclose(self) -> None:
+        await self._client.close()
+
+
+class OpenAICompatible(OpenAIEndpoint):
+    """The ``LLM`` protocol over chat completions, optionally with structured
+    output (``response_format: json_schema``)."""
+
+    dialect = "chat"
+    # It takes OpenAI's flex tier and Batch API (docs/lanes.md).
+    lanes = ("standard", "flex", "batch")
 
     async def complete(
         self,
@@ -108,11 +122,12 @@ class OpenAICompatible(ClosedOnExit):
         tools: Sequence[ToolSpec] = (),
         tool_choice: ToolChoice | None = None,
         on_text: Callable[[str], None] | None = None,
+        service_tier: str | None = None,
     ) -> Completion:
         # The SDK's timeout bounds each socket read, not the call: a server that
         # drips a byte a second would never trip it. The wall-clock limit is the
         # caller's (``call_with_retries`` runs every attempt under one).
-        body = wire.request_body(self.model, messages, schema, tools, tool_choice)
+        body = wire.request_body(self.model, messages, schema, tools, tool_choice, service_tier)
         try:
             if on_text is not None:
                 return await self._streamed(body, timeout, on_text)
@@ -125,7 +140,12 @@ class OpenAICompatible(ClosedOnExit):
             raise wire.no_content("not JSON") from exc
         if not isinstance(response, ChatCompletion):  # another content type: the SDK's text
             raise wire.no_content("not JSON")
-        return _completion(response)
+        try:
+            return _completion(response)
+        except (AttributeError, TypeError, IndexError, KeyError) as exc:
+            # The SDK builds its types without validating them: JSON of
+            # another shape reads as attributes that are not there.
+            raise wire.no_content("not a chat completion") from exc
 
     async def _streamed(
         self,
@@ -148,9 +168,6 @@ class OpenAICompatible(ClosedOnExit):
                     on_text(text)
         return answer.completion()
 
-    async def aclose(self) -> None:
-        await self._client.close()
-
 
 def translate_error(exc: Exception) -> OncelyError | TimeoutError:
     """The oncely error an SDK or transport error stands for (see the module doc)."""
@@ -165,9 +182,7 @@ def translate_error(exc: Exception) -> OncelyError | TimeoutError:
 
 
 def _why_empty(choice: Choice | None) -> str:
-    if choice is None:
-        return "no choices"
-    return "refused" if choice.message.refusal else choice.finish_reason
+    return "no choices" if choice is None else choice.finish_reason
 
 
 def _completion(response: ChatCompletion) -> Completion:
@@ -175,9 +190,12 @@ def _completion(response: ChatCompletion) -> Completion:
     without either will not change on a retry."""
     choice = response.choices[0] if response.choices else None
     calls = _tool_requests(choice)
+    usage = response.usage
+    if choice is not None and not (choice.message.content or calls) and choice.message.refusal:
+        tokens = (usage.prompt_tokens, usage.completion_tokens) if usage else (0, 0)
+        raise Refused("model returned no content (refused)", tokens=tokens)
     if choice is None or not (choice.message.content or calls):
         raise wire.no_content(_why_empty(choice))
-    usage = response.usage
     prompt_details = usage.prompt_tokens_details if usage else None
     completion_details = usage.completion_tokens_details if usage else None
     return Completion(
@@ -197,5 +215,5 @@ def _tool_requests(choice: Choice | None) -> tuple[ToolRequest, ...]:
     for call in calls or ():
         function = getattr(call, "function", None)
         if function is not None:
-            found.append(ToolRequest(call.id, function.name, function.arguments or ""))
+            found.append(ToolRequest(call.id or "", function.name, function.arguments or ""))
     return tuple(found)

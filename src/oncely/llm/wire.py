@@ -11,15 +11,19 @@ cut to a few dozen characters, its message is never read.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import AsyncIterable, AsyncIterator, Mapping, Sequence
 from typing import Any
 
-from oncely.errors import OncelyError, PermanentError, TransientError
+from oncely.errors import OncelyError, PermanentError, ProviderQuota, Refused, TransientError
 from oncely.llm.base import Completion, Message, ResponseSchema, ToolChoice, ToolRequest, ToolSpec
 from oncely.retry import retry_after_from_headers, retryable_status
 
 # Enough of a provider's error code to tell errors apart, never a whole message.
 _CODE_CHARS = 60
+# OpenAI's codes for an account with no credit left or at its hard limit
+# (a 429 that no wait will cure: docs/providers.md, Dry accounts).
+_DRY_CODES = frozenset({"insufficient_quota", "billing_hard_limit_reached"})
 
 
 def response_format(schema: ResponseSchema) -> dict[str, Any]:
@@ -81,8 +85,10 @@ def request_body(
     schema: ResponseSchema | None,
     tools: Sequence[ToolSpec],
     tool_choice: ToolChoice | None,
+    service_tier: str | None = None,
 ) -> dict[str, Any]:
-    """A chat completion request's body, as both clients send it."""
+    """A chat completion request's body, as both clients send it
+    (``service_tier``: ``flex`` for a flex-lane call, docs/lanes.md)."""
     body: dict[str, Any] = {"model": model, "messages": messages_param(messages)}
     if schema is not None:
         body["response_format"] = response_format(schema)
@@ -90,16 +96,24 @@ def request_body(
         body["tools"] = tools_param(tools)
         if tool_choice is not None:
             body["tool_choice"] = tool_choice_param(tool_choice)
+    if service_tier is not None:
+        body["service_tier"] = service_tier
     return body
 
 
 def status_error(status: int, code: object, headers: Mapping[str, str]) -> OncelyError:
     """408, 409, 429 and 5xx: a ``TransientError`` with the status and the
     wait from ``retry-after-ms`` / ``Retry-After``; any other status a
-    ``PermanentError``. ``code``: the body's ``error.code``, when a string."""
+    ``PermanentError``; a code saying the account cannot pay
+    (``insufficient_quota``), whatever its status, ``ProviderQuota``.
+    ``code``: the body's ``error.code``, when a string."""
     message = f"model answered {status}"
     if isinstance(code, str) and code:
         message += f" ({code[:_CODE_CHARS]})"
+    if code in _DRY_CODES:
+        return ProviderQuota(
+            f"{message}: the provider account's credit or spend limit is exhausted", status=status
+        )
     if retryable_status(status):
         return TransientError(
             message, status=status, retry_after_s=retry_after_from_headers(headers)
@@ -110,6 +124,31 @@ def status_error(status: int, code: object, headers: Mapping[str, str]) -> Oncel
 def no_content(why: str) -> PermanentError:
     """A 200 without an answer: a retry will not change it."""
     return PermanentError(f"model returned no content ({why})")
+
+
+async def post_json(
+    client: Any,
+    path: str,
+    body: Mapping[str, Any] | None,
+    timeout: float,  # noqa: ASYNC109 (a socket read's: the call's wall clock is the caller's)
+    *,
+    method: str = "post",
+) -> dict[str, Any]:
+    """One request (``method``: ``post``, or ``get`` without a body) through
+    a provider's SDK client (the openai and anthropic SDKs ask alike), its
+    answer read as plain JSON: a typed object per answer would cost CPU for
+    nothing. A 200 that is no JSON object is no content."""
+    options = {"timeout": timeout}
+    try:
+        if method == "get":
+            data = await client.get(path, cast_to=object, options=options)
+        else:
+            data = await client.post(path, cast_to=object, body=body, options=options)
+    except json.JSONDecodeError as exc:  # a 200 that says it is JSON and is not
+        raise no_content("not JSON") from exc
+    if not isinstance(data, dict):  # another content type: the SDK's text
+        raise no_content("not JSON")
+    return data
 
 
 def read_answer(data: object) -> Completion:
@@ -127,7 +166,9 @@ def read_answer(data: object) -> Completion:
     content = message.get("content")
     calls = tool_requests(message.get("tool_calls"))
     if not calls and (not isinstance(content, str) or not content):
-        raise no_content("refused" if message.get("refusal") else str(choice.get("finish_reason")))
+        if message.get("refusal"):
+            raise Refused("model returned no content (refused)", tokens=_tokens(data))
+        raise no_content(str(choice.get("finish_reason")))
     usage = data.get("usage")
     usage = usage if isinstance(usage, dict) else {}
     return Completion(
@@ -138,6 +179,12 @@ def read_answer(data: object) -> Completion:
         cached_tokens=_count(_detail(usage, "prompt_tokens_details", "cached_tokens")),
         reasoning_tokens=_count(_detail(usage, "completion_tokens_details", "reasoning_tokens")),
     )
+
+
+def _tokens(data: Mapping[str, Any]) -> tuple[int, int]:
+    usage = data.get("usage")
+    usage = usage if isinstance(usage, dict) else {}
+    return _count(usage.get("prompt_tokens")), _count(usage.get("completion_tokens"))
 
 
 def tool_requests(calls: object) -> tuple[ToolRequest, ...]:
@@ -266,3 +313,16 @@ class StreamedAnswer:
         }
         choice = {"message": message, "finish_reason": self._finish}
         return read_answer({"choices": [choice], "usage": self._usage})
+
+
+# What a provider's id (a response, a batch, a file) may look like before
+# oncely keeps it or puts it in a URL path.
+_PROVIDER_ID = re.compile(r"[A-Za-z0-9_-]{1,200}")
+
+
+def provider_id(found: object) -> str:
+    """An id a provider sent, checked whole (no newline, no slash, no dot)
+    before it is stored or put in a path."""
+    if not isinstance(found, str) or _PROVIDER_ID.fullmatch(found) is None:
+        raise PermanentError("the provider sent an id that is not a plain token")
+    return found

@@ -7,6 +7,13 @@ on. The residual window is a relay dying between the provider's answer and
 the ``sent_at`` commit: the row is sent again once its lease expires, and only
 the provider's idempotency makes that one effect.
 
+A claim is a short lease (``RelayConfig.lease_s``) that the live relay
+renews in steps while it holds the row (``renew_leases``), so a relay that
+dies has its rows claimed by another within a lease and a poll, and a live
+relay's slow send is never taken over; its own view of each lease ends no
+later than the database's and cuts the send off then (docs/architecture.md,
+Effects, says why this and not a heartbeat per relay).
+
 Sends run outside any transaction. A relay wakes on ``NOTIFY oncely_outbox``
 (sent by the transaction that wrote the row) and polls as a fallback, so a
 missed notification costs at most one poll interval.
@@ -15,14 +22,14 @@ A *call that answers* (a row with a ``call_key``, docs/agents.md) is sent the
 same way; its answer is written with the row's ``sent_at``, as the value of
 the job's waiting checkpoint, in one statement, and the job resumed. One
 that will never be answered (refused, an invalid answer, its attempts spent)
-ends its wait with a ``CallFailed``.
+ends its wait with a ``CallFailed``; so does an answer too large to read
+or that PostgreSQL cannot store: a 2xx is never sent again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import random
-import time
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +47,7 @@ from oncely.retry import backoff_s, classify, retry_after_s
 from oncely.senders.base import Sender, SendResult
 from oncely.services import Progress, supervised
 from oncely.sql import query
+from oncely.sql.connect import CountedConnection
 
 log = structlog.get_logger("oncely.relay")
 
@@ -66,15 +74,18 @@ _CONNECT_TIMEOUT_S = 10
 class RelayConfig:
     """How one relay process claims, sends and backs off.
 
-    ``lease_s`` must exceed the time a claimed row can wait for a send slot
-    plus the send itself (at most ``concurrency`` claimed rows wait, each for
-    one send ahead of it: about two send timeouts): a row whose lease ends
-    before its send starts is left to its next claim, and one whose send
-    outlives it is cut off.
+    ``lease_s`` is how long a claim lasts unless renewed: the relay renews
+    the rows it holds (waiting for a send slot, sending, recording) every
+    third of it, so a relay that dies leaves its rows for at most
+    ``lease_s`` (then the next claim, within ``poll_s``, takes them), and
+    a renewal has half a lease to land. A send is renewed for at most
+    ``send_timeout_s`` (the senders' own timeout, ``ONCELY_SENDER_TIMEOUT_S``):
+    one that hangs past it keeps its row one lease more, then is cut off.
     """
 
     max_attempts: int = 10
-    lease_s: float = 30.0
+    lease_s: float = 3.0
+    send_timeout_s: float = 10.0
     batch: int = 100
     concurrency: int = 64
     poll_s: float = 1.0
@@ -88,26 +99,53 @@ class RelayConfig:
     listen_retry_s: float = 1.0
 
 
-@dataclass(frozen=True)
-class _Lease:
-    """The relay's own, conservative view of a claim's lease (monotonic clock).
+@dataclass
+class _Hold:
+    """One claimed row's lease as this relay sees it, on the event loop's
+    monotonic clock: it ends ``lease_s`` after the start of the last
+    statement that set ``locked_until`` (the claim, then each renewal), so
+    never after the database's. While the row's send runs, ``window``
+    cuts it off a sixth of a lease before the lease ends (``cutoff``), so
+    its failure is recorded, with its backoff, while the row is still
+    this claim's rather than racing the next claim; a renewal moves both."""
 
-    Started before the claim statement, so it ends no later than the
-    database's ``locked_until``.
-    """
-
-    started: float
-    lease_s: float
+    claimed: float
+    ends: float
+    margin: float
+    send_started: float | None = None
+    window: asyncio.Timeout | None = None
 
     @classmethod
-    def starting_now(cls, lease_s: float) -> _Lease:
-        return cls(time.monotonic(), lease_s)
+    def claimed_at(cls, started: float, lease_s: float) -> _Hold:
+        return cls(started, started + lease_s, lease_s / 6)
+
+    @property
+    def cutoff(self) -> float:
+        return self.ends - self.margin
 
     def elapsed(self) -> float:
-        return time.monotonic() - self.started
+        return _now() - self.claimed
 
     def remaining(self) -> float:
-        return self.lease_s - self.elapsed()
+        return self.ends - _now()
+
+    def extend(self, ends: float) -> None:
+        """A renewal that started at ``ends - lease_s`` landed."""
+        if ends > self.ends and self.remaining() > 0:
+            self.ends = ends
+            if self.window is not None and not self.window.expired():
+                self.window.reschedule(self.cutoff)
+
+    def lose(self) -> None:
+        """The row is no longer this relay's: a send under way stops now."""
+        self.ends = min(self.ends, _now())
+        self.margin = 0.0
+        if self.window is not None and not self.window.expired():
+            self.window.reschedule(self.ends)
+
+
+def _now() -> float:
+    return asyncio.get_running_loop().time()
 
 
 class Relay:
@@ -145,30 +183,35 @@ class Relay:
             "failed": 0,
             "retried": 0,
             "lease_lost": 0,
+            "renewals": 0,
             "woken_by_notify": 0,
             "polls": 0,
             "listens": 0,
         }
         self._slots = asyncio.Semaphore(config.concurrency)
+        # Every row claimed and not yet recorded, renewed by ``renew_leases``.
+        self._held: dict[int, _Hold] = {}
         self._sending = 0  # rows claimed whose send has not ended (or begun)
         self._stopping = asyncio.Event()
         self._wake = asyncio.Event()
         self._woken_by = ""
         self._slot_freed = asyncio.Event()
-        # Sends finishing together are recorded in one owner-checked UPDATE.
-        self._mark_sent: GroupCommit[tuple[int, str | None], int] = GroupCommit(
-            self._mark_sent_batch, key=lambda send: send[0]
+        # Sends finishing together are recorded in one claim-checked UPDATE.
+        self._mark_sent: GroupCommit[tuple[ClaimedRow, str | None], tuple[int, int]] = GroupCommit(
+            self._mark_sent_batch, key=lambda send: (send[0].id, send[0].attempts)
         )
 
     # -- the loop ---------------------------------------------------------
 
     async def run(self) -> None:
         """Relay until ``stop()``; the batch in flight then finishes before this
-        returns. The listener and retention run in the same task group: one
-        that dies takes the relay down, logged (``oncely.services``)."""
+        returns. Lease renewal, the listener and retention run in the same
+        task group: one that dies takes the relay down, logged
+        (``oncely.services``)."""
         log.info("relay.started", owner=str(self.owner), batch=self.config.batch)
         side: list[tuple[str, Callable[[], Awaitable[None]]]] = [
-            ("outbox-retention", self._clean_up_forever)
+            ("outbox-renew", self._renew_forever),
+            ("outbox-retention", self._clean_up_forever),
         ]
         if self.database_url is not None:
             url = self.database_url
@@ -214,13 +257,13 @@ class Relay:
                 self._slot_freed.clear()
                 await self._slot_freed.wait()
                 continue
+            started = _now()
             rows = await self._claim(min(self.config.batch, free))
             if not rows:
                 await self._wait_for_work()
                 continue
-            lease = _Lease.starting_now(self.config.lease_s)
             for row in rows:
-                task = self._start(row, lease)
+                task = self._start(row, started)
                 in_flight.add(task)
                 task.add_done_callback(finished)
         if in_flight:
@@ -235,13 +278,19 @@ class Relay:
             return []
 
     async def run_once(self) -> int:
-        """Claim one batch and send it, ``concurrency`` at a time; how many rows were claimed."""
-        lease = _Lease.starting_now(self.config.lease_s)
+        """Claim one batch and send it, ``concurrency`` at a time, renewing
+        the leases meanwhile; how many rows were claimed."""
+        started = _now()
         rows = await self.store.claim(self.owner, self.config.batch, self.config.lease_s)
         if rows:
-            async with asyncio.TaskGroup() as sends:
-                for row in rows:
-                    self._start(row, lease, sends.create_task)
+            renewing = asyncio.create_task(self._renew_forever())
+            try:
+                async with asyncio.TaskGroup() as sends:
+                    for row in rows:
+                        self._start(row, started, sends.create_task)
+            finally:
+                renewing.cancel()
+                await asyncio.wait([renewing])
         return len(rows)
 
     async def _wait_for_work(self) -> None:
@@ -265,34 +314,40 @@ class Relay:
     def _start(
         self,
         row: ClaimedRow,
-        lease: _Lease,
+        claimed: float,
         spawn: Callable[[Coroutine[Any, Any, None]], asyncio.Task[None]] = asyncio.create_task,
     ) -> asyncio.Task[None]:
         """The row's send and record, as a task; it holds a send slot until
-        its send ends."""
+        its send ends, and its lease is renewed until it is recorded.
+        ``claimed``: when the claim statement started (loop time)."""
         self._sending += 1
-        return spawn(self._relay(row, lease))
+        hold = _Hold.claimed_at(claimed, self.config.lease_s)
+        self._held[row.id] = hold
+        return spawn(self._relay(row, hold))
 
-    async def _relay(self, row: ClaimedRow, lease: _Lease) -> None:
+    async def _relay(self, row: ClaimedRow, hold: _Hold) -> None:
         try:
             async with self._slots:
                 try:
-                    outcome = await self._send(row, lease)
+                    outcome = await self._send(row, hold)
                 finally:
                     self._sending -= 1
                     self._slot_freed.set()
             if isinstance(outcome, SendResult) and row.call_key is not None:
-                await self._answered(row, outcome, lease)
+                await self._answered(row, outcome, hold)
             elif isinstance(outcome, SendResult):
-                await self._sent(row, outcome, lease)
+                await self._sent(row, outcome, hold)
             elif outcome is not None:
                 await self._failed(row, outcome)
         except psycopg.Error as exc:
             # The outcome was not recorded: the lease runs out and the row
             # is sent again under the same dedupe key, one effect.
             log.error("outbox.record_failed", outbox_id=row.id, error=_describe(exc))
+        finally:
+            if self._held.get(row.id) is hold:
+                del self._held[row.id]
 
-    async def _send(self, row: ClaimedRow, lease: _Lease) -> SendResult | Exception | None:
+    async def _send(self, row: ClaimedRow, hold: _Hold) -> SendResult | Exception | None:
         """The provider's answer, or the failure to record; None: not sent,
         and nothing to record (the lease may be another relay's by now)."""
         if row.attempts > self.config.max_attempts:
@@ -300,14 +355,18 @@ class Relay:
             # max_attempts): relays kept dying or stalling on it. Stop rather
             # than let one row take relays down forever.
             return PermanentError(f"lease ran out mid-send {row.attempts - 1} times")
-        if lease.remaining() <= 0:
-            # It waited too long for a slot; another relay may hold it by now.
+        if hold.cutoff <= _now():
+            # Its renewals failed while it waited for a slot, or another
+            # relay took it: that relay may be sending it by now.
             self._lease_lost(row, "lease ended before the send")
             return None
-        # A send outliving the lease races another relay's resend of the row.
-        window = asyncio.timeout(lease.remaining())
+        # A send outliving the lease races another relay's resend of the row;
+        # each renewal moves the window with the lease.
+        window = asyncio.timeout_at(hold.cutoff)
+        hold.send_started = _now()
         try:
             async with window:
+                hold.window = window
                 with tracing.span(
                     f"oncely.send {row.topic}",
                     parent=row.trace_context,
@@ -316,14 +375,19 @@ class Relay:
                 ):
                     return await self.sender.send(row.topic, row.payload, row.dedupe_key)
         except Exception as exc:
-            cut = TransientError(f"send cut off when its {lease.lease_s} s lease ended")
-            return cut if window.expired() else exc
+            if not window.expired():
+                return exc
+            ran_s = round(_now() - hold.send_started, 3)
+            return TransientError(f"send cut off after {ran_s} s, at the end of its lease")
+        finally:
+            hold.window = None
+            hold.send_started = None
 
-    async def _sent(self, row: ClaimedRow, result: SendResult, lease: _Lease) -> None:
-        if not await self._mark_sent((row.id, result.provider_message_id)):
+    async def _sent(self, row: ClaimedRow, result: SendResult, hold: _Hold) -> None:
+        if not await self._mark_sent((row, result.provider_message_id)):
             self._lease_lost(row, "sent, but another relay holds the row")
             return
-        lag_s = row.age_s + lease.elapsed()
+        lag_s = row.age_s + hold.elapsed()
         self.stats["sent"] += 1
         _SENDS_SENT.inc()
         metrics.OUTBOX_LAG.observe(lag_s)
@@ -335,11 +399,15 @@ class Relay:
             lag_s=round(lag_s, 3),
         )
 
-    async def _answered(self, row: ClaimedRow, result: SendResult, lease: _Lease) -> None:
+    async def _answered(self, row: ClaimedRow, result: SendResult, hold: _Hold) -> None:
         """A call's answer: stored with the row, its job resumed."""
-        held, woken = await self.store.mark_answered(
-            row.id, self.owner, result.provider_message_id, result.answer
-        )
+        try:
+            held, woken = await self.store.mark_answered(
+                row, self.owner, result.provider_message_id, result.answer
+            )
+        except psycopg.DataError as exc:
+            await self._unstorable(row, exc)
+            return
         if not held:
             self._lease_lost(row, "answered, but another relay holds the row")
             return
@@ -351,14 +419,25 @@ class Relay:
             outbox_id=row.id,
             topic=row.topic,
             attempts=row.attempts,
-            lag_s=round(row.age_s + lease.elapsed(), 3),
+            lag_s=round(row.age_s + hold.elapsed(), 3),
         )
         await self._wake_job(woken)
+
+    async def _unstorable(self, row: ClaimedRow, exc: psycopg.DataError) -> None:
+        """An answer jsonb refused though its parse let it through: the
+        receiver answered, so a resend would only bring it back. The call
+        fails now; the database's message quotes the answer, so only its
+        SQLSTATE is kept."""
+        failed = CallFailed(
+            f"{row.topic}: the receiver's answer cannot be stored (SQLSTATE {exc.sqlstate})",
+            reason="invalid_answer",
+        )
+        await self._call_failed(row, failed, _describe(failed))
 
     async def _call_failed(self, row: ClaimedRow, exc: Exception, error: str) -> None:
         """A call that will never be answered: its wait ends with a CallFailed."""
         failed = _call_failure(row, exc)
-        held, woken = await self.store.call_failed(row.id, self.owner, error, failure_value(failed))
+        held, woken = await self.store.call_failed(row, self.owner, error, failure_value(failed))
         if not held:
             self._lease_lost(row, "call failed, and another relay holds the row")
             return
@@ -380,7 +459,9 @@ class Relay:
         workflow = self._workflow_of.get(row.topic, "")
         metrics.CALLS.labels(workflow=workflow, topic=row.topic, outcome=outcome).inc()
 
-    async def _mark_sent_batch(self, sends: list[tuple[int, str | None]]) -> set[int]:
+    async def _mark_sent_batch(
+        self, sends: list[tuple[ClaimedRow, str | None]]
+    ) -> set[tuple[int, int]]:
         return await self.store.mark_sent_many(self.owner, sends)
 
     async def _failed(self, row: ClaimedRow, exc: Exception) -> None:
@@ -392,7 +473,7 @@ class Relay:
             return
         delay_s = 0.0 if give_up else self._retry_delay_s(row.attempts, exc)
         recorded = await self.store.mark_failed_attempt(
-            row.id, self.owner, error, next_attempt_at_delay_s=delay_s, give_up=give_up
+            row, self.owner, error, next_attempt_at_delay_s=delay_s, give_up=give_up
         )
         if not recorded:
             self._lease_lost(row, "send failed, and another relay holds the row")
@@ -428,6 +509,52 @@ class Relay:
         _SENDS_LEASE_LOST.inc()
         log.warning("outbox.lease_lost", outbox_id=row.id, topic=row.topic, reason=reason)
 
+    # -- leases ------------------------------------------------------------------
+
+    async def _renew_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.lease_s / 3)
+            await self.renew_leases()
+
+    async def renew_leases(self) -> int:
+        """Lease again, from now, every row this relay has held for a sixth
+        of a lease or more (a quick send never costs a renewal), except a
+        send running past ``send_timeout_s``; a row the renewal finds gone
+        (another relay's now, or its lease ended) is lost, and its send
+        stops. How many rows were renewed."""
+        now = _now()
+        renewing = [
+            (row_id, hold) for row_id, hold in self._held.items() if self._renewable(hold, now)
+        ]
+        if not renewing:
+            return 0
+        lease_s = self.config.lease_s
+        self.stats["renewals"] += 1
+        try:
+            renewed = await self.store.renew(
+                self.owner, [row_id for row_id, _ in renewing], lease_s, timeout_s=lease_s
+            )
+        except psycopg.Error as exc:  # StatementTimeout and PoolTimeout included
+            # The leases run on as they were: a send whose lease ends is cut off.
+            log.warning("outbox.renew_failed", rows=len(renewing), error=_describe(exc))
+            return 0
+        for row_id, hold in renewing:
+            if row_id in renewed:
+                hold.extend(now + lease_s)
+            elif self._held.get(row_id) is hold and hold.remaining() > 0:
+                # Another relay's now, or sent and about to be recorded: the
+                # record (claim-checked) tells which.
+                log.info("outbox.renewal_refused", outbox_id=row_id)
+                hold.lose()
+        return len(renewed)
+
+    def _renewable(self, hold: _Hold, now: float) -> bool:
+        held_s = self.config.lease_s - (hold.ends - now)
+        if hold.ends <= now or held_s < self.config.lease_s / 6:
+            return False
+        started = hold.send_started
+        return started is None or now - started < self.config.send_timeout_s
+
     # -- wake-ups ---------------------------------------------------------------
 
     async def _listen_forever(self, database_url: str) -> None:
@@ -445,7 +572,7 @@ class Relay:
 
     async def _listen(self, database_url: str) -> None:
         """LISTEN on a dedicated autocommit connection and wake the loop per NOTIFY."""
-        async with await psycopg.AsyncConnection.connect(
+        async with await CountedConnection.connect(
             database_url,
             autocommit=True,
             application_name=LISTENER_APPLICATION_NAME,

@@ -2,9 +2,11 @@
 
 Leases, not row locks, keep relays apart while a send runs: ``claim`` locks
 due rows only for the one statement that leases them, so a slow or hung
-provider never pins a transaction open. Every later write is fenced by the
-owner token, because a lease can expire under a live relay and pass to
-another one. Every statement is bounded on the client (``oncely.sql.bounded``).
+provider never pins a transaction open. A live relay ``renew``s the leases
+of the rows it holds in short steps, so a dead one's rows are free again
+within one short lease. Every later write is fenced by the owner token,
+because a lease can still expire under a live relay and pass to another
+one. Every statement is bounded on the client (``oncely.sql.bounded``).
 """
 
 from __future__ import annotations
@@ -105,25 +107,45 @@ class OutboxStore:
         params = {"owner": owner, "limit": limit, "lease_s": lease_s}
         return (await self._run("outbox_claim", params, ClaimedRow)).rows
 
-    async def mark_sent_many(
-        self, owner: UUID, sends: builtins.list[tuple[int, str | None]]
+    async def renew(
+        self, owner: UUID, row_ids: builtins.list[int], lease_s: float, *, timeout_s: float
     ) -> set[int]:
-        """Record many sends at once; returns the ids ``owner`` still held."""
+        """Lease ``row_ids`` to ``owner`` for ``lease_s`` more from now; the
+        ids it still held, unsent, with their lease not yet ended. Bounded
+        by ``timeout_s`` (a renewal later than the lease is of no use)."""
+        params = {"ids": row_ids, "owner": owner, "lease_s": lease_s}
+        result = await run_statement(
+            self.pool,
+            query("outbox_renew"),
+            params,
+            timeout_s=min(timeout_s, self.statement_timeout_s),
+        )
+        return {int(row[0]) for row in result.rows}
+
+    async def mark_sent_many(
+        self, owner: UUID, sends: builtins.list[tuple[ClaimedRow, str | None]]
+    ) -> set[tuple[int, int]]:
+        """Record many sends at once (each row as claimed, with the
+        provider's message id); returns the claims (id, attempt) that still
+        held their rows."""
         params = {
-            "ids": [row_id for row_id, _ in sends],
+            "ids": [row.id for row, _ in sends],
+            "attempts": [row.attempts for row, _ in sends],
             "provider_message_ids": [message_id for _, message_id in sends],
             "owner": owner,
         }
-        return {int(row[0]) for row in (await self._run("outbox_mark_sent_many", params)).rows}
+        rows = (await self._run("outbox_mark_sent_many", params)).rows
+        return {(int(row_id), int(attempt)) for row_id, attempt in rows}
 
     async def mark_answered(
-        self, row_id: int, owner: UUID, provider_message_id: str | None, answer: Any
+        self, row: ClaimedRow, owner: UUID, provider_message_id: str | None, answer: Any
     ) -> tuple[bool, str | None]:
         """A call's answer, with the row marked sent and the call's wait
-        ended (``outbox_mark_answered``): whether ``owner`` still held the
+        ended (``outbox_mark_answered``): whether the claim still held the
         row, and the job to resume (None: none waits for it)."""
         params = {
-            "id": row_id,
+            "id": row.id,
+            "attempts": row.attempts,
             "owner": owner,
             "provider_message_id": provider_message_id,
             "answer": Jsonb(answer),
@@ -131,13 +153,14 @@ class OutboxStore:
         return await self._call_outcome("outbox_mark_answered", params)
 
     async def call_failed(
-        self, row_id: int, owner: UUID, error: str, failure: dict[str, Any]
+        self, row: ClaimedRow, owner: UUID, error: str, failure: dict[str, Any]
     ) -> tuple[bool, str | None]:
         """A call that will never be answered: the row failed and its wait
         ended with ``failure`` (a failed checkpoint's value); as
         ``mark_answered``."""
         params = {
-            "id": row_id,
+            "id": row.id,
+            "attempts": row.attempts,
             "owner": owner,
             "error": error[:_ERROR_CHARS],
             "failure": json.dumps(failure),
@@ -153,7 +176,7 @@ class OutboxStore:
 
     async def mark_failed_attempt(
         self,
-        row_id: int,
+        row: ClaimedRow,
         owner: UUID,
         error: str,
         *,
@@ -161,9 +184,10 @@ class OutboxStore:
         give_up: bool,
     ) -> bool:
         """Record a failed send and release the lease: retry after the delay, or
-        (``give_up``) stop for an operator. False if ``owner`` lost the row."""
+        (``give_up``) stop for an operator. False if the claim lost the row."""
         params = {
-            "id": row_id,
+            "id": row.id,
+            "attempts": row.attempts,
             "owner": owner,
             "error": error[:_ERROR_CHARS],
             "delay_s": next_attempt_at_delay_s,

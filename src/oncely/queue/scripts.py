@@ -86,11 +86,15 @@ redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - tonumber(ARGV[2]))
 return 1
 """
 
-# KEYS: stream, index, delayed, delayed messages. ARGV: group, consumer,
-# entry id, job id, delay ms, the message fields as a JSON object.
+# KEYS: stream, index, delayed, delayed messages, cooling, then the waiting
+# set of each model the job waits for. ARGV: group, consumer, entry id, job
+# id, delay ms, the message fields as a JSON object, then (with waiting
+# sets) "<scope> <job id>" and the models' names.
 # A transient failure: the entry leaves the stream (owner-checked XACK) and
 # waits in the delayed set until the server's clock passes its due time. The
-# index says "delayed", so the reconciler knows the job is not lost.
+# index says "delayed", so the reconciler knows the job is not lost. A job
+# waiting for models' cooldowns is in their waiting sets too, at its due
+# time, for the workers to let out sooner (RELEASE).
 DEFER = """
 local id, job = ARGV[3], ARGV[4]
 if #redis.call('XPENDING', KEYS[1], ARGV[1], id, id, 1, ARGV[2]) == 0 then return 0 end
@@ -100,12 +104,17 @@ redis.call('XACK', KEYS[1], ARGV[1], id)
 redis.call('HSET', KEYS[2], job, 'delayed')
 redis.call('ZADD', KEYS[3], due, job)
 redis.call('HSET', KEYS[4], job, ARGV[6])
+for i = 6, #KEYS do
+  redis.call('ZADD', KEYS[i], due, ARGV[7])
+  redis.call('HSET', KEYS[5], 'm:' .. ARGV[i + 2], 1)
+end
 return 1
 """
 
-# KEYS: stream, index, delayed, delayed messages. ARGV: how many at most.
-# Moves every due job back into the stream, atomically: XADD, index, and out
-# of the delayed set. Returns how many moved.
+# KEYS: stream, index, delayed, delayed messages, cooling. ARGV: how many at
+# most. Moves every due job back into the stream, atomically: XADD, index,
+# and out of the delayed set. Returns how many moved, then the models that
+# delayed jobs wait for (RELEASE lets them out).
 PROMOTE = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -123,5 +132,74 @@ for _, job in ipairs(due) do
     redis.call('HSET', KEYS[2], job, redis.call('XADD', KEYS[1], '*', unpack(args)))
   end
 end
-return #due
+local out = {#due}
+for _, field in ipairs(redis.call('HKEYS', KEYS[5])) do
+  if string.sub(field, 1, 2) == 'm:' then out[#out + 1] = string.sub(field, 3) end
+end
+return out
+"""
+
+# KEYS: delayed, cooling, the model's waiting set. ARGV: the model, spread
+# ms, probe gap ms, then each scope cooling the model with 1 when its probe
+# may go now, else 0 ('*': the fleet's).
+# Lets out the jobs waiting for the model (docs/model-routing.md, "The
+# cooldown"): every one whose scope and the fleet no longer cool it, due at
+# once, spread over the spread so that they do not come back in one burst;
+# and, per scope whose probe may go, the one waiting longest, to make it
+# (at most one per probe gap: the job needs a moment to reach the model).
+# A member whose job is no longer delayed to the time it waited for (it
+# came back, or was delayed again for something else) is forgotten, and so
+# is the model once nobody waits for it. Returns how many were let out.
+RELEASE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local model = ARGV[1]
+local cooling = {}
+for i = 4, #ARGV, 2 do cooling[ARGV[i]] = ARGV[i + 1] == '1' end
+local fleet = cooling['*']
+local free, probes = {}, {}
+local waiting = redis.call('ZRANGE', KEYS[3], 0, -1, 'WITHSCORES')
+for i = 1, #waiting, 2 do
+  local member, at = waiting[i], tonumber(waiting[i + 1])
+  local cut = string.find(member, ' ', 1, true)
+  local scope, job = string.sub(member, 1, cut - 1), string.sub(member, cut + 1)
+  local due = tonumber(redis.call('ZSCORE', KEYS[1], job) or '-1')
+  local mine = cooling[scope]
+  if due ~= at then
+    redis.call('ZREM', KEYS[3], member)
+  elseif mine == nil and fleet == nil then
+    free[#free + 1] = {member, job, due}
+  elseif mine ~= false and fleet ~= false then
+    -- The scope it would probe: its tenant's first, as the cooldown admits.
+    local s = mine ~= nil and scope or '*'
+    if probes[s] == nil then probes[s] = {member, job, due} end
+  end
+end
+local function out(w, at)
+  if w[3] > at then redis.call('ZADD', KEYS[1], at, w[2]) end
+  redis.call('ZREM', KEYS[3], w[1])
+end
+for i, w in ipairs(free) do
+  out(w, now + math.floor(tonumber(ARGV[2]) * (i - 1) / #free))
+end
+local sent = #free
+for s, w in pairs(probes) do
+  local field = 'p:' .. s .. ':' .. model
+  if tonumber(redis.call('HGET', KEYS[2], field) or '0') <= now then
+    redis.call('HSET', KEYS[2], field, now + tonumber(ARGV[3]))
+    out(w, now)
+    sent = sent + 1
+  end
+end
+if redis.call('ZCARD', KEYS[3]) == 0 then
+  redis.call('HDEL', KEYS[2], 'm:' .. model)
+  for _, field in ipairs(redis.call('HKEYS', KEYS[2])) do
+    local rest = string.sub(field, 3)
+    local cut = string.find(rest, ':', 1, true)
+    if string.sub(field, 1, 2) == 'p:' and cut and string.sub(rest, cut + 1) == model then
+      redis.call('HDEL', KEYS[2], field)
+    end
+  end
+end
+return sent
 """

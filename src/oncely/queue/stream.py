@@ -9,7 +9,10 @@ A transient failure takes the entry out of the stream into the workflow's
 delayed set until its backoff has passed (``defer``); ``promote_due`` puts it
 back. Both are single Lua calls on the server's clock, and the index says
 ``delayed`` meanwhile, so a job is always in exactly one of: the stream, the
-delayed set, the dead letters, or done.
+delayed set, the dead letters, or done. A job delayed because every model
+of its route cools down also waits in each model's waiting set, from which
+``release_waiting`` lets it out before its due time (docs/model-routing.md,
+"The cooldown").
 """
 
 from __future__ import annotations
@@ -57,6 +60,13 @@ local id = redis.call('XADD', KEYS[1], '*', unpack(fields))
 redis.call('HSET', KEYS[2], ARGV[1], id)
 return id
 """
+# The same, unless the index already names an entry (or the delayed set) for
+# the job: an enqueue whose reply was lost may have landed, and dispatching
+# it again would only make a second delivery.
+_ENQUEUE_UNLESS_INDEXED = (
+    "local known = redis.call('HGET', KEYS[2], ARGV[1])\n"
+    "if known then return known end\n" + _ENQUEUE
+)
 
 
 @dataclass(frozen=True)
@@ -111,6 +121,16 @@ class DeadLetter:
 
     def message(self) -> JobMessage:
         return JobMessage.from_fields(self.fields)
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """What a delayed job waits for besides its due time: any of ``models``
+    to stop cooling for ``scope`` (its tenant's, as the cooldown names it),
+    or to want a probe (docs/model-routing.md, "The cooldown")."""
+
+    models: tuple[str, ...]
+    scope: str
 
 
 @dataclass(frozen=True)
@@ -171,14 +191,22 @@ class Stream:
         self.index = keys.index
         self.group = keys.group
         self._enqueue = redis.register_script(_ENQUEUE)
+        self._enqueue_unless_indexed = redis.register_script(_ENQUEUE_UNLESS_INDEXED)
         self._ack = redis.register_script(scripts.ACK)
         self._dead_letter = redis.register_script(scripts.DEAD_LETTER)
         self._renew = redis.register_script(scripts.RENEW)
         self._defer = redis.register_script(scripts.DEFER)
         self._promote = redis.register_script(scripts.PROMOTE)
+        self._release = redis.register_script(scripts.RELEASE)
         self._announce_cancel = redis.register_script(scripts.ANNOUNCE_CANCEL)
         self._drop_superseded = redis.register_script(scripts.DROP_SUPERSEDED)
-        self._delay_keys = [keys.stream, keys.index, keys.delayed, keys.delayed_messages]
+        self._delay_keys = [
+            keys.stream,
+            keys.index,
+            keys.delayed,
+            keys.delayed_messages,
+            keys.cooling,
+        ]
         self._held = redis.register_script(_HELD)
 
     async def enqueue(self, message: JobMessage, extra: Mapping[str, str] | None = None) -> str:
@@ -186,6 +214,12 @@ class Stream:
         return the entry id."""
         call = self.enqueue_call(message, extra)
         return str(await self._enqueue(keys=call.keys, args=call.args))
+
+    async def enqueue_unless_indexed(self, message: JobMessage) -> str:
+        """``enqueue``, unless the index already knows the job (an enqueue
+        whose reply was lost and that landed): the entry id either way."""
+        call = self.enqueue_call(message)
+        return str(await self._enqueue_unless_indexed(keys=call.keys, args=call.args))
 
     def enqueue_call(
         self,
@@ -296,10 +330,18 @@ class Stream:
         return bool(await self._dead_letter(keys=keys, args=args))
 
     async def defer(
-        self, consumer: str, entry_id: str, job_id: str, delay_s: float, fields: dict[str, str]
+        self,
+        consumer: str,
+        entry_id: str,
+        job_id: str,
+        delay_s: float,
+        fields: dict[str, str],
+        *,
+        waiting_on: Waiting | None = None,
     ) -> bool:
         """Take the entry out of the stream until ``delay_s`` from now (server
-        clock); False if this consumer no longer owns it."""
+        clock), waiting for models' cooldowns meanwhile if ``waiting_on``
+        says so; False if this consumer no longer owns it."""
         args: list[str | int] = [
             self.group,
             consumer,
@@ -308,11 +350,36 @@ class Stream:
             max(0, int(delay_s * 1000)),
             json.dumps(fields, separators=(",", ":")),
         ]
-        return bool(await self._defer(keys=self._delay_keys, args=args))
+        keys = list(self._delay_keys)
+        if waiting_on is not None and waiting_on.models:
+            args += [f"{waiting_on.scope} {job_id}", *waiting_on.models]
+            keys += [self.keys.waiting_on(model) for model in waiting_on.models]
+        return bool(await self._defer(keys=keys, args=args))
 
     async def promote_due(self, limit: int = 500) -> int:
         """Put jobs whose backoff has passed back into the stream; how many."""
-        return int(await self._promote(keys=self._delay_keys, args=[limit]))
+        moved, _ = await self.promote(limit)
+        return moved
+
+    async def promote(self, limit: int = 500) -> tuple[int, list[str]]:
+        """``promote_due``, and the models that delayed jobs wait for, in
+        the same round trip."""
+        reply = await self._promote(keys=self._delay_keys, args=[limit])
+        return int(reply[0]), [_text(model) for model in reply[1:]]
+
+    async def release_waiting(
+        self, model: str, cooling: Mapping[str, bool], *, spread_s: float, probe_gap_s: float
+    ) -> int:
+        """Let out the delayed jobs waiting for ``model``: all of them whose
+        scope it no longer cools (``cooling``: each scope cooling it, True
+        when its probe may go now; "*" the fleet's), due at once, spread over
+        ``spread_s``; and per scope whose probe may go, one, at most once per
+        ``probe_gap_s``. How many (scripts.RELEASE)."""
+        args: list[str | int] = [model, _ms(spread_s), _ms(probe_gap_s)]
+        for scope, ready in cooling.items():
+            args += [scope, int(ready)]
+        keys = [self.keys.delayed, self.keys.cooling, self.keys.waiting_on(model)]
+        return int(await self._release(keys=keys, args=args))
 
     async def delayed_jobs(self, job_ids: list[str]) -> list[bool]:
         """Whether each job waits in the delayed set, in one round trip."""
@@ -509,3 +576,11 @@ def _age_s(entry_id: str) -> float:
 def _id_key(entry_id: str) -> tuple[int, int]:
     ms, _, seq = entry_id.partition("-")
     return int(ms), int(seq or 0)
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _ms(seconds: float) -> int:
+    return max(0, round(seconds * 1000))

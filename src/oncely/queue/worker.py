@@ -15,8 +15,9 @@ import random
 import secrets
 import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import psycopg
 import redis.exceptions
@@ -27,7 +28,7 @@ from oncely.batching import GroupCommit
 from oncely.errors import DeadlineExceeded, PermanentError, ResumeLater, TransientError
 from oncely.jobs.records import DeliveryReport
 from oncely.logs import frames
-from oncely.queue.stream import Entry, JobMessage, Stream
+from oncely.queue.stream import Entry, JobMessage, Stream, Waiting
 from oncely.retry import backoff_s, classify, resume_s
 from oncely.services import Progress, supervised
 
@@ -35,6 +36,7 @@ log = structlog.get_logger("oncely.worker")
 
 # What a handler returns is only reported; any normal return acknowledges.
 Handler = Callable[[JobMessage, "Delivery"], Awaitable[str]]
+T = TypeVar("T")
 
 _TRANSIENT = (
     TransientError,
@@ -57,8 +59,20 @@ _CONNECTION_LOST = (
 )
 _FORGET_CONSUMER_AFTER_MS = 3_600_000
 _MAX_PAUSE_S = 5.0
+# A store not answering, for now: settling a delivery is tried again.
+_STORE_AWAY = (
+    psycopg.OperationalError,
+    redis.exceptions.ConnectionError,
+    redis.exceptions.TimeoutError,
+)
 # How long cancelled handlers get to end at shutdown, after the grace period.
 _CANCELLED_WAIT_S = 5.0
+# Jobs let out at once when the cooldown they waited for ends come back
+# spread over this long, not in one burst (docs/model-routing.md).
+_RELEASE_SPREAD_S = 2.0
+# A job let out to probe a cooling model has this long to reach it before
+# the workers let out another.
+_PROBE_GAP_S = 3.0
 
 
 def consumer_name() -> str:
@@ -148,6 +162,7 @@ class Worker:
         on_dead: Callable[[str, str, int | None], Awaitable[None]] | None = None,
         on_failed: Callable[[list[DeliveryReport]], Awaitable[None]] | None = None,
         is_cancelled: Callable[[str], Awaitable[bool]] | None = None,
+        cooling: Callable[[str], Awaitable[Mapping[str, bool]]] | None = None,
         rand: Callable[[], float] = random.random,
     ) -> None:
         self.stream = stream
@@ -163,6 +178,10 @@ class Worker:
         # Asked (job id) before a delivery stopped for its job's cancel is
         # acknowledged: whether the job really is cancelled (PostgreSQL).
         self.is_cancelled = is_cancelled
+        # Asked (a model) for the scopes cooling it, each True when its probe
+        # may go now (``Cooldown.scopes``): jobs waiting for the model are
+        # let out by it. None: nothing cools, let them all out.
+        self.cooling = cooling
         # The backoff's jitter source (tests make it deterministic).
         self.rand = rand
         # Ticks whenever the loop goes round or a handler ends (``/healthz``).
@@ -183,7 +202,13 @@ class Worker:
             self._ack_batch, key=lambda d: d.entry_id
         )
         self._running_jobs: dict[str, asyncio.Event] = {}
-        self.stats: dict[str, int] = {"acked": 0, "dead": 0, "transient": 0, "lost": 0}
+        self.stats: dict[str, int] = {
+            "acked": 0,
+            "dead": 0,
+            "transient": 0,
+            "lost": 0,
+            "settle_retries": 0,
+        }
 
     # -- the loop -------------------------------------------------------
 
@@ -382,18 +407,45 @@ class Worker:
         try:
             message = JobMessage.from_fields(delivery.fields)
         except (KeyError, ValueError) as exc:
-            await self._dead_letter(delivery, "malformed", repr(exc))
+            error = repr(exc)
+            await self._settle(delivery, lambda: self._dead_letter(delivery, "malformed", error))
             return
         try:
             outcome = await self._run_handler(message, delivery)
         except Exception as exc:
-            await self._failed(delivery, exc)
+            failure = exc
+            await self._settle(delivery, lambda: self._failed(delivery, failure))
             return
-        if await self._acknowledge(delivery):
+        if await self._settle(delivery, lambda: self._acknowledge(delivery)):
             metrics.JOBS.labels(workflow=self.workflow, outcome=outcome).inc()
             self.log.info(
                 "job.acked", job_id=delivery.job_id, count=delivery.count, outcome=outcome
             )
+
+    async def _settle(self, delivery: Delivery, settle: Callable[[], Awaitable[T]]) -> T:
+        """Acknowledge, defer or dead-letter ``delivery`` (``settle``). While
+        Redis or PostgreSQL does not answer (a restart, a failover), it is
+        tried again, its lease renewed meanwhile, and settles as soon as the
+        store answers, rather than wait out ``claim_idle_ms`` for another
+        worker to reclaim it. Given up (the entry stays pending, as when the
+        process dies) once another worker took the lease, or when the
+        shutdown's grace cuts it off."""
+        pause = _MIN_PAUSE_S
+        while True:
+            try:
+                return await settle()
+            except _STORE_AWAY as exc:
+                if delivery.lease_lost:
+                    raise
+                self.stats["settle_retries"] += 1
+                self.log.warning(
+                    "job.settle_retrying",
+                    job_id=delivery.job_id,
+                    error=_describe(exc),
+                    retry_in_s=pause,
+                )
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, _MAX_PAUSE_S)
 
     async def _run_handler(self, message: JobMessage, delivery: Delivery) -> str:
         """Two deliveries of one job in this process run one after the other,
@@ -467,8 +519,10 @@ class Worker:
         error. A failure on a connection (a server restart) comes back within
         a second the first time: the next try likely finds a fresh one. A
         job that could not go on (``ResumeLater``: its models are cooling
-        down) failed nothing: it comes back when they may answer again, and
-        its backoff does not grow."""
+        down, or its batch line is not answered yet) failed nothing: it
+        comes back when they may answer again, its backoff does not grow,
+        and its age never kills it (a batch may take the provider's whole
+        day; docs/lanes.md)."""
         if delivery.lease_lost:
             return
         error = _describe(exc)
@@ -477,7 +531,7 @@ class Worker:
             failures += 1
         accepted_at = float(delivery.fields.get("accepted_at") or delivery.fields["enqueued_at"])
         age_s = time.time() - accepted_at
-        if age_s > self.config.job_max_age_s:
+        if age_s > self.config.job_max_age_s and not isinstance(exc, ResumeLater):
             await self._dead_letter(delivery, "max_age", f"{age_s:.0f} s old; last error: {error}")
             return
         c = self.config
@@ -496,8 +550,11 @@ class Worker:
             "accepted_at": f"{accepted_at:.6f}",
             "last_error": error[:_ERROR_CHARS],
         }
+        waiting = None
+        if isinstance(exc, ResumeLater) and exc.models:
+            waiting = Waiting(exc.models, exc.scope)
         if not await self.stream.defer(
-            self.consumer, delivery.entry_id, delivery.job_id, delay_s, fields
+            self.consumer, delivery.entry_id, delivery.job_id, delay_s, fields, waiting_on=waiting
         ):
             return  # another worker holds the entry now
         outcome = "cancelled" if isinstance(exc, _HandlerCancelled) else "retry"
@@ -610,7 +667,10 @@ class Worker:
                 metrics.LEASES_LOST.labels(workflow=self.workflow).inc()
                 self.log.warning("worker.lease_lost", job_id=delivery.job_id, entry_id=entry_id)
         for delivery in list(self._deliveries.values()):
-            if delivery.job_id in cancelled and delivery.bound is not None:
+            # Heard once: its bound may have expired since (the handler is
+            # stopping), and an expired bound cannot be moved again.
+            heard = delivery.job_cancelled
+            if delivery.job_id in cancelled and delivery.bound is not None and not heard:
                 delivery.job_cancelled = True
                 delivery.bound.reschedule(asyncio.get_running_loop().time())
                 self.log.info("job.cancel_heard", job_id=delivery.job_id)
@@ -618,13 +678,36 @@ class Worker:
     # -- redelivery ----------------------------------------------------------------
 
     async def _promote_forever(self) -> None:
-        """Put jobs whose backoff has passed back into the stream. Every worker
-        does it; the Lua call is atomic, so a job moves once."""
+        """Put jobs whose backoff has passed back into the stream, and let
+        out those waiting for a model's cooldown that may go on. Every
+        worker does it; the Lua calls are atomic, so a job moves once."""
         async for _ in self._every(self.config.promote_every_s):
             try:
-                await self.stream.promote_due()
+                await self.redeliver()
             except redis.exceptions.RedisError as exc:
                 self.log.warning("worker.redeliver_failed", error=_describe(exc))
+
+    async def redeliver(self) -> None:
+        """One round: the due jobs back into the stream, and the jobs
+        waiting for a model's cooldown that may go on with them."""
+        _, waited_for = await self.stream.promote()
+        if waited_for and await self._release(waited_for):
+            await self.stream.promote()
+
+    async def _release(self, models: list[str]) -> int:
+        """The jobs waiting for these models' cooldowns let out: all of a
+        scope that no longer cools, one per scope whose probe may go
+        (docs/model-routing.md, "The cooldown"). How many."""
+        released = 0
+        for model in models:
+            cooling = await self.cooling(model) if self.cooling is not None else {}
+            count = await self.stream.release_waiting(
+                model, cooling, spread_s=_RELEASE_SPREAD_S, probe_gap_s=_PROBE_GAP_S
+            )
+            if count:
+                self.log.info("job.released", model=model, jobs=count, cooling=bool(cooling))
+            released += count
+        return released
 
     # -- trimming and shutdown --------------------------------------------------
 

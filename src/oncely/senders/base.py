@@ -41,6 +41,12 @@ class SendResult:
     answer: Any = None
 
 
+class AnswerTooLarge(PermanentError):
+    """A 2xx whose body passed the bound on answers: the provider acted,
+    but its answer was not read (``status``: the 2xx). A plain effect is
+    sent all the same; a call that answers fails (``invalid_answer``)."""
+
+
 class Sender(Protocol):
     """The relay's view: deliver one outbox row."""
 

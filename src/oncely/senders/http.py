@@ -15,7 +15,7 @@ import aiohttp
 
 from oncely.effects import Email
 from oncely.errors import PermanentError, TransientError
-from oncely.senders.base import SendResult, check_recipient, classify_status
+from oncely.senders.base import AnswerTooLarge, SendResult, check_recipient, classify_status
 
 IDEMPOTENCY_KEY = "Idempotency-Key"
 
@@ -25,6 +25,10 @@ DEFAULT_MAX_CONNECTIONS = 128
 
 _DETAIL_CHARS = 200
 
+# The most of an answer's body read (ONCELY_CALL_ANSWER_MAX_BYTES): a call's
+# answer is stored, and any answer is held in memory while it is read.
+DEFAULT_MAX_ANSWER_BYTES = 1_048_576
+
 
 class JsonPoster:
     """POSTs JSON bodies over one session and classifies every failure.
@@ -33,9 +37,16 @@ class JsonPoster:
     may close it, and a poster used again after closing opens a new session.
     """
 
-    def __init__(self, timeout_s: float, *, max_connections: int = DEFAULT_MAX_CONNECTIONS) -> None:
+    def __init__(
+        self,
+        timeout_s: float,
+        *,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        max_answer_bytes: int = DEFAULT_MAX_ANSWER_BYTES,
+    ) -> None:
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._max_connections = max_connections
+        self._max_answer_bytes = max_answer_bytes
         self._session: aiohttp.ClientSession | None = None
 
     def _client(self) -> aiohttp.ClientSession:
@@ -47,13 +58,15 @@ class JsonPoster:
         return self._session
 
     async def post(self, url: str, body: bytes, headers: Mapping[str, str]) -> bytes:
-        """The answer body of a 2xx; raises TransientError or PermanentError otherwise."""
+        """The answer body of a 2xx; raises TransientError or PermanentError
+        otherwise, and ``AnswerTooLarge`` for a 2xx whose body passes the
+        bound (the receiver acted; the rest of its answer is never read)."""
         all_headers = {"Content-Type": "application/json", **headers}
         try:
             async with self._client().post(
                 url, data=body, headers=all_headers, allow_redirects=False
             ) as response:
-                answer = await response.read()
+                answer = await _read_bounded(response, self._max_answer_bytes)
                 status, retry_after = response.status, response.headers.get("Retry-After")
         except aiohttp.InvalidURL as exc:
             raise PermanentError(f"invalid provider URL {url!r}") from exc
@@ -61,6 +74,11 @@ class JsonPoster:
             # Timeouts included: the provider may have acted, and the resend
             # carries the same idempotency key, so retrying is safe.
             raise TransientError(f"POST {url} failed: {type(exc).__name__}: {exc}") from exc
+        if answer is None:
+            classify_status(status, retry_after, detail="an answer too large to read")
+            raise AnswerTooLarge(
+                f"POST {url}: an answer over {self._max_answer_bytes} bytes", status=status
+            )
         detail = answer[:_DETAIL_CHARS].decode("utf-8", "replace")
         classify_status(status, retry_after, detail=detail)
         return answer
@@ -69,6 +87,21 @@ class JsonPoster:
         if self._session is not None:
             session, self._session = self._session, None
             await session.close()
+
+
+async def _read_bounded(response: aiohttp.ClientResponse, limit: int) -> bytes | None:
+    """The answer's body, or None once it passes ``limit`` bytes: read as it
+    streams in, so an endless or huge answer costs at most ``limit`` bytes
+    (leaving the rest unread closes the connection)."""
+    if response.content_length is not None and response.content_length > limit:
+        return None
+    chunks, size = [], 0
+    async for chunk in response.content.iter_any():
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def message_id_from(answer: bytes) -> str | None:

@@ -23,9 +23,15 @@ from typing import Any, Literal, TypeVar
 import structlog
 
 from oncely.effects import Effect, Email, EmailEffect, Event, Payload, WebhookEffect
-from oncely.errors import OncelyError, PermanentError
-from oncely.senders.base import EmailSender, EventSender, SendResult, check_recipient
-from oncely.senders.http import HttpEmailSender, JsonPoster
+from oncely.errors import CallFailed, OncelyError, PermanentError
+from oncely.senders.base import (
+    AnswerTooLarge,
+    EmailSender,
+    EventSender,
+    SendResult,
+    check_recipient,
+)
+from oncely.senders.http import DEFAULT_MAX_ANSWER_BYTES, HttpEmailSender, JsonPoster
 from oncely.senders.smtp import SmtpSender
 from oncely.senders.webhook import WebhookSender
 
@@ -78,7 +84,10 @@ class _EmailRoute:
 
     async def deliver(self, payload: Payload, dedupe_key: str) -> SendResult:
         email = _rendered(self.effect.topic, self.effect.render, payload)
-        return await self.sender.send(email, dedupe_key)
+        try:
+            return await self.sender.send(email, dedupe_key)
+        except AnswerTooLarge:
+            return SendResult(provider_message_id=None)  # sent; its id is not read
 
 
 @dataclass(frozen=True)
@@ -88,7 +97,13 @@ class _EventRoute:
 
     async def deliver(self, payload: Payload, dedupe_key: str) -> SendResult:
         event = _rendered(self.effect.topic, self.effect.event, payload)
-        sent = await self.sender.send(event, dedupe_key)
+        try:
+            sent = await self.sender.send(event, dedupe_key)
+        except AnswerTooLarge as exc:
+            if not self.effect.answers:
+                return SendResult(provider_message_id=None)  # sent; its id is not read
+            # The receiver acted, so a resend would only bring the same answer.
+            raise CallFailed(f"{self.effect.topic}: {exc}", reason="invalid_answer") from None
         if not self.effect.answers:
             return sent
         # A call: its answer, validated, is what the job resumes with.
@@ -133,6 +148,10 @@ class SendersConfig:
     email_url: str = "http://127.0.0.1:8102/v1/messages"
     # Bounds each send as a whole (connect, request, answer).
     timeout_s: float = 10.0
+    # The most of an answer read (ONCELY_CALL_ANSWER_MAX_BYTES): a call whose
+    # answer is larger fails (invalid_answer); a plain effect is sent all
+    # the same, without its provider's message id.
+    call_answer_max_bytes: int = DEFAULT_MAX_ANSWER_BYTES
     # Signs every webhook (ONCELY_WEBHOOK_SECRET): whsec_<base64> or any text.
     webhook_secret: str = ""
     smtp_from: str = "oncely@localhost"
@@ -151,7 +170,8 @@ def build_router(effects: Iterable[tuple[str, Effect]], config: SendersConfig) -
     sender only if some effect is an email, so a deployment with webhooks only
     needs no mail settings.
     """
-    poster = JsonPoster(config.timeout_s)  # opens its session on first use only
+    # Opens its session on first use only.
+    poster = JsonPoster(config.timeout_s, max_answer_bytes=config.call_answer_max_bytes)
     routed = [(workflow, _as_delivered(effect, config)) for workflow, effect in _unique(effects)]
     event_senders = _event_senders(routed, config, poster)
     wants_email = any(isinstance(effect, EmailEffect) for _, effect in routed)

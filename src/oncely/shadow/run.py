@@ -37,7 +37,8 @@ from oncely.retry import classify
 from oncely.shadow.dispatch import PRIMARY_FIELD
 from oncely.shadow.evaluate import Evaluation, ModelJudge, evaluate
 from oncely.shadow.store import ShadowResults, ShadowRun
-from oncely.usage.ledger import CallSite, Ledger
+from oncely.usage.calls import CallSite
+from oncely.usage.ledger import Ledger
 from oncely.workflow import Variant, Workflow
 
 if TYPE_CHECKING:

@@ -36,3 +36,8 @@ DELETE FROM api_keys WHERE tenant = %s
 -- Every active key's hash and tenant: what an API process checks a key
 -- against when its address is over the unknown-key budget.
 SELECT key_hash, tenant FROM api_keys WHERE revoked_at IS NULL
+
+-- name: tenant_for_key_id
+-- The tenant of the active key with this id (a stream token names the key
+-- it was given for, by id: it dies with it).
+SELECT tenant FROM api_keys WHERE id = %(key_id)s AND revoked_at IS NULL

@@ -8,11 +8,17 @@ A leaf: it knows psycopg and nothing of oncely's tables, so every store
 (jobs, checkpoints, the outbox, API keys, the ledger) runs its SQL through
 it. The only connections taken without it are listed, each with its reason,
 in ``tests/test_statements.py``.
+
+Behind a transaction pooler (``TransactionPooled``) a server connection is
+ours for one transaction only, so the server's own bound cannot be set once
+per session: each statement runs in a transaction that sets it first
+(``SET LOCAL statement_timeout``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -57,6 +63,23 @@ _abandoned: set[asyncio.Task[Any]] = set()
 T = TypeVar("T")
 
 
+class TransactionPooled(AsyncConnectionPool):
+    """A pool whose connections reach PostgreSQL through a transaction
+    pooler (PgBouncer's transaction mode, RDS Proxy, the Supabase and Neon
+    poolers): the server's ``statement_timeout`` of ``statement_timeout_ms``
+    is set in each transaction rather than at connect time (a pooler
+    refuses the startup ``options``, and a session setting would outlive
+    the transaction on a connection another client gets next)."""
+
+    def __init__(self, *args: Any, statement_timeout_ms: int, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.statement_timeout_ms = statement_timeout_ms
+
+    def bound_sql(self) -> str:
+        """The statement that bounds the rest of a transaction on the server."""
+        return f"SET LOCAL statement_timeout = {int(self.statement_timeout_ms)}"
+
+
 async def run_statement(
     pool: AsyncConnectionPool,
     sql: str,
@@ -96,6 +119,8 @@ async def run_transaction(
         async with pool.connection() as conn:
             sent.value = True
             async with conn.transaction():
+                if isinstance(pool, TransactionPooled):
+                    await conn.execute(pool.bound_sql())
                 return await work(conn)
 
     return (await _finished(execute(), sent, timeout_s)).result()
@@ -126,12 +151,40 @@ async def _execute(
 ) -> StatementResult:
     async with pool.connection() as conn:
         sent.value = True
+        if isinstance(pool, TransactionPooled):
+            return await _bounded(conn, pool, sql, params, row_factory)
         if row_factory is None:
             cur = await conn.execute(sql, params)
         else:
             cur = await conn.cursor(row_factory=row_factory).execute(sql, params)
         rows = await cur.fetchall() if cur.description is not None else []
         return StatementResult(rows, cur.rowcount)
+
+
+async def _bounded(
+    conn: psycopg.AsyncConnection[Any],
+    pool: TransactionPooled,
+    sql: str,
+    params: Any,
+    row_factory: RowFactory[Any] | None,
+) -> StatementResult:
+    """The statement in a transaction of its own that bounds it first, all
+    sent at once (``BEGIN``, the bound, the statement, ``COMMIT`` in one
+    pipeline: one round trip)."""
+    try:
+        async with conn.pipeline():  # leaving it sends them and reads every answer
+            await conn.execute("BEGIN")
+            await conn.execute(pool.bound_sql())
+            cur = conn.cursor(row_factory=row_factory) if row_factory else conn.cursor()
+            await cur.execute(sql, params)
+            await conn.execute("COMMIT")
+        rows = await cur.fetchall() if cur.description is not None else []
+    except BaseException:
+        # On a broken connection the pool discards it; rolling back is moot.
+        with contextlib.suppress(psycopg.Error):
+            await conn.rollback()
+        raise
+    return StatementResult(rows, cur.rowcount)
 
 
 def _abandon(task: asyncio.Task[Any]) -> None:

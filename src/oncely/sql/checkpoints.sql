@@ -14,94 +14,66 @@
 -- generation, and its checkpoints (one row per checkpoint; a job without
 -- any gives one row of NULLs). Batched across the worker's handlers.
 SELECT j.job_id, j.status, j.generation, j.parent_id,
-       c.key, c.ordinal, c.kind, c.status, c.value, c.usage, c.until, c.finished_at
+       c.key, c.ordinal, c.kind, c.status, c.value, c.usage, c.until, c.finished_at,
+       false, c.request
   FROM jobs j LEFT JOIN checkpoints c USING (job_id)
  WHERE j.job_id = ANY(%s::uuid[])
 
 -- name: write_checkpoints
--- Checkpoints a run reached, with the effects emitted before each, in one
--- statement. A key already stored fails the statement (unique violation):
--- the run lost a race and replays. `running` false: the job is no longer
--- running in this generation, and nothing was written.
-WITH job AS (
-    SELECT job_id FROM jobs
-     WHERE job_id = %(job_id)s AND status = 'queued' AND generation = %(generation)s
+-- Checkpoints runs reached, with the effects emitted before each: one
+-- statement for the writes of any number of jobs (`writes`, one element
+-- per run, `n` its place in the batch; batched across a worker's handlers
+-- the way GroupCommit batches). Each job's row is locked first, in job id
+-- order (two batches locking the same jobs never deadlock), and only runs
+-- whose job still runs in their generation write anything. A key already
+-- stored fails the whole statement (unique violation): the caller writes
+-- each run alone to learn which one lost its race and replays. Answers
+-- the `n` of the runs written; one not answered is no longer running.
+WITH w AS (
+    SELECT * FROM jsonb_to_recordset(%(writes)s)
+           AS w (n integer, job_id uuid, generation integer, workflow text,
+                 trace_context text, checkpoints jsonb, effects jsonb)
+), job AS (
+    SELECT job_id, generation FROM jobs
+     WHERE job_id IN (SELECT job_id FROM w) AND status = 'queued'
+     ORDER BY job_id
        FOR NO KEY UPDATE
+), running AS (
+    SELECT w.* FROM w JOIN job USING (job_id, generation)
 ), steps AS (
-    INSERT INTO checkpoints (job_id, key, ordinal, kind, status, value, usage, finished_at)
-    SELECT %(job_id)s, s.key, s.ordinal, s.kind, s.status, s.value, s.usage, now()
-      FROM jsonb_to_recordset(%(checkpoints)s)
-           AS s (key text, ordinal integer, kind text, status text, value text, usage jsonb)
-     WHERE EXISTS (SELECT 1 FROM job)
+    INSERT INTO checkpoints (job_id, key, ordinal, kind, status, value, usage, finished_at, request)
+    SELECT r.job_id, s.key, s.ordinal, s.kind, s.status, s.value, s.usage, now(), s.request
+      FROM running r,
+           jsonb_to_recordset(r.checkpoints)
+           AS s (key text, ordinal integer, kind text, status text, value text, usage jsonb,
+                 request text)
 ), outbox_rows AS (
     INSERT INTO outbox (topic, dedupe_key, payload, workflow, job_id, trace_context)
-    SELECT e.topic, e.dedupe_key, e.payload, %(workflow)s, %(job_id)s, %(trace_context)s
-      FROM jsonb_to_recordset(%(effects)s) AS e (topic text, dedupe_key text, payload jsonb)
-     WHERE EXISTS (SELECT 1 FROM job)
+    SELECT e.topic, e.dedupe_key, e.payload, r.workflow, r.job_id, r.trace_context
+      FROM running r,
+           jsonb_to_recordset(r.effects) AS e (topic text, dedupe_key text, payload jsonb)
     ON CONFLICT (dedupe_key) DO NOTHING
 )
-SELECT EXISTS (SELECT 1 FROM job) AS running
+SELECT n FROM running
 
 -- name: lock_running_job
--- The first statement of a wait's transaction: the job's row, locked, if it
--- still runs in this generation, and its tenant.
+-- The first statement of a map's wait's transaction: the job's row, locked,
+-- if it still runs in this generation, and its tenant.
 SELECT status, tenant FROM jobs
  WHERE job_id = %(job_id)s AND status = 'queued' AND generation = %(generation)s
    FOR NO KEY UPDATE
 
 -- name: start_wait
--- The second statement of a wait's transaction (the row is locked, so this
--- snapshot sees every event committed before the lock): the run's unwritten
--- checkpoints, the wait (or sleep, or call) itself, the effects emitted
--- before it, a call's own outbox row, and the delivery in the job's
--- history. An event already received, or a call already answered (a rewound
--- job reaching it again), ends the wait at once (`done`, its payload the
--- value) and the job keeps running; otherwise the job is `waiting` until
--- the event, the answer or `until`. A call whose row failed before (a
--- rewind) is tried again with fresh attempts.
-WITH event AS (
-    (SELECT payload FROM job_events WHERE job_id = %(job_id)s AND name = %(event)s)
-    UNION ALL
-    (SELECT answer FROM outbox WHERE dedupe_key = %(call_dedupe_key)s AND answer IS NOT NULL)
-    LIMIT 1
-), steps AS (
-    INSERT INTO checkpoints (job_id, key, ordinal, kind, status, value, usage, finished_at)
-    SELECT %(job_id)s, s.key, s.ordinal, s.kind, s.status, s.value, s.usage, now()
-      FROM jsonb_to_recordset(%(checkpoints)s)
-           AS s (key text, ordinal integer, kind text, status text, value text, usage jsonb)
-), wait AS (
-    INSERT INTO checkpoints (job_id, key, ordinal, kind, status, value, until, finished_at)
-    SELECT %(job_id)s, %(key)s, %(ordinal)s, %(kind)s,
-           CASE WHEN EXISTS (SELECT 1 FROM event) THEN 'done' ELSE 'waiting' END,
-           (SELECT payload::text FROM event),
-           now() + make_interval(secs => %(seconds)s),
-           CASE WHEN EXISTS (SELECT 1 FROM event) THEN now() END
-    RETURNING status, value
-), outbox_rows AS (
-    INSERT INTO outbox (topic, dedupe_key, payload, workflow, job_id, trace_context)
-    SELECT e.topic, e.dedupe_key, e.payload, %(workflow)s, %(job_id)s, %(trace_context)s
-      FROM jsonb_to_recordset(%(effects)s) AS e (topic text, dedupe_key text, payload jsonb)
-    ON CONFLICT (dedupe_key) DO NOTHING
-), call_row AS (
-    INSERT INTO outbox (topic, dedupe_key, payload, workflow, job_id, trace_context, call_key)
-    SELECT %(call_topic)s, %(call_dedupe_key)s, %(call_payload)s, %(workflow)s, %(job_id)s,
-           %(trace_context)s, %(key)s
-     WHERE %(call_topic)s::text IS NOT NULL AND NOT EXISTS (SELECT 1 FROM event)
-    ON CONFLICT (dedupe_key) DO UPDATE
-       SET failed_at = NULL, attempts = 0, next_attempt_at = now(),
-           locked_until = NULL, locked_by = NULL
-     WHERE outbox.failed_at IS NOT NULL
-), job AS (
-    UPDATE jobs
-       SET status = 'waiting', waiting_for = %(waiting_for)s, waiting_detail = %(detail)s,
-           wait_until = now() + make_interval(secs => %(seconds)s), updated_at = now()
-     WHERE job_id = %(job_id)s AND NOT EXISTS (SELECT 1 FROM event)
-), delivery AS (
-    INSERT INTO job_deliveries (job_id, delivery, consumer, started_at, outcome, model_calls)
-    SELECT %(job_id)s, %(delivery)s, %(consumer)s, %(started_at)s, 'waiting', %(model_calls)s
-     WHERE %(delivery)s::integer IS NOT NULL AND NOT EXISTS (SELECT 1 FROM event)
-)
-SELECT status, value FROM wait
+-- A wait, in one statement: the job's row locked first, then the run's
+-- unwritten checkpoints, the wait itself, its effects, a call's row and the
+-- delivery (the function `oncely_start_wait`, migration 0020, says why a
+-- function and what it writes). No rows: the job no longer runs in this
+-- generation, and nothing was written; else the wait's status and value.
+SELECT wait_status, wait_value FROM oncely_start_wait(
+    %(job_id)s, %(generation)s, %(workflow)s, %(trace_context)s, %(key)s, %(ordinal)s,
+    %(kind)s, %(event)s, %(seconds)s, %(waiting_for)s, %(detail)s, %(call_topic)s,
+    %(call_dedupe_key)s, %(call_payload)s, %(request)s, %(checkpoints)s, %(effects)s,
+    %(delivery)s, %(consumer)s, %(started_at)s, %(model_calls)s)
 
 -- name: lock_job_for_event
 -- The first statement of an event's transaction: the tenant's job of this
@@ -122,7 +94,7 @@ WITH stored AS (
     VALUES (%(job_id)s, %(event)s, %(payload)s, %(fingerprint)s)
 ), wait AS (
     UPDATE checkpoints SET status = 'done', value = (%(payload)s)::text, finished_at = now()
-     WHERE job_id = %(job_id)s AND status = 'waiting' AND kind IN ('wait', 'approval')
+     WHERE job_id = %(job_id)s AND status = 'waiting' AND kind IN ('wait', 'approval', 'uncertain')
        AND %(resume)s
     RETURNING job_id
 )
@@ -241,3 +213,8 @@ SELECT kind, count(*) FROM jobs WHERE status = 'waiting' GROUP BY kind
 -- What a waiting job of this tenant and workflow waits on (none: no rows).
 SELECT waiting_for, waiting_detail FROM jobs
  WHERE job_id = %(job_id)s AND tenant = %(tenant)s AND kind = %(kind)s AND status = 'waiting'
+
+-- name: flag_diverged
+-- Model turns a replay asked with another request than the stored one's
+-- (it was given the stored answer): shown on the job's steps.
+UPDATE checkpoints SET diverged = true WHERE job_id = %(job_id)s AND key = ANY(%(keys)s)

@@ -72,11 +72,27 @@ SELECT j.job_id, j.tenant, j.kind, j.status, r.result, r.usage, j.error,
        j.created_at, j.updated_at, j.waiting_for, j.wait_until, j.waiting_detail,
        (SELECT coalesce(json_agg(json_build_object(
                    'key', s.key, 'kind', s.kind, 'status', s.status,
-                   'finished_at', s.finished_at, 'usage', s.usage) ORDER BY s.ordinal), '[]')
-          FROM (SELECT c.key, c.ordinal, c.kind, c.status, c.finished_at, c.usage
+                   'finished_at', s.finished_at, 'usage', s.usage, 'diverged', s.diverged,
+                   'decision', s.decision, 'resolution', s.resolution)
+                   ORDER BY s.ordinal), '[]')
+          FROM (SELECT c.key, c.ordinal, c.kind, c.status, c.finished_at, c.usage, c.diverged,
+                       -- A person's decision: who, and why (never the arguments).
+                       CASE WHEN c.kind = 'approval' AND c.status = 'done'
+                                 AND jsonb_typeof(c.value::jsonb) = 'object'
+                            THEN c.value::jsonb - 'arguments' END AS decision,
+                       -- A person's word on an uncertain call: which, who, why
+                       -- (never the result given).
+                       CASE WHEN c.kind = 'uncertain' AND c.status = 'done'
+                                 AND jsonb_typeof(c.value::jsonb) = 'object'
+                            THEN jsonb_build_object(
+                                'chose', CASE WHEN c.value::jsonb ? 'resend' THEN 'resend'
+                                              WHEN c.value::jsonb ? 'failed' THEN 'failed'
+                                              ELSE 'result' END,
+                                'by', c.value::jsonb ->> 'by',
+                                'reason', c.value::jsonb ->> 'failed') END AS resolution
                   FROM checkpoints c WHERE c.job_id = j.job_id
                 UNION ALL
-                SELECT k.key, k.ordinal, k.kind, k.status, r.created_at, k.usage
+                SELECT k.key, k.ordinal, k.kind, k.status, r.created_at, k.usage, false, NULL, NULL
                   FROM jsonb_to_recordset(r.steps)
                        AS k (key text, ordinal integer, kind text, status text, usage jsonb)
                ) s),
@@ -91,46 +107,63 @@ SELECT j.job_id, j.tenant, j.kind, j.status, r.result, r.usage, j.error,
  WHERE j.job_id = %s AND j.tenant = %s AND j.kind = %s AND j.status <> 'withdrawn'
 
 -- name: finish_job
--- One statement: atomic without BEGIN/COMMIT, one round trip. The job's
--- `done`, only while it still runs in the delivery's generation (the row
--- lock orders this after a cancel or another delivery's finish, which then
+-- One statement, for the results of any number of jobs (`finished`, one
+-- element per delivery, `n` its place; batched across a worker's handlers
+-- the way GroupCommit batches, no job twice in one): atomic without
+-- BEGIN/COMMIT, one round trip. The jobs' rows are locked in job id order
+-- (two batches touching the same jobs never deadlock). Each job's `done`,
+-- only while it still runs in its delivery's generation (the row lock
+-- orders this after a cancel or another delivery's finish, which then
 -- leave nothing to update); the result, with the run's last checkpoints
 -- (`steps`: never replayed, a done job does not run again, so they are
--- kept in its row, not as checkpoint rows); and, only if this delivery
--- stored the result, the outbox rows the step emitted. A duplicate delivery
--- that lost the race changes nothing, so effects exist if and only if the
--- result does. (Data-modifying CTEs always run, read or not.) The relay's
--- wake-up is sent after the commit, coalesced per worker: a NOTIFY inside
--- every transaction would serialise commits on the notification queue's lock.
-WITH job AS (
-    UPDATE jobs SET status = 'done', error = NULL, updated_at = now()
-     WHERE job_id = %(job_id)s AND status = 'queued' AND generation = %(generation)s
-    RETURNING job_id
+-- kept in its row, not as checkpoint rows); and, only for the deliveries
+-- that stored their result, the outbox rows their step emitted. A
+-- duplicate delivery that lost the race changes nothing, so effects exist
+-- if and only if the result does. (Data-modifying CTEs always run, read or
+-- not.) Answers the `n` of the deliveries that stored their result. The
+-- relay's wake-up is sent after the commit, coalesced per worker: a NOTIFY
+-- inside every transaction would serialise commits on the notification
+-- queue's lock.
+WITH f AS (
+    SELECT * FROM jsonb_to_recordset(%(finished)s)
+           AS f (n integer, job_id uuid, generation integer, workflow text, result jsonb,
+                 usage jsonb, steps jsonb, effects jsonb, trace_context text,
+                 delivery integer, consumer text, started_at timestamptz, model_calls integer)
+), locked AS (
+    SELECT job_id FROM jobs WHERE job_id IN (SELECT job_id FROM f)
+     ORDER BY job_id
+       FOR NO KEY UPDATE
+), job AS (
+    UPDATE jobs j SET status = 'done', error = NULL, updated_at = now()
+      FROM f
+     WHERE j.job_id = f.job_id AND j.job_id IN (SELECT job_id FROM locked)
+       AND j.status = 'queued' AND j.generation = f.generation
+    RETURNING j.job_id
 ), result AS (
     INSERT INTO results (job_id, result, usage, steps)
-    SELECT job_id, %(result)s, %(usage)s, %(steps)s FROM job
+    SELECT f.job_id, f.result, f.usage, f.steps FROM f JOIN job USING (job_id)
     ON CONFLICT (job_id) DO NOTHING
     RETURNING job_id
 ), outbox_rows AS (
     INSERT INTO outbox (topic, dedupe_key, payload, workflow, job_id, trace_context)
-    SELECT e.topic, e.dedupe_key, e.payload, %(workflow)s, %(job_id)s, %(trace_context)s
-      FROM jsonb_to_recordset(%(effects)s) AS e (topic text, dedupe_key text, payload jsonb)
-     WHERE EXISTS (SELECT 1 FROM result)
+    SELECT e.topic, e.dedupe_key, e.payload, f.workflow, f.job_id, f.trace_context
+      FROM f JOIN result USING (job_id),
+           jsonb_to_recordset(f.effects) AS e (topic text, dedupe_key text, payload jsonb)
     ON CONFLICT (dedupe_key) DO NOTHING
     RETURNING id
 ), delivery AS (
-    -- This delivery in the job's history, in the same round trip: `done`, or
-    -- `duplicate` when it stored nothing (another delivery finished first,
-    -- or the job was cancelled: its model calls were spent all the same).
-    -- None when no delivery is named.
+    -- Each delivery in its job's history, in the same round trip: `done`,
+    -- or `duplicate` when it stored nothing (another delivery finished
+    -- first, or the job was cancelled: its model calls were spent all the
+    -- same). None when no delivery is named.
     INSERT INTO job_deliveries (job_id, delivery, consumer, started_at, outcome, model_calls)
-    SELECT %(job_id)s, %(delivery)s, %(consumer)s, %(started_at)s,
-           CASE WHEN EXISTS (SELECT 1 FROM result) THEN 'done' ELSE 'duplicate' END,
-           %(model_calls)s
-     WHERE %(delivery)s::integer IS NOT NULL
-       AND EXISTS (SELECT 1 FROM jobs WHERE job_id = %(job_id)s)
+    SELECT f.job_id, f.delivery, f.consumer, f.started_at,
+           CASE WHEN f.job_id IN (SELECT job_id FROM result) THEN 'done' ELSE 'duplicate' END,
+           f.model_calls
+      FROM f
+     WHERE f.delivery IS NOT NULL AND f.job_id IN (SELECT job_id FROM locked)
 )
-SELECT count(*) AS stored FROM result
+SELECT f.n FROM f JOIN result USING (job_id)
 
 -- name: record_deliveries
 -- Failed deliveries in their jobs' histories (retry, dead, cancelled), one
@@ -160,12 +193,17 @@ UPDATE jobs SET status = 'dead', error = %(error)s, updated_at = now()
 RETURNING parent_id
 
 -- name: queued_jobs_older_than
--- Queued jobs accepted (and, if they waited, resumed) before the cut-off.
-SELECT job_id, tenant, kind, payload FROM jobs
+-- Queued jobs accepted (and, if they waited, resumed) before the cut-off,
+-- after the cursor (created_at, job_id) of the previous page, so that a
+-- backlog of jobs still in the stream cannot hide a lost one behind it.
+-- The partial index jobs_queued_kind_created_idx walks them in order.
+SELECT job_id, tenant, kind, payload, created_at FROM jobs
  WHERE kind = %(kind)s AND status = 'queued'
    AND created_at < now() - make_interval(secs => %(age_s)s)
    AND (resumed_at IS NULL OR resumed_at < now() - make_interval(secs => %(age_s)s))
- ORDER BY created_at
+   AND (%(after_at)s::timestamptz IS NULL
+        OR (created_at, job_id) > (%(after_at)s::timestamptz, %(after_id)s::uuid))
+ ORDER BY created_at, job_id
  LIMIT %(limit)s
 
 -- name: dead_jobs

@@ -9,6 +9,13 @@ its row in ``oncely_migrations``; a file whose first line is
 ``CREATE INDEX CONCURRENTLY``), and is recorded once every statement
 succeeded, so it must be safe to run again from the top.
 
+Behind a transaction pooler (``transaction_pooler``) a session-level lock
+would stay with whichever server connection took it, and be released on
+another: the lock is then transaction-level instead, held by a transaction
+kept open on a second connection for the whole run (the pooler keeps that
+transaction's server connection for it), taken by asking again in short
+transactions for the same reason as above.
+
 Every applied migration's row keeps the SHA-256 of its file: a released
 migration edited afterwards is refused by ``migrate`` and by every
 process's schema check, since the database no longer is what the file says.
@@ -19,7 +26,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import re
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
@@ -78,27 +86,72 @@ class MigrationChanged(Exception):
     """A migration file differs from the one applied to this database."""
 
 
-async def migrate(conninfo: str, migrations: Sequence[Migration] | None = None) -> list[int]:
+async def migrate(
+    conninfo: str,
+    migrations: Sequence[Migration] | None = None,
+    *,
+    transaction_pooler: bool = False,
+) -> list[int]:
     """Apply pending migrations (``migrations``: this code's, by default);
     return the versions applied by this call. Raises ``MigrationChanged``,
-    applying nothing, when an applied one's file was edited since."""
+    applying nothing, when an applied one's file was edited since.
+    ``transaction_pooler``: PostgreSQL is reached through one (no prepared
+    statements, no session lock)."""
     migrations = available() if migrations is None else migrations
-    applied: list[int] = []
+    if transaction_pooler:
+        async with (
+            _transaction_lock(conninfo),
+            await psycopg.AsyncConnection.connect(
+                conninfo, autocommit=True, prepare_threshold=None
+            ) as conn,
+        ):
+            return await _migrate_locked(conn, migrations)
     async with await psycopg.AsyncConnection.connect(conninfo, autocommit=True) as conn:
         await _lock(conn)
         try:
-            await conn.execute(query("create_migrations_table"))
-            await conn.execute(query("add_migration_checksums"))
-            done = await _applied(conn)
-            await _check_unchanged(conn, done, migrations)
-            for migration in migrations:
-                if migration.version not in done:
-                    await _apply(conn, migration)
-                    applied.append(migration.version)
-                    log.info("migrate.applied", version=migration.version, name=migration.name)
+            return await _migrate_locked(conn, migrations)
         finally:
             await conn.execute("SELECT pg_advisory_unlock(%s)", (_LOCK_ID,))
+
+
+async def _migrate_locked(
+    conn: psycopg.AsyncConnection[Any], migrations: Sequence[Migration]
+) -> list[int]:
+    """Every pending migration, the migrators' lock held."""
+    applied: list[int] = []
+    await conn.execute(query("create_migrations_table"))
+    await conn.execute(query("add_migration_checksums"))
+    done = await _applied(conn)
+    await _check_unchanged(conn, done, migrations)
+    for migration in migrations:
+        if migration.version not in done:
+            await _apply(conn, migration)
+            applied.append(migration.version)
+            log.info("migrate.applied", version=migration.version, name=migration.name)
     return applied
+
+
+@asynccontextmanager
+async def _transaction_lock(conninfo: str) -> AsyncIterator[None]:
+    """The migrators' lock as a transaction-level one, held while inside."""
+    async with await psycopg.AsyncConnection.connect(
+        conninfo, autocommit=True, prepare_threshold=None
+    ) as conn:
+        while True:
+            await conn.execute("BEGIN")
+            # No parameters: the simple protocol, which leaves the open
+            # transaction no snapshot for CREATE INDEX CONCURRENTLY to wait
+            # on (a bound statement's portal keeps one until it ends).
+            cur = await conn.execute(f"SELECT pg_try_advisory_xact_lock({_LOCK_ID})")
+            row = await cur.fetchone()
+            if row is not None and row[0]:
+                break
+            await conn.execute("ROLLBACK")
+            await asyncio.sleep(_LOCK_POLL_S)
+        try:
+            yield
+        finally:
+            await conn.execute("ROLLBACK")
 
 
 async def _lock(conn: psycopg.AsyncConnection[Any]) -> None:

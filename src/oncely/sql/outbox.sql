@@ -12,8 +12,9 @@ SELECT pg_notify('oncely_outbox', '')
 -- One statement, one short transaction: the CTE locks due rows and skips the
 -- ones another relay is claiming this instant; the UPDATE leases them to the
 -- owner and counts the attempt now, so a relay killed mid-send has still used
--- one up. The row locks end at commit; the lease is what keeps other relays
--- away while the send runs. MATERIALIZED: the locking scan runs exactly once,
+-- one up. The row locks end at commit; the lease, renewed while the relay
+-- holds the row (outbox_renew), is what keeps other relays away while the
+-- send runs. MATERIALIZED: the locking scan runs exactly once,
 -- so a plan that rescans it cannot lease more rows than the limit.
 WITH due AS MATERIALIZED (
     SELECT id FROM outbox
@@ -33,17 +34,31 @@ UPDATE outbox o
 RETURNING o.id, o.topic, o.dedupe_key, o.payload, o.attempts, o.trace_context, o.call_key,
           extract(epoch FROM now() - o.created_at)::float8 AS age_s
 
+-- name: outbox_renew
+-- A live relay's rows leased again from now (docs/architecture.md, Effects):
+-- only rows it still holds, unsent, whose lease has not ended. An ended
+-- lease is any relay's to claim, so it is never revived. A claim racing
+-- this either skips the locked row or, once it committed, leaves no row
+-- this owner holds.
+UPDATE outbox
+   SET locked_until = now() + make_interval(secs => %(lease_s)s)
+ WHERE id = ANY(%(ids)s::bigint[]) AND locked_by = %(owner)s
+   AND sent_at IS NULL AND failed_at IS NULL AND locked_until >= now()
+RETURNING id
+
 -- name: outbox_mark_sent_many
 -- Every send that finished while the previous batch was being recorded, in
--- one commit. Owner-checked: a relay whose lease expired must not touch a row
--- another relay has claimed since (or already sent).
+-- one commit. Claim-checked (the owner and the attempt its claim counted): a
+-- relay whose lease expired must not touch a row claimed since, by another
+-- relay or by itself again (or already sent).
 UPDATE outbox o
    SET sent_at = now(), provider_message_id = v.provider_message_id,
        locked_until = NULL, locked_by = NULL
-  FROM unnest(%(ids)s::bigint[], %(provider_message_ids)s::text[])
-       AS v (id, provider_message_id)
- WHERE o.id = v.id AND o.locked_by = %(owner)s AND o.sent_at IS NULL
-RETURNING o.id
+  FROM unnest(%(ids)s::bigint[], %(attempts)s::int[], %(provider_message_ids)s::text[])
+       AS v (id, attempts, provider_message_id)
+ WHERE o.id = v.id AND o.locked_by = %(owner)s AND o.attempts = v.attempts
+   AND o.sent_at IS NULL
+RETURNING o.id, o.attempts
 
 -- name: outbox_mark_answered
 -- A call the receiver answered (docs/agents.md): the row marked sent with
@@ -56,7 +71,8 @@ WITH sent AS (
     UPDATE outbox o
        SET sent_at = now(), provider_message_id = %(provider_message_id)s,
            answer = %(answer)s, locked_until = NULL, locked_by = NULL
-     WHERE o.id = %(id)s AND o.locked_by = %(owner)s AND o.sent_at IS NULL
+     WHERE o.id = %(id)s AND o.locked_by = %(owner)s AND o.attempts = %(attempts)s
+       AND o.sent_at IS NULL
     RETURNING o.job_id, o.call_key
 ), answered AS (
     UPDATE checkpoints c
@@ -80,7 +96,8 @@ SELECT EXISTS (SELECT 1 FROM sent) AS held, (SELECT job_id FROM woken) AS woken
 WITH failed AS (
     UPDATE outbox
        SET last_error = %(error)s, failed_at = now(), locked_until = NULL, locked_by = NULL
-     WHERE id = %(id)s AND locked_by = %(owner)s AND sent_at IS NULL
+     WHERE id = %(id)s AND locked_by = %(owner)s AND attempts = %(attempts)s
+       AND sent_at IS NULL
     RETURNING job_id, call_key
 ), ended AS (
     UPDATE checkpoints c
@@ -97,12 +114,13 @@ WITH failed AS (
 SELECT EXISTS (SELECT 1 FROM failed) AS held, (SELECT job_id FROM woken) AS woken
 
 -- name: outbox_mark_failed_attempt
+-- Claim-checked as every write after a claim.
 UPDATE outbox
    SET last_error = %(error)s,
        next_attempt_at = now() + make_interval(secs => %(delay_s)s),
        failed_at = CASE WHEN %(give_up)s THEN now() END,
        locked_until = NULL, locked_by = NULL
- WHERE id = %(id)s AND locked_by = %(owner)s AND sent_at IS NULL
+ WHERE id = %(id)s AND locked_by = %(owner)s AND attempts = %(attempts)s AND sent_at IS NULL
 RETURNING id
 
 -- name: outbox_get

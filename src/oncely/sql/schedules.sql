@@ -7,8 +7,11 @@
 -- job, in the same transaction.
 
 -- name: known_schedules
-SELECT workflow, expression, last_tick, last_job_id FROM schedules
- WHERE workflow = ANY(%(workflows)s::text[])
+-- With PostgreSQL's time, the fleet's one clock (a row of NULLs and the
+-- time when no schedule is known yet).
+SELECT now(), s.workflow, s.expression, s.last_tick, s.last_job_id
+  FROM (SELECT) AS clock
+  LEFT JOIN schedules s ON s.workflow = ANY(%(workflows)s::text[])
 
 -- name: start_schedule
 -- A schedule seen for the first time starts from `tick` (the last one
@@ -21,8 +24,11 @@ ON CONFLICT (workflow) DO UPDATE SET expression = EXCLUDED.expression, updated_a
 -- name: claim_tick
 -- This process starts `tick`'s job, if no process has (the row moves
 -- forward once); `job_id` NULL: the tick is skipped (ONCELY_SCHEDULE_CATCH_UP=none).
+-- Never a tick PostgreSQL's clock has not reached: a process whose clock
+-- runs ahead would start it early and move the row past ticks none ran.
 UPDATE schedules SET last_tick = %(tick)s, last_job_id = %(job_id)s, updated_at = now()
  WHERE workflow = %(workflow)s AND (last_tick IS NULL OR last_tick < %(tick)s)
+   AND %(tick)s <= now()
 RETURNING workflow
 
 -- name: insert_scheduled_job

@@ -9,8 +9,11 @@ for the next batch: most end before it, and cost no row of their own.)
 A call ends answered or not: ``ok``, ``retryable`` (a 429, a 5xx, a
 connection that failed), ``timeout`` (cut off by its attempt's time, or
 cancelled with its job: made, maybe paid for, its answer lost),
-``permanent`` (a 400, say) or ``invalid_output`` (answered, but the answer
-did not validate and was asked again). Whether its answer became a
+``permanent`` (a 400, say), ``refused`` (the model declined to answer) or
+``invalid_output`` (answered, but the answer did not validate and was asked
+again). Each row names the call's dialect (``chat``, ``anthropic``:
+docs/providers.md) and lane (``standard``, ``flex``, ``batch``: docs/lanes.md,
+with what the lane saved against the standard price). Whether its answer became a
 checkpoint is not known then, and need not be: a report counts a job's
 stored model checkpoints against its calls (``usage_report``).
 
@@ -31,7 +34,7 @@ import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal
 
@@ -43,12 +46,12 @@ from psycopg_pool import AsyncConnectionPool
 from oncely.sql import query
 from oncely.sql.bounded import StatementTimeout, run_statement
 from oncely.usage.budgets import Budgets, Spent, utc_day
+from oncely.usage.calls import Call, CallSite, Sending
 from oncely.usage.prices import Prices
 
 log = structlog.get_logger(__name__)
 
-Outcome = Literal["ok", "retryable", "permanent", "invalid_output", "timeout", "sent"]
-GroupBy = Literal["tenant", "workflow", "model", "day", "workflow/model"]
+GroupBy = Literal["tenant", "workflow", "model", "dialect", "lane", "day", "workflow/dialect/model"]
 
 # How often a pass deletes a batch of rows past the retention, at most.
 _PRUNE_EVERY_S = 3600.0
@@ -56,70 +59,12 @@ _PRUNE_BATCH = 10_000
 
 
 @dataclass(frozen=True)
-class CallSite:
-    """Whom a delivery's calls are for: the labels of its ledger rows."""
-
-    workflow: str
-    job_id: str | None = None
-    tenant: str = ""
-    shadow: bool = False
-
-
-@dataclass(frozen=True)
-class Call:
-    """One model call, as its row records it."""
-
-    site: CallSite
-    step: str | None
-    model: str
-    attempt: int
-    outcome: Outcome
-    prompt_tokens: int
-    completion_tokens: int
-    latency_ms: int
-    cost_usd: float | None
-    at: float = field(default_factory=time.time)
-    cached_tokens: int = 0
-    reasoning_tokens: int = 0
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "job_id": self.site.job_id,
-            "workflow": self.site.workflow,
-            "tenant": self.site.tenant,
-            "step": self.step,
-            "model": self.model,
-            "attempt": self.attempt,
-            "outcome": self.outcome,
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "latency_ms": self.latency_ms,
-            "cost_usd": self.cost_usd,
-            "shadow": self.site.shadow,
-            "at": self.at,
-            "cached_tokens": self.cached_tokens,
-            "reasoning_tokens": self.reasoning_tokens,
-        }
-
-
-@dataclass(eq=False)
-class Sending:
-    """A call on its way to the provider (``Ledger.sending``): its ``sent``
-    row, written if a batch is written before the call ends. ``call_id``
-    names that row once a batch carried it (so the call's end deletes it);
-    ``written``: a batch was taken with it."""
-
-    call: Call
-    call_id: str | None = None
-    written: bool = False
-
-    def to_json(self) -> dict[str, Any]:
-        return {**self.call.to_json(), "call_id": self.call_id}
-
-
-@dataclass(frozen=True)
 class UsageRow:
-    """One group of ``oncely usage report``."""
+    """One group of ``oncely usage report``: of its prompt tokens, those
+    read from the provider's cache (``cached_tokens``) and written to it
+    (``cache_write_tokens``), and what the cache saved (``cache_saved_usd``:
+    the reads' discount net of the writes' premium, docs/model-routing.md;
+    None when no call of the group has a price)."""
 
     group: str
     calls: int
@@ -127,6 +72,11 @@ class UsageRow:
     completion_tokens: int
     cost_usd: float | None
     wasted_calls: int
+    cached_tokens: int = 0
+    cache_write_tokens: int = 0
+    cache_saved_usd: float | None = None
+    # What cheaper lanes saved against the standard price (docs/lanes.md).
+    lane_saved_usd: float | None = None
 
     def to_json(self, by: str) -> dict[str, Any]:
         return {
@@ -136,6 +86,10 @@ class UsageRow:
             "completion_tokens": self.completion_tokens,
             "cost_usd": self.cost_usd,
             "wasted_calls": self.wasted_calls,
+            "cached_tokens": self.cached_tokens,
+            "cache_write_tokens": self.cache_write_tokens,
+            "cache_saved_usd": self.cache_saved_usd,
+            "lane_saved_usd": self.lane_saved_usd,
         }
 
 
@@ -181,10 +135,19 @@ class Ledger:
         self._stopping = False
         self._pruned_at = float("-inf")
 
-    def sending(self, site: CallSite, step: str | None, model: str, attempt: int) -> Sending:
+    def sending(
+        self,
+        site: CallSite,
+        step: str | None,
+        model: str,
+        attempt: int,
+        dialect: str = "chat",
+        lane: str = "standard",
+    ) -> Sending:
         """A call about to be sent (no I/O): in the ledger as ``sent`` until
         it is recorded or withdrawn."""
-        sent = Sending(Call(site, step, model, attempt, "sent", 0, 0, 0, None))
+        call = Call(site, step, model, attempt, "sent", 0, 0, 0, None, dialect=dialect, lane=lane)
+        sent = Sending(call)
         self._in_flight.add(sent)
         return sent
 
@@ -302,14 +265,14 @@ class Ledger:
             log.warning("ledger.prune_failed", error=type(exc).__name__)
 
     async def prune(self) -> int:
-        """Delete rows older than the retention, a batch at a time; how many."""
-        before = datetime.fromtimestamp(time.time() - self.retention_s).astimezone()
+        """Delete rows older than the retention (by PostgreSQL's clock, which
+        wrote their ``created_at``), a batch at a time; how many."""
         total = 0
         while True:
             result = await run_statement(
                 self.pool,
                 query("prune_model_calls"),
-                (before, _PRUNE_BATCH),
+                (self.retention_s, _PRUNE_BATCH),
                 timeout_s=self.statement_timeout_s,
             )
             total += result.rowcount
@@ -346,7 +309,8 @@ async def usage_report(
     tenant: str | None = None,
     timeout_s: float = 30.0,
 ) -> list[UsageRow]:
-    """Calls since ``since`` grouped ``by``: calls, tokens, cost, wasted calls."""
+    """Calls since ``since`` grouped ``by``: calls, tokens, cost, wasted
+    calls, the cache's tokens and savings."""
     result = await run_statement(
         pool,
         query("usage_report"),
@@ -361,8 +325,23 @@ async def usage_report(
             int(completion),
             None if cost is None else float(cost),
             int(wasted),
+            int(cached),
+            int(written),
+            None if saved is None else float(saved),
+            None if lane_saved is None else float(lane_saved),
         )
-        for group, calls, prompt, completion, cost, wasted in result.rows
+        for (
+            group,
+            calls,
+            prompt,
+            completion,
+            cost,
+            wasted,
+            cached,
+            written,
+            saved,
+            lane_saved,
+        ) in result.rows
     ]
 
 
