@@ -163,7 +163,10 @@ class Jobs:
         # A cancel remembered from an earlier run must not stop this one.
         await self.streams[job.kind].forget_cancel(job.job_id)
         await self._enqueue(job)
-        return result.rowcount > 0
+        if result.rowcount == 0:
+            return False
+        self.transitions.changed(job.kind, job.job_id, "queued")
+        return True
 
     async def restore(self, job: JobSpec) -> None:
         """A queued job whose message is gone, enqueued again (same job id)."""

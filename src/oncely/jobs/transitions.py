@@ -3,8 +3,8 @@
 Every door that changes a job's status writes the row through the jobs
 stores and then tells ``Transitions.changed`` what the row came to: the
 worker (dead, back in line after a failure), the API, the CLI and the
-console (cancelled, rewound, resumed by an event or a decision), the timers
-(resumed). What has to follow a change subscribes here, wired by the
+console (cancelled, rewound, resumed by an event or a decision, a dead
+letter replayed), the timers (resumed). What has to follow a change subscribes here, wired by the
 composition root; today that is the live ``status`` event, so a page
 following a job's stream hears that a person cancelled it, whichever door
 they used. A delivery's own running, waiting and done go out with its
