@@ -397,3 +397,24 @@ async def test_a_waiting_lines_tokens_stay_held_in_its_tenants_budget_until_answ
     assert await ledger.flush() == 1
     assert await budgets.reserved("acme") == 1  # the line's hold released by its spend
     assert (await budgets.spent("acme")).tokens > 0
+
+
+async def test_an_answer_read_again_after_a_crash_is_in_the_ledger_once(
+    chat, api, lines, fake, pool
+) -> None:
+    """A delivery read its answered line and died before the call's
+    checkpoint was stored: the next delivery reads the same answer, which
+    the provider billed once, so the ledger holds one row for it."""
+    ledger = Ledger(pool, prices=Prices.parse(f"{MODEL}=2/8"))
+    job = str(uuid.uuid4())
+    with pytest.raises(ResumeLater):
+        await ask(delivery(chat, lines, job), f"Ticket {job}. Classify it.")
+    await settle(batcher(lines, api), pool, [f"{job}:triage"])
+    for _ in range(2):  # the dead delivery, then the next one
+        text = await ask(delivery(chat, lines, job, ledger), f"Ticket {job}. Classify it.")
+        assert text.startswith(f"Ticket {job}.")
+        await ledger.flush()
+    async with pool.connection() as conn:
+        cur = await conn.execute("SELECT lane, outcome, count(*) FROM model_calls GROUP BY 1, 2")
+        assert await cur.fetchall() == [("batch", "ok", 1)]
+    assert fake.batches.stats()["lines"] == {f"{job}:triage": 1}

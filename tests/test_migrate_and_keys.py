@@ -199,6 +199,7 @@ async def test_operator_commands_show_and_retry_a_failed_outbox_row(redis_url, d
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(240)  # ten CLI processes: a minute alone on a loaded 2-core machine
 async def test_operator_commands_answer_json_dry_runs_and_exit_codes(redis_url, database_url, pool):
     async with pool.connection() as conn:
         for key in ("summary_ready:first-failed-row-with-a-long-id", "summary_ready:second"):

@@ -75,6 +75,8 @@ _PRUNE_EVERY_S = 3600.0
 _PRUNE_BATCH = 10_000
 # A batch's statuses that end it.
 _ENDED = frozenset({"completed", "expired", "cancelled", "failed"})
+# The namespace of a settled line's ledger id (``Line.call_id``).
+_LEDGER_IDS = uuid.UUID("0b6f3f0e-2c1d-4a57-8e7b-5d1c9a40b2e6")
 
 
 @dataclass(frozen=True)
@@ -84,11 +86,19 @@ class Line:
     ``failed`` (``error``: ``{"status", "code"}``) or ``dropped``;
     ``waited_s``: from its intent to its last change."""
 
+    custom_id: str
     status: str
     answer: dict[str, Any] | None
     error: dict[str, Any] | None
     submissions: int
     waited_s: float
+
+    @property
+    def call_id(self) -> str:
+        """The ledger's id of this submission's answer or failure: the same
+        at every look, so a job that reads it again (its delivery died
+        before the call's checkpoint was stored) records it once."""
+        return str(uuid.uuid5(_LEDGER_IDS, f"{self.custom_id}#{self.submissions}"))
 
 
 @dataclass(frozen=True)
@@ -175,7 +185,7 @@ class BatchLines:
         if not rows:
             return None
         status, answer, error, submissions, waited_s = rows[0]
-        return Line(status, answer, error, int(submissions), float(waited_s or 0.0))
+        return Line(custom_id, status, answer, error, int(submissions), float(waited_s or 0.0))
 
     async def retry(self, custom_id: str) -> None:
         """A line that failed transiently (or was dropped with a job that

@@ -208,6 +208,8 @@ class Answer:
     latency_ms: int
     sent: Sending | None = None
     lane: Lane = "standard"
+    # A batch line's ledger id (``oncely.llm.batches.Line.call_id``).
+    call_id: str | None = None
 
 
 class _Skipped(OncelyError):
@@ -399,13 +401,13 @@ class Trip:
             meters.failed(exc).inc()
             tokens = (exc.prompt_tokens, exc.completion_tokens) if isinstance(exc, Refused) else ()
             self._record(target.name, step, number, _outcome(exc), *(tokens or (0, 0)), took,
-                         lane="batch")  # fmt: skip
+                         lane="batch", call_id=line.call_id)  # fmt: skip
             if classify(exc):
                 await lines.retry(custom_id)
                 raise waiting from exc
             raise
         meters.calls_ok.inc()
-        return Answer(completion, target.name, step, number, took, None, "batch")
+        return Answer(completion, target.name, step, number, took, None, "batch", line.call_id)
 
     async def _hold_budget(self, job_id: str, request: Request) -> None:
         """A waiting line's tokens held in its tenant's budget (the job's
@@ -677,6 +679,7 @@ class Trip:
             (completion.cached_tokens, completion.reasoning_tokens, completion.cache_write_tokens),
             answer.sent,
             answer.lane,
+            answer.call_id,
         )
         for usage in (spent, self.usage):
             usage.prompt_tokens += completion.prompt_tokens
@@ -706,10 +709,12 @@ class Trip:
         details: tuple[int, int, int] = (0, 0, 0),
         sent: Sending | None = None,
         lane: Lane = "standard",
+        call_id: str | None = None,
     ) -> float | None:
         """The call's row in the ledger, in place of its ``sent`` one; what
         it cost on its ``lane`` (None: unknown). ``details``: its cached,
-        reasoning and cache-write tokens."""
+        reasoning and cache-write tokens; ``call_id``: a row written once
+        however often it is recorded (a batch line's answer)."""
         tokens = (prompt_tokens, completion_tokens, details[0], details[2])
         cost = self._prices.cost(model, *tokens, lane=lane)
         if self._ledger is None:
@@ -736,6 +741,7 @@ class Trip:
                 lane_saved_usd=(None if cost is None else 0.0)
                 if lane == "standard"
                 else self._prices.lane_saved(model, lane, *tokens),
+                call_id=call_id,
             ),
             sent,
         )

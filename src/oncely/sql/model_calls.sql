@@ -4,7 +4,8 @@
 -- One batch of calls, as one JSON document (psycopg converts one document
 -- much faster than an array per column): ended calls' `sent` rows out,
 -- calls in flight in as `sent` (once: a retried batch adds none twice),
--- ended calls in.
+-- ended calls in; a batch line's answer once however often its job read
+-- it (its `call_id`, migration 0023).
 WITH gone AS (
     DELETE FROM model_calls
      WHERE outcome = 'sent' AND call_id = ANY(%(ended)s::uuid[])
@@ -27,7 +28,7 @@ SELECT c.job_id, c.workflow, c.tenant, c.step, c.model, c.attempt, c.outcome,
                                           call_id uuid, cache_write_tokens integer,
                                           dialect text, cache_saved_usd numeric,
                                           lane text, lane_saved_usd numeric)
-    ON CONFLICT (call_id) WHERE outcome = 'sent' DO NOTHING
+    ON CONFLICT DO NOTHING
 
 -- name: usage_report
 -- Calls since a time, grouped by tenant, workflow, model, dialect, lane or UTC day. A call

@@ -48,6 +48,10 @@ class Call:
     # price (oncely.usage.prices); None: unpriced.
     lane: str = "standard"
     lane_saved_usd: float | None = None
+    # Names a row that must be written once however often it is recorded
+    # (a batch line's answer, ``oncely.llm.batches.Line.call_id``); None
+    # for a call sent over HTTP, which is recorded once by its sender.
+    call_id: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -71,6 +75,7 @@ class Call:
             "cache_saved_usd": self.cache_saved_usd,
             "lane": self.lane,
             "lane_saved_usd": self.lane_saved_usd,
+            "call_id": self.call_id,
         }
 
 
