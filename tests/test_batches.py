@@ -357,6 +357,10 @@ async def test_oncely_batches_list_and_show_say_lines_done_failed_and_jobs_waiti
     shown = await asyncio.to_thread(cli, "show", batches[1]["batch_id"])
     assert shown.returncode == 0, shown.stderr
     assert batches[1]["provider_id"] in shown.stdout and "gpt-fake" in shown.stdout
+    assert done in shown.stdout and line_id(done, "triage") in shown.stdout  # its jobs named
+    as_json = await asyncio.to_thread(cli, "show", batches[1]["batch_id"], "--json")
+    named = {(x["job_id"], x["key"], x["status"]) for x in json.loads(as_json.stdout)["lines"]}
+    assert named == {(done, "triage", "answered"), (failed, "triage", "failed")}
     missing = await asyncio.to_thread(cli, "show", str(uuid.uuid4()))
     assert missing.returncode == 3 and "no batch" in missing.stderr
     assert (await asyncio.to_thread(cli, "show", "nope")).returncode == 2

@@ -136,6 +136,21 @@ class BatchRow:
         }
 
 
+@dataclass(frozen=True)
+class LineRow:
+    """One line of a batch as ``oncely batches show`` names it: its custom
+    id, and the job and call (checkpoint key) it stands for."""
+
+    custom_id: str
+    job_id: str
+    key: str
+    status: str
+
+    def to_json(self) -> dict[str, str]:
+        return {"custom_id": self.custom_id, "job_id": self.job_id, "key": self.key,
+                "status": self.status}  # fmt: skip
+
+
 class BatchLines:
     """The ``batch_lines`` table: the lines' intents, their batches, their answers."""
 
@@ -194,6 +209,11 @@ class BatchLines:
         """A line that failed transiently (or was dropped with a job that
         runs again), back in line for the next batch."""
         await self._run("retry_batch_line", (custom_id,))
+
+    async def lines_of(self, batch_id: str, *, limit: int = 1000) -> list[LineRow]:
+        """A batch's lines, oldest first: the jobs behind its custom ids."""
+        result = await self._run("lines_of_batch", {"batch_id": batch_id, "limit": limit})
+        return [LineRow(*row) for row in result.rows]
 
     async def batches(self, batch_id: str | None = None, *, limit: int = 50) -> list[BatchRow]:
         result = await self._run("list_batches", {"batch_id": batch_id, "limit": limit})

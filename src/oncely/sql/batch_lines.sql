@@ -146,6 +146,15 @@ SELECT batch_id,
  ORDER BY min(created_at) DESC
  LIMIT %(limit)s
 
+-- name: lines_of_batch
+-- A batch's lines, with the job and the call each stands for (their
+-- custom ids are digests: docs/lanes.md).
+SELECT custom_id, job_id::text, call_key, status
+  FROM batch_lines
+ WHERE batch_id = %(batch_id)s::uuid
+ ORDER BY created_at, custom_id
+ LIMIT %(limit)s
+
 -- name: prune_batch_lines
 -- Lines settled (answered, failed, dropped) longer ago than kept whose job
 -- ended or is gone, a batch at a time: a job still running keeps its line.
