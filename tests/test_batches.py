@@ -26,6 +26,7 @@ from pydantic import BaseModel
 from oncely.errors import PermanentError, ResumeLater
 from oncely.fakes.llm import FakeLLMServer
 from oncely.llm.anthropic_batches import AnthropicBatches
+from oncely.llm.anthropic_batches import outcomes as anthropic_outcomes
 from oncely.llm.anthropic_messages import AnthropicMessages
 from oncely.llm.batches import Batcher, BatchLines, OpenAIBatches, Unrecorded
 from oncely.llm.lines import line_id
@@ -171,7 +172,7 @@ async def test_the_batch_carries_its_oncely_id_in_its_metadata(chat, api, lines,
     await settle(batcher(lines, api), pool, [line_id(job, "triage")])
     [row] = await lines.batches()
     assert (row.lines, row.answered, row.failed, row.waiting) == (1, 1, 0, 0)
-    lost = Unrecorded(row.batch_id, "chat", [], row.created_at, 60.0)
+    lost = Unrecorded(row.batch_id, "chat", [], row.created_at)
     assert await api.find(lost) == [row.provider_id]
 
 
@@ -464,6 +465,31 @@ async def test_an_anthropic_batch_call_is_answered_through_message_batches(
         assert set(await cur.fetchall()) == {("batch", "anthropic", "ok", CLAUDE)}
     [row] = await lines.batches()
     assert (row.dialect, row.answered, row.provider_id) == ("anthropic", 3, row.provider_id)
+
+
+def test_anthropic_results_become_outcomes_and_the_batchs_status() -> None:
+    """Succeeded: answered with its message; errored: the status its type
+    stands for and the type, never the message; expired and canceled: left
+    unanswered, the batch ``expired`` (once more) or ``cancelled``."""
+    secret = "the prompt's own words"
+    message = {"content": [{"type": "text", "text": "Hi"}], "stop_reason": "end_turn"}
+    error = {"type": "error", "error": {"type": "overloaded_error", "message": secret}}
+    results = [
+        {"custom_id": "a", "result": {"type": "succeeded", "message": message}},
+        {"custom_id": "b", "result": {"type": "errored", "error": error}},
+        {"custom_id": "c", "result": {"type": "canceled"}},
+        {"custom_id": 5, "result": {"type": "succeeded", "message": message}},  # not an id
+    ]
+    status, found = anthropic_outcomes(results)
+    assert status == "cancelled"
+    assert [(o.custom_id, o.status, o.answer, o.error) for o in found] == [
+        ("a", "answered", message, None),
+        ("b", "failed", None, {"status": 529, "code": "overloaded_error"}),
+    ]
+    assert secret not in repr(found)
+    expired = [*results, {"custom_id": "d", "result": {"type": "expired"}}]
+    assert anthropic_outcomes(expired)[0] == "expired"
+    assert anthropic_outcomes(results[:2])[0] == "completed"
 
 
 async def stored_error(pool: Any, custom_id: str) -> Any:

@@ -612,8 +612,8 @@ async def show_batches(
     ]  # fmt: skip
     print_rows(out, "batch-lane batches, newest first", columns, cells, ids=2)
     if lines:
-        cells = [(line.custom_id, line.job_id, line.key, line.status) for line in lines]
-        print_rows(out, "its lines", ("custom id", "job", "call", "status"), cells, ids=2)
+        named = [(line.custom_id, line.job_id, line.key, line.status) for line in lines]
+        print_rows(out, "its lines", ("custom id", "job", "call", "status"), named, ids=2)
     return rows
 
 

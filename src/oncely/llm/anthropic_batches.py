@@ -23,13 +23,15 @@ Recovery without metadata. An Anthropic batch carries no metadata, so a
 batch created by a process that died before recording its id cannot be
 found by oncely's batch id. ``find`` lists the workspace's batches, newest
 first, back to the lines' gathering time, and takes as candidates those
-created no earlier than the lines were gathered and no later than the
-creator's lease ran out (each less or more ``CLOCK_SLACK_S``, for the
-provider's clock against PostgreSQL's) that hold as many requests as the
-batch has lines, the one created closest to the gathering first; the
-batcher adopts the first that no other oncely batch recorded, and creates
-the batch when none is left. A wrong adoption (another client's batch of
-the same size, created in that window) costs time, never a wrong answer:
+created no earlier than the lines were gathered (less ``CLOCK_SLACK_S``,
+for the provider's clock against PostgreSQL's) that hold as many requests
+as the batch has lines, the one created closest to the gathering first;
+the batcher adopts the first that no other oncely batch recorded, and
+creates the batch when none is left. No upper bound on the time: a
+recovering batcher that created the batch and died in turn created it long
+after the gathering, and its batch must be found too. A wrong adoption
+(another client's batch of the same size, created since) costs time,
+never a wrong answer:
 a result only ever changes a line of the batch that carried it, by its
 custom id, and the lines left unanswered once the adopted batch ended go
 back in line.
@@ -83,9 +85,7 @@ class AnthropicBatches:
         return wire.provider_id(created.id)
 
     async def find(self, lost: Unrecorded) -> list[str]:
-        slack = timedelta(seconds=CLOCK_SLACK_S)
-        earliest = lost.gathered_at - slack
-        latest = lost.gathered_at + timedelta(seconds=lost.lease_s) + slack
+        earliest = lost.gathered_at - timedelta(seconds=CLOCK_SLACK_S)
         found: list[tuple[timedelta, str]] = []
         listed = 0
         async for batch in self._client.messages.batches.list(limit=100):
@@ -93,7 +93,7 @@ class AnthropicBatches:
             created = batch.created_at
             if created < earliest or listed > _LISTED_MAX:
                 break
-            if created <= latest and _size(batch) == len(lost.lines):
+            if _size(batch) == len(lost.lines):
                 found.append((abs(created - lost.gathered_at), wire.provider_id(batch.id)))
         return [provider_id for _, provider_id in sorted(found)]
 

@@ -244,9 +244,8 @@ class Unrecorded:
     dialect: str
     lines: list[tuple[str, Any]]
     # When its lines were gathered, by PostgreSQL's clock: a batch created
-    # for them was created after that, within its creator's lease.
+    # for them was created after that.
     gathered_at: datetime
-    lease_s: float
 
 
 class BatchAPI(Protocol):
@@ -493,7 +492,7 @@ class Batcher:
         lost: dict[str, Unrecorded] = {}
         for batch_id, dialect, gathered_at, custom_id, body in claimed:
             batch = lost.setdefault(
-                str(batch_id), Unrecorded(str(batch_id), dialect, [], gathered_at, self.lease_s)
+                str(batch_id), Unrecorded(str(batch_id), dialect, [], gathered_at)
             )
             batch.lines.append((custom_id, body))
         return list(lost.values())
