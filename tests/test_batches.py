@@ -4,13 +4,17 @@ over HTTP with its oncely id in the metadata, recorded, answered, and the
 answer the call's, on lane ``batch`` in the ledger (real PostgreSQL). A
 batch gathered but not recorded (a crash before or after its creation) is
 adopted or created once; failed lines are classified; an expired batch's
-lines go once more; a cancelled job's line is never sent. The process
-tests are tests/test_lanes_processes.py."""
+lines go once more; a cancelled job's line is never sent. The same for
+Anthropic's Message Batches, whose batches keep no metadata: one created
+but not recorded is adopted by its size and time, and a foreign batch of
+the same size adopted by mistake costs a batch, never a wrong answer. The
+process tests are tests/test_lanes_processes.py."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -21,7 +25,11 @@ from pydantic import BaseModel
 
 from oncely.errors import PermanentError, ResumeLater
 from oncely.fakes.llm import FakeLLMServer
-from oncely.llm.batches import Batcher, BatchLines, OpenAIBatches
+from oncely.llm.anthropic_batches import AnthropicBatches
+from oncely.llm.anthropic_batches import outcomes as anthropic_outcomes
+from oncely.llm.anthropic_messages import AnthropicMessages
+from oncely.llm.batches import Batcher, BatchLines, OpenAIBatches, Unrecorded
+from oncely.llm.lines import line_id
 from oncely.llm.model import Model, ModelRoute
 from oncely.llm.openai_compat import OpenAICompatible
 from oncely.llm.openai_responses import OpenAIResponses
@@ -33,6 +41,7 @@ from oncely.usage.prices import Prices
 from tests.processes import oncely
 
 MODEL = "gpt-fake"
+CLAUDE = "claude-fake"
 FAST = RetryPolicy(per_call_timeout_s=2.0, max_attempts=2, backoff_base_s=0.001)
 M = 1_000_000
 
@@ -61,18 +70,32 @@ def lines(pool: Any) -> BatchLines:
     return BatchLines(pool, poll_s=0.05)
 
 
-def batcher(lines: BatchLines, api: OpenAIBatches, **kw: Any) -> Batcher:
-    return Batcher(lines, {"chat": api}, gather_s=0, **{"lease_s": 60.0, **kw})
+@pytest.fixture
+async def claude(fake: FakeLLMServer) -> AsyncIterator[AnthropicMessages]:
+    async with AnthropicMessages.connect(fake.url, "test", CLAUDE) as adapter:
+        yield adapter
 
 
-def delivery(chat: OpenAICompatible, lines: BatchLines, job_id: str, ledger: Ledger | None = None):
+@pytest.fixture
+async def claude_api(fake: FakeLLMServer) -> AsyncIterator[AnthropicBatches]:
+    api = AnthropicBatches.connect(fake.url, "test")
+    yield api
+    await api.aclose()
+
+
+def batcher(lines: BatchLines, api: Any, **kw: Any) -> Batcher:
+    dialect = "anthropic" if isinstance(api, AnthropicBatches) else "chat"
+    return Batcher(lines, {dialect: api}, gather_s=0, **{"lease_s": 60.0, **kw})
+
+
+def delivery(chat: Any, lines: BatchLines, job_id: str, ledger: Ledger | None = None) -> Model:
     """A delivery's model for ``job_id`` on the batch lane."""
     return Model(
         chat,
         policy=FAST,
         deadline=Deadline.after(30),
         workflow="lanes",
-        model_name=MODEL,
+        model_name=chat.model,
         route=ModelRoute(ledger=ledger, lane="batch", batches=lines),
         site=CallSite("lanes", job_id, "acme"),
     )
@@ -114,7 +137,7 @@ async def test_a_batch_call_is_stored_gathered_created_once_and_answered_as_the_
     for job in jobs:
         with pytest.raises(ResumeLater):
             await ask(delivery(chat, lines, job), f"Ticket {job}. Classify it.")
-    custom_ids = [f"{job}:triage" for job in jobs]
+    custom_ids = [line_id(job, "triage") for job in jobs]
     assert await statuses(pool) == dict.fromkeys(custom_ids, "waiting")
     assert fake.batches.stats()["created"] == 0  # nothing sent yet
 
@@ -146,10 +169,20 @@ async def test_the_batch_carries_its_oncely_id_in_its_metadata(chat, api, lines,
     job = str(uuid.uuid4())
     with pytest.raises(ResumeLater):
         await ask(delivery(chat, lines, job), "Metadata, please.")
-    await settle(batcher(lines, api), pool, [f"{job}:triage"])
+    await settle(batcher(lines, api), pool, [line_id(job, "triage")])
     [row] = await lines.batches()
     assert (row.lines, row.answered, row.failed, row.waiting) == (1, 1, 0, 0)
-    assert await api.find(row.batch_id) == row.provider_id
+    lost = Unrecorded(row.batch_id, "chat", [], row.created_at)
+    assert await api.find(lost) == [row.provider_id]
+
+
+def test_a_lines_custom_id_is_one_format_every_provider_takes() -> None:
+    """Anthropic's ``[a-zA-Z0-9_-]{1,64}``, from the job and the key alone."""
+    job = str(uuid.uuid4())
+    ids = {line_id(job, key) for key in ("triage", "triage#2", "a key: with/odd chars ✓" * 9)}
+    assert len(ids) == 3
+    assert all(re.fullmatch(r"[a-zA-Z0-9_-]{1,64}", i) for i in ids)
+    assert line_id(job, "triage") == line_id(job, "triage")  # a redelivery's is the same
 
 
 class Crash(Exception):
@@ -170,10 +203,10 @@ async def test_a_batch_gathered_but_never_created_is_created_once_by_the_recover
     monkeypatch.setattr(dying, "submit", dies)
     with pytest.raises(Crash):
         await dying.gather()
-    assert await statuses(pool) == {f"{job}:triage": "gathered"}
-    await settle(batcher(lines, api, lease_s=0.2), pool, [f"{job}:triage"])
+    assert await statuses(pool) == {line_id(job, "triage"): "gathered"}
+    await settle(batcher(lines, api, lease_s=0.2), pool, [line_id(job, "triage")])
     stats = fake.batches.stats()
-    assert stats["created"] == 1 and stats["lines"] == {f"{job}:triage": 1}
+    assert stats["created"] == 1 and stats["lines"] == {line_id(job, "triage"): 1}
 
 
 async def test_a_batch_created_but_not_recorded_is_adopted_never_created_again(
@@ -191,9 +224,9 @@ async def test_a_batch_created_but_not_recorded_is_adopted_never_created_again(
     with pytest.raises(Crash):
         await dying.gather()
     assert fake.batches.stats()["created"] == 1
-    await settle(batcher(lines, api, lease_s=0.2), pool, [f"{job}:triage"])
+    await settle(batcher(lines, api, lease_s=0.2), pool, [line_id(job, "triage")])
     stats = fake.batches.stats()
-    assert stats["created"] == 1 and stats["lines"] == {f"{job}:triage": 1}
+    assert stats["created"] == 1 and stats["lines"] == {line_id(job, "triage"): 1}
     assert await ask(delivery(chat, lines, job), "Lost after its batch.")
 
 
@@ -202,15 +235,15 @@ async def test_a_line_that_failed_permanently_fails_the_call(chat, api, lines, f
     prompt = "A bad request. [[fake:400]]"
     with pytest.raises(ResumeLater):
         await ask(delivery(chat, lines, job), prompt)
-    await settle(batcher(lines, api), pool, [f"{job}:triage"])
+    await settle(batcher(lines, api), pool, [line_id(job, "triage")])
     with pytest.raises(PermanentError, match="400"):
         await ask(delivery(chat, lines, job), prompt)
-    assert fake.batches.stats()["lines"] == {f"{job}:triage": 1}
+    assert fake.batches.stats()["lines"] == {line_id(job, "triage"): 1}
 
 
 async def test_a_line_that_failed_transiently_goes_in_the_next_batch(chat, api, lines, fake, pool):
     job = str(uuid.uuid4())
-    custom_id = f"{job}:triage"
+    custom_id = line_id(job, "triage")
     prompt = "A server error, once. [[fake:503*1]]"
     with pytest.raises(ResumeLater):
         await ask(delivery(chat, lines, job), prompt)
@@ -232,7 +265,7 @@ async def test_an_expired_batchs_lines_go_once_more_then_fail(chat, api, lines, 
         with pytest.raises(ResumeLater):
             await ask(delivery(chat, lines, job), prompt)
     b = batcher(lines, api)
-    ids = [f"{once}:triage", f"{always}:triage"]
+    ids = [line_id(once, "triage"), line_id(always, "triage")]
     await settle(b, pool, ids)
     assert fake.batches.stats()["lines"] == dict.fromkeys(ids, 2)
     assert await statuses(pool) == {ids[0]: "answered", ids[1]: "failed"}
@@ -252,9 +285,9 @@ async def test_a_cancelled_jobs_line_is_never_sent(chat, api, lines, fake, pool)
             " VALUES (%s, 'acme', 'lanes', %s, 'cancelled')",
             (cancelled, json.dumps({})),
         )
-    await settle(batcher(lines, api), pool, [f"{kept}:triage"])
-    assert fake.batches.stats()["lines"] == {f"{kept}:triage": 1}
-    assert (await statuses(pool))[f"{cancelled}:triage"] == "dropped"
+    await settle(batcher(lines, api), pool, [line_id(kept, "triage")])
+    assert fake.batches.stats()["lines"] == {line_id(kept, "triage"): 1}
+    assert (await statuses(pool))[line_id(cancelled, "triage")] == "dropped"
 
 
 async def test_a_structured_calls_reasks_are_lines_of_their_own(chat, api, lines, fake, pool):
@@ -270,12 +303,13 @@ async def test_a_structured_calls_reasks_are_lines_of_their_own(chat, api, lines
     b = batcher(lines, api)
     with pytest.raises(ResumeLater):
         await structured()
-    await settle(b, pool, [f"{job}:verdict"])
+    await settle(b, pool, [line_id(job, "verdict")])
     with pytest.raises(ResumeLater):  # the first answer did not validate: a second ask
         await structured()
-    await settle(b, pool, [f"{job}:verdict#2"])
+    await settle(b, pool, [line_id(job, "verdict#2")])
     assert isinstance(await structured(), Verdict)
-    assert fake.batches.stats()["lines"] == {f"{job}:verdict": 1, f"{job}:verdict#2": 1}
+    asks = [line_id(job, "verdict"), line_id(job, "verdict#2")]
+    assert fake.batches.stats()["lines"] == dict.fromkeys(asks, 1)
 
 
 async def test_a_call_without_a_job_goes_standard(chat, lines, fake, pool) -> None:
@@ -299,7 +333,7 @@ async def test_oncely_batches_list_and_show_say_lines_done_failed_and_jobs_waiti
     for job, prompt in ((done, "Fine."), (failed, "Bad. [[fake:400]]")):
         with pytest.raises(ResumeLater):
             await ask(delivery(chat, lines, job), prompt)
-    await settle(batcher(lines, api), pool, [f"{done}:triage", f"{failed}:triage"])
+    await settle(batcher(lines, api), pool, [line_id(done, "triage"), line_id(failed, "triage")])
     with pytest.raises(ResumeLater):
         await ask(delivery(chat, lines, waiting), "Still out.")
     await batcher(lines, api).gather()  # out, not answered yet: no poll
@@ -324,6 +358,10 @@ async def test_oncely_batches_list_and_show_say_lines_done_failed_and_jobs_waiti
     shown = await asyncio.to_thread(cli, "show", batches[1]["batch_id"])
     assert shown.returncode == 0, shown.stderr
     assert batches[1]["provider_id"] in shown.stdout and "gpt-fake" in shown.stdout
+    assert done in shown.stdout and line_id(done, "triage") in shown.stdout  # its jobs named
+    as_json = await asyncio.to_thread(cli, "show", batches[1]["batch_id"], "--json")
+    named = {(x["job_id"], x["key"], x["status"]) for x in json.loads(as_json.stdout)["lines"]}
+    assert named == {(done, "triage", "answered"), (failed, "triage", "failed")}
     missing = await asyncio.to_thread(cli, "show", str(uuid.uuid4()))
     assert missing.returncode == 3 and "no batch" in missing.stderr
     assert (await asyncio.to_thread(cli, "show", "nope")).returncode == 2
@@ -344,12 +382,12 @@ async def test_a_responses_call_goes_in_a_batch_of_the_responses_endpoint(
         with pytest.raises(ResumeLater):
             await model().structured(Verdict, "Responses in a batch.", step="triage")
         b = Batcher(lines, {"responses": api.for_dialect("responses")}, gather_s=0)
-        await settle(b, pool, [f"{job}:triage"])
+        await settle(b, pool, [line_id(job, "triage")])
         assert isinstance(
             await model().structured(Verdict, "Responses in a batch.", step="triage"), Verdict
         )
     assert fake.stats().dialects == {"responses": 1}
-    assert fake.batches.stats()["lines"] == {f"{job}:triage": 1}
+    assert fake.batches.stats()["lines"] == {line_id(job, "triage"): 1}
 
 
 async def test_settled_lines_past_their_keep_go_once_their_job_ended(
@@ -359,7 +397,7 @@ async def test_settled_lines_past_their_keep_go_once_their_job_ended(
     for job in (ended, running):
         with pytest.raises(ResumeLater):
             await ask(delivery(chat, lines, job), f"Job {job}.")
-    await settle(batcher(lines, api), pool, [f"{ended}:triage", f"{running}:triage"])
+    await settle(batcher(lines, api), pool, [line_id(ended, "triage"), line_id(running, "triage")])
     b = batcher(lines, api, keep_s=0.0)
     async with pool.connection() as conn:
         for job, status in ((ended, "done"), (running, "queued")):
@@ -369,7 +407,7 @@ async def test_settled_lines_past_their_keep_go_once_their_job_ended(
                 (job, status),
             )
     assert await b.prune() == 1
-    assert await statuses(pool) == {f"{running}:triage": "answered"}
+    assert await statuses(pool) == {line_id(running, "triage"): "answered"}
 
 
 async def test_a_waiting_lines_tokens_stay_held_in_its_tenants_budget_until_answered(
@@ -392,7 +430,7 @@ async def test_a_waiting_lines_tokens_stay_held_in_its_tenants_budget_until_answ
     with pytest.raises(ResumeLater):
         await ask(delivery(chat, lines, job, ledger), prompt)
     assert await budgets.reserved("acme") == 1 + held
-    await settle(batcher(lines, api), pool, [f"{job}:triage"])
+    await settle(batcher(lines, api), pool, [line_id(job, "triage")])
     assert await ask(delivery(chat, lines, job, ledger), prompt)
     assert await ledger.flush() == 1
     assert await budgets.reserved("acme") == 1  # the line's hold released by its spend
@@ -409,7 +447,7 @@ async def test_an_answer_read_again_after_a_crash_is_in_the_ledger_once(
     job = str(uuid.uuid4())
     with pytest.raises(ResumeLater):
         await ask(delivery(chat, lines, job), f"Ticket {job}. Classify it.")
-    await settle(batcher(lines, api), pool, [f"{job}:triage"])
+    await settle(batcher(lines, api), pool, [line_id(job, "triage")])
     for _ in range(2):  # the dead delivery, then the next one
         text = await ask(delivery(chat, lines, job, ledger), f"Ticket {job}. Classify it.")
         assert text.startswith(f"Ticket {job}.")
@@ -417,4 +455,197 @@ async def test_an_answer_read_again_after_a_crash_is_in_the_ledger_once(
     async with pool.connection() as conn:
         cur = await conn.execute("SELECT lane, outcome, count(*) FROM model_calls GROUP BY 1, 2")
         assert await cur.fetchall() == [("batch", "ok", 1)]
-    assert fake.batches.stats()["lines"] == {f"{job}:triage": 1}
+    assert fake.batches.stats()["lines"] == {line_id(job, "triage"): 1}
+
+
+# --- Anthropic's Message Batches ------------------------------------------------------
+
+
+async def test_an_anthropic_batch_call_is_answered_through_message_batches(
+    claude, claude_api, lines, fake, pool
+) -> None:
+    ledger = Ledger(pool)
+    jobs = [str(uuid.uuid4()) for _ in range(3)]
+    for job in jobs:
+        with pytest.raises(ResumeLater):
+            await ask(delivery(claude, lines, job), f"Ticket {job}. Classify it.")
+    custom_ids = [line_id(job, "triage") for job in jobs]
+    assert await statuses(pool) == dict.fromkeys(custom_ids, "waiting")
+    await settle(batcher(lines, claude_api), pool, custom_ids)
+    stats = fake.batches.stats()
+    assert stats["created"] == 1 and stats["lines"] == dict.fromkeys(custom_ids, 1)
+    assert [s for s in stats["statuses"] if s.startswith("msgbatch_")]  # Message Batches
+    assert fake.stats().dialects == {"anthropic": 3}  # each line once, no call of its own
+
+    for job in jobs:
+        text = await ask(delivery(claude, lines, job, ledger), f"Ticket {job}. Classify it.")
+        assert text.startswith(f"Ticket {job}.")
+    assert await ledger.flush() == 3
+    async with pool.connection() as conn:
+        cur = await conn.execute("SELECT lane, dialect, outcome, model FROM model_calls")
+        assert set(await cur.fetchall()) == {("batch", "anthropic", "ok", CLAUDE)}
+    [row] = await lines.batches()
+    assert (row.dialect, row.answered, row.provider_id) == ("anthropic", 3, row.provider_id)
+
+
+def test_anthropic_results_become_outcomes_and_the_batchs_status() -> None:
+    """Succeeded: answered with its message; errored: the status its type
+    stands for and the type, never the message; expired and canceled: left
+    unanswered, the batch ``expired`` (once more) or ``cancelled``."""
+    secret = "the prompt's own words"
+    message = {"content": [{"type": "text", "text": "Hi"}], "stop_reason": "end_turn"}
+    error = {"type": "error", "error": {"type": "overloaded_error", "message": secret}}
+    results = [
+        {"custom_id": "a", "result": {"type": "succeeded", "message": message}},
+        {"custom_id": "b", "result": {"type": "errored", "error": error}},
+        {"custom_id": "c", "result": {"type": "canceled"}},
+        {"custom_id": 5, "result": {"type": "succeeded", "message": message}},  # not an id
+    ]
+    status, found = anthropic_outcomes(results)
+    assert status == "cancelled"
+    assert [(o.custom_id, o.status, o.answer, o.error) for o in found] == [
+        ("a", "answered", message, None),
+        ("b", "failed", None, {"status": 529, "code": "overloaded_error"}),
+    ]
+    assert secret not in repr(found)
+    expired = [*results, {"custom_id": "d", "result": {"type": "expired"}}]
+    assert anthropic_outcomes(expired)[0] == "expired"
+    assert anthropic_outcomes(results[:2])[0] == "completed"
+
+
+async def stored_error(pool: Any, custom_id: str) -> Any:
+    async with pool.connection() as conn:
+        cur = await conn.execute("SELECT error FROM batch_lines WHERE custom_id = %s", (custom_id,))
+        [(error,)] = await cur.fetchall()
+        return error
+
+
+async def test_anthropic_errored_lines_are_classified_by_their_error_type(
+    claude, claude_api, lines, fake, pool
+) -> None:
+    """400 fails the call; an overloaded (529) line goes in the next batch;
+    the stored error is the status and the type, never the message."""
+    bad, flaky = str(uuid.uuid4()), str(uuid.uuid4())
+    prompts = {bad: "A bad request. [[fake:400]]", flaky: "Overloaded once. [[fake:529*1]]"}
+    for job, prompt in prompts.items():
+        with pytest.raises(ResumeLater):
+            await ask(delivery(claude, lines, job), prompt)
+    ids = {job: line_id(job, "triage") for job in prompts}
+    b = batcher(lines, claude_api)
+    await settle(b, pool, list(ids.values()))
+    assert await stored_error(pool, ids[bad]) == {"status": 400, "code": "invalid_request_error"}
+    assert await stored_error(pool, ids[flaky]) == {"status": 529, "code": "overloaded_error"}
+    with pytest.raises(PermanentError, match="400"):
+        await ask(delivery(claude, lines, bad), prompts[bad])
+    with pytest.raises(ResumeLater):  # back in line
+        await ask(delivery(claude, lines, flaky), prompts[flaky])
+    await settle(b, pool, [ids[flaky]])
+    assert (await ask(delivery(claude, lines, flaky), prompts[flaky])).startswith("Overloaded")
+    assert fake.batches.stats()["lines"] == {ids[bad]: 1, ids[flaky]: 2}
+
+
+async def test_an_anthropic_expired_line_goes_once_more_then_fails(
+    claude, claude_api, lines, fake, pool
+) -> None:
+    once, always = str(uuid.uuid4()), str(uuid.uuid4())
+    prompts = {once: "Expires once. [[fake:expire*1]]", always: "Expires always. [[fake:expire]]"}
+    for job, prompt in prompts.items():
+        with pytest.raises(ResumeLater):
+            await ask(delivery(claude, lines, job), prompt)
+    ids = [line_id(once, "triage"), line_id(always, "triage")]
+    await settle(batcher(lines, claude_api), pool, ids)
+    assert fake.batches.stats()["lines"] == dict.fromkeys(ids, 2)
+    assert await statuses(pool) == {ids[0]: "answered", ids[1]: "failed"}
+    assert await ask(delivery(claude, lines, once), prompts[once])
+    with pytest.raises(PermanentError, match="batch_expired"):
+        await ask(delivery(claude, lines, always), prompts[always])
+
+
+@pytest.mark.parametrize("dies_at", ["submit", "record"])
+async def test_an_anthropic_batch_lost_by_a_crash_is_adopted_or_created_once(
+    claude, claude_api, lines, fake, pool, monkeypatch, dies_at: str
+) -> None:
+    """Killed after creating the batch (``record``): adopted by its size
+    and time, though it keeps no metadata. Killed before (``submit``): none
+    of its size at the provider, so it is created."""
+    jobs = [str(uuid.uuid4()) for _ in range(2)]
+    for job in jobs:
+        with pytest.raises(ResumeLater):
+            await ask(delivery(claude, lines, job), f"Lost {job}.")
+
+    async def dies(*args: Any) -> None:
+        raise Crash
+
+    dying = batcher(lines, claude_api, lease_s=0.2)
+    monkeypatch.setattr(dying, dies_at, dies)
+    with pytest.raises(Crash):
+        await dying.gather()
+    assert fake.batches.stats()["created"] == (1 if dies_at == "record" else 0)
+    ids = [line_id(job, "triage") for job in jobs]
+    await settle(batcher(lines, claude_api, lease_s=0.2), pool, ids)
+    stats = fake.batches.stats()
+    assert stats["created"] == 1 and stats["lines"] == dict.fromkeys(ids, 1)
+    for job in jobs:
+        assert (await ask(delivery(claude, lines, job), f"Lost {job}.")).startswith(f"Lost {job}.")
+
+
+async def test_a_foreign_batch_of_the_same_size_adopted_by_mistake_gives_no_wrong_answer(
+    claude, claude_api, lines, fake, pool, monkeypatch
+) -> None:
+    """Killed before creating its batch; meanwhile another client of the
+    workspace created a batch of one request: the recovery adopts it (same
+    size, same time), its result changes none of oncely's lines, the line
+    goes back in line and is answered by its own batch."""
+    job = str(uuid.uuid4())
+    prompt = "Mine, not theirs."
+    with pytest.raises(ResumeLater):
+        await ask(delivery(claude, lines, job), prompt)
+
+    async def dies(*args: Any) -> None:
+        raise Crash
+
+    dying = batcher(lines, claude_api, lease_s=0.2)
+    monkeypatch.setattr(dying, "submit", dies)
+    with pytest.raises(Crash):
+        await dying.gather()
+    theirs = {"model": CLAUDE, "max_tokens": 64, "messages": [{"role": "user", "content": "No."}]}
+    foreign = await claude_api.create("not-oncely", [("their-request-1", theirs)])
+
+    custom_id = line_id(job, "triage")
+    b = batcher(lines, claude_api, lease_s=0.2)
+    await settle(b, pool, [custom_id])
+    [row] = await lines.batches()
+    assert row.provider_id == foreign  # the wrong batch, adopted
+    assert await statuses(pool) == {custom_id: "failed"}  # not answered by it
+    with pytest.raises(ResumeLater):  # back in line
+        await ask(delivery(claude, lines, job), prompt)
+    await settle(b, pool, [custom_id])
+    assert (await ask(delivery(claude, lines, job), prompt)).startswith("Mine, not theirs.")
+    assert fake.batches.stats()["lines"] == {"their-request-1": 1, custom_id: 1}
+
+
+async def test_a_batch_another_oncely_batch_recorded_is_never_adopted(
+    claude, claude_api, lines, fake, pool, monkeypatch
+) -> None:
+    """Two batches of one line each: the first created and recorded, the
+    second killed before its creation. The first's batch has the right
+    size and time, but it is recorded: the second is created."""
+    first, second = str(uuid.uuid4()), str(uuid.uuid4())
+    with pytest.raises(ResumeLater):
+        await ask(delivery(claude, lines, first), "First.")
+    await batcher(lines, claude_api).gather()  # created and recorded
+    with pytest.raises(ResumeLater):
+        await ask(delivery(claude, lines, second), "Second.")
+
+    async def dies(*args: Any) -> None:
+        raise Crash
+
+    dying = batcher(lines, claude_api, lease_s=0.2)
+    monkeypatch.setattr(dying, "submit", dies)
+    with pytest.raises(Crash):
+        await dying.gather()
+    ids = [line_id(first, "triage"), line_id(second, "triage")]
+    await settle(batcher(lines, claude_api, lease_s=0.2), pool, ids)
+    assert await statuses(pool) == dict.fromkeys(ids, "answered")
+    stats = fake.batches.stats()
+    assert stats["created"] == 2 and stats["lines"] == dict.fromkeys(ids, 1)

@@ -4,7 +4,9 @@ batch lane answered through one or a few batches, each line submitted once
 (the fake counts lines per ``custom_id``), every job done once with one
 model checkpoint; a worker SIGKILLed between "gathered" and "created" and
 between "created" and "recorded" (the app's fault-injection hook): no line
-submitted twice, every job done; a flex job whose flex tier has no
+submitted twice, every job done. Both for OpenAI's Batches (``chat``) and
+Anthropic's Message Batches (``anthropic``, whose batches keep no
+metadata: adopted by size and time). A flex job whose flex tier has no
 capacity answered at the standard tier once."""
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import pytest
 
 from oncely.api.auth import create_api_key
 from oncely.fakes.llm import FakeLLMServer
+from oncely.llm.lines import line_id
 from tests.lanes_app import KILL
 from tests.processes import wait_for, wait_healthy
 from tests.test_durable_processes import Deployment, post
@@ -63,6 +66,10 @@ def env(redis, redis_url, database_url, model, tmp_path) -> dict[str, str]:
     }
 
 
+# The primary model per dialect (ONCELY_LLM_MODEL).
+MODELS = {"chat": MODEL, "anthropic": "anthropic:claude-fake"}
+
+
 async def rows(pool: Any, sql: str, *params: Any) -> list[tuple[Any, ...]]:
     async with pool.connection() as conn:
         cur = await conn.execute(sql, params)
@@ -99,11 +106,12 @@ async def post_all(
     return await asyncio.gather(*(one(i, t) for i, t in enumerate(texts)))
 
 
+@pytest.mark.parametrize("dialect", ["chat", "anthropic"])
 async def test_200_batch_jobs_go_through_a_few_batches_each_line_once(
-    pool, model, env, tmp_path
+    pool, model, env, tmp_path, dialect: str
 ) -> None:
     key = await create_api_key(pool, "acme")
-    d = Deployment(env, tmp_path)
+    d = Deployment({**env, "ONCELY_LLM_MODEL": MODELS[dialect]}, tmp_path)
     with d:
         await wait_healthy(d.base, d.api, tmp_path / "api.log", within_s=90)
         async with httpx.AsyncClient(
@@ -125,7 +133,7 @@ async def test_200_batch_jobs_go_through_a_few_batches_each_line_once(
                 )
 
             async def written() -> bool:
-                return await ledger_rows() == [("batch", "chat", "ok", 200)]
+                return await ledger_rows() == [("batch", dialect, "ok", 200)]
 
             # The ledger writes every quarter second: one row per line.
             await wait_for(written, within_s=60, what="a batch-lane ledger row per job")
@@ -133,21 +141,24 @@ async def test_200_batch_jobs_go_through_a_few_batches_each_line_once(
     stats = model.batches.stats()
     assert job["result"]["summary"].startswith("Ticket 7 of the backlog.")
     assert 1 <= stats["created"] <= 10, stats["created"]
-    assert sorted(stats["lines"]) == sorted(f"{j}:model" for j in job_ids)
+    assert sorted(stats["lines"]) == sorted(line_id(j, "model") for j in job_ids)
     assert set(stats["lines"].values()) == {1}  # each line submitted once
-    assert model.stats().total == 200  # answered in batches, no call of its own
+    # Answered in batches of the dialect's API, no call of its own.
+    assert model.stats().dialects == {dialect: 200}
     assert await model_checkpoints(pool) == dict.fromkeys(job_ids, 1)
 
 
+@pytest.mark.parametrize("dialect", ["chat", "anthropic"])
 @pytest.mark.parametrize("point", ["gathered", "created"])
 async def test_a_worker_killed_between_storing_and_recording_a_batch_sends_no_line_twice(
-    pool, model, env, tmp_path, point: str
+    pool, model, env, tmp_path, point: str, dialect: str
 ) -> None:
     """Killed after the lines' batch id is stored but before the batch is
     created (``gathered``), or after it is created but before its id is
     recorded (``created``): the next worker creates it once, or adopts it
-    by its metadata."""
+    (by its metadata; an Anthropic batch, by its size and time)."""
     key = await create_api_key(pool, "acme")
+    env = {**env, "ONCELY_LLM_MODEL": MODELS[dialect]}
     d = Deployment({**env, KILL: point}, tmp_path)
     with d:
         await wait_healthy(d.base, d.api, tmp_path / "api.log", within_s=90)
@@ -175,7 +186,7 @@ async def test_a_worker_killed_between_storing_and_recording_a_batch_sends_no_li
             await wait_for(all_done, within_s=180, what="every job done")
 
     stats = model.batches.stats()
-    assert set(stats["lines"]) == {f"{j}:model" for j in job_ids}
+    assert set(stats["lines"]) == {line_id(j, "model") for j in job_ids}
     assert set(stats["lines"].values()) == {1}  # no line submitted twice
     assert stats["created"] == 1  # created once: by the second worker, or adopted
     assert await model_checkpoints(pool) == dict.fromkeys(job_ids, 1)
@@ -240,7 +251,7 @@ async def test_failed_lines_an_expired_batch_and_a_cancelled_job_through_real_pr
                 name: await post(client, "/v1/digest", {"text": text}, f"mixed-lane-job-{name}")
                 for name, text in texts.items()
             }
-            custom_ids = {name: f"{job}:model" for name, job in jobs.items()}
+            custom_ids = {name: line_id(job, "model") for name, job in jobs.items()}
 
             async def cancelled_line_stored() -> bool:
                 found = await rows(

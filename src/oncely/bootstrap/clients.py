@@ -35,6 +35,7 @@ from oncely.usage.prices import Prices
 
 if TYPE_CHECKING:
     from oncely.llm.base import ModelClient
+    from oncely.llm.batches import BatchAPI
 
 
 @dataclass(frozen=True)
@@ -269,6 +270,24 @@ def connect_model(
     from oncely.llm.openai_compat import OpenAICompatible
 
     return OpenAICompatible.connect(base_url, api_key, model)
+
+
+def connect_batches(s: Settings) -> tuple[dict[str, BatchAPI], Any]:
+    """The batch APIs of the primary's endpoint by dialect (docs/lanes.md),
+    and the client to close once done: Anthropic's Message Batches for an
+    ``anthropic:`` primary, else OpenAI's Files and Batches for ``chat`` and
+    ``responses`` lines. A batch line goes to the primary alone, so its
+    endpoint and dialect are the only ones asked."""
+    key = s.llm_api_key.get_secret_value()
+    if s.llm_provider == "anthropic":
+        from oncely.llm.anthropic_batches import AnthropicBatches
+
+        claude = AnthropicBatches.connect(s.llm_base_url, key)
+        return {"anthropic": claude}, claude
+    from oncely.llm.batches import OpenAIBatches
+
+    openai = OpenAIBatches.connect(s.llm_base_url, key)
+    return {"chat": openai, "responses": openai.for_dialect("responses")}, openai
 
 
 def budgets(s: Settings, redis: RedisClient) -> Budgets:

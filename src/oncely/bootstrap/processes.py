@@ -18,6 +18,7 @@ from oncely import names
 from oncely.app import App
 from oncely.bootstrap.clients import (
     Resources,
+    connect_batches,
     connect_llm,
     connect_model,
     jobs_for,
@@ -51,7 +52,7 @@ from oncely.jobs.schedules import Scheduler, scheduled
 from oncely.jobs.timers import Timers
 from oncely.live.events import JobEvents, LiveConfig
 from oncely.llm.base import LLM, ModelClient
-from oncely.llm.batches import Batcher, BatchLines, OpenAIBatches
+from oncely.llm.batches import Batcher, BatchLines
 from oncely.llm.cooldown import Cooldown
 from oncely.llm.limiter import FleetLimiter, LimitedLLM
 from oncely.llm.model import ModelRoute
@@ -237,14 +238,14 @@ class WorkerGroup:
         self.jobs.transitions.subscribe(self.events.status_changed)
         self.ledger = ledger_for(res)
         # The batch lane's lines, and what gathers them into batches of the
-        # primary's endpoint (docs/lanes.md).
+        # primary's endpoint, in its dialect (docs/lanes.md).
         self.batch_lines = BatchLines(
             res.pool, poll_s=s.batch_poll_s, statement_timeout_s=s.pg_statement_timeout_s
         )
-        self._batch_api = OpenAIBatches.connect(s.llm_base_url, s.llm_api_key.get_secret_value())
+        batch_apis, self._batch_api = connect_batches(s)
         self.batcher = Batcher(
             self.batch_lines,
-            {"chat": self._batch_api, "responses": self._batch_api.for_dialect("responses")},
+            batch_apis,
             gather_s=s.batch_gather_s,
             max_calls=s.batch_max_calls,
             lease_s=s.batch_lease_s,

@@ -29,7 +29,8 @@ def batches_show(
     batch_id: Annotated[str, typer.Argument(help="The batch's oncely id.")],
     as_json: JsonOpt = False,
 ) -> None:
-    """One batch: its provider id, model, lines done and failed, jobs waiting."""
+    """One batch: its provider id, model, lines done and failed, jobs waiting,
+    and each line's custom id with its job and call."""
     from oncely.cli.ops import show_batches
 
     try:

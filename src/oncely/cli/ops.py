@@ -590,13 +590,17 @@ async def show_batches(
     as_json: bool = False,
 ) -> list[BatchRow]:
     """``oncely batches list|show``: the batch lane's batches, newest first
-    (docs/lanes.md); one of them by its oncely id."""
+    (docs/lanes.md); one of them by its oncely id, with its lines' jobs."""
     async with open_resources(settings) as res:
-        rows = await BatchLines(res.pool).batches(batch_id, limit=limit)
+        store = BatchLines(res.pool)
+        rows = await store.batches(batch_id, limit=limit)
+        lines = await store.lines_of(batch_id) if batch_id is not None and rows else []
     if batch_id is not None and not rows:
         return rows
     if as_json:
         items = [row.to_json() for row in rows]
+        if batch_id is not None:
+            items[0]["lines"] = [line.to_json() for line in lines]
         print(json.dumps(items[0] if batch_id is not None else items, indent=2))
         return rows
     columns = ("batch", "provider id", "status", "model", "dialect", "lines", "answered",
@@ -607,6 +611,9 @@ async def show_batches(
         for r in rows
     ]  # fmt: skip
     print_rows(out, "batch-lane batches, newest first", columns, cells, ids=2)
+    if lines:
+        named = [(line.custom_id, line.job_id, line.key, line.status) for line in lines]
+        print_rows(out, "its lines", ("custom id", "job", "call", "status"), named, ids=2)
     return rows
 
 

@@ -598,10 +598,11 @@ class FakeModel:
         return cast(RandomFault | None, kind)
 
     async def answer_line(self, body: object, dialect: str) -> tuple[int, dict[str, Any]]:
-        """A ``chat`` or ``responses`` request's answer with no HTTP request
-        of its own (a batch's line, ``oncely.fakes.batches``): its status and
-        body, its prompt's directives and counts as for any call."""
-        asked: Dialect = "responses" if dialect == "responses" else "chat"
+        """A ``chat``, ``responses`` or ``anthropic`` request's answer with
+        no HTTP request of its own (a batch's line, ``oncely.fakes.batches``):
+        its status and body in its dialect's shape, its prompt's directives
+        and counts as for any call."""
+        asked = cast(Dialect, dialect if dialect in ("responses", "anthropic") else "chat")
         parsed = _parse_request(json.dumps(body).encode(), asked)
         if isinstance(parsed, web.Response):
             return parsed.status, json.loads(cast(bytes, parsed.body))
@@ -614,11 +615,11 @@ class FakeModel:
         fault = self._fault(chat, prompt, prompt.count, 0)
         if fault in _LINE_ERRORS:
             status, message, code = _LINE_ERRORS[fault]
-            return status, {"error": {"message": message, "type": code, "code": code}}
+            return status, _line_error(status, message, code, asked)
         try:
             answer = await self._answer(chat, prompt, fault, 0)
         except InvalidSchema as exc:
-            return 400, {"error": {"message": f"invalid json_schema: {exc}", "code": "invalid"}}
+            return 400, _line_error(400, f"invalid json_schema: {exc}", "invalid", asked)
         document, _ = _document(chat, answer, prompt, fault)
         return 200, document
 
@@ -652,6 +653,13 @@ class FakeModel:
         else:
             self.model_outages.pop(str(body["model"]), None)
         return web.json_response({"outage": None, "model": body.get("model")})
+
+
+def _line_error(status: int, message: str, code: str, dialect: Dialect) -> dict[str, Any]:
+    """A batch line's error body, as its dialect's API sends an error."""
+    if dialect == "anthropic":
+        return messages_wire.error_body(status, message)
+    return {"error": {"message": message, "type": code, "code": code}}
 
 
 def _client_port(request: web.Request) -> int:

@@ -101,13 +101,19 @@ _SPEND_CODES = frozenset(
 # What a 400, 403 or 429 says when the account cannot pay (the API's older
 # errors carry nothing else): matched, never logged.
 _DRY_WORDS = ("credit balance", "spend limit", "usage limit")
-# An error event mid-stream, as the status it stands for.
-_EVENT_STATUS = {
-    "overloaded_error": 529,
-    "api_error": 500,
-    "rate_limit_error": 429,
-    "timeout_error": 504,
+# An error that comes without its status (an event mid-stream, a batch's
+# errored line), as the status it stands for.
+_ERROR_STATUS = {
+    "invalid_request_error": 400,
+    "authentication_error": 401,
     "billing_error": 402,
+    "permission_error": 403,
+    "not_found_error": 404,
+    "request_too_large": 413,
+    "rate_limit_error": 429,
+    "api_error": 500,
+    "timeout_error": 504,
+    "overloaded_error": 529,
 }
 
 
@@ -115,6 +121,8 @@ class AnthropicMessages(ClosedOnExit):
     """The ``LLM`` protocol over Anthropic's Messages API (module doc)."""
 
     dialect = "anthropic"
+    # It takes Anthropic's Message Batches (docs/lanes.md), no flex tier.
+    lanes = ("standard", "batch")
 
     def __init__(
         self, client: anthropic.AsyncAnthropic, model: str, *, max_tokens: int = DEFAULT_MAX_TOKENS
@@ -298,6 +306,17 @@ def _input(call: ToolRequest) -> dict[str, Any]:
 # --- the answer ------------------------------------------------------------------------
 
 
+def read_message(data: object) -> Completion:
+    """A whole message (a batch line's answer, docs/lanes.md) as the call's
+    answer, as a call reads its own; a refusal raises ``Refused``. A paused
+    turn cannot be continued there: its text, if any, is the answer."""
+    if not isinstance(data, dict):
+        raise wire.no_content("not a message")
+    turn = _Turn()
+    turn.add(data)
+    return turn.completion()
+
+
 def _count(value: object) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
@@ -389,7 +408,7 @@ class StreamedMessage:
             return self._delta(_index(event), event.get("delta"))
         if kind == "error":
             error = _field(event, "error")
-            status = _EVENT_STATUS.get(str(error.get("type")), 500)
+            status = error_status(error.get("type"))
             raise _status_error(status, error.get("type"), None, error.get("message"), {})
         if kind == "message_start":
             self._usage.update(_field(_field(event, "message"), "usage"))
@@ -461,6 +480,12 @@ def translate_error(exc: Exception) -> OncelyError | TimeoutError:
         cause = exc.__cause__ if isinstance(exc, anthropic.APIConnectionError) else exc
         return TransientError(f"model unreachable ({type(cause or exc).__name__})")
     return PermanentError(f"model call failed ({type(exc).__name__})")
+
+
+def error_status(kind: object) -> int:
+    """The status an error's ``type`` stands for when none came with it
+    (500 for a type oncely does not know)."""
+    return _ERROR_STATUS.get(kind, 500) if isinstance(kind, str) else 500
 
 
 def _field(document: object, name: str) -> dict[str, Any]:

@@ -1,33 +1,44 @@
 """The batch lane (docs/lanes.md): model calls answered through a
-provider's batch API (OpenAI's Files and Batches, for the ``chat``
-dialect), about half the price, hours not seconds. Only this module runs
-SQL on ``batch_lines``.
+provider's batch API (OpenAI's Files and Batches, for the ``chat`` and
+``responses`` dialects; Anthropic's Message Batches, for ``anthropic``:
+``oncely.llm.anthropic_batches``), about half the price, hours not
+seconds. Only this module runs SQL on ``batch_lines``.
+
+A batch holds lines of one model and dialect: ``chat`` lines ask
+``/v1/chat/completions``, ``responses`` lines ``/v1/responses``,
+``anthropic`` lines the Messages API.
 
 A call's life, each step durable before the next can be lost:
 
-A batch holds lines of one model and dialect: ``chat`` lines ask
-``/v1/chat/completions``, ``responses`` lines ``/v1/responses``.
-
 1. *Intent.* The job's call stores its line (``BatchLines.intend``): its
-   ``custom_id`` (``<job_id>:<checkpoint key>``), model, dialect and request
+   ``custom_id`` (``oncely.llm.lines.line_id``: a digest of its job id and
+   its call's checkpoint key, in the one format every provider takes; the
+   row keeps both, so nothing maps it back), model, dialect and request
    body, one statement, then the job waits holding no slot
    (``ResumeLater``) and looks again every ``poll_s``.
 2. *Gathered.* A ``Batcher`` (one per worker process; they share the work
    through leases) takes the waiting lines of a model once there are
    ``max_calls`` of them or the oldest waited ``gather_s``, and stores the
-   batch's oncely id on them, leased to itself, before anything is sent.
-   Lines of jobs that ended meanwhile (a cancel) are dropped, never sent.
-3. *Created.* The lines go up as a file and the batch is created with
-   ``metadata.oncely_batch`` = that oncely id.
+   batch's oncely id and the time on them, leased to itself, before
+   anything is sent. Lines of jobs that ended meanwhile (a cancel) are
+   dropped, never sent.
+3. *Created.* The batch is created at the provider; where the provider
+   keeps metadata (OpenAI) it carries ``metadata.oncely_batch`` = that
+   oncely id.
 4. *Recorded.* The provider's id is stored on the lines. A process killed
    between 2 and 4 leaves lines gathered with no provider id: once their
-   lease runs out, a recovery pass looks for a batch with that metadata
-   at the provider and adopts it; only when there is none (the kill came
-   before 3) is the batch created, with the same lines and id.
+   lease runs out, a recovery pass asks the provider's API for the batches
+   that may be theirs (``BatchAPI.find``: OpenAI's by the metadata;
+   Anthropic's, which keep none, by their size and creation time) and
+   adopts the first that no other oncely batch recorded; only when there
+   is none (the kill came before 3) is the batch created, with the same
+   lines and id. A wrong adoption costs time, never a wrong answer: see 5.
 5. *Answered.* Polled every ``poll_s``; once ended, each line's answer or
-   error is stored. An expired batch's unanswered lines go back in line
-   once (a line submitted twice fails instead); a cancelled or failed
-   batch's lines fail.
+   error is stored, a result changing only a line of the batch that
+   carried it (by its custom id). An expired batch's unanswered lines go
+   back in line once (a line submitted twice fails instead); a cancelled
+   or failed batch's lines, and those a batch that ended left unanswered,
+   fail transiently, and go back in line when their jobs look.
 6. *Resumed.* The job's next look finds its line answered: the answer
    becomes the call's model checkpoint and its ledger row (lane ``batch``).
    A line that failed is classified as any call's status: transient, it
@@ -50,7 +61,7 @@ import json
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from datetime import datetime
 from typing import Any, Protocol
 
@@ -135,6 +146,21 @@ class BatchRow:
         }
 
 
+@dataclass(frozen=True)
+class LineRow:
+    """One line of a batch as ``oncely batches show`` names it: its custom
+    id, and the job and call (checkpoint key) it stands for."""
+
+    custom_id: str
+    job_id: str
+    key: str
+    status: str
+
+    def to_json(self) -> dict[str, str]:
+        return {"custom_id": self.custom_id, "job_id": self.job_id, "key": self.key,
+                "status": self.status}  # fmt: skip
+
+
 class BatchLines:
     """The ``batch_lines`` table: the lines' intents, their batches, their answers."""
 
@@ -158,6 +184,7 @@ class BatchLines:
         custom_id: str,
         *,
         job_id: str,
+        key: str,
         workflow: str,
         tenant: str,
         model: str,
@@ -171,6 +198,7 @@ class BatchLines:
             {
                 "custom_id": custom_id,
                 "job_id": job_id,
+                "call_key": key,
                 "workflow": workflow,
                 "tenant": tenant,
                 "model": model,
@@ -192,6 +220,11 @@ class BatchLines:
         runs again), back in line for the next batch."""
         await self._run("retry_batch_line", (custom_id,))
 
+    async def lines_of(self, batch_id: str, *, limit: int = 1000) -> list[LineRow]:
+        """A batch's lines, oldest first: the jobs behind its custom ids."""
+        result = await self._run("lines_of_batch", {"batch_id": batch_id, "limit": limit})
+        return [LineRow(*row) for row in result.rows]
+
     async def batches(self, batch_id: str | None = None, *, limit: int = 50) -> list[BatchRow]:
         result = await self._run("list_batches", {"batch_id": batch_id, "limit": limit})
         return [
@@ -200,28 +233,56 @@ class BatchLines:
         ]
 
 
+@dataclass(frozen=True)
+class Outcome:
+    """What a batch's result makes of its line: ``answered`` with the
+    provider's answer (a response body, a message), or ``failed`` with
+    ``{"status", "code"}`` (never the error's message)."""
+
+    custom_id: str
+    status: str
+    answer: dict[str, Any] | None = None
+    error: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class Unrecorded:
+    """A batch gathered but not recorded (module doc, step 4): what its
+    lines tell of the batch a process may have created before it died."""
+
+    batch_id: str
+    dialect: str
+    lines: list[tuple[str, Any]]
+    # When its lines were gathered, by PostgreSQL's clock: a batch created
+    # for them was created after that.
+    gathered_at: datetime
+
+
 class BatchAPI(Protocol):
     """A provider's batch API for one dialect."""
 
     async def create(self, batch_id: str, lines: Sequence[tuple[str, Any]]) -> str:
-        """Upload ``lines`` (custom id, body) and create their batch with
-        ``batch_id`` in its metadata; the provider's id."""
+        """Create a batch of ``lines`` (custom id, body), marked with
+        ``batch_id`` where the provider keeps metadata; the provider's id."""
         ...
 
-    async def find(self, batch_id: str) -> str | None:
-        """The provider's id of a batch created with ``batch_id`` in its metadata."""
+    async def find(self, lost: Unrecorded) -> list[str]:
+        """The provider's ids of the batches that may be the one created
+        for ``lost``, likeliest first (none: it was never created)."""
         ...
 
-    async def poll(self, provider_id: str) -> tuple[str, list[dict[str, Any]]]:
-        """The batch's status and, once it ended, its results (each
-        ``{"custom_id", "response": {"status_code", "body"}}``)."""
+    async def poll(self, provider_id: str) -> tuple[str, list[Outcome]]:
+        """The batch's status (``completed``, ``expired``, ``cancelled``,
+        ``failed`` once it ended; any other while it runs) and, once it
+        ended, its lines' outcomes (a line with none is left unanswered)."""
         ...
 
 
 class OpenAIBatches:
     """OpenAI's Files and Batches API through the openai SDK (its retries
     off), for the lines of one dialect (``chat``; ``for_dialect`` gives
-    the same client for another)."""
+    the same client for another). A batch carries its oncely id in its
+    metadata: the recovery finds it by that id alone."""
 
     def __init__(self, client: Any, dialect: str = "chat") -> None:
         self._client = client
@@ -260,16 +321,16 @@ class OpenAIBatches:
         )
         return wire.provider_id(created.id)
 
-    async def find(self, batch_id: str) -> str | None:
+    async def find(self, lost: Unrecorded) -> list[str]:
         # The provider lists newest first: a lost batch is a recent one.
         page = await self._client.batches.list(limit=100)
         for batch in page.data:
             metadata = batch.metadata or {}
-            if metadata.get(METADATA_KEY) == batch_id:
-                return wire.provider_id(batch.id)
-        return None
+            if metadata.get(METADATA_KEY) == lost.batch_id:
+                return [wire.provider_id(batch.id)]
+        return []
 
-    async def poll(self, provider_id: str) -> tuple[str, list[dict[str, Any]]]:
+    async def poll(self, provider_id: str) -> tuple[str, list[Outcome]]:
         batch = await self._client.batches.retrieve(wire.provider_id(provider_id))
         status = str(batch.status)
         if status not in _ENDED:
@@ -278,11 +339,11 @@ class OpenAIBatches:
         for file_id in (batch.output_file_id, batch.error_file_id):
             if file_id:
                 content = await self._client.files.content(wire.provider_id(file_id))
-                results += _jsonl(content.content)
-        return status, results
+                results += jsonl(content.content)
+        return status, _outcomes(results)
 
 
-def _jsonl(data: bytes) -> list[dict[str, Any]]:
+def jsonl(data: bytes) -> list[dict[str, Any]]:
     """A results file's lines (one JSON document each; others skipped)."""
     found = []
     for raw in data.splitlines():
@@ -295,7 +356,7 @@ def _jsonl(data: bytes) -> list[dict[str, Any]]:
     return found
 
 
-def _outcomes(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+def _outcomes(results: Sequence[dict[str, Any]]) -> list[Outcome]:
     """Each result as its line's new state: answered with the body of a
     200, else failed with the status and the error's code (never its message)."""
     rows = []
@@ -307,16 +368,18 @@ def _outcomes(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         status = response.get("status_code")
         body = response.get("body")
         if status == 200 and isinstance(body, dict):
-            rows.append({"custom_id": custom_id, "status": "answered", "answer": body})
+            rows.append(Outcome(custom_id, "answered", answer=body))
             continue
         error = body.get("error") if isinstance(body, dict) else None
         code = error.get("code") if isinstance(error, dict) else None
-        failure = {
-            "status": status if isinstance(status, int) else 500,
-            "code": code[:60] if isinstance(code, str) else None,
-        }
-        rows.append({"custom_id": custom_id, "status": "failed", "error": failure})
+        status = status if isinstance(status, int) else 500
+        rows.append(Outcome(custom_id, "failed", error=failure(status, code)))
     return rows
+
+
+def failure(status: int, code: object) -> dict[str, Any]:
+    """A failed line's error: its status and a short code, never a message."""
+    return {"status": status, "code": code[:60] if isinstance(code, str) else None}
 
 
 class Batcher:
@@ -420,26 +483,40 @@ class Batcher:
         log.info("batch.recorded", batch_id=batch_id)
 
     async def recover(self) -> None:
-        """Batches gathered but not recorded whose lease ran out: adopted
-        when the provider has one with their id, else created."""
+        """Batches gathered but not recorded whose lease ran out: each
+        adopts the likeliest batch the provider has for it that no other
+        oncely batch recorded, else is created (module doc)."""
+        for lost in await self._claim_unrecorded():
+            api = self.apis.get(lost.dialect)
+            if api is None:
+                continue
+            if await self._adopt(lost, await api.find(lost)):
+                continue
+            log.warning("batch.created_after_crash", batch_id=lost.batch_id, lines=len(lost.lines))
+            await self.record(lost.batch_id, await self.submit(api, lost.batch_id, lost.lines))
+
+    async def _claim_unrecorded(self) -> list[Unrecorded]:
         claimed = (
             await self.lines._run("claim_unrecorded_batches", {"lease_s": self.lease_s})
         ).rows
-        lost: dict[str, tuple[str, list[tuple[str, Any]]]] = {}
-        for batch_id, _model, dialect, custom_id, body in claimed:
-            lost.setdefault(str(batch_id), (dialect, []))[1].append((custom_id, body))
-        for batch_id, (dialect, lines) in lost.items():
-            api = self.apis.get(dialect)
-            if api is None:
-                continue
-            provider_id = await api.find(batch_id)
-            if provider_id is not None:
+        lost: dict[str, Unrecorded] = {}
+        for batch_id, dialect, gathered_at, custom_id, body in claimed:
+            batch = lost.setdefault(
+                str(batch_id), Unrecorded(str(batch_id), dialect, [], gathered_at)
+            )
+            batch.lines.append((custom_id, body))
+        return list(lost.values())
+
+    async def _adopt(self, lost: Unrecorded, candidates: Sequence[str]) -> bool:
+        """The first candidate no other oncely batch recorded, recorded as
+        ``lost``'s; False when there is none."""
+        for provider_id in candidates:
+            params = {"batch_id": lost.batch_id, "provider_id": provider_id}
+            if (await self.lines._run("adopt_batch", params)).rowcount:
                 BATCHES.labels(event="adopted").inc()
-                log.warning("batch.adopted", batch_id=batch_id)
-            else:
-                log.warning("batch.created_after_crash", batch_id=batch_id, lines=len(lines))
-                provider_id = await self.submit(api, batch_id, lines)
-            await self.record(batch_id, provider_id)
+                log.warning("batch.adopted", batch_id=lost.batch_id)
+                return True
+        return False
 
     async def poll(self) -> None:
         due = (await self.lines._run("claim_submitted_batches", {"poll_s": self.lines.poll_s})).rows
@@ -447,19 +524,19 @@ class Batcher:
             api = self.apis.get(dialect)
             if api is None:
                 continue
-            status, results = await api.poll(provider_id)
+            status, outcomes = await api.poll(provider_id)
             if status not in _ENDED:
                 continue
-            await self.settle(str(batch_id), status, results)
+            await self.settle(str(batch_id), status, outcomes)
 
-    async def settle(self, batch_id: str, status: str, results: Sequence[dict[str, Any]]) -> None:
+    async def settle(self, batch_id: str, status: str, outcomes: Sequence[Outcome]) -> None:
         """An ended batch's results into its lines; those left unanswered
         go back in line (expired) or fail (module doc)."""
-        rows = _outcomes(results)
+        rows = [asdict(outcome) for outcome in outcomes]
         if rows:
             await self.lines._run("answer_batch_lines", {"batch_id": batch_id, "rows": Jsonb(rows)})
-        for row in rows:
-            BATCH_LINES.labels(outcome=row["status"]).inc()
+        for outcome in outcomes:
+            BATCH_LINES.labels(outcome=outcome.status).inc()
         # A line expired twice fails for good (410); a batch the provider
         # cancelled or failed fails its lines transiently (500): they go in
         # the next batch when their jobs look again.
@@ -469,4 +546,4 @@ class Batcher:
             {"batch_id": batch_id, "resubmit": status == "expired", "error": Jsonb(error)},
         )
         BATCHES.labels(event=status).inc()
-        log.info("batch.ended", batch_id=batch_id, status=status, results=len(rows))
+        log.info("batch.ended", batch_id=batch_id, status=status, results=len(outcomes))

@@ -42,7 +42,7 @@ from oncely.llm.base import (
     ToolSpec,
     call_options,
 )
-from oncely.llm.routing import dialect_of, lanes_of
+from oncely.llm.routing import dialect_of, lanes_of, max_tokens_of
 from oncely.redis_client import RedisClient
 from oncely.retry import classify, retry_after_s, status_of
 
@@ -307,8 +307,10 @@ class LimitedLLM:
         self.limiter = limiter
         # The dialect of the adapter behind it (its ledger rows say it).
         self.dialect = dialect_of(llm)
-        # And the lanes it takes (docs/lanes.md).
+        # And the lanes it takes (docs/lanes.md), and the answer's length a
+        # batch line of its dialect asks (``anthropic``'s, which it needs).
         self.lanes = lanes_of(llm)
+        self.max_tokens = max_tokens_of(llm)
 
     async def complete(
         self,

@@ -105,6 +105,12 @@ def lanes_of(llm: LLM) -> tuple[str, ...]:
     return tuple(lanes) if isinstance(lanes, tuple) else ("standard",)
 
 
+def max_tokens_of(llm: LLM) -> int | None:
+    """The answer's length an adapter asks for (``max_tokens``), if it says."""
+    limit = getattr(llm, "max_tokens", None)
+    return limit if isinstance(limit, int) and not isinstance(limit, bool) else None
+
+
 def dialect_of(llm: LLM) -> str:
     """The dialect an adapter speaks: its ``dialect``, else ``chat`` (every
     ``LLM`` written before dialects, and the test doubles, are chat's)."""

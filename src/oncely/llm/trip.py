@@ -37,10 +37,11 @@ own retries, before the route moves on (``model.flex_fallback``,
 its lane, priced at that lane's price.
 
 A call on the ``batch`` lane whose primary model's adapter takes it
-(``chat``, ``responses``) and that has a job goes through the provider's
-batch API (``oncely.llm.batches``): its line's intent stored with its
-``custom_id`` (``<job_id>:<checkpoint key>``, ``#n`` for a structured
-call's n-th ask), its tokens held in the tenant's budget at each look,
+(``chat``, ``responses``, ``anthropic``) and that has a job goes through
+the provider's batch API (``oncely.llm.batches``): its line's intent
+stored with its ``custom_id`` (``oncely.llm.lines.line_id`` of its job
+and its checkpoint key, ``#n`` after the key for a structured call's n-th
+ask), its tokens held in the tenant's budget at each look,
 then the job waits holding no slot (``ResumeLater``) until a look finds
 the line answered; that answer is the call's, recorded on lane ``batch``.
 A failed line is classified as any call: transient, it goes in the next
@@ -88,9 +89,9 @@ from oncely.llm.base import (
     ToolSpec,
     call_options,
 )
-from oncely.llm.lines import line_answer, line_body
+from oncely.llm.lines import line_answer, line_body, line_id
 from oncely.llm.reply import Usage
-from oncely.llm.routing import Caller, Target
+from oncely.llm.routing import Caller, Target, max_tokens_of
 from oncely.metrics import (
     MODEL_CALL_SECONDS,
     MODEL_CALLS,
@@ -356,7 +357,8 @@ class Trip:
             return None
         step = current_checkpoint() or "model"
         asks = self._batch_asks[step] = self._batch_asks.get(step, 0) + 1
-        custom_id = f"{job_id}:{step}" if asks == 1 else f"{job_id}:{step}#{asks}"
+        key = step if asks == 1 else f"{step}#{asks}"
+        custom_id = line_id(job_id, key)
         line = await lines.line(custom_id)
         waiting = ResumeLater("waiting for its batch", resume_in_s=lines.poll_s)
         if line is None or line.status not in ("answered", "failed"):
@@ -369,10 +371,12 @@ class Trip:
                 request.schema,
                 request.tools,
                 request.tool_choice,
+                max_tokens=max_tokens_of(target.llm),
             )
             await lines.intend(
                 custom_id,
                 job_id=job_id,
+                key=key,
                 workflow=self._workflow,
                 tenant=self._site.tenant,
                 model=target.name,

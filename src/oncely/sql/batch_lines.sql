@@ -2,8 +2,9 @@
 
 -- name: intend_batch_line
 -- A call's intent, before any batch exists; a redelivery's is the same row.
-INSERT INTO batch_lines (custom_id, job_id, workflow, tenant, model, dialect, body)
-VALUES (%(custom_id)s, %(job_id)s, %(workflow)s, %(tenant)s, %(model)s, %(dialect)s, %(body)s)
+INSERT INTO batch_lines (custom_id, job_id, call_key, workflow, tenant, model, dialect, body)
+VALUES (%(custom_id)s, %(job_id)s, %(call_key)s, %(workflow)s, %(tenant)s, %(model)s,
+        %(dialect)s, %(body)s)
 ON CONFLICT (custom_id) DO NOTHING
 
 -- name: batch_line
@@ -49,7 +50,7 @@ WITH picked AS (
        FOR UPDATE SKIP LOCKED
 )
 UPDATE batch_lines l
-   SET status = 'gathered', batch_id = %(batch_id)s, provider_id = NULL,
+   SET status = 'gathered', batch_id = %(batch_id)s, provider_id = NULL, gathered_at = now(),
        lease_until = now() + make_interval(secs => %(lease_s)s),
        submissions = l.submissions + 1, updated_at = now()
   FROM picked
@@ -62,10 +63,20 @@ UPDATE batch_lines
    SET provider_id = %(provider_id)s, lease_until = NULL, updated_at = now()
  WHERE batch_id = %(batch_id)s AND status = 'gathered'
 
+-- name: adopt_batch
+-- A batch found at the provider after a crash, recorded as this one's
+-- unless another oncely batch recorded it already (then: the next candidate).
+UPDATE batch_lines
+   SET provider_id = %(provider_id)s, lease_until = NULL, updated_at = now()
+ WHERE batch_id = %(batch_id)s AND status = 'gathered'
+   AND NOT EXISTS (SELECT 1 FROM batch_lines o
+                    WHERE o.provider_id = %(provider_id)s
+                      AND o.batch_id IS DISTINCT FROM %(batch_id)s::uuid)
+
 -- name: claim_unrecorded_batches
 -- Batches gathered whose creator's lease ran out before it recorded the
 -- provider's id (a crash between "gathered" and "recorded"): leased to
--- this process, which looks for them at the provider by their metadata.
+-- this process, which looks for them at the provider.
 WITH lost AS (
     SELECT DISTINCT batch_id FROM batch_lines
      WHERE status = 'gathered' AND provider_id IS NULL AND lease_until < now()
@@ -75,7 +86,7 @@ UPDATE batch_lines l
    SET lease_until = now() + make_interval(secs => %(lease_s)s), updated_at = now()
   FROM lost
  WHERE l.batch_id = lost.batch_id AND l.status = 'gathered' AND l.lease_until < now()
-RETURNING l.batch_id, l.model, l.dialect, l.custom_id, l.body
+RETURNING l.batch_id, l.dialect, l.gathered_at, l.custom_id, l.body
 
 -- name: claim_submitted_batches
 -- Recorded batches due a poll, leased to this process until the next one.
@@ -133,6 +144,15 @@ SELECT batch_id,
  WHERE batch_id IS NOT NULL AND (%(batch_id)s::uuid IS NULL OR batch_id = %(batch_id)s::uuid)
  GROUP BY batch_id
  ORDER BY min(created_at) DESC
+ LIMIT %(limit)s
+
+-- name: lines_of_batch
+-- A batch's lines, with the job and the call each stands for (their
+-- custom ids are digests: docs/lanes.md).
+SELECT custom_id, job_id::text, call_key, status
+  FROM batch_lines
+ WHERE batch_id = %(batch_id)s::uuid
+ ORDER BY created_at, custom_id
  LIMIT %(limit)s
 
 -- name: prune_batch_lines
