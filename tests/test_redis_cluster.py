@@ -395,3 +395,26 @@ async def test_readiness_asks_every_primary(cluster, client, redis):
         return (await client.get("/readyz")).status_code == 200
 
     await wait_for(ready_again, 30, "/readyz once the primary answers again")
+
+
+async def test_a_connection_dropped_between_its_check_and_its_write_is_unavailable_not_a_crash(
+    redis: RedisClient,
+) -> None:
+    """redis-py writes on a node's connection whose socket another task
+    dropped after the connection was checked (its writer None): the command
+    fails as ``ClusterUnavailable``, which every loop retries later, never
+    as the bare AttributeError that once ended a worker at its start."""
+    await redis.set("dropped", "1")
+    node = redis.get_node_from_key("dropped")
+    [conn] = [c for c in node._connections if c.is_connected][:1]
+    write = conn._send_packed_command
+
+    async def dropped_meanwhile(command: object) -> None:
+        conn._writer = None
+        await write(command)
+
+    conn._send_packed_command = dropped_meanwhile
+    with pytest.raises(ClusterUnavailable, match="dropped"):
+        await redis.get("dropped")
+    conn._send_packed_command = write
+    assert await redis.get("dropped") == "1", "the next command reconnects"

@@ -20,6 +20,8 @@ import asyncio
 import collections
 import functools
 import inspect
+import os
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias, cast
@@ -346,6 +348,9 @@ class ClusterUnavailable(RedisConnectionError):
     """The cluster cannot serve the command now; retrying later may succeed."""
 
 
+# Where redis-py's asyncio connections live (``_dropped_connection``).
+_CONNECTION_MODULE = os.path.join("redis", "asyncio", "connection.py")
+
 # ClusterError covers CLUSTERDOWN, MASTERDOWN and redirections that never
 # settled ("TTL exhausted").
 _UNAVAILABLE = (ClusterError, TryAgainError, SlotNotCoveredError)
@@ -433,6 +438,13 @@ class ClusterClient(RedisCluster):
             if "handler is closed" not in str(exc):
                 raise
             raise ClusterUnavailable(f"a node's connection closed: {exc}") from exc
+        except AttributeError as exc:
+            # redis-py writing on a connection that was dropped between its
+            # check and its write (its writer gone): seen once at a worker's
+            # start on a loaded machine, where it ended the worker.
+            if not _dropped_connection(exc):
+                raise
+            raise ClusterUnavailable(f"a node's connection was dropped: {exc}") from exc
 
     def pipeline(
         self, transaction: Any | None = None, shard_hint: Any | None = None
@@ -452,6 +464,14 @@ class _Pipeline(ClusterPipeline):
             raise _unavailable(exc) from exc
         # Without raise_on_error, a command's error is its result: the same.
         return [_unavailable(r) if isinstance(r, _UNAVAILABLE) else r for r in results]
+
+
+def _dropped_connection(exc: AttributeError) -> bool:
+    """``exc`` is redis-py's connection writing after it lost its socket
+    (raised inside its connection module, on a None), not a bug of ours."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    inside = bool(frames) and frames[-1].filename.endswith(_CONNECTION_MODULE)
+    return inside and "'NoneType' object" in str(exc)
 
 
 def _unavailable(exc: BaseException) -> ClusterUnavailable:
