@@ -137,7 +137,7 @@ async def test_a_batch_call_is_stored_gathered_created_once_and_answered_as_the_
     for job in jobs:
         with pytest.raises(ResumeLater):
             await ask(delivery(chat, lines, job), f"Ticket {job}. Classify it.")
-    custom_ids = [line_id(job, "triage") for job in jobs]
+    custom_ids = [line_id(job, "triage", "chat") for job in jobs]
     assert await statuses(pool) == dict.fromkeys(custom_ids, "waiting")
     assert fake.batches.stats()["created"] == 0  # nothing sent yet
 
@@ -169,20 +169,24 @@ async def test_the_batch_carries_its_oncely_id_in_its_metadata(chat, api, lines,
     job = str(uuid.uuid4())
     with pytest.raises(ResumeLater):
         await ask(delivery(chat, lines, job), "Metadata, please.")
-    await settle(batcher(lines, api), pool, [line_id(job, "triage")])
+    await settle(batcher(lines, api), pool, [line_id(job, "triage", "chat")])
     [row] = await lines.batches()
     assert (row.lines, row.answered, row.failed, row.waiting) == (1, 1, 0, 0)
     lost = Unrecorded(row.batch_id, "chat", [], row.created_at)
     assert await api.find(lost) == [row.provider_id]
 
 
-def test_a_lines_custom_id_is_one_format_every_provider_takes() -> None:
-    """Anthropic's ``[a-zA-Z0-9_-]{1,64}``, from the job and the key alone."""
+def test_a_lines_custom_id_is_job_and_key_or_what_anthropic_takes() -> None:
+    """``<job_id>:<key>`` where the provider takes it (OpenAI's batches);
+    for Anthropic's ``[a-zA-Z0-9_-]{1,64}``, from the job and the key alone."""
     job = str(uuid.uuid4())
-    ids = {line_id(job, key) for key in ("triage", "triage#2", "a key: with/odd chars ✓" * 9)}
+    keys = ("triage", "triage#2", "a key: with/odd chars ✓" * 9)
+    assert [line_id(job, key, "chat") for key in keys] == [f"{job}:{key}" for key in keys]
+    ids = {line_id(job, key, "anthropic") for key in keys}
     assert len(ids) == 3
     assert all(re.fullmatch(r"[a-zA-Z0-9_-]{1,64}", i) for i in ids)
-    assert line_id(job, "triage") == line_id(job, "triage")  # a redelivery's is the same
+    # A redelivery's is the same.
+    assert line_id(job, "triage", "anthropic") == line_id(job, "triage", "anthropic")
 
 
 class Crash(Exception):
@@ -203,10 +207,10 @@ async def test_a_batch_gathered_but_never_created_is_created_once_by_the_recover
     monkeypatch.setattr(dying, "submit", dies)
     with pytest.raises(Crash):
         await dying.gather()
-    assert await statuses(pool) == {line_id(job, "triage"): "gathered"}
-    await settle(batcher(lines, api, lease_s=0.2), pool, [line_id(job, "triage")])
+    assert await statuses(pool) == {line_id(job, "triage", "chat"): "gathered"}
+    await settle(batcher(lines, api, lease_s=0.2), pool, [line_id(job, "triage", "chat")])
     stats = fake.batches.stats()
-    assert stats["created"] == 1 and stats["lines"] == {line_id(job, "triage"): 1}
+    assert stats["created"] == 1 and stats["lines"] == {line_id(job, "triage", "chat"): 1}
 
 
 async def test_a_batch_created_but_not_recorded_is_adopted_never_created_again(
@@ -224,9 +228,9 @@ async def test_a_batch_created_but_not_recorded_is_adopted_never_created_again(
     with pytest.raises(Crash):
         await dying.gather()
     assert fake.batches.stats()["created"] == 1
-    await settle(batcher(lines, api, lease_s=0.2), pool, [line_id(job, "triage")])
+    await settle(batcher(lines, api, lease_s=0.2), pool, [line_id(job, "triage", "chat")])
     stats = fake.batches.stats()
-    assert stats["created"] == 1 and stats["lines"] == {line_id(job, "triage"): 1}
+    assert stats["created"] == 1 and stats["lines"] == {line_id(job, "triage", "chat"): 1}
     assert await ask(delivery(chat, lines, job), "Lost after its batch.")
 
 
@@ -235,15 +239,15 @@ async def test_a_line_that_failed_permanently_fails_the_call(chat, api, lines, f
     prompt = "A bad request. [[fake:400]]"
     with pytest.raises(ResumeLater):
         await ask(delivery(chat, lines, job), prompt)
-    await settle(batcher(lines, api), pool, [line_id(job, "triage")])
+    await settle(batcher(lines, api), pool, [line_id(job, "triage", "chat")])
     with pytest.raises(PermanentError, match="400"):
         await ask(delivery(chat, lines, job), prompt)
-    assert fake.batches.stats()["lines"] == {line_id(job, "triage"): 1}
+    assert fake.batches.stats()["lines"] == {line_id(job, "triage", "chat"): 1}
 
 
 async def test_a_line_that_failed_transiently_goes_in_the_next_batch(chat, api, lines, fake, pool):
     job = str(uuid.uuid4())
-    custom_id = line_id(job, "triage")
+    custom_id = line_id(job, "triage", "chat")
     prompt = "A server error, once. [[fake:503*1]]"
     with pytest.raises(ResumeLater):
         await ask(delivery(chat, lines, job), prompt)
@@ -265,7 +269,7 @@ async def test_an_expired_batchs_lines_go_once_more_then_fail(chat, api, lines, 
         with pytest.raises(ResumeLater):
             await ask(delivery(chat, lines, job), prompt)
     b = batcher(lines, api)
-    ids = [line_id(once, "triage"), line_id(always, "triage")]
+    ids = [line_id(once, "triage", "chat"), line_id(always, "triage", "chat")]
     await settle(b, pool, ids)
     assert fake.batches.stats()["lines"] == dict.fromkeys(ids, 2)
     assert await statuses(pool) == {ids[0]: "answered", ids[1]: "failed"}
@@ -285,9 +289,9 @@ async def test_a_cancelled_jobs_line_is_never_sent(chat, api, lines, fake, pool)
             " VALUES (%s, 'acme', 'lanes', %s, 'cancelled')",
             (cancelled, json.dumps({})),
         )
-    await settle(batcher(lines, api), pool, [line_id(kept, "triage")])
-    assert fake.batches.stats()["lines"] == {line_id(kept, "triage"): 1}
-    assert (await statuses(pool))[line_id(cancelled, "triage")] == "dropped"
+    await settle(batcher(lines, api), pool, [line_id(kept, "triage", "chat")])
+    assert fake.batches.stats()["lines"] == {line_id(kept, "triage", "chat"): 1}
+    assert (await statuses(pool))[line_id(cancelled, "triage", "chat")] == "dropped"
 
 
 async def test_a_structured_calls_reasks_are_lines_of_their_own(chat, api, lines, fake, pool):
@@ -303,12 +307,12 @@ async def test_a_structured_calls_reasks_are_lines_of_their_own(chat, api, lines
     b = batcher(lines, api)
     with pytest.raises(ResumeLater):
         await structured()
-    await settle(b, pool, [line_id(job, "verdict")])
+    await settle(b, pool, [line_id(job, "verdict", "chat")])
     with pytest.raises(ResumeLater):  # the first answer did not validate: a second ask
         await structured()
-    await settle(b, pool, [line_id(job, "verdict#2")])
+    await settle(b, pool, [line_id(job, "verdict#2", "chat")])
     assert isinstance(await structured(), Verdict)
-    asks = [line_id(job, "verdict"), line_id(job, "verdict#2")]
+    asks = [line_id(job, "verdict", "chat"), line_id(job, "verdict#2", "chat")]
     assert fake.batches.stats()["lines"] == dict.fromkeys(asks, 1)
 
 
@@ -333,7 +337,11 @@ async def test_oncely_batches_list_and_show_say_lines_done_failed_and_jobs_waiti
     for job, prompt in ((done, "Fine."), (failed, "Bad. [[fake:400]]")):
         with pytest.raises(ResumeLater):
             await ask(delivery(chat, lines, job), prompt)
-    await settle(batcher(lines, api), pool, [line_id(done, "triage"), line_id(failed, "triage")])
+    await settle(
+        batcher(lines, api),
+        pool,
+        [line_id(done, "triage", "chat"), line_id(failed, "triage", "chat")],
+    )
     with pytest.raises(ResumeLater):
         await ask(delivery(chat, lines, waiting), "Still out.")
     await batcher(lines, api).gather()  # out, not answered yet: no poll
@@ -358,7 +366,8 @@ async def test_oncely_batches_list_and_show_say_lines_done_failed_and_jobs_waiti
     shown = await asyncio.to_thread(cli, "show", batches[1]["batch_id"])
     assert shown.returncode == 0, shown.stderr
     assert batches[1]["provider_id"] in shown.stdout and "gpt-fake" in shown.stdout
-    assert done in shown.stdout and line_id(done, "triage") in shown.stdout  # its jobs named
+    # Its jobs named.
+    assert done in shown.stdout and line_id(done, "triage", "chat") in shown.stdout
     as_json = await asyncio.to_thread(cli, "show", batches[1]["batch_id"], "--json")
     named = {(x["job_id"], x["key"], x["status"]) for x in json.loads(as_json.stdout)["lines"]}
     assert named == {(done, "triage", "answered"), (failed, "triage", "failed")}
@@ -382,12 +391,12 @@ async def test_a_responses_call_goes_in_a_batch_of_the_responses_endpoint(
         with pytest.raises(ResumeLater):
             await model().structured(Verdict, "Responses in a batch.", step="triage")
         b = Batcher(lines, {"responses": api.for_dialect("responses")}, gather_s=0)
-        await settle(b, pool, [line_id(job, "triage")])
+        await settle(b, pool, [line_id(job, "triage", "chat")])
         assert isinstance(
             await model().structured(Verdict, "Responses in a batch.", step="triage"), Verdict
         )
     assert fake.stats().dialects == {"responses": 1}
-    assert fake.batches.stats()["lines"] == {line_id(job, "triage"): 1}
+    assert fake.batches.stats()["lines"] == {line_id(job, "triage", "chat"): 1}
 
 
 async def test_settled_lines_past_their_keep_go_once_their_job_ended(
@@ -397,7 +406,11 @@ async def test_settled_lines_past_their_keep_go_once_their_job_ended(
     for job in (ended, running):
         with pytest.raises(ResumeLater):
             await ask(delivery(chat, lines, job), f"Job {job}.")
-    await settle(batcher(lines, api), pool, [line_id(ended, "triage"), line_id(running, "triage")])
+    await settle(
+        batcher(lines, api),
+        pool,
+        [line_id(ended, "triage", "chat"), line_id(running, "triage", "chat")],
+    )
     b = batcher(lines, api, keep_s=0.0)
     async with pool.connection() as conn:
         for job, status in ((ended, "done"), (running, "queued")):
@@ -407,7 +420,7 @@ async def test_settled_lines_past_their_keep_go_once_their_job_ended(
                 (job, status),
             )
     assert await b.prune() == 1
-    assert await statuses(pool) == {line_id(running, "triage"): "answered"}
+    assert await statuses(pool) == {line_id(running, "triage", "chat"): "answered"}
 
 
 async def test_a_waiting_lines_tokens_stay_held_in_its_tenants_budget_until_answered(
@@ -430,7 +443,7 @@ async def test_a_waiting_lines_tokens_stay_held_in_its_tenants_budget_until_answ
     with pytest.raises(ResumeLater):
         await ask(delivery(chat, lines, job, ledger), prompt)
     assert await budgets.reserved("acme") == 1 + held
-    await settle(batcher(lines, api), pool, [line_id(job, "triage")])
+    await settle(batcher(lines, api), pool, [line_id(job, "triage", "chat")])
     assert await ask(delivery(chat, lines, job, ledger), prompt)
     assert await ledger.flush() == 1
     assert await budgets.reserved("acme") == 1  # the line's hold released by its spend
@@ -447,7 +460,7 @@ async def test_an_answer_read_again_after_a_crash_is_in_the_ledger_once(
     job = str(uuid.uuid4())
     with pytest.raises(ResumeLater):
         await ask(delivery(chat, lines, job), f"Ticket {job}. Classify it.")
-    await settle(batcher(lines, api), pool, [line_id(job, "triage")])
+    await settle(batcher(lines, api), pool, [line_id(job, "triage", "chat")])
     for _ in range(2):  # the dead delivery, then the next one
         text = await ask(delivery(chat, lines, job, ledger), f"Ticket {job}. Classify it.")
         assert text.startswith(f"Ticket {job}.")
@@ -455,7 +468,7 @@ async def test_an_answer_read_again_after_a_crash_is_in_the_ledger_once(
     async with pool.connection() as conn:
         cur = await conn.execute("SELECT lane, outcome, count(*) FROM model_calls GROUP BY 1, 2")
         assert await cur.fetchall() == [("batch", "ok", 1)]
-    assert fake.batches.stats()["lines"] == {line_id(job, "triage"): 1}
+    assert fake.batches.stats()["lines"] == {line_id(job, "triage", "chat"): 1}
 
 
 # --- Anthropic's Message Batches ------------------------------------------------------
@@ -469,7 +482,7 @@ async def test_an_anthropic_batch_call_is_answered_through_message_batches(
     for job in jobs:
         with pytest.raises(ResumeLater):
             await ask(delivery(claude, lines, job), f"Ticket {job}. Classify it.")
-    custom_ids = [line_id(job, "triage") for job in jobs]
+    custom_ids = [line_id(job, "triage", "anthropic") for job in jobs]
     assert await statuses(pool) == dict.fromkeys(custom_ids, "waiting")
     await settle(batcher(lines, claude_api), pool, custom_ids)
     stats = fake.batches.stats()
@@ -530,7 +543,7 @@ async def test_anthropic_errored_lines_are_classified_by_their_error_type(
     for job, prompt in prompts.items():
         with pytest.raises(ResumeLater):
             await ask(delivery(claude, lines, job), prompt)
-    ids = {job: line_id(job, "triage") for job in prompts}
+    ids = {job: line_id(job, "triage", "anthropic") for job in prompts}
     b = batcher(lines, claude_api)
     await settle(b, pool, list(ids.values()))
     assert await stored_error(pool, ids[bad]) == {"status": 400, "code": "invalid_request_error"}
@@ -552,7 +565,7 @@ async def test_an_anthropic_expired_line_goes_once_more_then_fails(
     for job, prompt in prompts.items():
         with pytest.raises(ResumeLater):
             await ask(delivery(claude, lines, job), prompt)
-    ids = [line_id(once, "triage"), line_id(always, "triage")]
+    ids = [line_id(once, "triage", "anthropic"), line_id(always, "triage", "anthropic")]
     await settle(batcher(lines, claude_api), pool, ids)
     assert fake.batches.stats()["lines"] == dict.fromkeys(ids, 2)
     assert await statuses(pool) == {ids[0]: "answered", ids[1]: "failed"}
@@ -581,7 +594,7 @@ async def test_an_anthropic_batch_lost_by_a_crash_is_adopted_or_created_once(
     with pytest.raises(Crash):
         await dying.gather()
     assert fake.batches.stats()["created"] == (1 if dies_at == "record" else 0)
-    ids = [line_id(job, "triage") for job in jobs]
+    ids = [line_id(job, "triage", "anthropic") for job in jobs]
     await settle(batcher(lines, claude_api, lease_s=0.2), pool, ids)
     stats = fake.batches.stats()
     assert stats["created"] == 1 and stats["lines"] == dict.fromkeys(ids, 1)
@@ -611,7 +624,7 @@ async def test_a_foreign_batch_of_the_same_size_adopted_by_mistake_gives_no_wron
     theirs = {"model": CLAUDE, "max_tokens": 64, "messages": [{"role": "user", "content": "No."}]}
     foreign = await claude_api.create("not-oncely", [("their-request-1", theirs)])
 
-    custom_id = line_id(job, "triage")
+    custom_id = line_id(job, "triage", "anthropic")
     b = batcher(lines, claude_api, lease_s=0.2)
     await settle(b, pool, [custom_id])
     [row] = await lines.batches()
@@ -644,7 +657,7 @@ async def test_a_batch_another_oncely_batch_recorded_is_never_adopted(
     monkeypatch.setattr(dying, "submit", dies)
     with pytest.raises(Crash):
         await dying.gather()
-    ids = [line_id(first, "triage"), line_id(second, "triage")]
+    ids = [line_id(first, "triage", "anthropic"), line_id(second, "triage", "anthropic")]
     await settle(batcher(lines, claude_api, lease_s=0.2), pool, ids)
     assert await statuses(pool) == dict.fromkeys(ids, "answered")
     stats = fake.batches.stats()

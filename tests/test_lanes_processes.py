@@ -141,7 +141,7 @@ async def test_200_batch_jobs_go_through_a_few_batches_each_line_once(
     stats = model.batches.stats()
     assert job["result"]["summary"].startswith("Ticket 7 of the backlog.")
     assert 1 <= stats["created"] <= 10, stats["created"]
-    assert sorted(stats["lines"]) == sorted(line_id(j, "model") for j in job_ids)
+    assert sorted(stats["lines"]) == sorted(line_id(j, "model", dialect) for j in job_ids)
     assert set(stats["lines"].values()) == {1}  # each line submitted once
     # Answered in batches of the dialect's API, no call of its own.
     assert model.stats().dialects == {dialect: 200}
@@ -186,7 +186,7 @@ async def test_a_worker_killed_between_storing_and_recording_a_batch_sends_no_li
             await wait_for(all_done, within_s=180, what="every job done")
 
     stats = model.batches.stats()
-    assert set(stats["lines"]) == {line_id(j, "model") for j in job_ids}
+    assert set(stats["lines"]) == {line_id(j, "model", dialect) for j in job_ids}
     assert set(stats["lines"].values()) == {1}  # no line submitted twice
     assert stats["created"] == 1  # created once: by the second worker, or adopted
     assert await model_checkpoints(pool) == dict.fromkeys(job_ids, 1)
@@ -251,7 +251,7 @@ async def test_failed_lines_an_expired_batch_and_a_cancelled_job_through_real_pr
                 name: await post(client, "/v1/digest", {"text": text}, f"mixed-lane-job-{name}")
                 for name, text in texts.items()
             }
-            custom_ids = {name: line_id(job, "model") for name, job in jobs.items()}
+            custom_ids = {name: line_id(job, "model", "chat") for name, job in jobs.items()}
 
             async def cancelled_line_stored() -> bool:
                 found = await rows(

@@ -18,13 +18,17 @@ from oncely.llm.base import Completion, Message, ResponseSchema, ToolChoice, Too
 _LINE_PREFIX = "oncely-"
 
 
-def line_id(job_id: str, key: str) -> str:
+def line_id(job_id: str, key: str, dialect: str) -> str:
     """A line's ``custom_id``, derived from its job and its call's
     checkpoint key alone: the same call always has the same id (a
-    redelivery's intent is the same line), in one format every provider's
-    batch API takes, so no table maps it back; the line's row keeps both."""
-    digest = hashlib.sha256(f"{job_id}:{key}".encode()).hexdigest()
-    return _LINE_PREFIX + digest[:40]
+    redelivery's intent is the same line), so no table maps it back; the
+    line's row keeps both. OpenAI's batches take ``<job_id>:<key>`` as it
+    reads; Anthropic's take only ``[a-zA-Z0-9_-]{1,64}``, so an
+    ``anthropic`` line's id is ``oncely-`` and 40 hex digits of the same."""
+    plain = f"{job_id}:{key}"
+    if dialect != "anthropic":
+        return plain
+    return _LINE_PREFIX + hashlib.sha256(plain.encode()).hexdigest()[:40]
 
 
 def line_body(

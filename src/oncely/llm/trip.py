@@ -358,7 +358,7 @@ class Trip:
         step = current_checkpoint() or "model"
         asks = self._batch_asks[step] = self._batch_asks.get(step, 0) + 1
         key = step if asks == 1 else f"{step}#{asks}"
-        custom_id = line_id(job_id, key)
+        custom_id = line_id(job_id, key, target.dialect)
         line = await lines.line(custom_id)
         waiting = ResumeLater("waiting for its batch", resume_in_s=lines.poll_s)
         if line is None or line.status not in ("answered", "failed"):
