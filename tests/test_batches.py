@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 
-from oncely.errors import PermanentError, ResumeLater
+from oncely.errors import PermanentError, ProviderQuota, ResumeLater
 from oncely.fakes.llm import FakeLLMServer
 from oncely.llm.anthropic_batches import AnthropicBatches
 from oncely.llm.anthropic_batches import outcomes as anthropic_outcomes
@@ -536,10 +536,16 @@ async def stored_error(pool: Any, custom_id: str) -> Any:
 async def test_anthropic_errored_lines_are_classified_by_their_error_type(
     claude, claude_api, lines, fake, pool
 ) -> None:
-    """400 fails the call; an overloaded (529) line goes in the next batch;
-    the stored error is the status and the type, never the message."""
-    bad, flaky = str(uuid.uuid4()), str(uuid.uuid4())
-    prompts = {bad: "A bad request. [[fake:400]]", flaky: "Overloaded once. [[fake:529*1]]"}
+    """400 fails the call; a dry account (``billing_error``) fails it as
+    ``ProviderQuota``, as an anthropic call's would; an overloaded (529)
+    line goes in the next batch; the stored error is the status and the
+    type, never the message."""
+    bad, dry, flaky = str(uuid.uuid4()), str(uuid.uuid4()), str(uuid.uuid4())
+    prompts = {
+        bad: "A bad request. [[fake:400]]",
+        dry: "No credit left. [[fake:credit]]",
+        flaky: "Overloaded once. [[fake:529*1]]",
+    }
     for job, prompt in prompts.items():
         with pytest.raises(ResumeLater):
             await ask(delivery(claude, lines, job), prompt)
@@ -548,13 +554,17 @@ async def test_anthropic_errored_lines_are_classified_by_their_error_type(
     await settle(b, pool, list(ids.values()))
     assert await stored_error(pool, ids[bad]) == {"status": 400, "code": "invalid_request_error"}
     assert await stored_error(pool, ids[flaky]) == {"status": 529, "code": "overloaded_error"}
-    with pytest.raises(PermanentError, match="400"):
+    assert await stored_error(pool, ids[dry]) == {"status": 402, "code": "billing_error"}
+    with pytest.raises(PermanentError, match="400") as refused:
         await ask(delivery(claude, lines, bad), prompts[bad])
+    assert not isinstance(refused.value, ProviderQuota)
+    with pytest.raises(ProviderQuota):
+        await ask(delivery(claude, lines, dry), prompts[dry])
     with pytest.raises(ResumeLater):  # back in line
         await ask(delivery(claude, lines, flaky), prompts[flaky])
     await settle(b, pool, [ids[flaky]])
     assert (await ask(delivery(claude, lines, flaky), prompts[flaky])).startswith("Overloaded")
-    assert fake.batches.stats()["lines"] == {ids[bad]: 1, ids[flaky]: 2}
+    assert fake.batches.stats()["lines"] == {ids[bad]: 1, ids[dry]: 1, ids[flaky]: 2}
 
 
 async def test_an_anthropic_expired_line_goes_once_more_then_fails(

@@ -613,6 +613,8 @@ class FakeModel:
         prompt = self._prompt(chat.text)
         prompt.count += 1
         fault = self._fault(chat, prompt, prompt.count, 0)
+        if fault == "credit" and asked == "anthropic":  # as _answer_credit says it
+            return 400, _line_error(400, _NO_CREDIT, "invalid_request_error", asked)
         if fault in _LINE_ERRORS:
             status, message, code = _LINE_ERRORS[fault]
             return status, _line_error(status, message, code, asked)

@@ -13,7 +13,9 @@ dialect's adapter asks (``oncely.llm.anthropic_messages``).
   each, ``{"custom_id", "result": {"type", ...}}``: ``succeeded`` answers
   the line with its ``message`` (read by the dialect's own parsing when the
   job looks); ``errored`` fails it with the status its error's ``type``
-  stands for and that type as its code (never the message); ``expired``
+  stands for and that type as its code (never the message), or as
+  ``billing_error`` when it says the account cannot pay (the call then
+  fails as ``ProviderQuota``, as a call of the dialect would); ``expired``
   and ``canceled`` leave it unanswered, and the batch counts as
   ``expired`` (its unanswered lines go in a batch once more) or
   ``cancelled`` (they fail transiently and go back in line), as OpenAI's
@@ -46,7 +48,7 @@ from typing import Any, cast
 import anthropic
 
 from oncely.llm import wire
-from oncely.llm.anthropic_messages import error_status, sdk_base_url
+from oncely.llm.anthropic_messages import dry_account, error_status, sdk_base_url
 from oncely.llm.batches import Outcome, Unrecorded, failure, jsonl
 
 # How far the provider's clock may be from PostgreSQL's.
@@ -131,14 +133,20 @@ def outcomes(results: Sequence[dict[str, Any]]) -> tuple[str, list[Outcome]]:
             if status != "expired":
                 status = _UNANSWERED[kind]
         else:
-            code = _error_type(result.get("error"))
-            found.append(Outcome(custom_id, "failed", error=failure(error_status(code), code)))
+            found.append(Outcome(custom_id, "failed", error=_failure(result.get("error"))))
     return status, found
 
 
-def _error_type(response: object) -> str | None:
-    """An errored result's error type (``{"type": "error", "error":
-    {"type", "message"}}``), if it says one."""
+def _failure(response: object) -> dict[str, Any]:
+    """An errored result (``{"type": "error", "error": {"type",
+    "message"}}``) as a line's error: the status its type stands for and
+    the type, or ``billing_error`` when it says the account cannot pay
+    (as a call's error would be ``ProviderQuota``); never its message."""
     error = response.get("error") if isinstance(response, dict) else None
     kind = error.get("type") if isinstance(error, dict) else None
-    return kind if isinstance(kind, str) else None
+    message = error.get("message") if isinstance(error, dict) else None
+    code = kind if isinstance(kind, str) else None
+    status = error_status(code)
+    if dry_account(status, code, None, message):
+        status, code = 402, "billing_error"
+    return failure(status, code)

@@ -23,7 +23,8 @@ from oncely.retry import retry_after_from_headers, retryable_status
 _CODE_CHARS = 60
 # OpenAI's codes for an account with no credit left or at its hard limit
 # (a 429 that no wait will cure: docs/providers.md, Dry accounts).
-_DRY_CODES = frozenset({"insufficient_quota", "billing_hard_limit_reached"})
+# OpenAI's codes, and Anthropic's error type (which a batch line's error keeps).
+_DRY_CODES = frozenset({"insufficient_quota", "billing_hard_limit_reached", "billing_error"})
 
 
 def response_format(schema: ResponseSchema) -> dict[str, Any]:
@@ -105,7 +106,8 @@ def status_error(status: int, code: object, headers: Mapping[str, str]) -> Oncel
     """408, 409, 429 and 5xx: a ``TransientError`` with the status and the
     wait from ``retry-after-ms`` / ``Retry-After``; any other status a
     ``PermanentError``; a code saying the account cannot pay
-    (``insufficient_quota``), whatever its status, ``ProviderQuota``.
+    (``insufficient_quota``, Anthropic's ``billing_error``), whatever its
+    status, ``ProviderQuota``.
     ``code``: the body's ``error.code``, when a string."""
     message = f"model answered {status}"
     if isinstance(code, str) and code:
