@@ -410,7 +410,8 @@ def _reason(leaf: BaseException, status: int | None) -> str | None:
     """Why a request may succeed later, or None when it will not."""
     if status is not None:
         return f"HTTP {status}" if retryable_status(status) else None
-    if isinstance(leaf, TimeoutError):
+    if isinstance(leaf, TimeoutError | httpx2.TimeoutException):
+        # The call's own bound or the socket read's: the same wait, one word.
         return "timeout"
     if isinstance(leaf, MCPError):
         return "timeout" if leaf.code == REQUEST_TIMEOUT else None
