@@ -16,9 +16,14 @@ from oncely.bootstrap import Resources, http_api, standalone_app
 from oncely.builtin import app as builtin_app
 from oncely.jobs.records import JobSpec
 from oncely.jobs.store import Jobs
+from oncely.journal import Journal
+from oncely.llm.base import LLM
+from oncely.llm.model import Model, ModelRoute
 from oncely.queue.stream import Stream
 from oncely.queue.worker import Worker, WorkerConfig
+from oncely.retry import Deadline, RetryPolicy
 from oncely.settings import Settings
+from oncely.usage.calls import CallSite
 
 
 # The refund tool's arguments and what its webhook answers, as the agent and
@@ -105,3 +110,30 @@ async def drain(worker: Worker, rounds: int = 1) -> None:
     for _ in range(rounds):
         await worker.run_once()
         await worker.wait_idle()
+
+
+def delivery_model(
+    llm: LLM,
+    model_name: str,
+    workflow: str,
+    policy: RetryPolicy,
+    route: ModelRoute | None = None,
+    *,
+    deadline_s: float = 30.0,
+    journal: Journal | None = None,
+    job: str | None = None,
+    tenant: str = "acme",
+) -> Model:
+    """A delivery's model as a worker builds it: ``llm`` (``model_name``, the
+    primary) under ``policy``, its calls on the route and ledger of ``route``,
+    labelled with ``workflow``, ``job`` and ``tenant``."""
+    return Model(
+        llm,
+        policy=policy,
+        deadline=Deadline.after(deadline_s),
+        workflow=workflow,
+        model_name=model_name,
+        journal=journal,
+        route=route,
+        site=CallSite(workflow, job, tenant),
+    )
