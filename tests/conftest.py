@@ -42,6 +42,7 @@ from oncely.builtin import app as builtin_app
 from oncely.builtin.summaries import summaries
 from oncely.embedded import EmbeddedCluster, EmbeddedServers
 from oncely.fakes.llm import FakeLLMServer
+from oncely.fakes.mail import FakeMailServer
 from oncely.jobs.checkpoints import Checkpoints
 from oncely.jobs.handler import WorkflowHandler
 from oncely.jobs.store import Jobs
@@ -279,6 +280,27 @@ def auth(api_key: str) -> dict[str, str]:
 async def fake_llm() -> AsyncIterator[FakeLLMServer]:
     async with FakeLLMServer() as server:
         yield server
+
+
+@pytest.fixture
+def mailbox(tmp_path: Path) -> Path:
+    """Where the fake mail server of ``mail`` writes what it received."""
+    return tmp_path / "mailbox.jsonl"
+
+
+@pytest.fixture
+async def mail(mailbox: Path) -> AsyncIterator[FakeMailServer]:
+    """The fake mail and webhook receiver, writing to ``mailbox``."""
+    async with FakeMailServer(mailbox) as server:
+        yield server
+
+
+@pytest.fixture
+async def providers(tmp_path: Path) -> AsyncIterator[tuple[FakeLLMServer, FakeMailServer]]:
+    """The fake model and the fake mail and webhook receiver (its mailbox in
+    ``tmp_path``), for the processes a test starts."""
+    async with FakeLLMServer() as model, FakeMailServer(tmp_path / "mailbox.jsonl") as mail:
+        yield model, mail
 
 
 @pytest.fixture

@@ -36,7 +36,8 @@ from oncely.redis_client import RedisClient
 from oncely.senders import SendersConfig, build_router
 from oncely.settings import Settings
 from tests import steps_app
-from tests.helpers import asgi_app
+from tests.helpers import Refunded, asgi_app
+from tests.processes import wait_for
 from tests.steps_app import SIDE_CALLS
 
 
@@ -209,6 +210,18 @@ def one_off(name: str, step: Callable[[Text, Context], Awaitable[Said]], **extra
     return App([workflow])
 
 
+def agent_desk(
+    name: str, route: str, request: type[Any], result: type[Any], step: Any, agent: object
+) -> App:
+    """The app of one workflow whose agent refunds through a call that
+    answers (``refund.issue``) and asks people's approval
+    (``approval.requested``): the agent and framework tests' desk."""
+    refunds = webhook("refund.issue", returns=Refunded)
+    effects = [refunds, webhook("approval.requested")]
+    workflow = Workflow(name, route, request, result, step, effects, agents=[agent])
+    return App([workflow])
+
+
 @pytest.fixture
 async def custom(harness: Harness, redis: RedisClient) -> Callable[[App], Awaitable[Harness]]:
     """A harness for a workflow declared in the test."""
@@ -258,20 +271,25 @@ async def wait_until_due(harness: Harness, job_id: str) -> None:
     raise AssertionError("the wait never came due")
 
 
+async def cancel_mid_call(h: Harness, workflow: str, job_id: str) -> None:
+    """Once the job's ``slow:`` model call is in flight, cancel the job
+    through its workflow's route."""
+    await until(lambda: h.fake.stats("slow:").in_flight == 1)
+    r = await h.api.post(f"/v1/{workflow}/{job_id}/cancel", headers=h.auth)
+    assert r.status_code == 202
+
+
 async def until(check: Callable[[], bool], within_s: float = 20.0) -> None:
-    deadline = asyncio.get_running_loop().time() + within_s
-    while not check():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.02)
+    """Wait until ``check()`` holds (an AssertionError after ``within_s``)."""
+
+    async def holds() -> bool:
+        return check()
+
+    await wait_for(holds, within_s)
 
 
 async def until_async(check: Callable[[], Awaitable[bool]], within_s: float = 20.0) -> None:
-    deadline = asyncio.get_running_loop().time() + within_s
-    while not await check():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.02)
+    await wait_for(check, within_s)
 
 
 async def pending_is(h: Harness, workflow: str, n: int) -> bool:

@@ -10,16 +10,21 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
 
 from oncely.bootstrap import make_redis
+from oncely.fakes.llm import FakeLLMServer
+from oncely.fakes.mail import FakeMailServer
+from tests.helpers import scalar
 
 ROOT = Path(__file__).resolve().parent.parent
+# The webhook secret of every deployment the tests start.
+SECRET = "whsec_" + "c2VjcmV0LWZvci10ZXN0cy1vbmx5LTEyMzQ1Njc4"
 
 
 def free_port() -> int:
@@ -87,6 +92,34 @@ async def wait_for(
         await asyncio.sleep(0.05)
 
 
+async def wait_effects(
+    mail: FakeMailServer, at_least: int = 1, within_s: float = 30.0, what: str = "an effect"
+) -> None:
+    """Wait until the fake receiver has counted ``at_least`` effects."""
+
+    async def counted() -> bool:
+        return bool((await mail.deliveries())["effects"] >= at_least)
+
+    await wait_for(counted, within_s, what)
+
+
+async def wait_outcome(pool: Any, job_id: str, outcome: str, what: str) -> None:
+    """Wait until the job's last delivery is recorded with ``outcome``."""
+
+    async def recorded() -> bool:
+        last = "SELECT outcome FROM job_deliveries WHERE job_id = %s ORDER BY id DESC"
+        return bool(await scalar(pool, last, job_id) == outcome)
+
+    await wait_for(recorded, what=what)
+
+
+async def post(client: httpx.AsyncClient, route: str, body: dict[str, Any], key: str) -> str:
+    """``body`` posted to ``route`` under idempotency key ``key``, accepted: the job's id."""
+    r = await client.post(route, json=body, headers={"Idempotency-Key": key})
+    assert r.status_code == 202, r.text
+    return str(r.json()["job_id"])
+
+
 async def wait_healthy(
     base_url: str, proc: subprocess.Popen[bytes], log: Path, within_s: float = 30.0
 ) -> None:
@@ -117,6 +150,109 @@ def serving_api(env: dict[str, str], log: Path) -> Iterator[str]:
             time.sleep(0.05)
         yield url
         assert proc.poll() is None, f"the API exited {proc.returncode}: {tail(log)}"
+
+
+def deployment_env(
+    redis_url: str, database_url: str, model: FakeLLMServer, mail: FakeMailServer, **extra: str
+) -> dict[str, str]:
+    """The settings of processes on the test's servers and the fake model,
+    mail and webhook receiver (``extra`` added or overriding)."""
+    return servers_env(
+        redis_url,
+        database_url,
+        ONCELY_LLM_BASE_URL=model.url,
+        ONCELY_SENDER_URL=mail.url,
+        ONCELY_WEBHOOK_URL=mail.events_url,
+        ONCELY_WEBHOOK_SECRET=SECRET,
+        ONCELY_LOG_FORMAT="json",
+        ONCELY_BLOCK_MS="50",
+        **extra,
+    )
+
+
+def servers_env(redis_url: str, database_url: str, **extra: str) -> dict[str, str]:
+    """The settings naming the test's Redis and PostgreSQL (``extra`` added)."""
+    return {"ONCELY_REDIS_URL": redis_url, "ONCELY_DATABASE_URL": database_url, **extra}
+
+
+class Deployment:
+    """An API, a relay, and a worker on ``env`` (of ``app``, else of the app
+    ``env`` names) that a test may kill and start again; ``with deployment:``
+    stops every one of them, the ones started later included."""
+
+    def __init__(self, env: dict[str, str], tmp_path: Path, app: str | None = None) -> None:
+        self.env = env
+        self.tmp_path = tmp_path
+        self.prefix = ["--app", app] if app else []
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.api = self.start("api", "--port", str(self.port), log="api.log")
+        self.relays = [self.start("relay", log="relay.log")]
+        self.workers: list[subprocess.Popen[bytes]] = []
+        self.workers.append(self.start_worker())
+
+    @property
+    def relay(self) -> subprocess.Popen[bytes]:
+        return self.relays[0]
+
+    def start(self, *args: str, log: str) -> subprocess.Popen[bytes]:
+        """``oncely <args>`` of this deployment's app, output to ``log``."""
+        return start([*self.prefix, *args], self.env, self.tmp_path / log)
+
+    def start_worker(self) -> subprocess.Popen[bytes]:
+        """Another worker (the caller adds it to ``workers``)."""
+        return self.start("worker", log=f"worker-{len(self.workers)}.log")
+
+    def kill_worker(self) -> None:
+        """SIGKILL the first worker, waited for."""
+        self.workers[0].send_signal(signal.SIGKILL)
+        self.workers[0].wait(10)
+
+    def __enter__(self) -> Deployment:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        with running(self.api, *self.relays, *self.workers):
+            pass
+
+    def log(self, name: str) -> str:
+        return tail(self.tmp_path / name, 4000)
+
+    @asynccontextmanager
+    async def client(
+        self, key: str, within_s: float = 30.0, **options: Any
+    ) -> AsyncIterator[httpx.AsyncClient]:
+        """A client of the API, once it is healthy, with ``key`` as its bearer."""
+        log = self.tmp_path / "api.log"
+        async with api_client(self.base, self.api, log, key, within_s, **options) as client:
+            yield client
+
+
+@asynccontextmanager
+async def api_client(
+    base: str,
+    api: subprocess.Popen[bytes],
+    log: Path,
+    key: str,
+    within_s: float = 30.0,
+    **options: Any,
+) -> AsyncIterator[httpx.AsyncClient]:
+    """A client of the API process ``api`` at ``base``, once it is healthy
+    (its output in ``log``), with ``key`` as its bearer."""
+    await wait_healthy(base, api, log, within_s)
+    auth = {"Authorization": f"Bearer {key}"}
+    async with httpx.AsyncClient(base_url=base, headers=auth, **options) as client:
+        yield client
+
+
+@contextmanager
+def api_with_key(env: dict[str, str], tenant: str, log: Path) -> Iterator[tuple[str, str]]:
+    """A key of ``tenant`` made with ``oncely keys create``, and a real
+    ``oncely api`` on ``env`` (see ``serving_api``): (base URL, key)."""
+    created = oncely("keys", "create", "--tenant", tenant, env=env)
+    assert created.returncode == 0, created.stderr
+    with serving_api(env, log) as url:
+        yield url, created.stdout.strip()
 
 
 def flush_redis(redis_url: str) -> None:

@@ -15,23 +15,14 @@ from typing import Any
 import httpx
 import pytest
 
-from oncely.api.auth import create_api_key
 from oncely.fakes.mail import Faults
 from oncely.outbox.relay import LISTENER_APPLICATION_NAME
 from oncely.senders.webhook import verify
-from tests.processes import (
-    free_port,
-    repays_allowed,
-    running,
-    start,
-    wait_for,
-    wait_healthy,
-)
-from tests.test_workflows_processes import SECRET, deployment_env, processes, providers, scalar
+from tests.helpers import all_done, scalar, webhook_events
+from tests.processes import SECRET, Deployment, deployment_env, post, repays_allowed, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
-__all__ = ["providers"]
 
 APP = "examples.support_agent:app"
 LOOKUP = '[[fake:tool=lookup_order {"order_id": "A-1001"}]]'
@@ -77,27 +68,14 @@ async def done(
 
 
 async def test_an_agent_looks_up_refunds_once_and_replies(
-    redis_url, database_url, redis, pool, providers, tmp_path
+    redis_url, database_url, api_key, redis, pool, providers, tmp_path
 ):
     model, mail = providers
-    key = await create_api_key(pool, "acme")
-    port = free_port()
     env = deployment_env(redis_url, database_url, model, mail)
-    procs = processes(env, tmp_path, port, app=APP)
-    base = f"http://127.0.0.1:{port}"
-    with running(*procs):
-        await wait_healthy(base, procs[0], tmp_path / "api.log")
-        async with httpx.AsyncClient(
-            base_url=base, headers={"Authorization": f"Bearer {key}"}
-        ) as client:
+    with Deployment(env, tmp_path, app=APP) as d:
+        async with d.client(api_key) as client:
             text = f"My teapot A-1001 broke. {LOOKUP} {refund('A-1001', 4200)}"
-            posted = await client.post(
-                "/v1/support",
-                json=request(text),
-                headers={"Idempotency-Key": "agent-end-to-end-0001"},
-            )
-            assert posted.status_code == 202, posted.text
-            job_id = posted.json()["job_id"]
+            job_id = await post(client, "/v1/support", request(text), "agent-end-to-end-0001")
             view = await done(client, job_id)
 
             async def replied() -> bool:
@@ -112,11 +90,7 @@ async def test_an_agent_looks_up_refunds_once_and_replies(
     assert model.stats().total == 3, "one model call per turn"
     by_key = (await mail.deliveries())["by_key"]
     assert by_key[f"refund.issue:{job_id}:support/refund/call"] == 1
-    events = [
-        json.loads(line)
-        for line in (tmp_path / "mailbox.jsonl").read_text().splitlines()
-        if '"kind": "event"' in line
-    ]
+    events = webhook_events(tmp_path / "mailbox.jsonl")
     [call] = [e for e in events if e["type"] == "refund.issue"]
     assert verify(SECRET, call["headers"], call["body"].encode())
     assert call["data"]["cents"] == 4200
@@ -126,26 +100,14 @@ async def test_an_agent_looks_up_refunds_once_and_replies(
 
 
 async def test_a_large_refund_is_approved_through_the_api(
-    redis_url, database_url, redis, pool, providers, tmp_path
+    redis_url, database_url, api_key, redis, pool, providers, tmp_path
 ):
     model, mail = providers
-    key = await create_api_key(pool, "acme")
-    port = free_port()
     env = deployment_env(redis_url, database_url, model, mail)
-    procs = processes(env, tmp_path, port, app=APP)
-    base = f"http://127.0.0.1:{port}"
-    with running(*procs):
-        await wait_healthy(base, procs[0], tmp_path / "api.log")
-        async with httpx.AsyncClient(
-            base_url=base, headers={"Authorization": f"Bearer {key}"}
-        ) as client:
+    with Deployment(env, tmp_path, app=APP) as d:
+        async with d.client(api_key) as client:
             text = f"Wrong armchair. {refund('A-1002', 38900)}"
-            posted = await client.post(
-                "/v1/support",
-                json=request(text),
-                headers={"Idempotency-Key": "agent-end-to-end-0002"},
-            )
-            job_id = posted.json()["job_id"]
+            job_id = await post(client, "/v1/support", request(text), "agent-end-to-end-0002")
 
             pending: dict[str, Any] = {}
 
@@ -170,7 +132,7 @@ async def test_a_large_refund_is_approved_through_the_api(
 
 
 async def test_a_call_whose_relay_is_sigkilled_mid_send_resumes_its_job_within_seconds(
-    redis_url, database_url, redis, pool, providers, tmp_path
+    redis_url, database_url, api_key, redis, pool, providers, tmp_path
 ):
     """The refund's receiver is slow: the relay sending it is SIGKILLed with
     the call in flight, a second relay running beside it. With the default
@@ -179,33 +141,19 @@ async def test_a_call_whose_relay_is_sigkilled_mid_send_resumes_its_job_within_s
     within about 5 s of the kill, never the old 30 s, and the receiver got
     the call twice under one webhook-id, one effect."""
     model, mail = providers
-    key = await create_api_key(pool, "acme")
-    port = free_port()
     env = deployment_env(redis_url, database_url, model, mail)
-    api, worker, first = processes(env, tmp_path, port, app=APP)
-    second = None
     mail.state.script(Faults(delay_s=60))  # the first send of the refund hangs
-    base = f"http://127.0.0.1:{port}"
-    try:
-        await wait_healthy(base, api, tmp_path / "api.log")
-        async with httpx.AsyncClient(
-            base_url=base, headers={"Authorization": f"Bearer {key}"}
-        ) as client:
+    with Deployment(env, tmp_path, app=APP) as d:
+        async with d.client(api_key) as client:
             text = f"My teapot A-1001 broke. {LOOKUP} {refund('A-1001', 4200)}"
-            posted = await client.post(
-                "/v1/support",
-                json=request(text),
-                headers={"Idempotency-Key": "agent-relay-killed-0001"},
-            )
-            assert posted.status_code == 202, posted.text
-            job_id = posted.json()["job_id"]
+            job_id = await post(client, "/v1/support", request(text), "agent-relay-killed-0001")
             call = f"refund.issue:{job_id}:support/refund/call"
 
             async def sends(n: int) -> bool:
                 return (await mail.deliveries())["by_key"].get(call, 0) >= n
 
             await wait_for(lambda: sends(1), what="the refund in flight at the receiver")
-            second = start(["--app", APP, "relay"], env, tmp_path / "relay2.log")
+            d.relays.append(d.start("relay", log="relay2.log"))
 
             async def both_listening() -> bool:
                 listening = await scalar(
@@ -218,8 +166,8 @@ async def test_a_call_whose_relay_is_sigkilled_mid_send_resumes_its_job_within_s
 
             await wait_for(both_listening, what="the second relay listening")
             assert (await mail.deliveries())["by_key"][call] == 1, "a live relay's send kept"
-            first.send_signal(signal.SIGKILL)
-            first.wait(10)
+            d.relay.send_signal(signal.SIGKILL)
+            d.relay.wait(10)
             killed_at = await scalar(pool, "SELECT now()")
             mail.state.script(Faults())  # the receiver answers the resend at once
 
@@ -235,9 +183,6 @@ async def test_a_call_whose_relay_is_sigkilled_mid_send_resumes_its_job_within_s
                 job_id,
             )
             view = await done(client, job_id)
-    finally:
-        with running(api, worker, first, *([second] if second else [])):
-            pass
 
     print(f"a call whose relay was SIGKILLed mid-send: its job resumed {resumed_s:.2f} s after")
     assert resumed_s < 15, (
@@ -248,18 +193,14 @@ async def test_a_call_whose_relay_is_sigkilled_mid_send_resumes_its_job_within_s
     assert view["result"]["refunded_cents"] == 4200
     deliveries = await mail.deliveries()
     assert deliveries["by_key"][call] == 2, "sent again once, under the same webhook-id"
-    events = [
-        json.loads(line)
-        for line in (tmp_path / "mailbox.jsonl").read_text().splitlines()
-        if '"kind": "event"' in line
-    ]
+    events = webhook_events(tmp_path / "mailbox.jsonl")
     assert len([e for e in events if e["type"] == "refund.issue"]) == 1, "one effect"
     assert await scalar(pool, "SELECT attempts FROM outbox WHERE call_key IS NOT NULL") == 2
 
 
 @pytest.mark.soak
 async def test_agents_survive_sigkilled_workers_and_relays_with_each_refund_once(
-    redis_url, database_url, redis, pool, providers, tmp_path
+    redis_url, database_url, api_key, redis, pool, providers, tmp_path
 ):
     """Thirty agents, each a lookup and a refund; workers and relays killed
     with SIGKILL and restarted every second or so meanwhile. Every job ends
@@ -267,24 +208,18 @@ async def test_agents_survive_sigkilled_workers_and_relays_with_each_refund_once
     per job), and no answered turn is paid for twice: a job pays again at most
     the turn a lost delivery had in flight."""
     model, mail = providers
-    key = await create_api_key(pool, "acme")
-    port = free_port()
     env = deployment_env(redis_url, database_url, model, mail, **SOAK_ENV)
-    api = start(["--app", APP, "api", "--port", str(port)], env, tmp_path / "api.log")
     logs = iter(range(1000))
-
-    def spawn(kind: str) -> Any:
-        return start(["--app", APP, kind], env, tmp_path / f"{kind}{next(logs)}.log")
-
-    fleet = {"worker": [spawn("worker"), spawn("worker")], "relay": [spawn("relay")]}
     rng = random.Random(7)
     kills = 0
-    base = f"http://127.0.0.1:{port}"
-    try:
-        await wait_healthy(base, api, tmp_path / "api.log")
-        async with httpx.AsyncClient(
-            base_url=base, headers={"Authorization": f"Bearer {key}"}
-        ) as client:
+    with Deployment(env, tmp_path, app=APP) as d:
+        d.workers.append(d.start_worker())
+        fleet = {"worker": d.workers, "relay": d.relays}
+
+        def spawn(kind: str) -> Any:
+            return d.start(kind, log=f"{kind}{next(logs)}.log")
+
+        async with d.client(api_key) as client:
             ids = []
             for i in range(30):
                 text = (
@@ -296,16 +231,11 @@ async def test_agents_survive_sigkilled_workers_and_relays_with_each_refund_once
                 assert r.status_code == 202, r.text
                 ids.append(r.json()["job_id"])
 
-            async def all_done() -> bool:
-                found = await scalar(
-                    pool,
-                    "SELECT count(*) FROM jobs WHERE status = 'done' AND job_id = ANY(%s::uuid[])",
-                    ids,
-                )
-                return bool(found == len(ids))
+            async def every_one_done() -> bool:
+                return await all_done(pool, ids)
 
             for _ in range(20):
-                if await all_done():
+                if await every_one_done():
                     break
                 await asyncio.sleep(0.3 + rng.random() / 2)
                 kind = rng.choice(["worker", "worker", "relay"])
@@ -314,25 +244,18 @@ async def test_agents_survive_sigkilled_workers_and_relays_with_each_refund_once
                 victim.wait(10)
                 kills += 1
                 fleet[kind].append(spawn(kind))
-            await wait_for(all_done, within_s=240, what="every agent done")
+            await wait_for(every_one_done, within_s=240, what="every agent done")
 
             async def refunded() -> bool:
                 by_key = (await mail.deliveries())["by_key"]
                 return len([k for k in by_key if k.startswith("refund.issue")]) == len(ids)
 
             await wait_for(refunded, within_s=120, what="every refund delivered")
-    finally:
-        with running(api, *fleet["worker"], *fleet["relay"]):
-            pass
 
     deliveries = await mail.deliveries()
     refunds = sorted(k for k in deliveries["by_key"] if k.startswith("refund.issue"))
     assert refunds == sorted(f"refund.issue:{j}:support/refund/call" for j in ids)
-    events = [
-        json.loads(line)
-        for line in (tmp_path / "mailbox.jsonl").read_text().splitlines()
-        if '"kind": "event"' in line
-    ]
+    events = webhook_events(tmp_path / "mailbox.jsonl")
     assert len([e for e in events if e["type"] == "refund.issue"]) == len(ids), "one effect each"
     # Each job's three turns paid once, plus at most the one turn each lost
     # delivery (a SIGKILLed or overtaken worker's) had in flight.

@@ -16,13 +16,13 @@ import pytest
 from pydantic import BaseModel
 
 import oncely
-from oncely import Agent, App, Context, Workflow, webhook
+from oncely import Agent, App, Context, Workflow
 from oncely.api.auth import hash_api_key
 from oncely.decisions import is_call_id
 from oncely.fakes.mail import FakeMailServer
 from oncely.outbox.relay import Relay
-from tests.durable import Harness, drain, pending, relayed, wait_until_due
-from tests.helpers import RefundArgs, Refunded
+from tests.durable import Harness, agent_desk, drain, pending, relayed, wait_until_due
+from tests.helpers import RefundArgs
 
 SECRET = "approvals-test-secret"
 REFUND = '[[fake:tool=refund {"order_id": "A1", "cents": 1200}]]'
@@ -60,16 +60,7 @@ def helpdesk(approval_timeout: timedelta = timedelta(hours=1)) -> App:
         run = await agent.run(ctx, request.text)
         return Answer(reply=str(run.output), tools=[f"{c.tool}:{c.status}" for c in run.tool_calls])
 
-    workflow = Workflow(
-        name="helpdesk",
-        route="/v1/helpdesk",
-        request=Ask,
-        result=Answer,
-        step=step,
-        effects=[webhook("refund.issue", returns=Refunded), webhook("approval.requested")],
-        agents=[agent],
-    )
-    return App([workflow])
+    return agent_desk("helpdesk", "/v1/helpdesk", Ask, Answer, step, agent)
 
 
 # For the operator commands, which load the app by name.
@@ -77,12 +68,9 @@ APP = helpdesk()
 
 
 @pytest.fixture
-async def desk(custom, tmp_path) -> AsyncIterator[tuple[Harness, Relay, FakeMailServer]]:
+async def desk(custom, mail) -> AsyncIterator[tuple[Harness, Relay, FakeMailServer]]:
     harness = await custom(APP)
-    async with (
-        FakeMailServer(tmp_path / "mailbox.jsonl") as mail,
-        relayed(harness, mail, SECRET) as relay,
-    ):
+    async with relayed(harness, mail, SECRET) as relay:
         yield harness, relay, mail
 
 

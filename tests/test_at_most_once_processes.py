@@ -7,7 +7,6 @@ on its own: a person's word (API, CLI) or a reconcile function decides
 from __future__ import annotations
 
 import json
-import signal
 from pathlib import Path
 from typing import Any
 
@@ -15,13 +14,14 @@ import httpx
 import pytest
 
 from oncely.api.auth import create_api_key
-from tests.processes import oncely, wait_for, wait_healthy
+from tests.helpers import scalar, webhook_events
+from tests.processes import Deployment, oncely, post, wait_for
 from tests.steps_app import SIDE_CALLS, side_calls
-from tests.test_durable_processes import Deployment, env, post, providers, scalar
+from tests.test_durable_processes import env
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
-__all__ = ["env", "providers"]
+__all__ = ["env"]
 
 
 def transfers(env: dict[str, str], order: str) -> int:
@@ -36,8 +36,7 @@ async def kill_mid_transfer(d: Deployment, env: dict[str, str], orders: list[str
         return all(transfers(env, o) == 1 for o in orders)
 
     await wait_for(all_sent, within_s=60, what="every transfer sent")
-    d.workers[0].send_signal(signal.SIGKILL)
-    d.workers[0].wait(10)
+    d.kill_worker()
     d.workers.append(d.start_worker())
 
 
@@ -58,16 +57,13 @@ async def until(client: httpx.AsyncClient, job_id: str, status: str) -> dict[str
 
 
 async def test_a_transfer_whose_worker_died_is_decided_by_a_person_never_resent_alone(
-    redis, pool, providers, env, tmp_path
+    api_key, redis, pool, providers, env, tmp_path
 ):
     _, mail = providers
-    key = await create_api_key(pool, "acme")
     other = await create_api_key(pool, "globex")
     orders = ["T-result", "T-resend", "T-failed", "T-cli"]
     with Deployment(env, tmp_path) as d:
-        await wait_healthy(d.base, d.api, tmp_path / "api.log")
-        auth = {"Authorization": f"Bearer {key}"}
-        async with httpx.AsyncClient(base_url=d.base, headers=auth) as client:
+        async with d.client(api_key) as client:
             ids = {
                 o: await post(
                     client, "/v1/transfers", {"order": o, "hold_s": 600}, f"amo-intake-{o}"
@@ -161,21 +157,16 @@ async def test_a_transfer_whose_worker_died_is_decided_by_a_person_never_resent_
         ids["T-cli"],
     )
     assert by.startswith("cli:")
-    raised = [
-        json.loads(line)
-        for line in (tmp_path / "mailbox.jsonl").read_text().splitlines()
-        if '"uncertain.raised"' in line
-    ]
+    raised = webhook_events(tmp_path / "mailbox.jsonl", "uncertain.raised")
     assert sorted(e["data"]["job_id"] for e in raised) == sorted(ids.values())
     assert (await mail.deliveries())["effects"] == len(orders)
 
 
-async def test_a_reconcile_function_decides_without_a_person(redis, pool, providers, env, tmp_path):
-    key = await create_api_key(pool, "acme")
+async def test_a_reconcile_function_decides_without_a_person(
+    api_key, redis, pool, providers, env, tmp_path
+):
     with Deployment(env, tmp_path) as d:
-        await wait_healthy(d.base, d.api, tmp_path / "api.log")
-        auth = {"Authorization": f"Bearer {key}"}
-        async with httpx.AsyncClient(base_url=d.base, headers=auth) as client:
+        async with d.client(api_key) as client:
             body = {"order": "T-reconciled", "reconcile": True, "hold_s": 600}
             job_id = await post(client, "/v1/transfers", body, "amo-reconcile-job-1")
             await kill_mid_transfer(d, env, ["T-reconciled"])

@@ -24,6 +24,7 @@ from oncely.senders import SendersConfig, build_router
 from oncely.senders.base import SendResult
 from oncely.senders.webhook import verify
 from tests.durable import Harness, Said, Text, drain, pending, until_async, wait_until_due
+from tests.helpers import posts_served
 
 SECRET = "whsec_" + "Y2FsbHMtdGhhdC1hbnN3ZXItdGVzdHM="
 
@@ -297,16 +298,8 @@ class HostileReceiver:
 @contextlib.asynccontextmanager
 async def receiving(answer: bytes | None) -> AsyncIterator[tuple[HostileReceiver, str]]:
     receiver = HostileReceiver(answer)
-    app = web.Application()
-    app.router.add_post("/calls", receiver.handle)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    host, port = runner.addresses[0][:2]
-    try:
-        yield receiver, f"http://{host}:{port}/calls"
-    finally:
-        await runner.cleanup()
+    async with posts_served("/calls", receiver.handle) as url:
+        yield receiver, url
 
 
 async def any_answer(request: Text, ctx: Context) -> Said:

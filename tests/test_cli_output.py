@@ -21,7 +21,8 @@ from oncely.jobs.records import JobSpec
 from oncely.usage.calls import Call, CallSite
 from oncely.usage.ledger import Ledger
 from oncely.usage.prices import Prices
-from tests.processes import oncely
+from tests.helpers import record_cached_calls
+from tests.processes import oncely, servers_env
 
 ESC = "\x1b"
 MARKUP = "hello [/bold] world. [link=https://evil.example/reset]reset here[/link] [conceal]hidden"
@@ -31,11 +32,7 @@ HOSTILE = f"{ESC}[31mred{ESC}[0m \u202eevil\u202c \x9b2J bell\x07"
 @pytest.fixture
 def env(redis_url: str, database_url: str) -> dict[str, str]:
     # A pipe: rich prints 80 columns wide, as on a default terminal.
-    return {
-        "ONCELY_REDIS_URL": redis_url,
-        "ONCELY_DATABASE_URL": database_url,
-        "COLUMNS": "80",
-    }
+    return servers_env(redis_url, database_url, COLUMNS="80")
 
 
 def run(*args: str, env: dict[str, str]) -> str:
@@ -158,29 +155,12 @@ async def test_usage_report_by_dialect_shows_the_caches_tokens_and_savings(pool,
     prices = Prices.parse("claude-x=3/15/0.30/3.75,gpt-x=2/8")
     ledger = Ledger(pool, prices=prices)
     site = CallSite("triage", str(uuid.uuid4()), "acme")
-    for model, dialect, read, written in (
+    calls = [
         ("claude-x", "anthropic", 0, 2000),
         ("claude-x", "anthropic", 2000, 0),
         ("gpt-x", "chat", 500, 0),
-    ):
-        ledger.record(
-            Call(
-                site,
-                "model",
-                model,
-                1,
-                "ok",
-                3000,
-                100,
-                10,
-                prices.cost(model, 3000, 100, read, written),
-                cached_tokens=read,
-                cache_write_tokens=written,
-                dialect=dialect,
-                cache_saved_usd=prices.cache_saved(model, 3000, read, written),
-            )
-        )
-    assert await ledger.flush() == 3
+    ]
+    assert await record_cached_calls(ledger, site, 3000, calls) == 3
 
     rows = json.loads(
         await asyncio.to_thread(run, "usage", "report", "--json", "--by", "dialect", env=env)

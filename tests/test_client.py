@@ -328,18 +328,25 @@ async def test_503_and_409_are_retried_with_the_same_key(faults, api_key, pool, 
     assert "order-1234-confirmation" not in repr(logs)
 
 
+async def held_for(redis: Any, key: str, seconds: float) -> tuple[IdempotencyStore, Any]:
+    """Another request holding ``key`` on the server for ``seconds``: the
+    store (to close) and the timer that lets go (to cancel)."""
+    store = IdempotencyStore(redis, lock_ttl_s=30, result_ttl_s=60)
+    digest, token = Scope("acme", "POST", "/v1/summaries", key).digest, new_token()
+    await store.claim(digest, fingerprint(SUMMARY), token)
+    release = asyncio.get_running_loop().call_later(
+        seconds, lambda: asyncio.ensure_future(store.release(digest, token))
+    )
+    return store, release
+
+
 async def test_a_real_in_progress_key_is_retried_until_its_holder_lets_go(
     faults, api_key, pool, redis
 ):
     """Another request holds the key on the server: 409 with Retry-After: 1,
     honoured, then the key is free and this request is the one accepted."""
     key = "held-by-another-request"
-    store = IdempotencyStore(redis, lock_ttl_s=30, result_ttl_s=60)
-    digest, token = Scope("acme", "POST", "/v1/summaries", key).digest, new_token()
-    await store.claim(digest, fingerprint(SUMMARY), token)
-    release = asyncio.get_running_loop().call_later(
-        0.5, lambda: asyncio.ensure_future(store.release(digest, token))
-    )
+    store, release = await held_for(redis, key, 0.5)
     transport = faults()
     started = time.monotonic()
     try:
@@ -358,12 +365,7 @@ async def test_a_real_in_progress_key_is_retried_until_its_holder_lets_go(
 
 async def test_prefer_wait_lets_the_server_wait_out_the_duplicate(faults, api_key, pool, redis):
     key = "held-by-another-request"
-    store = IdempotencyStore(redis, lock_ttl_s=30, result_ttl_s=60)
-    digest, token = Scope("acme", "POST", "/v1/summaries", key).digest, new_token()
-    await store.claim(digest, fingerprint(SUMMARY), token)
-    release = asyncio.get_running_loop().call_later(
-        0.3, lambda: asyncio.ensure_future(store.release(digest, token))
-    )
+    store, release = await held_for(redis, key, 0.3)
     transport = faults()
     try:
         async with AsyncClient(BASE, api_key, transport=transport) as client:

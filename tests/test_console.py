@@ -26,7 +26,16 @@ from oncely.outbox.wakeup import OutboxWakeUp
 from oncely.usage.calls import Call, CallSite
 from oncely.usage.ledger import Ledger
 from oncely.usage.prices import Prices
-from tests.helpers import asgi_app, count, drain, job_status, make_worker, submit
+from tests.helpers import (
+    asgi_app,
+    count,
+    drain,
+    failed_outbox_row,
+    job_status,
+    make_worker,
+    record_cached_calls,
+    submit,
+)
 from tests.processes import free_port, running, start, wait_for, wait_healthy
 from tests.steps_app import SIDE_CALLS, side_calls
 from tests.test_deliveries import flaky_job_done
@@ -205,15 +214,7 @@ async def test_replay_needs_the_csrf_token_and_happens_once(operator, pool, jobs
 
 
 async def test_retry_of_a_failed_outbox_row(operator, pool):
-    async with pool.connection() as conn:
-        cur = await conn.execute(
-            "INSERT INTO outbox (topic, dedupe_key, payload, attempts, last_error, failed_at)"
-            " VALUES ('email', 'email:console-test', '{}', 8, 'HTTP 500 <b>down</b>', now())"
-            " RETURNING id"
-        )
-        row = await cur.fetchone()
-    assert row is not None
-    row_id = int(row[0])
+    row_id = await failed_outbox_row(pool, "email", "email:console-test", 8, "HTTP 500 <b>down</b>")
     page = await operator.get("/console/outbox")
     assert "email:console-test" in page.text
     assert "HTTP 500 &lt;b&gt;down&lt;/b&gt;" in page.text
@@ -269,30 +270,13 @@ async def test_the_usage_page_shows_each_dialect_and_what_the_cache_saved(operat
     prices = Prices.parse("claude-x=3/15/0.30/3.75,meta-llama/llama-3=1/1")
     ledger = Ledger(pool, prices=prices)
     site = CallSite("triage", None, "acme")
-    for model, dialect, read, written in (
+    calls = [
         ("claude-x", "anthropic", 0, 4000),
         ("claude-x", "anthropic", 4000, 0),
         ("claude-x", "anthropic", 4000, 0),
         ("meta-llama/llama-3", "chat", 0, 0),
-    ):
-        ledger.record(
-            Call(
-                site,
-                "model",
-                model,
-                1,
-                "ok",
-                5000,
-                100,
-                10,
-                prices.cost(model, 5000, 100, read, written),
-                cached_tokens=read,
-                cache_write_tokens=written,
-                dialect=dialect,
-                cache_saved_usd=prices.cache_saved(model, 5000, read, written),
-            )
-        )
-    assert await ledger.flush() == 4
+    ]
+    assert await record_cached_calls(ledger, site, 5000, calls) == 4
 
     page = (await operator.get("/console/usage")).text
     rows = dict(

@@ -16,10 +16,9 @@ import pytest
 from oncely.fakes.llm import FakeLLMServer
 from oncely.fakes.mail import FakeMailServer
 from oncely.queue.stream import Stream
-from tests.helpers import submit
-from tests.processes import running, start, tail, wait_for
-from tests.test_routing_processes import BACKUP, PRIMARY, all_done, models_of, rows
-from tests.test_workflows_processes import deployment_env
+from tests.helpers import all_done, submit
+from tests.processes import deployment_env, running, start, tail, wait_for
+from tests.test_routing_processes import BACKUP, PRIMARY, models_of, rows
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 

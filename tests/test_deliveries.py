@@ -110,8 +110,7 @@ async def test_503_twice_then_done_is_three_deliveries_the_last_written_with_the
     assert len(set(xmins)) == 1, xmins
 
 
-async def test_a_permanent_failure_is_one_dead_delivery(pool, jobs, summary_job, fake_llm):
-    stream = jobs.streams["summaries"]
+async def test_a_permanent_failure_is_one_dead_delivery(pool, stream, summary_job, fake_llm):
     await stream.ensure_group()
     job_id = await submit(pool, stream, "Refused for good. [[fake:400*1]]")
     await run_until(pool, make_worker(stream, summary_job, pool, **FAST), job_id, "dead")
@@ -147,9 +146,8 @@ async def test_a_killed_delivery_has_no_row_its_number_is_skipped_and_redis_coun
 
 
 async def test_a_delivery_stopped_by_shutdown_is_cancelled_and_left_pending(
-    pool, jobs, summary_job, fake_llm
+    pool, stream, summary_job, fake_llm
 ):
-    stream = jobs.streams["summaries"]
     await stream.ensure_group()
     job_id = await submit(pool, stream, "Slow. [[fake:sleep=30]]")
     worker = make_worker(stream, summary_job, pool, shutdown_grace_s=0.05, **FAST)
@@ -170,9 +168,8 @@ async def test_a_delivery_stopped_by_shutdown_is_cancelled_and_left_pending(
 
 
 async def test_a_delivery_past_its_bound_is_cancelled_and_redelivered(
-    pool, jobs, summary_job, fake_llm
+    pool, stream, summary_job, fake_llm
 ):
-    stream = jobs.streams["summaries"]
     await stream.ensure_group()
     job_id = await submit(pool, stream, "Too slow once. [[fake:hang*1]]")
     # Below the model's own 2 s timeout (the hang is cut off by the bound,
@@ -221,8 +218,9 @@ async def test_jobs_show_prints_the_deliveries_and_exits_3_for_an_unknown_job(
     assert bad.returncode == 2 and "not a job id" in bad.stderr
 
 
-async def test_a_history_that_cannot_be_written_is_logged_and_the_job_still_redelivered(pool, jobs):
-    stream = jobs.streams["summaries"]
+async def test_a_history_that_cannot_be_written_is_logged_and_the_job_still_redelivered(
+    pool, jobs, stream
+):
     await stream.ensure_group()
     job_id = await submit(pool, stream, "Fails once; its history cannot be written.")
 

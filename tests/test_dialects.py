@@ -26,11 +26,10 @@ from oncely.llm.model import Model, ModelRoute
 from oncely.llm.openai_compat import OpenAICompatible
 from oncely.llm.routing import ModelSpec, Target, parse_models
 from oncely.queue.stream import Stream
-from oncely.retry import Deadline, RetryPolicy
+from oncely.retry import RetryPolicy
 from oncely.settings import Settings
-from oncely.usage.calls import CallSite
 from oncely.usage.ledger import Ledger
-from tests.helpers import submit
+from tests.helpers import delivery_model, rows, submit
 from tests.processes import wait_for
 
 CLAUDE, BACKUP = "claude-fake", "fake-backup"
@@ -85,24 +84,16 @@ async def backup(fake_llm: FakeLLMServer) -> AsyncIterator[OpenAICompatible]:
 
 
 async def ledger_rows(pool: Any) -> list[tuple[Any, ...]]:
-    async with pool.connection() as conn:
-        cur = await conn.execute(
-            "SELECT model, dialect, attempt, outcome, prompt_tokens, completion_tokens,"
-            " cached_tokens, cache_write_tokens FROM model_calls ORDER BY id"
-        )
-        return await cur.fetchall()
+    return await rows(
+        pool,
+        "SELECT model, dialect, attempt, outcome, prompt_tokens, completion_tokens,"
+        " cached_tokens, cache_write_tokens FROM model_calls ORDER BY id",
+    )
 
 
 def mixed(claude: AnthropicMessages, backup: OpenAICompatible, ledger: Ledger) -> Model:
-    return Model(
-        claude,
-        policy=FAST,
-        deadline=Deadline.after(20),
-        workflow="dialects",
-        model_name=CLAUDE,
-        route=ModelRoute((Target(BACKUP, backup),), ledger=ledger),
-        site=CallSite("dialects", None, "acme"),
-    )
+    route = ModelRoute((Target(BACKUP, backup),), ledger=ledger)
+    return delivery_model(claude, CLAUDE, "dialects", FAST, route, deadline_s=20)
 
 
 async def test_an_overloaded_anthropic_primary_falls_back_to_chat_and_the_ledger_names_both(

@@ -20,19 +20,29 @@ from tests.durable import (
     Harness,
     Said,
     Text,
+    cancel_mid_call,
     drain,
     one_off,
     pending,
     pending_is,
     redeliver_until,
-    until,
     until_async,
 )
+from tests.helpers import service_running
 from tests.steps_app import Approval
 
 
 async def finished(h: Harness, job_id: str) -> bool:
     return await h.status(job_id) in ("done", "dead")
+
+
+async def run_to_its_end(h: Harness, workflow: str) -> str:
+    """A job of ``workflow`` (a one-off), redelivered at once after each
+    failed run until it ends: its id."""
+    worker = h.worker(workflow, redelivery_base_s=0.01, redelivery_max_s=0.01)
+    job_id = await h.submit(f"/v1/{workflow}", {"text": "x"})
+    await redeliver_until(h, worker, workflow, lambda: finished(h, job_id))
+    return job_id
 
 
 async def keys(h: Harness, job_id: str) -> list[tuple[str, str]]:
@@ -59,9 +69,7 @@ async def test_gathered_branches_each_replay_their_own_answers(custom):
         return Said(said=json.dumps(got))
 
     h = await custom(one_off("par", step))
-    worker = h.worker("par", redelivery_base_s=0.01, redelivery_max_s=0.01)
-    job_id = await h.submit("/v1/par", {"text": "x"})
-    await redeliver_until(h, worker, "par", lambda: finished(h, job_id))
+    job_id = await run_to_its_end(h, "par")
     assert await h.status(job_id) == "done"
     said = json.loads((await h.get("/v1/par", job_id))["result"]["said"])
     assert [[p.split()[0] + p.split()[-1] for p in b] for b in said] == [
@@ -92,9 +100,7 @@ async def test_branches_of_a_step_and_a_model_call_replay(custom):
         return Said(said=json.dumps(got))
 
     h = await custom(one_off("par2", step))
-    worker = h.worker("par2", redelivery_base_s=0.01, redelivery_max_s=0.01)
-    job_id = await h.submit("/v1/par2", {"text": "x"})
-    await redeliver_until(h, worker, "par2", lambda: finished(h, job_id))
+    job_id = await run_to_its_end(h, "par2")
     assert await h.status(job_id) == "done"
     said = json.loads((await h.get("/v1/par2", job_id))["result"]["said"])
     assert ["a1" in said[0], "b2" in said[1]] == [True, True]
@@ -120,9 +126,7 @@ async def test_a_model_call_inside_a_step_is_that_steps_own(custom):
         return Said(said=said)
 
     h = await custom(one_off("nested", step))
-    worker = h.worker("nested", redelivery_base_s=0.01, redelivery_max_s=0.01)
-    job_id = await h.submit("/v1/nested", {"text": "x"})
-    await redeliver_until(h, worker, "nested", lambda: finished(h, job_id))
+    job_id = await run_to_its_end(h, "nested")
     assert await h.status(job_id) == "done"
     assert (await h.get("/v1/nested", job_id))["result"]["said"].startswith("final")
     assert [k for k, _ in await keys(h, job_id)] == ["enrich", "enrich/model", "model"]
@@ -148,9 +152,7 @@ async def test_a_model_call_that_timed_out_and_was_caught_is_not_paid_again(cust
     h = await custom(one_off("hung", step))
     # Two attempts of a fifth of a second each, well inside the job's budget.
     h.settings = h.settings.model_copy(update={"llm_timeout_s": 0.2, "llm_max_attempts": 2})
-    worker = h.worker("hung", redelivery_base_s=0.01, redelivery_max_s=0.01)
-    job_id = await h.submit("/v1/hung", {"text": "x"})
-    await redeliver_until(h, worker, "hung", lambda: finished(h, job_id))
+    job_id = await run_to_its_end(h, "hung")
     assert (await h.get("/v1/hung", job_id))["result"] == {"said": "no answer"}
     assert len(runs) == 2
     assert await keys(h, job_id) == [("model", "failed")]
@@ -191,9 +193,7 @@ async def test_a_failure_the_step_caught_replays_as_it_happened(custom):
         return Said(said=said)
 
     h = await custom(one_off("caught", step))
-    worker = h.worker("caught", redelivery_base_s=0.01, redelivery_max_s=0.01)
-    job_id = await h.submit("/v1/caught", {"text": "x"})
-    await redeliver_until(h, worker, "caught", lambda: finished(h, job_id))
+    job_id = await run_to_its_end(h, "caught")
     assert await h.status(job_id) == "done"
     assert await keys(h, job_id) == [
         ("lookup", "failed"),
@@ -228,9 +228,7 @@ async def test_a_failure_that_ends_the_run_is_not_kept(custom):
         return Said(said=await ctx.step("lookup", flaky))
 
     h = await custom(one_off("ends", step))
-    worker = h.worker("ends", redelivery_base_s=0.01, redelivery_max_s=0.01)
-    job_id = await h.submit("/v1/ends", {"text": "x"})
-    await redeliver_until(h, worker, "ends", lambda: finished(h, job_id))
+    job_id = await run_to_its_end(h, "ends")
     assert await h.status(job_id) == "done"
     assert await keys(h, job_id) == [("lookup", "done")]
     assert len(calls) == 5
@@ -360,9 +358,7 @@ async def test_a_branch_left_running_by_a_failed_gather_keeps_what_it_paid_for(c
         return Said(said=said)
 
     h = await custom(one_off("orphan", step))
-    worker = h.worker("orphan", redelivery_base_s=0.01, redelivery_max_s=0.01)
-    job_id = await h.submit("/v1/orphan", {"text": "x"})
-    await redeliver_until(h, worker, "orphan", lambda: finished(h, job_id))
+    job_id = await run_to_its_end(h, "orphan")
     assert await h.status(job_id) == "done"
     assert h.calls("slow sibling") == 1
 
@@ -402,20 +398,13 @@ async def test_a_cancelled_job_rewound_runs_to_its_end(custom):
         return Said(said=said)
 
     h = await custom(one_off("rewound", step))
-    worker = h.worker("rewound", claim_idle_ms=300)
     job_id = await h.submit("/v1/rewound", {"text": "cancel then rewind"})
-    running = asyncio.create_task(worker.run())
-    try:
-        await until(lambda: h.fake.stats("slow:").in_flight == 1)
-        r = await h.api.post(f"/v1/rewound/{job_id}/cancel", headers=h.auth)
-        assert r.status_code == 202
+    async with service_running(h.worker("rewound", claim_idle_ms=300)):
+        await cancel_mid_call(h, "rewound", job_id)
         await until_async(lambda: pending_is(h, "rewound", 0))
         rewound = await h.checkpoints.rewind(uuid.UUID(job_id), "before")
         assert rewound is not None and rewound.deleted == ("before",)
         await until_async(lambda: finished(h, job_id))
-    finally:
-        worker.stop()
-        await asyncio.wait_for(running, 10)
     assert await h.status(job_id) == "done"
     outcomes = await h.rows(
         "SELECT outcome FROM job_deliveries WHERE job_id = %s ORDER BY id", job_id

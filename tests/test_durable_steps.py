@@ -28,6 +28,7 @@ from tests.durable import (
     Harness,
     Said,
     Text,
+    cancel_mid_call,
     drain,
     entry_of,
     one_off,
@@ -38,7 +39,7 @@ from tests.durable import (
     until_async,
     wait_until_due,
 )
-from tests.helpers import asgi_app, count
+from tests.helpers import asgi_app, count, service_running
 from tests.steps_app import side_calls
 
 
@@ -483,19 +484,12 @@ async def test_cancel_stops_a_running_model_call_and_writes_nothing_after(custom
         return Said(said=said)
 
     h = await custom(one_off("slowpoke", step))
-    # Leases renewed every 0.1 s: the cancel is heard within that.
-    worker = h.worker("slowpoke", claim_idle_ms=300)
     job_id = await h.submit("/v1/slowpoke", {"text": "cancel mid-call"})
-    running = asyncio.create_task(worker.run())
-    try:
-        await until(lambda: h.fake.stats("slow:").in_flight == 1)
-        r = await h.api.post(f"/v1/slowpoke/{job_id}/cancel", headers=h.auth)
-        assert r.status_code == 202
+    # Leases renewed every 0.1 s: the cancel is heard within that.
+    async with service_running(h.worker("slowpoke", claim_idle_ms=300)):
+        await cancel_mid_call(h, "slowpoke", job_id)
         await until(lambda: h.fake.stats().abandoned == 1)
         await until_async(lambda: pending_is(h, "slowpoke", 0))
-    finally:
-        worker.stop()
-        await asyncio.wait_for(running, 10)
     assert h.fake.stats().in_flight == 0
     assert await h.status(job_id) == "cancelled"
     assert await h.keys(job_id) == ["before"]  # nothing after the cancel

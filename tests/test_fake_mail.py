@@ -22,21 +22,11 @@ from oncely.effects import Email
 from oncely.errors import TransientError
 from oncely.fakes.mail import EVENTS_PATH, FakeMailServer, serve_fake_mail
 from oncely.senders.http import HttpEmailSender
+from tests.helpers import mailbox_lines
 
 MESSAGE = {"to": "ada@example.com", "subject": "Hello", "text": "Your summary."}
 EVENT = {"type": "summary.ready", "timestamp": "2024-05-01T12:00:00Z", "data": {"job": "j-1"}}
 SECRET = b"test-secret"
-
-
-@pytest.fixture
-def mailbox(tmp_path: Path) -> Path:
-    return tmp_path / "mailbox.jsonl"
-
-
-@pytest.fixture
-async def mail(mailbox: Path) -> AsyncIterator[FakeMailServer]:
-    async with FakeMailServer(mailbox) as server:
-        yield server
 
 
 @pytest.fixture
@@ -58,22 +48,24 @@ async def script(http: aiohttp.ClientSession, mail: FakeMailServer, **faults: An
         assert response.status == 200
 
 
-def mailbox_lines(mailbox: Path) -> list[dict[str, Any]]:
-    if not mailbox.exists():
-        return []
-    return [json.loads(line) for line in mailbox.read_text().splitlines()]
+async def sent_twice(
+    post: Any, http: aiohttp.ClientSession, mail: FakeMailServer, url: str, key: str
+) -> tuple[tuple[int, dict[str, Any], dict[str, str]], dict[str, Any]]:
+    """``post`` to ``url`` twice under ``key``: one effect, one id, one line
+    in the mailbox. The first answer and that line."""
+    first = await post(http, url, key)
+    second = await post(http, url, key)
+    assert (first[0], second[0]) == (201, 200)
+    assert first[1]["id"] == second[1]["id"]
+    assert await mail.deliveries() == {"requests": 2, "effects": 1, "by_key": {key: 2}}
+    [line] = mailbox_lines(mail.mailbox)
+    return first, line
 
 
 async def test_same_key_twice_is_one_effect_with_one_message_id(
     mail: FakeMailServer, http: aiohttp.ClientSession, mailbox: Path
 ) -> None:
-    first = await post_message(http, mail.url, "k-1")
-    second = await post_message(http, mail.url, "k-1")
-
-    assert (first[0], second[0]) == (201, 200)
-    assert first[1]["id"] == second[1]["id"]
-    assert await mail.deliveries() == {"requests": 2, "effects": 1, "by_key": {"k-1": 2}}
-    [line] = mailbox_lines(mailbox)
+    first, line = await sent_twice(post_message, http, mail, mail.url, "k-1")
     assert (line["kind"], line["idempotency_key"], line["id"]) == ("email", "k-1", first[1]["id"])
     assert {k: line[k] for k in ("to", "subject", "text")} == MESSAGE
     assert line["received_at"]
@@ -277,13 +269,7 @@ async def test_events_url_is_the_base_url_and_events_path(mail: FakeMailServer) 
 async def test_same_webhook_id_twice_is_one_event_line_with_headers_and_raw_body(
     mail: FakeMailServer, http: aiohttp.ClientSession, mailbox: Path
 ) -> None:
-    first = await post_event(http, mail.events_url, "evt-1")
-    second = await post_event(http, mail.events_url, "evt-1")
-
-    assert (first[0], second[0]) == (201, 200)
-    assert first[1]["id"] == second[1]["id"]
-    assert await mail.deliveries() == {"requests": 2, "effects": 1, "by_key": {"evt-1": 2}}
-    [line] = mailbox_lines(mailbox)
+    first, line = await sent_twice(post_event, http, mail, mail.events_url, "evt-1")
     raw = json.dumps(EVENT, separators=(",", ":"))
     assert line == {
         "kind": "event",

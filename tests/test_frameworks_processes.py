@@ -9,7 +9,6 @@ agents run (docs/frameworks.md)."""
 from __future__ import annotations
 
 import asyncio
-import json
 import signal
 import subprocess
 from collections.abc import Awaitable, Callable
@@ -24,8 +23,11 @@ from redis.exceptions import ResponseError
 from oncely.api.auth import create_api_key
 from oncely.names import workflow_keys
 from oncely.senders.webhook import verify
-from tests.helpers import rows
+from tests.helpers import all_done, rows, scalar, webhook_events
 from tests.processes import (
+    SECRET,
+    Deployment,
+    deployment_env,
     free_port,
     oncely,
     repays_allowed,
@@ -36,11 +38,9 @@ from tests.processes import (
 )
 from tests.steps_app import SIDE_CALLS, side_calls
 from tests.test_agents_processes import LOOKUP, SOAK_ENV, done, refund, request
-from tests.test_workflows_processes import SECRET, deployment_env, processes, providers, scalar
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
-__all__ = ["providers"]
 
 # A framework's imports take seconds on a loaded machine, three processes at once.
 STARTED_WITHIN_S = 120
@@ -94,11 +94,6 @@ def framework(request: pytest.FixtureRequest) -> Framework:
     return FRAMEWORKS[request.param]
 
 
-def refund_events(mailbox: Path) -> list[dict[str, Any]]:
-    lines = [json.loads(line) for line in mailbox.read_text().splitlines()]
-    return [e for e in lines if e["kind"] == "event" and e["type"] == "refund.issue"]
-
-
 async def ask(client: httpx.AsyncClient, framework: Framework, text: str, key: str) -> str:
     """A support request to the framework's example: its job's id."""
     posted = await client.post(
@@ -109,19 +104,12 @@ async def ask(client: httpx.AsyncClient, framework: Framework, text: str, key: s
 
 
 async def test_a_framework_agent_looks_up_once_refunds_once_and_the_model_hears_the_refund(
-    redis_url, database_url, redis, pool, providers, tmp_path, framework
+    redis_url, database_url, api_key, redis, pool, providers, tmp_path, framework
 ):
     model, mail = providers
-    key = await create_api_key(pool, "acme")
-    port = free_port()
     env = deployment_env(redis_url, database_url, model, mail)
-    procs = processes(env, tmp_path, port, app=framework.app)
-    base = f"http://127.0.0.1:{port}"
-    with running(*procs):
-        await wait_healthy(base, procs[0], tmp_path / "api.log", STARTED_WITHIN_S)
-        async with httpx.AsyncClient(
-            base_url=base, headers={"Authorization": f"Bearer {key}"}
-        ) as client:
+    with Deployment(env, tmp_path, app=framework.app) as d:
+        async with d.client(api_key, STARTED_WITHIN_S) as client:
             text = f"My teapot A-1001 broke. {LOOKUP} {refund('A-1001', 4200)}"
             job_id = await ask(client, framework, text, f"{framework.workflow}-end-to-end-1")
             view = await done(client, job_id, framework.route)
@@ -148,7 +136,7 @@ async def test_a_framework_agent_looks_up_once_refunds_once_and_the_model_hears_
     assert "teapot" in told[0]["content"], "the lookup's answer"
     by_key = (await mail.deliveries())["by_key"]
     assert by_key[f"refund.issue:{job_id}:support/refund/call"] == 1
-    [call] = refund_events(tmp_path / "mailbox.jsonl")
+    [call] = webhook_events(tmp_path / "mailbox.jsonl", "refund.issue")
     assert verify(SECRET, call["headers"], call["body"].encode())
     assert call["data"]["cents"] == 4200
     assert call["id"] in told[1]["content"], "the receiver's answer reached the model"
@@ -157,24 +145,17 @@ async def test_a_framework_agent_looks_up_once_refunds_once_and_the_model_hears_
 
 
 async def test_a_framework_approval_flag_waits_for_a_person_through_the_api_and_the_cli(
-    redis_url, database_url, redis, pool, providers, tmp_path, framework
+    redis_url, database_url, api_key, redis, pool, providers, tmp_path, framework
 ):
     """The tool flagged with the framework's own approval runs for no job
     before its decision; one job is approved through the route, one with
     `oncely jobs approve`; each then runs the tool once."""
     model, mail = providers
-    key = await create_api_key(pool, "acme")
-    port = free_port()
     side = tmp_path / "side.jsonl"
     env = deployment_env(redis_url, database_url, model, mail, **{SIDE_CALLS: str(side)})
-    procs = processes(env, tmp_path, port, app=framework.desk_app)
-    base = f"http://127.0.0.1:{port}"
     route = framework.desk_route
-    with running(*procs):
-        await wait_healthy(base, procs[0], tmp_path / "api.log", STARTED_WITHIN_S)
-        async with httpx.AsyncClient(
-            base_url=base, headers={"Authorization": f"Bearer {key}"}
-        ) as client:
+    with Deployment(env, tmp_path, app=framework.desk_app) as d:
+        async with d.client(api_key, STARTED_WITHIN_S) as client:
             ids = []
             for how in ("api", "cli"):
                 text = f'Cancel A-1001 ({how}). [[fake:tool=cancel_order {{"order_id": "A-1001"}}]]'
@@ -324,15 +305,8 @@ async def test_framework_agents_survive_sigkilled_workers_and_relays_with_each_r
     fleet = Fleet(framework.app, env, tmp_path)
     for kind in ("worker", "worker", "relay"):
         fleet.spawn(kind)
-    stream = workflow_keys(framework.workflow, f"{framework.workflow}-workers")
+    held_by = holdings(redis, framework.workflow)
     n = 10
-
-    async def held_by(pid: int) -> int:
-        try:
-            consumers = await redis.xinfo_consumers(stream.stream, stream.group)
-        except ResponseError:  # no group yet: nothing held
-            return 0
-        return sum(int(c["pending"]) for c in consumers if f"-{pid}-" in _text(c["name"]))
 
     base = f"http://127.0.0.1:{port}"
     try:
@@ -342,26 +316,21 @@ async def test_framework_agents_survive_sigkilled_workers_and_relays_with_each_r
         ) as client:
             ids = await submit_cases(client, framework, n)
 
-            async def all_done() -> bool:
-                found = await scalar(
-                    pool,
-                    "SELECT count(*) FROM jobs WHERE status = 'done' AND job_id = ANY(%s::uuid[])",
-                    ids,
-                )
-                return bool(found == n)
+            async def every_one_done() -> bool:
+                return await all_done(pool, ids)
 
             for kind in SOAK_KILLS:
                 # Kill on progress, not on a clock: a few more calls came in.
                 calls = model.stats().total + 3
 
                 async def progressed(calls: int = calls) -> bool:
-                    return model.stats().total >= calls or await all_done()
+                    return model.stats().total >= calls or await every_one_done()
 
                 await wait_for(progressed, STARTED_WITHIN_S, what="more model calls")
-                if await all_done():
+                if await every_one_done():
                     break
                 await fleet.kill(kind, held_by)
-            await wait_for(all_done, within_s=240, what="every agent done")
+            await wait_for(every_one_done, within_s=240, what="every agent done")
 
             async def refunded() -> bool:
                 by_key = (await mail.deliveries())["by_key"]
@@ -375,7 +344,7 @@ async def test_framework_agents_survive_sigkilled_workers_and_relays_with_each_r
     by_key = (await mail.deliveries())["by_key"]
     refunds = sorted(k for k in by_key if k.startswith("refund.issue"))
     assert refunds == sorted(f"refund.issue:{j}:support/refund/call" for j in ids)
-    events = refund_events(tmp_path / "mailbox.jsonl")
+    events = webhook_events(tmp_path / "mailbox.jsonl", "refund.issue")
     assert len(events) == n, "one refund effect per job"
     assert len({e["idempotency_key"] for e in events}) == n
     assert sorted(e["data"]["cents"] for e in events) == [100 + i for i in range(n)]
@@ -401,6 +370,20 @@ async def test_framework_agents_survive_sigkilled_workers_and_relays_with_each_r
         f"{framework.workflow} soak: {n} jobs, kills {fleet.kills}, {fleet.held_at_kills} jobs"
         f" held at kills, {sum(paid)} model turns paid, {ok[0]} ledgered ok"
     )
+
+
+def holdings(redis: Any, workflow: str) -> Callable[[int], Awaitable[int]]:
+    """How many of ``workflow``'s entries the worker of a pid holds (pending)."""
+    stream = workflow_keys(workflow, f"{workflow}-workers")
+
+    async def held_by(pid: int) -> int:
+        try:
+            consumers = await redis.xinfo_consumers(stream.stream, stream.group)
+        except ResponseError:  # no group yet: nothing held
+            return 0
+        return sum(int(c["pending"]) for c in consumers if f"-{pid}-" in _text(c["name"]))
+
+    return held_by
 
 
 def _text(value: Any) -> str:

@@ -21,7 +21,7 @@ from hypothesis.errors import Unsatisfiable
 from schemathesis.config import SchemathesisConfig
 from schemathesis.generation.modes import GenerationMode
 
-from tests.processes import flush_redis, oncely, serving_api
+from tests.processes import api_with_key, flush_redis, servers_env
 
 # A real process to start, and (fuzzing) a few hundred requests on a busy machine.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -42,18 +42,16 @@ def fuzz_api(
     redis_url, _ = server_urls
     flush_redis(redis_url)
     directory = tmp_path_factory.mktemp("fuzz")
-    env = {
-        "ONCELY_REDIS_URL": redis_url,
-        "ONCELY_DATABASE_URL": module_database_url,
-        "ONCELY_LOG_FORMAT": "json",
-        "ONCELY_DATA_DIR": str(directory),
-        "ONCELY_APP": "tests.fuzz_app:app",
-    }
-    created = oncely("keys", "create", "--tenant", "fuzz", env=env)
-    assert created.returncode == 0, created.stderr
+    env = servers_env(
+        redis_url,
+        module_database_url,
+        ONCELY_LOG_FORMAT="json",
+        ONCELY_DATA_DIR=str(directory),
+        ONCELY_APP="tests.fuzz_app:app",
+    )
     log = directory / "api.log"
-    with serving_api(env, log) as url:
-        yield url, created.stdout.strip(), log
+    with api_with_key(env, "fuzz", log) as (url, key):
+        yield url, key, log
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from tests.processes import oncely, serving_api, wait_for
+from tests.processes import api_with_key, servers_env, wait_for
 
 # A real process to start, and (fuzzing) a few hundred requests on a busy machine.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -35,18 +35,16 @@ def api(
     the module's tests."""
     redis_url, _ = server_urls
     directory = tmp_path_factory.mktemp("limits")
-    env = {
-        "ONCELY_REDIS_URL": redis_url,
-        "ONCELY_DATABASE_URL": module_database_url,
-        "ONCELY_LOG_FORMAT": "json",
-        "ONCELY_HTTP_HEADER_TIMEOUT_S": str(HEAD_TIMEOUT_S),
-        "ONCELY_HTTP_BODY_TIMEOUT_S": str(BODY_TIMEOUT_S),
-    }
-    created = oncely("keys", "create", "--tenant", "acme", env=env)
-    assert created.returncode == 0, created.stderr
+    env = servers_env(
+        redis_url,
+        module_database_url,
+        ONCELY_LOG_FORMAT="json",
+        ONCELY_HTTP_HEADER_TIMEOUT_S=str(HEAD_TIMEOUT_S),
+        ONCELY_HTTP_BODY_TIMEOUT_S=str(BODY_TIMEOUT_S),
+    )
     log = directory / "api.log"
-    with serving_api(env, log) as url:
-        yield int(url.rsplit(":", 1)[1]), created.stdout.strip(), log
+    with api_with_key(env, "acme", log) as (url, key):
+        yield int(url.rsplit(":", 1)[1]), key, log
 
 
 @pytest.fixture

@@ -24,13 +24,13 @@ from langgraph.warnings import LangGraphDeprecatedSinceV10
 from pydantic import BaseModel
 
 import oncely
-from oncely import App, Context, TransientError, Workflow, webhook
+from oncely import App, Context, TransientError, Workflow
 from oncely.fakes.mail import FakeMailServer
 from oncely.integrations import langgraph as lg
 from oncely.outbox.relay import Relay
 from oncely.testing import ToolCalls, run_step
-from tests.durable import Harness, drain, redeliver_until, relayed
-from tests.helpers import RefundArgs, Refunded
+from tests.durable import Harness, agent_desk, drain, redeliver_until, relayed
+from tests.helpers import RefundArgs
 
 SECRET = "langgraph-test-secret"
 LOOKUP = '[[fake:tool=lookup_order {"order_id": "A1"}]]'
@@ -131,16 +131,7 @@ def desk_app(graph: Any, name: str, **limits: Any) -> App:
         messages = state["messages"]
         return Answer(reply=str(messages[-1].content), messages=len(messages))
 
-    workflow = Workflow(
-        name=name,
-        route=f"/v1/{name}",
-        request=Ask,
-        result=Answer,
-        step=step,
-        effects=[webhook("refund.issue", returns=Refunded), webhook("approval.requested")],
-        agents=[graph],
-    )
-    return App([workflow])
+    return agent_desk(name, f"/v1/{name}", Ask, Answer, step, graph)
 
 
 @pytest.fixture(autouse=True)

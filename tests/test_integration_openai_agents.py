@@ -18,14 +18,14 @@ from agents import Agent, RunContextWrapper, RunHooks, Tool, function_tool
 from pydantic import BaseModel
 
 import oncely
-from oncely import App, Context, TransientError, Workflow, webhook
+from oncely import App, Context, TransientError, Workflow
 from oncely.decisions import is_call_id
 from oncely.fakes.mail import FakeMailServer
 from oncely.integrations import openai_agents
 from oncely.outbox.relay import Relay
 from oncely.testing import ToolCalls, run_step
-from tests.durable import Harness, drain, redeliver_until, relayed
-from tests.helpers import RefundArgs, Refunded
+from tests.durable import Harness, agent_desk, drain, redeliver_until, relayed
+from tests.helpers import RefundArgs
 
 SECRET = "openai-agents-test-secret"
 LOOKUP = '[[fake:tool=lookup_order {"order_id": "A1"}]]'
@@ -95,16 +95,7 @@ def helpdesk(hooks: Callable[[], RunHooks[Any] | None] = lambda: None) -> App:
         )
         return Answer(reply=str(result.final_output), agent=result.last_agent.name)
 
-    workflow = Workflow(
-        name="helpdesk",
-        route="/v1/helpdesk",
-        request=Ask,
-        result=Answer,
-        step=step,
-        effects=[webhook("refund.issue", returns=Refunded), webhook("approval.requested")],
-        agents=[support],
-    )
-    return App([workflow])
+    return agent_desk("helpdesk", "/v1/helpdesk", Ask, Answer, step, support)
 
 
 @pytest.fixture(autouse=True)
@@ -115,12 +106,9 @@ def forget_runs() -> None:
 
 
 @pytest.fixture
-async def desk(custom, tmp_path) -> AsyncIterator[tuple[Harness, Relay, FakeMailServer]]:
+async def desk(custom, mail) -> AsyncIterator[tuple[Harness, Relay, FakeMailServer]]:
     harness = await custom(helpdesk())
-    async with (
-        FakeMailServer(tmp_path / "mailbox.jsonl") as mail,
-        relayed(harness, mail, SECRET) as relay,
-    ):
+    async with relayed(harness, mail, SECRET) as relay:
         yield harness, relay, mail
 
 

@@ -33,7 +33,7 @@ from oncely.fakes.mail import FakeMailServer
 from oncely.integrations import pydantic_ai as oncely_pai
 from oncely.outbox.relay import Relay
 from oncely.testing import ToolCalls, run_step
-from tests.durable import Harness, drain, pending, redeliver_until, relayed
+from tests.durable import Harness, agent_desk, drain, pending, redeliver_until, relayed
 from tests.helpers import RefundArgs, Refunded
 
 SECRET = "pydantic-ai-test-secret"
@@ -107,29 +107,14 @@ async def step(request: Ask, ctx: Context) -> Answer:
     return Answer(reply=str(result.output))
 
 
-APP = App(
-    [
-        Workflow(
-            name="pai_support",
-            route="/v1/pai-support",
-            request=Ask,
-            result=Answer,
-            step=step,
-            effects=[webhook("refund.issue", returns=Refunded), webhook("approval.requested")],
-            agents=[support],
-        )
-    ]
-)
 ROUTE = "/v1/pai-support"
+APP = agent_desk("pai_support", ROUTE, Ask, Answer, step, support)
 
 
 @pytest.fixture
-async def desk(custom, tmp_path) -> AsyncIterator[tuple[Harness, Relay, FakeMailServer]]:
+async def desk(custom, mail) -> AsyncIterator[tuple[Harness, Relay, FakeMailServer]]:
     harness = await custom(APP)
-    async with (
-        FakeMailServer(tmp_path / "mailbox.jsonl") as mail,
-        relayed(harness, mail, SECRET) as relay,
-    ):
+    async with relayed(harness, mail, SECRET) as relay:
         yield harness, relay, mail
 
 

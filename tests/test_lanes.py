@@ -23,10 +23,10 @@ from oncely.llm.model import Model, ModelRoute
 from oncely.llm.openai_compat import OpenAICompatible
 from oncely.llm.openai_responses import OpenAIResponses
 from oncely.retry import Deadline, RetryPolicy
-from oncely.usage.calls import CallSite
 from oncely.usage.ledger import Ledger, usage_report
 from oncely.usage.prices import Price, Prices
 from oncely.workflow import Workflow
+from tests.helpers import delivery_model, rows
 
 MODEL = "gpt-fake"
 FAST = RetryPolicy(
@@ -87,24 +87,16 @@ async def chat(request: pytest.FixtureRequest, fake_llm: FakeLLMServer) -> Async
 
 
 def on(llm: LLM, ledger: Ledger, *, lane: Any = "standard", flex_timeout_s: float = 900.0) -> Model:
-    return Model(
-        llm,
-        policy=FAST,
-        deadline=Deadline.after(30),
-        workflow="lanes",
-        model_name=MODEL,
-        route=ModelRoute(ledger=ledger, lane=lane, flex_timeout_s=flex_timeout_s),
-        site=CallSite("lanes", None, "acme"),
-    )
+    route = ModelRoute(ledger=ledger, lane=lane, flex_timeout_s=flex_timeout_s)
+    return delivery_model(llm, MODEL, "lanes", FAST, route)
 
 
 async def ledger_rows(pool: Any) -> list[tuple[Any, ...]]:
-    async with pool.connection() as conn:
-        cur = await conn.execute(
-            "SELECT lane, dialect, outcome, prompt_tokens, completion_tokens, cost_usd::float8,"
-            " lane_saved_usd::float8 FROM model_calls ORDER BY id"
-        )
-        return await cur.fetchall()
+    return await rows(
+        pool,
+        "SELECT lane, dialect, outcome, prompt_tokens, completion_tokens, cost_usd::float8,"
+        " lane_saved_usd::float8 FROM model_calls ORDER BY id",
+    )
 
 
 def fallbacks() -> float:

@@ -17,6 +17,7 @@ from oncely.journal import Emitted, NewCheckpoint, Writes
 from oncely.queue.worker import DeliveryReport
 from oncely.usage.calls import Call, CallSite
 from oncely.usage.ledger import Ledger
+from tests.helpers import rows
 from tests.processes import oncely
 
 DAY_S = 86400.0
@@ -52,8 +53,7 @@ async def finished(jobs, pool, tenant: str, *, status: str, age_days: float, sen
 
 
 async def ids(pool, sql: str, *args: Any) -> set[str]:
-    async with pool.connection() as conn:
-        return {str(r[0]) for r in await (await conn.execute(sql, args)).fetchall()}
+    return {str(r[0]) for r in await rows(pool, sql, *args)}
 
 
 async def test_retention_purges_only_old_finished_jobs_whose_effects_left(jobs, pool):

@@ -17,19 +17,7 @@ from oncely import App, ChildResult, Context, Workflow, webhook
 from oncely.jobs.reconcile import Reconciler
 from oncely.jobs.timers import Timers
 from tests.durable import Harness, drain, until_async
-
-
-class Item(BaseModel):
-    text: str
-
-
-class Said(BaseModel):
-    said: str
-
-
-class Batch(BaseModel):
-    texts: list[str]
-    concurrency: int = 5
+from tests.maps_app import Batch, Item, Said
 
 
 class Digest(BaseModel):

@@ -7,7 +7,6 @@ with every result in item order."""
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import signal
 from typing import Any
@@ -16,12 +15,11 @@ import httpx
 import pytest
 
 from oncely.api.auth import create_api_key
-from tests.processes import free_port, running, start, wait_for, wait_healthy
-from tests.test_workflows_processes import deployment_env, providers, scalar
+from tests.helpers import scalar, webhook_events
+from tests.processes import deployment_env, free_port, running, start, wait_for, wait_healthy
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
-__all__ = ["providers"]
 
 APP = "tests.maps_app:app"
 
@@ -109,10 +107,6 @@ async def test_a_map_survives_sigkilled_workers_with_each_child_once(
     assert models == 40, "one model checkpoint per child"
     by_key = (await mail.deliveries())["by_key"]
     assert sorted(k.split(":")[0] for k in by_key) == ["batch.done"] + ["item.said"] * 40
-    events = [
-        json.loads(line)
-        for line in (tmp_path / "mailbox.jsonl").read_text().splitlines()
-        if '"kind": "event"' in line
-    ]
+    events = webhook_events(tmp_path / "mailbox.jsonl")
     assert len(events) == 41, "each effect once at the receiver"
     assert await scalar(pool, "SELECT count(*) FROM job_maps WHERE parent_id = %s", parent) == 1

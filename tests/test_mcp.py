@@ -51,7 +51,12 @@ class Answer(BaseModel):
     results: list[Any] = []
 
 
-def agent_workflow(agent: oncely.Agent, name: str = "support") -> oncely.Workflow[Ask, Answer]:
+def agent_workflow(
+    agent: oncely.Agent, name: str = "support", **options: Any
+) -> oncely.Workflow[Ask, Answer]:
+    """A workflow ``name`` whose step is ``agent``'s run: its reply, and each
+    tool call as ``<tool>:<status>`` with what the model was told of it."""
+
     async def step(request: Ask, ctx: oncely.Context) -> Answer:
         run = await agent.run(ctx, request.text)
         return Answer(
@@ -60,9 +65,8 @@ def agent_workflow(agent: oncely.Agent, name: str = "support") -> oncely.Workflo
             results=[c.result for c in run.tool_calls],
         )
 
-    return oncely.Workflow(
-        name=name, route=f"/v1/{name}", request=Ask, result=Answer, step=step, agents=[agent]
-    )
+    route = f"/v1/{name}"
+    return oncely.Workflow(name, route, Ask, Answer, step, agents=[agent], **options)
 
 
 def listing_workflow(toolset: oncely.Toolset) -> oncely.Workflow[Ask, Answer]:

@@ -29,19 +29,23 @@ from typing import Any
 
 import httpx
 import pytest
-from redis.exceptions import ResponseError
 
 from oncely.api.auth import create_api_key
-from oncely.names import workflow_keys
-from tests.helpers import scalar
+from tests.helpers import scalar, webhook_events
 from tests.mcp_app import MCP_URL
-from tests.processes import free_port, running, start, tail, wait_for, wait_healthy
-from tests.test_frameworks_processes import Fleet
-from tests.test_workflows_processes import deployment_env, providers
+from tests.processes import (
+    api_client,
+    deployment_env,
+    free_port,
+    running,
+    start,
+    tail,
+    wait_for,
+)
+from tests.test_frameworks_processes import Fleet, holdings
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-__all__ = ["providers"]
 
 APP = "tests.mcp_app:app"
 ROUTE = "/v1/mcpdesk"
@@ -115,7 +119,10 @@ class Desk:
         for kind in ["relay"] + ["worker"] * workers:
             self.fleet.spawn(kind)
 
-    def stop(self) -> None:
+    def __enter__(self) -> Desk:
+        return self
+
+    def __exit__(self, *_: object) -> None:
         with running(self.api, *self.fleet.all()):
             pass
 
@@ -165,10 +172,7 @@ async def nothing_held(pid: int) -> int:
 
 def raised_for(mailbox: Path) -> list[str]:
     """The jobs an ``uncertain.raised`` webhook told a person of."""
-    if not mailbox.exists():
-        return []
-    lines = [json.loads(line) for line in mailbox.read_text().splitlines() if line]
-    return [e["data"]["job_id"] for e in lines if e.get("type") == "uncertain.raised"]
+    return [e["data"]["job_id"] for e in webhook_events(mailbox, "uncertain.raised")]
 
 
 async def test_the_key_reaches_the_server_a_lookup_is_retried_a_refund_waits_for_a_person(
@@ -177,12 +181,8 @@ async def test_the_key_reaches_the_server_a_lookup_is_retried_a_refund_waits_for
     key = await create_api_key(pool, "acme")
     with fake_mcp(tmp_path / "fake-mcp.log", "--slow-s", str(SLOW_S)) as fake:
         await fake.started()
-        env = {**desk_env, MCP_URL: fake.url}
-        desk = Desk(env, tmp_path)
-        try:
-            await wait_healthy(desk.base, desk.api, tmp_path / "api.log")
-            auth = {"Authorization": f"Bearer {key}"}
-            async with httpx.AsyncClient(base_url=desk.base, headers=auth) as client:
+        with Desk({**desk_env, MCP_URL: fake.url}, tmp_path) as desk:
+            async with api_client(desk.base, desk.api, tmp_path / "api.log", key) as client:
                 looked = await post(
                     client, f"Where is A-1? {lookup('A-1', slow=True)}", "mcp-proc-lookup-1"
                 )
@@ -232,8 +232,6 @@ async def test_the_key_reaches_the_server_a_lookup_is_retried_a_refund_waits_for
                 )
                 assert r.status_code == 202, r.text
                 decided = await until(client, refunded, "done")
-        finally:
-            desk.stop()
         calls = await fake.calls()
 
     assert decided["result"]["tool_calls"] == ["refund:ok"]
@@ -253,12 +251,8 @@ async def test_a_server_that_dedupes_on_the_key_gets_the_refund_again_one_effect
     options = ("--idempotent", "--slow-s", str(SLOW_S))
     with fake_mcp(tmp_path / "fake-mcp.log", *options) as fake:
         await fake.started()
-        env = {**desk_env, MCP_URL: fake.url}
-        desk = Desk(env, tmp_path)
-        try:
-            await wait_healthy(desk.base, desk.api, tmp_path / "api.log")
-            auth = {"Authorization": f"Bearer {key}"}
-            async with httpx.AsyncClient(base_url=desk.base, headers=auth) as client:
+        with Desk({**desk_env, MCP_URL: fake.url}, tmp_path) as desk:
+            async with api_client(desk.base, desk.api, tmp_path / "api.log", key) as client:
                 job_id = await post(
                     client, f"Refund C-3. {refund('C-3', 700, slow=True)}", "mcp-proc-idempotent-1"
                 )
@@ -269,8 +263,6 @@ async def test_a_server_that_dedupes_on_the_key_gets_the_refund_again_one_effect
                 await wait_for(refunded, within_s=60, what="the refund made")
                 await desk.fleet.kill("worker", nothing_held)
                 done = await until(client, job_id, "done")
-        finally:
-            desk.stop()
         calls = await fake.calls()
 
     # Sent twice under one key; the server answered the repeat with the
@@ -366,22 +358,12 @@ async def test_soak_agents_with_mcp_tools_and_sigkilled_workers_refund_at_most_o
     for the jobs nobody was asked about. Answering ``result`` for each
     waiting one ends them all done, with no refund sent again."""
     key = await create_api_key(pool, "acme")
-    stream = workflow_keys("mcpdesk", "mcpdesk-workers")
-
-    async def held_by(pid: int) -> int:
-        try:
-            consumers = await redis.xinfo_consumers(stream.stream, stream.group)
-        except ResponseError:  # no group yet: nothing held
-            return 0
-        return sum(int(c["pending"]) for c in consumers if f"-{pid}-" in _text(c["name"]))
+    held_by = holdings(redis, "mcpdesk")
 
     with fake_mcp(tmp_path / "fake-mcp.log", "--slow-s", str(SOAK_SLOW_S)) as fake:
         await fake.started()
-        desk = Desk({**desk_env, MCP_URL: fake.url}, tmp_path, workers=2)
-        try:
-            await wait_healthy(desk.base, desk.api, tmp_path / "api.log")
-            auth = {"Authorization": f"Bearer {key}"}
-            async with httpx.AsyncClient(base_url=desk.base, headers=auth) as client:
+        with Desk({**desk_env, MCP_URL: fake.url}, tmp_path, workers=2) as desk:
+            async with api_client(desk.base, desk.api, tmp_path / "api.log", key) as client:
                 ids = [
                     await post(
                         client,
@@ -409,8 +391,6 @@ async def test_soak_agents_with_mcp_tools_and_sigkilled_workers_refund_at_most_o
                 await answer_each(client, uncertain)
                 await wait_for(all_done, within_s=SETTLED_WITHIN_S, what="every job done")
                 views = [await view(client, j) for j in ids]
-        finally:
-            desk.stop()
         calls = await fake.calls()
         effects = await fake.effects_by_key()
 
@@ -438,7 +418,3 @@ async def test_soak_agents_with_mcp_tools_and_sigkilled_workers_refund_at_most_o
         f" (answered; {unsent} of them never reached the shop), {lookups_again} lookups"
         f" sent again, {sum(effects.values())} refunds"
     )
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)

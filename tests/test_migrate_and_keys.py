@@ -19,6 +19,7 @@ from oncely.sql.migrate import (
     migrate,
     schema_state,
 )
+from tests.helpers import failed_outbox_row
 from tests.processes import oncely, wait_for
 
 
@@ -170,15 +171,9 @@ async def test_cli_reports_bad_settings_readably():
 
 @pytest.mark.slow
 async def test_operator_commands_show_and_retry_a_failed_outbox_row(redis_url, database_url, pool):
-    async with pool.connection() as conn:
-        cur = await conn.execute(
-            "INSERT INTO outbox (topic, dedupe_key, payload, attempts, last_error, failed_at)"
-            " VALUES ('email.summary_ready', 'summary_ready:failed-one', '{}', 10,"
-            " 'HTTP 503', now()) RETURNING id"
-        )
-        row = await cur.fetchone()
-    assert row is not None
-    row_id = row[0]
+    row_id = await failed_outbox_row(
+        pool, "email.summary_ready", "summary_ready:failed-one", 10, "HTTP 503"
+    )
     env = {"ONCELY_REDIS_URL": redis_url, "ONCELY_DATABASE_URL": database_url, "COLUMNS": "200"}
 
     listed = await asyncio.to_thread(oncely, "outbox", "list", "--failed", env=env)

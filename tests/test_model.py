@@ -33,15 +33,21 @@ class Triage(BaseModel):
     urgent: bool
 
 
-Step = Completion | BaseException
+class Hang:
+    """A step that never answers."""
+
+
+Step = Completion | BaseException | Hang
 
 
 class ScriptedLLM:
-    """Answers from a script, one step per call, the last repeating; an
-    exception step is raised. Keeps every call's messages and schema."""
+    """Answers from a script, one step per call (each ``delay_s`` late), the
+    last repeating; an exception step is raised, a ``Hang`` waits forever.
+    Keeps every call's messages and schema."""
 
-    def __init__(self, *script: Step) -> None:
+    def __init__(self, *script: Step, delay_s: float = 0.0) -> None:
         self.script = list(script)
+        self.delay_s = delay_s
         self.requests: list[tuple[list[Message], ResponseSchema | None]] = []
 
     @property
@@ -55,27 +61,16 @@ class ScriptedLLM:
         *,
         schema: ResponseSchema | None = None,
     ) -> Completion:
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
         self.requests.append((list(messages), schema))
         step = self.script.pop(0) if len(self.script) > 1 else self.script[0]
         if isinstance(step, BaseException):
             raise step
+        if isinstance(step, Hang):
+            await asyncio.Event().wait()
+            raise AssertionError("never answers")
         return step
-
-
-class HangingLLM:
-    def __init__(self) -> None:
-        self.calls = 0
-
-    async def complete(
-        self,
-        messages: Sequence[Message],
-        timeout: float,  # noqa: ASYNC109
-        *,
-        schema: ResponseSchema | None = None,
-    ) -> Completion:
-        self.calls += 1
-        await asyncio.Event().wait()
-        raise AssertionError("never answers")
 
 
 def answer(text: str, prompt_tokens: int = 10, completion_tokens: int = 5) -> Completion:
@@ -167,7 +162,7 @@ async def test_a_permanent_error_is_raised_after_one_counted_call(workflow: str)
 
 
 async def test_an_attempt_cut_off_by_its_timeout_counts_as_transient(workflow: str) -> None:
-    llm = HangingLLM()
+    llm = ScriptedLLM(Hang())
     policy = RetryPolicy(per_call_timeout_s=0.05, max_attempts=2, backoff_base_s=0.001)
     m = model(llm, workflow, policy=policy)
     with pytest.raises(TransientError) as raised:
@@ -271,18 +266,7 @@ async def test_re_asks_share_the_one_deadline(workflow: str) -> None:
     """Invalid answers taking 50 ms each: a 0.3 s delivery budget runs out
     long before 1000 re-asks do."""
 
-    class SlowLLM(ScriptedLLM):
-        async def complete(
-            self,
-            messages: Sequence[Message],
-            timeout: float,  # noqa: ASYNC109
-            *,
-            schema: ResponseSchema | None = None,
-        ) -> Completion:
-            await asyncio.sleep(0.05)
-            return await super().complete(messages, timeout, schema=schema)
-
-    llm = SlowLLM(answer("not json"))
+    llm = ScriptedLLM(answer("not json"), delay_s=0.05)
     m = model(llm, workflow, deadline=Deadline.after(0.3), invalid_output_retries=1000)
     started = asyncio.get_running_loop().time()
     with pytest.raises(DeadlineExceeded):

@@ -20,12 +20,12 @@ from oncely.llm.cooldown import Cooldown, CooldownPolicy
 from oncely.llm.model import Model, ModelRoute
 from oncely.llm.openai_compat import OpenAICompatible
 from oncely.llm.routing import Caller, ModelSpec, Target, parse_models
-from oncely.retry import Deadline, RetryPolicy
+from oncely.retry import RetryPolicy
 from oncely.usage.budgets import BudgetLimits, Budgets, Spent, utc_day
 from oncely.usage.calls import Call, CallSite
 from oncely.usage.ledger import Ledger
 from oncely.usage.prices import Prices
-from tests.helpers import count
+from tests.helpers import count, delivery_model, rows
 from tests.processes import wait_for
 
 PRIMARY, BACKUP = "oncely-fake", "fake-backup"
@@ -61,14 +61,10 @@ def routed(
     tenant: str = "acme",
 ) -> Model:
     targets = tuple(Target(name, llm.with_model(name)) for name in fallbacks)
-    return Model(
-        llm,
-        policy=policy,
-        deadline=Deadline.after(20),
-        workflow="routing",
-        model_name=PRIMARY,
-        route=ModelRoute(targets, cooldown, ledger),
-        site=CallSite("routing", job or str(uuid.uuid4()), tenant),
+    route = ModelRoute(targets, cooldown, ledger)
+    job = job or str(uuid.uuid4())
+    return delivery_model(
+        llm, PRIMARY, "routing", policy, route, deadline_s=20, job=job, tenant=tenant
     )
 
 
@@ -78,12 +74,11 @@ def metric(name: str, model: str, **labels: str) -> float:
 
 
 async def ledger_rows(pool) -> list[tuple[Any, ...]]:
-    async with pool.connection() as conn:
-        cur = await conn.execute(
-            "SELECT model, attempt, outcome, prompt_tokens, completion_tokens, cost_usd, step"
-            " FROM model_calls ORDER BY id"
-        )
-        return await cur.fetchall()
+    return await rows(
+        pool,
+        "SELECT model, attempt, outcome, prompt_tokens, completion_tokens, cost_usd, step"
+        " FROM model_calls ORDER BY id",
+    )
 
 
 async def test_fallbacks_parse_names_and_endpoints_and_refuse_the_rest() -> None:

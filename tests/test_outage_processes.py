@@ -14,11 +14,10 @@ import pytest
 from oncely.fakes.llm import FakeLLMServer
 from oncely.fakes.mail import FakeMailServer
 from oncely.queue.stream import Stream
-from tests.helpers import submit
-from tests.processes import running, start, tail, wait_for
+from tests.helpers import all_done, submit
+from tests.processes import deployment_env, running, start, tail, wait_for
 from tests.test_cooldown_processes import events
-from tests.test_routing_processes import all_done, rows
-from tests.test_workflows_processes import deployment_env
+from tests.test_routing_processes import rows
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

@@ -224,12 +224,19 @@ def test_the_demo_profile_needs_no_variable_and_its_settings_are_valid() -> None
         assert settings.webhook_secret.get_secret_value().startswith("whsec_")
 
 
+def loaded_by(statements: str, modules: tuple[str, ...]) -> str:
+    """Which of ``modules`` a fresh interpreter holds after ``statements``
+    (comma-separated; empty: none)."""
+    probe = f"import sys; {statements}; print(','.join(m for m in {modules!r} if m in sys.modules))"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    return done.stdout.strip()
+
+
 @pytest.mark.slow
 def test_the_client_imports_none_of_the_servers_libraries() -> None:
     heavy = ("redis", "psycopg", "psycopg_pool", "openai", "aiohttp", "fastapi", "uvicorn")
-    probe = f"import sys, oncely.client; print(','.join(m for m in {heavy!r} if m in sys.modules))"
-    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
-    assert done.stdout.strip() == "", f"import oncely.client loaded {done.stdout.strip()}"
+    loaded = loaded_by("import oncely.client", heavy)
+    assert loaded == "", f"import oncely.client loaded {loaded}"
 
 
 @pytest.mark.slow
@@ -237,13 +244,11 @@ def test_oncely_and_its_integrations_package_import_no_agent_framework() -> None
     """A framework is imported only by its own integration module, the MCP
     SDK only by ``oncely.mcp``'s modules."""
     frameworks = ("pydantic_ai", "agents", "langgraph", "langchain_core", "mcp")
-    probe = (
-        "import sys, oncely, oncely.integrations, oncely.integrations.runs, oncely.testing,"
-        " oncely.mcp;"
-        f" print(','.join(m for m in {frameworks!r} if m in sys.modules))"
+    loaded = loaded_by(
+        "import oncely, oncely.integrations, oncely.integrations.runs, oncely.testing, oncely.mcp",
+        frameworks,
     )
-    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
-    assert done.stdout.strip() == "", f"import oncely loaded {done.stdout.strip()}"
+    assert loaded == "", f"import oncely loaded {loaded}"
 
 
 @pytest.mark.slow
@@ -261,12 +266,10 @@ def test_agents_and_reply_types_load_no_ledger_driver_or_provider_sdk() -> None:
         "openai",
         "anthropic",
     )
-    probe = (
-        "import sys, oncely, oncely.agent; oncely.Reply, oncely.ToolCall, oncely.Usage;"
-        f" print(','.join(m for m in {heavy!r} if m in sys.modules))"
+    loaded = loaded_by(
+        "import oncely, oncely.agent; oncely.Reply, oncely.ToolCall, oncely.Usage", heavy
     )
-    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
-    assert done.stdout.strip() == "", f"import oncely.agent loaded {done.stdout.strip()}"
+    assert loaded == "", f"import oncely.agent loaded {loaded}"
 
 
 @pytest.mark.slow
@@ -275,13 +278,12 @@ def test_the_job_vocabulary_and_the_testing_kit_load_no_driver() -> None:
     ``oncely.identity``, ``oncely.jobs.records``, ``oncely.JobRecord``) are
     plain data, and ``oncely.testing`` runs steps in memory: neither loads
     PostgreSQL's or Redis's client."""
-    probe = (
-        "import sys, oncely, oncely.statuses, oncely.identity, oncely.jobs.records;"
-        " import oncely.testing; oncely.JobRecord;"
-        " print(','.join(m for m in ('psycopg', 'psycopg_pool', 'redis') if m in sys.modules))"
+    loaded = loaded_by(
+        "import oncely, oncely.statuses, oncely.identity, oncely.jobs.records;"
+        " import oncely.testing; oncely.JobRecord",
+        ("psycopg", "psycopg_pool", "redis"),
     )
-    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
-    assert done.stdout.strip() == "", f"the job vocabulary loaded {done.stdout.strip()}"
+    assert loaded == "", f"the job vocabulary loaded {loaded}"
 
 
 def test_the_constraints_pin_every_requirement_within_its_bounds() -> None:
@@ -470,9 +472,8 @@ def test_operator_commands_load_neither_the_model_sdk_nor_the_web_servers() -> N
     talks to Redis and PostgreSQL, not the model's SDK, the senders' HTTP
     client or the API server."""
     heavy = ("openai", "aiohttp", "fastapi", "uvicorn")
-    probe = f"import sys, oncely.cli.ops; print(','.join(m for m in {heavy!r} if m in sys.modules))"
-    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
-    assert done.stdout.strip() == "", f"import oncely.cli.ops loaded {done.stdout.strip()}"
+    loaded = loaded_by("import oncely.cli.ops", heavy)
+    assert loaded == "", f"import oncely.cli.ops loaded {loaded}"
 
 
 def test_the_architecture_page_names_every_module_the_exports_come_from() -> None:

@@ -15,7 +15,7 @@ import pwd
 import shutil
 import subprocess
 import tempfile
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -33,9 +33,17 @@ from oncely.settings import Settings
 from oncely.sql.bounded import TransactionPooled, run_statement, run_transaction
 from oncely.sql.migrate import migrate
 from tests.helpers import scalar
-from tests.processes import free_port, oncely, running, start, tail, wait_for, wait_healthy
+from tests.processes import (
+    deployment_env,
+    free_port,
+    oncely,
+    running,
+    start,
+    tail,
+    wait_for,
+    wait_healthy,
+)
 
-SECRET = "whsec_" + "c2VjcmV0LWZvci10ZXN0cy1vbmx5LTEyMzQ1Njc4"
 JOBS = 60
 
 # -- the settings, pure ---------------------------------------------------------
@@ -200,28 +208,13 @@ def _wait_for_pgbouncer(url: str, proc: subprocess.Popen[bytes], log: Path) -> N
     raise AssertionError(f"PgBouncer did not answer: {tail(log)}")
 
 
-@pytest.fixture
-async def providers(tmp_path: Path) -> AsyncIterator[tuple[FakeLLMServer, FakeMailServer]]:
-    async with FakeLLMServer() as model, FakeMailServer(tmp_path / "mailbox.jsonl") as mail:
-        yield model, mail
-
-
 def _env(redis_url: str, url: str, model: FakeLLMServer, mail: FakeMailServer) -> dict[str, str]:
-    return {
-        "ONCELY_REDIS_URL": redis_url,
-        "ONCELY_DATABASE_URL": url,
-        "ONCELY_DATABASE_POOLER": "transaction",
-        "ONCELY_LLM_BASE_URL": model.url,
-        "ONCELY_SENDER_URL": mail.url,
-        "ONCELY_WEBHOOK_URL": mail.events_url,
-        "ONCELY_WEBHOOK_SECRET": SECRET,
-        "ONCELY_LOG_FORMAT": "json",
-        "ONCELY_BLOCK_MS": "50",
-        # Few server connections for many statements: each is reused often,
-        # as a prepared statement would be, by other processes' transactions.
-        "ONCELY_PG_POOL_MIN": "1",
-        "ONCELY_PG_POOL_MAX": "4",
-    }
+    # Few server connections for many statements: each is reused often, as
+    # a prepared statement would be, by other processes' transactions.
+    pooled = {"ONCELY_PG_POOL_MIN": "1", "ONCELY_PG_POOL_MAX": "4"}
+    return deployment_env(
+        redis_url, url, model, mail, ONCELY_DATABASE_POOLER="transaction", **pooled
+    )
 
 
 async def _listeners(pool: AsyncConnectionPool) -> object:

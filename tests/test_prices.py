@@ -17,11 +17,12 @@ from pydantic import ValidationError
 from oncely.fakes.llm import FakeLLMServer
 from oncely.llm.anthropic_messages import AnthropicMessages
 from oncely.llm.model import Model, ModelRoute
-from oncely.retry import Deadline, RetryPolicy
+from oncely.retry import RetryPolicy
 from oncely.settings import Settings
 from oncely.usage.calls import Call, CallSite
 from oncely.usage.ledger import Ledger, usage_report
 from oncely.usage.prices import Price, Prices
+from tests.helpers import delivery_model, rows
 
 CLAUDE = "claude-fake"
 FAST = RetryPolicy(per_call_timeout_s=2.0, max_attempts=2, backoff_base_s=0.001, backoff_max_s=0.01)
@@ -95,24 +96,15 @@ async def claude(fake_llm: FakeLLMServer) -> AsyncIterator[AnthropicMessages]:
 
 
 def on_claude(claude: AnthropicMessages, ledger: Ledger) -> Model:
-    return Model(
-        claude,
-        policy=FAST,
-        deadline=Deadline.after(20),
-        workflow="prices",
-        model_name=CLAUDE,
-        route=ModelRoute(ledger=ledger),
-        site=CallSite("prices", None, "acme"),
-    )
+    return delivery_model(claude, CLAUDE, "prices", FAST, ModelRoute(ledger=ledger), deadline_s=20)
 
 
 async def ledger_rows(pool: Any) -> list[tuple[Any, ...]]:
-    async with pool.connection() as conn:
-        cur = await conn.execute(
-            "SELECT dialect, prompt_tokens, completion_tokens, cached_tokens, cache_write_tokens,"
-            " cost_usd::float8, cache_saved_usd::float8 FROM model_calls ORDER BY id"
-        )
-        return await cur.fetchall()
+    return await rows(
+        pool,
+        "SELECT dialect, prompt_tokens, completion_tokens, cached_tokens, cache_write_tokens,"
+        " cost_usd::float8, cache_saved_usd::float8 FROM model_calls ORDER BY id",
+    )
 
 
 async def test_claudes_cache_writes_and_reads_are_priced_in_the_usage_and_the_ledger(

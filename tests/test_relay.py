@@ -30,6 +30,8 @@ from oncely.retry import backoff_s
 from oncely.senders import EffectRouter, Sender, SendersConfig, SendResult, build_router
 from oncely.settings import Settings
 from oncely.sql import query
+from tests.helpers import rows, service_running
+from tests.processes import wait_for
 
 DAY_S = 86400.0
 SUMMARY_READY = "email.summary_ready"
@@ -169,19 +171,36 @@ async def add_rows(pool: AsyncConnectionPool, count: int, *, notify: bool = Fals
         return [row[0] for row in await cur.fetchall()]
 
 
-async def sql(pool: AsyncConnectionPool, statement: str, *params: Any) -> list[tuple[Any, ...]]:
-    async with pool.connection() as conn:
-        cur = await conn.execute(statement, params or None)
-        return await cur.fetchall() if cur.description else []
-
-
 async def seconds_until(pool: AsyncConnectionPool, column: str, row_id: int) -> float:
-    rows = await sql(
+    found = await rows(
         pool,
         f"SELECT extract(epoch FROM {column} - now())::float8 FROM outbox WHERE id = %s",
         row_id,
     )
-    return float(rows[0][0])
+    return float(found[0][0])
+
+
+async def all_sent(pool: AsyncConnectionPool) -> bool:
+    return await rows(pool, "SELECT count(*) FROM outbox WHERE sent_at IS NULL") == [(0,)]
+
+
+async def woken_by_notify(
+    relay: Relay, pool: Any, mail: FakeMailServer, effect_within_s: float, wake_within_s: float
+) -> None:
+    """One row added with its NOTIFY: the relay sends it, woken by the
+    notification before any poll."""
+    await add_rows(pool, 1, notify=True)
+    await eventually(_effects(mail, 1), timeout_s=effect_within_s)
+    await eventually(lambda: relay.stats["woken_by_notify"] >= 1, timeout_s=wake_within_s)
+    assert relay.stats["polls"] == 0
+
+
+async def sent_once_each(pool: Any, mail: FakeMailServer, n: int, attempts: int) -> None:
+    """``n`` rows sent, each after ``attempts`` attempts, each one request
+    and one effect at the receiver."""
+    assert await rows(pool, "SELECT attempts, count(*) FROM outbox GROUP BY 1") == [(attempts, n)]
+    deliveries = await mail.deliveries()
+    assert deliveries["requests"] == deliveries["effects"] == n
 
 
 async def eventually(check: Callable[[], bool | Awaitable[bool]], timeout_s: float = 2.0) -> None:
@@ -189,9 +208,7 @@ async def eventually(check: Callable[[], bool | Awaitable[bool]], timeout_s: flo
         result = check()
         return await result if inspect.isawaitable(result) else result
 
-    async with asyncio.timeout(timeout_s):
-        while not await holds():
-            await asyncio.sleep(0.01)
+    await wait_for(holds, timeout_s)
 
 
 def closed_port_url() -> str:
@@ -215,7 +232,7 @@ async def test_relay_dying_after_send_resends_once_lease_expires_as_one_effect(
 
     survivor = make_relay(store, sender)
     assert await survivor.run_once() == 0, "the dead relay's lease still holds the row"
-    await sql(pool, "UPDATE outbox SET locked_until = now() - interval '1 s'")
+    await rows(pool, "UPDATE outbox SET locked_until = now() - interval '1 s'")
     assert await survivor.run_once() == 1
 
     row = await store.get(row_id)
@@ -231,7 +248,7 @@ async def test_expired_lease_cannot_mark_a_row_another_relay_now_holds(
     [row_id] = await add_rows(pool, 1)
     first, second = uuid.uuid4(), uuid.uuid4()
     [old] = await store.claim(first, 10, 30)
-    await sql(pool, "UPDATE outbox SET locked_until = now() - interval '1 s'")
+    await rows(pool, "UPDATE outbox SET locked_until = now() - interval '1 s'")
     [new] = await store.claim(second, 10, 30)
     assert (old.id, new.id) == (row_id, row_id)
 
@@ -257,13 +274,15 @@ async def test_batched_marking_records_only_the_rows_this_relay_still_holds(
     claimed = await store.claim(first, 10, 30)
     assert sorted(r.id for r in claimed) == sorted(ids)
     # The first row's lease ran out and another relay took it.
-    await sql(pool, "UPDATE outbox SET locked_until = now() - interval '1 s' WHERE id = %s", ids[0])
+    await rows(
+        pool, "UPDATE outbox SET locked_until = now() - interval '1 s' WHERE id = %s", ids[0]
+    )
     assert [r.id for r in await store.claim(second, 10, 30)] == [ids[0]]
 
     marked = await store.mark_sent_many(first, [(row, f"msg_{row.id}") for row in claimed])
     assert marked == {(i, 1) for i in ids[1:]}
-    rows = await sql(pool, "SELECT id, sent_at IS NOT NULL, locked_by FROM outbox ORDER BY id")
-    assert rows == [(ids[0], False, second), (ids[1], True, None), (ids[2], True, None)]
+    found = await rows(pool, "SELECT id, sent_at IS NOT NULL, locked_by FROM outbox ORDER BY id")
+    assert found == [(ids[0], False, second), (ids[1], True, None), (ids[2], True, None)]
     again = [row for row in claimed if row.id == ids[1]]
     assert await store.mark_sent_many(first, [(again[0], "again")]) == set(), "sent stays sent"
 
@@ -278,7 +297,7 @@ async def test_a_relay_that_claims_its_own_row_again_fences_off_its_first_claim(
     [row_id] = await add_rows(pool, 1)
     owner = uuid.uuid4()
     [first] = await store.claim(owner, 10, 30)
-    await sql(pool, "UPDATE outbox SET locked_until = now() - interval '1 s'")
+    await rows(pool, "UPDATE outbox SET locked_until = now() - interval '1 s'")
     [second] = await store.claim(owner, 10, 30)
     assert (first.id, second.id, first.attempts, second.attempts) == (row_id, row_id, 1, 2)
 
@@ -287,7 +306,7 @@ async def test_a_relay_that_claims_its_own_row_again_fences_off_its_first_claim(
     )
     assert late is False
     assert await store.mark_sent_many(owner, [(first, "msg_first")]) == set()
-    [(locked_by, held)] = await sql(
+    [(locked_by, held)] = await rows(
         pool, "SELECT locked_by, locked_until > now() FROM outbox WHERE id = %s", row_id
     )
     assert (locked_by, held) == (owner, True), "the second claim still holds the row"
@@ -306,12 +325,12 @@ async def test_stuck_send_holds_no_row_lock_and_keeps_its_rows_until_the_lease_e
     await eventually(lambda: len(blocking.keys) == 2)
 
     # Mid-send, no session holds a lock on the table or an open transaction.
-    locks = await sql(
+    locks = await rows(
         pool,
         "SELECT count(*) FROM pg_locks WHERE relation = 'outbox'::regclass"
         " AND pid <> pg_backend_pid()",
     )
-    open_tx = await sql(
+    open_tx = await rows(
         pool,
         "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
         " AND state LIKE 'idle in transaction%'",
@@ -324,7 +343,9 @@ async def test_stuck_send_holds_no_row_lock_and_keeps_its_rows_until_the_lease_e
     assert await other.run_once() == 0, "the stuck relay's leases are still valid"
     assert not set(blocking.keys) & set((await fake_mail.deliveries())["by_key"])
 
-    await sql(pool, "UPDATE outbox SET locked_until = now() - interval '1 s' WHERE sent_at IS NULL")
+    await rows(
+        pool, "UPDATE outbox SET locked_until = now() - interval '1 s' WHERE sent_at IS NULL"
+    )
     assert await other.run_once() == 2
 
     blocking.release.set()
@@ -336,10 +357,10 @@ async def test_stuck_send_holds_no_row_lock_and_keeps_its_rows_until_the_lease_e
 
 
 async def leased_to(pool: AsyncConnectionPool, relay: Relay) -> int:
-    rows = await sql(
+    found = await rows(
         pool, "SELECT count(*) FROM outbox WHERE locked_by = %s AND sent_at IS NULL", relay.owner
     )
-    return int(rows[0][0])
+    return int(found[0][0])
 
 
 async def test_the_loop_claims_a_slot_ahead_but_sends_no_more_than_its_concurrency(
@@ -361,18 +382,14 @@ async def test_the_loop_claims_a_slot_ahead_but_sends_no_more_than_its_concurren
         await eventually(claimed_ahead, timeout_s=5)
         assert blocking.most_in_flight == 4
         blocking.release.set()
-
-        async def all_sent() -> bool:
-            return await sql(pool, "SELECT count(*) FROM outbox WHERE sent_at IS NULL") == [(0,)]
-
-        await eventually(all_sent, timeout_s=10)
+        await eventually(lambda: all_sent(pool), timeout_s=10)
     finally:
         relay.stop()
         await asyncio.wait_for(loop, 5)
     assert blocking.most_in_flight == 4
     deliveries = await fake_mail.deliveries()
     assert deliveries["requests"] == deliveries["effects"] == 20
-    assert await sql(pool, "SELECT attempts, count(*) FROM outbox GROUP BY 1") == [(1, 20)]
+    assert await rows(pool, "SELECT attempts, count(*) FROM outbox GROUP BY 1") == [(1, 20)]
 
 
 async def test_a_row_claimed_ahead_whose_lease_ends_before_its_slot_is_not_sent_by_it(
@@ -396,19 +413,15 @@ async def test_a_row_claimed_ahead_whose_lease_ends_before_its_slot_is_not_sent_
     try:
         await eventually(lambda: relay.stats["lease_lost"] >= 1, timeout_s=10)
         blocking.release.set()
-
-        async def all_sent() -> bool:
-            return await sql(pool, "SELECT count(*) FROM outbox WHERE sent_at IS NULL") == [(0,)]
-
-        await eventually(all_sent, timeout_s=10)
+        await eventually(lambda: all_sent(pool), timeout_s=10)
     finally:
         relay.stop()
         await asyncio.wait_for(loop, 5)
     deliveries = await fake_mail.deliveries()
     assert deliveries["effects"] == 3
-    keys = await sql(pool, "SELECT dedupe_key FROM outbox")
+    keys = await rows(pool, "SELECT dedupe_key FROM outbox")
     assert set(deliveries["by_key"]) == {k for (k,) in keys}
-    attempts = dict(await sql(pool, "SELECT id, attempts FROM outbox"))
+    attempts = dict(await rows(pool, "SELECT id, attempts FROM outbox"))
     assert attempts[ids[0]] >= 2 and attempts[ids[1]] >= 2, "cut off, and left unsent: again"
 
 
@@ -419,7 +432,7 @@ async def test_row_whose_lease_keeps_running_out_mid_send_gives_up_unsent(
     for _ in range(2):
         with pytest.raises(BaseExceptionGroup):
             await make_relay(store, Crashing(sender, after_send=False), max_attempts=2).run_once()
-        await sql(pool, "UPDATE outbox SET locked_until = now() - interval '1 s'")
+        await rows(pool, "UPDATE outbox SET locked_until = now() - interval '1 s'")
 
     relay = make_relay(store, sender, max_attempts=2)
     assert await relay.run_once() == 1
@@ -435,7 +448,7 @@ async def test_row_whose_lease_keeps_running_out_mid_send_gives_up_unsent(
 
 async def lease_ends(pool: AsyncConnectionPool) -> tuple[Any, Any]:
     """The earliest and the latest ``locked_until`` of the unsent rows."""
-    [(earliest, latest)] = await sql(
+    [(earliest, latest)] = await rows(
         pool, "SELECT min(locked_until), max(locked_until) FROM outbox WHERE sent_at IS NULL"
     )
     return earliest, latest
@@ -467,11 +480,7 @@ async def test_a_live_relays_slow_send_keeps_its_rows_lease_after_lease(
         await eventually(lambda: other.stats["polls"] >= polls + 2, timeout_s=10)
         assert watching.started == {}, "the other relay took over a live relay's rows"
         blocking.release.set()
-
-        async def all_sent() -> bool:
-            return await sql(pool, "SELECT count(*) FROM outbox WHERE sent_at IS NULL") == [(0,)]
-
-        await eventually(all_sent, timeout_s=10)
+        await eventually(lambda: all_sent(pool), timeout_s=10)
     finally:
         for relay in (slow, other):
             relay.stop()
@@ -479,9 +488,7 @@ async def test_a_live_relays_slow_send_keeps_its_rows_lease_after_lease(
         await asyncio.wait_for(asyncio.gather(*loops), 5)
     assert (slow.stats["sent"], slow.stats["lease_lost"], slow.stats["retried"]) == (2, 0, 0)
     assert other.stats["sent"] == 0 and watching.started == {}
-    assert await sql(pool, "SELECT attempts, count(*) FROM outbox GROUP BY 1") == [(1, 2)]
-    deliveries = await fake_mail.deliveries()
-    assert deliveries["requests"] == deliveries["effects"] == 2
+    await sent_once_each(pool, fake_mail, 2, attempts=1)
 
 
 async def test_a_dead_relays_rows_are_sent_by_another_within_a_lease(
@@ -512,17 +519,13 @@ async def test_a_dead_relays_rows_are_sent_by_another_within_a_lease(
         await asyncio.wait([dying_loop])
         loop = asyncio.get_running_loop()
         died = loop.time()
-        [(left_s,)] = await sql(
+        [(left_s,)] = await rows(
             pool,
             "SELECT extract(epoch FROM max(locked_until) - now())::float8 FROM outbox"
             " WHERE sent_at IS NULL",
         )
         lease_ended = died + left_s  # on this loop's clock, give or take a statement
-
-        async def all_sent() -> bool:
-            return await sql(pool, "SELECT count(*) FROM outbox WHERE sent_at IS NULL") == [(0,)]
-
-        await eventually(all_sent, timeout_s=20)
+        await eventually(lambda: all_sent(pool), timeout_s=20)
     finally:
         survivor.stop()
         if survivor_loop is not None:
@@ -535,9 +538,7 @@ async def test_a_dead_relays_rows_are_sent_by_another_within_a_lease(
         f"resent {taken_over:.1f} s after the death: the bound is one lease (3 s) and a poll;"
         " 15 s allowed for a loaded machine"
     )
-    assert await sql(pool, "SELECT attempts, count(*) FROM outbox GROUP BY 1") == [(2, 2)]
-    deliveries = await fake_mail.deliveries()
-    assert deliveries["requests"] == deliveries["effects"] == 2
+    await sent_once_each(pool, fake_mail, 2, attempts=2)
 
 
 async def test_a_hung_send_is_renewed_up_to_the_send_timeout_then_cut_off(
@@ -582,7 +583,7 @@ async def test_a_renewal_that_finds_the_row_taken_over_stops_the_send(
         loop = asyncio.create_task(first.run())
         try:
             await eventually(lambda: first.stats["renewals"] >= 1, timeout_s=10)
-            await sql(
+            await rows(
                 pool,
                 "UPDATE outbox SET locked_by = %s, locked_until = now() + interval '1 minute',"
                 " attempts = attempts + 1",
@@ -624,8 +625,10 @@ async def test_renew_is_owner_checked_and_never_revives_an_ended_lease(
     ids = await add_rows(pool, 3)
     owner, stranger = uuid.uuid4(), uuid.uuid4()
     assert len(await store.claim(owner, 10, 30)) == 3
-    await sql(pool, "UPDATE outbox SET locked_until = now() - interval '1 s' WHERE id = %s", ids[0])
-    await sql(pool, "UPDATE outbox SET sent_at = now() WHERE id = %s", ids[1])
+    await rows(
+        pool, "UPDATE outbox SET locked_until = now() - interval '1 s' WHERE id = %s", ids[0]
+    )
+    await rows(pool, "UPDATE outbox SET sent_at = now() WHERE id = %s", ids[1])
     assert await store.renew(stranger, ids, 30, timeout_s=5) == set()
     assert await store.renew(owner, ids, 60, timeout_s=5) == {ids[2]}
     assert 50 < await seconds_until(pool, "locked_until", ids[2]) <= 60
@@ -664,7 +667,7 @@ async def test_provider_down_counts_an_attempt_and_schedules_a_retry_that_sends(
     assert relay.stats["retried"] == 1
     assert await make_relay(store, sender).run_once() == 0, "not due yet"
 
-    await sql(pool, "UPDATE outbox SET next_attempt_at = now() - interval '1 s'")
+    await rows(pool, "UPDATE outbox SET next_attempt_at = now() - interval '1 s'")
     assert await make_relay(store, sender).run_once() == 1
     row = await store.get(row_id)
     assert row is not None and row.sent_at is not None and row.attempts == 2
@@ -707,7 +710,7 @@ async def test_max_attempts_stops_the_row_until_an_operator_retries_it(
     relay = make_relay(store, sender, max_attempts=3)
     for _ in range(3):
         assert await relay.run_once() == 1
-        await sql(pool, "UPDATE outbox SET next_attempt_at = now() - interval '1 s'")
+        await rows(pool, "UPDATE outbox SET next_attempt_at = now() - interval '1 s'")
     assert await relay.run_once() == 0
     assert (relay.stats["retried"], relay.stats["failed"]) == (2, 1)
     assert [r.id for r in await store.list(failed_only=True)] == [row_id]
@@ -734,12 +737,8 @@ async def test_two_relays_side_by_side_send_500_rows_exactly_once(
     senders = [email_router(fake_mail.url) for _ in range(2)]
     relays = [make_relay(store, s, batch=25, concurrency=8, poll_s=0.02) for s in senders]
     loops = [asyncio.create_task(r.run()) for r in relays]
-
-    async def all_sent() -> bool:
-        return await sql(pool, "SELECT count(*) FROM outbox WHERE sent_at IS NULL") == [(0,)]
-
     try:
-        await eventually(all_sent, timeout_s=10)
+        await eventually(lambda: all_sent(pool), timeout_s=10)
     finally:
         for relay in relays:
             relay.stop()
@@ -750,44 +749,36 @@ async def test_two_relays_side_by_side_send_500_rows_exactly_once(
     deliveries = await fake_mail.deliveries()
     assert deliveries["requests"] == deliveries["effects"] == 500
     assert set(deliveries["by_key"].values()) == {1}
-    assert await sql(pool, "SELECT attempts, count(*) FROM outbox GROUP BY 1") == [(1, 500)]
+    assert await rows(pool, "SELECT attempts, count(*) FROM outbox GROUP BY 1") == [(1, 500)]
     assert [r.stats["sent"] > 0 for r in relays] == [True, True]
     assert sum(r.stats["sent"] for r in relays) == 500
 
 
+@pytest.fixture
+def listening(store: OutboxStore, sender: Sender, database_url: str) -> Callable[..., Relay]:
+    """A relay that listens for NOTIFY on a connection of its own
+    (``make_relay``'s options)."""
+    return lambda **options: make_relay(store, sender, database_url=database_url, **options)
+
+
 async def test_notify_wakes_the_relay_well_before_its_poll_interval(
-    pool: AsyncConnectionPool,
-    store: OutboxStore,
-    sender: Sender,
-    fake_mail: FakeMailServer,
-    database_url: str,
+    pool: AsyncConnectionPool, fake_mail: FakeMailServer, listening: Callable[..., Relay]
 ) -> None:
     # A poll far beyond the wait below: only the NOTIFY can deliver in time.
-    relay = make_relay(store, sender, database_url=database_url, poll_s=120.0)
-    loop = asyncio.create_task(relay.run())
-    try:
+    relay = listening(poll_s=120.0)
+    async with service_running(relay, stop_within_s=2):
         await asyncio.wait_for(relay.listening.wait(), 10)
-        await add_rows(pool, 1, notify=True)  # row and NOTIFY in one transaction
-        await eventually(_effects(fake_mail, 1), timeout_s=30.0)
-        await eventually(lambda: relay.stats["woken_by_notify"] >= 1, timeout_s=5.0)
-        assert relay.stats["polls"] == 0
-    finally:
-        relay.stop()
-        await asyncio.wait_for(loop, 2)
+        # The row and its NOTIFY in one transaction.
+        await woken_by_notify(relay, pool, fake_mail, effect_within_s=30.0, wake_within_s=5.0)
 
 
 async def test_listener_reconnects_after_its_connection_drops(
-    pool: AsyncConnectionPool,
-    store: OutboxStore,
-    sender: Sender,
-    fake_mail: FakeMailServer,
-    database_url: str,
+    pool: AsyncConnectionPool, fake_mail: FakeMailServer, listening: Callable[..., Relay]
 ) -> None:
-    relay = make_relay(store, sender, database_url=database_url, poll_s=10.0, listen_retry_s=0.05)
-    loop = asyncio.create_task(relay.run())
-    try:
+    relay = listening(poll_s=10.0, listen_retry_s=0.05)
+    async with service_running(relay, stop_within_s=2):
         await asyncio.wait_for(relay.listening.wait(), 2)
-        terminated = await sql(
+        terminated = await rows(
             pool,
             "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
             " WHERE application_name = %s AND datname = current_database()",
@@ -795,14 +786,7 @@ async def test_listener_reconnects_after_its_connection_drops(
         )
         assert terminated == [(True,)]
         await eventually(lambda: relay.stats["listens"] == 2)
-
-        await add_rows(pool, 1, notify=True)
-        await eventually(_effects(fake_mail, 1), timeout_s=1.0)
-        await eventually(lambda: relay.stats["woken_by_notify"] >= 1, timeout_s=0.5)
-        assert relay.stats["polls"] == 0
-    finally:
-        relay.stop()
-        await asyncio.wait_for(loop, 2)
+        await woken_by_notify(relay, pool, fake_mail, effect_within_s=1.0, wake_within_s=0.5)
 
 
 async def test_stop_lets_the_send_in_flight_finish_and_record_it(
@@ -833,19 +817,19 @@ async def test_retention_deletes_only_rows_sent_before_the_window(
 ) -> None:
     ids = await add_rows(pool, 8)
     old_sent, fresh_sent, old_unsent, old_failed = ids[:5], ids[5], ids[6], ids[7]
-    await sql(
+    await rows(
         pool,
         "UPDATE outbox SET sent_at = now() - interval '8 days',"
         " created_at = now() - interval '9 days' WHERE id = ANY(%s)",
         old_sent,
     )
-    await sql(
+    await rows(
         pool, "UPDATE outbox SET sent_at = now() - interval '1 hour' WHERE id = %s", fresh_sent
     )
-    await sql(
+    await rows(
         pool, "UPDATE outbox SET created_at = now() - interval '30 days' WHERE id = %s", old_unsent
     )
-    await sql(
+    await rows(
         pool,
         "UPDATE outbox SET failed_at = now() - interval '30 days',"
         " created_at = now() - interval '30 days' WHERE id = %s",
@@ -855,7 +839,7 @@ async def test_retention_deletes_only_rows_sent_before_the_window(
     relay = make_relay(store, sender, retention_s=7 * DAY_S, cleanup_batch=2)
     assert await relay.clean_up() == 5
     assert await relay.clean_up() == 0
-    remaining = await sql(pool, "SELECT id FROM outbox ORDER BY id")
+    remaining = await rows(pool, "SELECT id FROM outbox ORDER BY id")
     assert [r[0] for r in remaining] == [fresh_sent, old_unsent, old_failed]
 
 
@@ -863,9 +847,11 @@ async def test_counts_and_retry_all_failed_for_operators(
     pool: AsyncConnectionPool, store: OutboxStore
 ) -> None:
     sent, failed, waiting = await add_rows(pool, 3)
-    await sql(pool, "UPDATE outbox SET sent_at = now() WHERE id = %s", sent)
-    await sql(pool, "UPDATE outbox SET failed_at = now(), attempts = 10 WHERE id = %s", failed)
-    await sql(pool, "UPDATE outbox SET created_at = now() - interval '60 s' WHERE id = %s", waiting)
+    await rows(pool, "UPDATE outbox SET sent_at = now() WHERE id = %s", sent)
+    await rows(pool, "UPDATE outbox SET failed_at = now(), attempts = 10 WHERE id = %s", failed)
+    await rows(
+        pool, "UPDATE outbox SET created_at = now() - interval '60 s' WHERE id = %s", waiting
+    )
 
     counts = await store.counts()
     assert (counts.unsent, counts.in_flight, counts.failed) == (1, 0, 1)

@@ -28,8 +28,9 @@ from oncely.llm.model import Model, ModelRoute
 from oncely.llm.openai_responses import OpenAIResponses
 from oncely.outbox.wakeup import OutboxWakeUp
 from oncely.queue.worker import Worker, WorkerConfig
-from oncely.retry import Deadline, RetryPolicy
+from oncely.retry import RetryPolicy
 from tests.durable import drain
+from tests.helpers import delivery_model
 
 MODEL = "gpt-fake"
 POLICY = RetryPolicy(per_call_timeout_s=20.0, max_attempts=2, backoff_base_s=0.01)
@@ -55,15 +56,8 @@ class Kept:
 
 
 def model(llm: OpenAIResponses, journal: Journal, background_s: float = 1.0) -> Model:
-    return Model(
-        llm,
-        policy=POLICY,
-        deadline=Deadline.after(30),
-        workflow="responses",
-        model_name=MODEL,
-        journal=journal,
-        route=ModelRoute(background_s=background_s),
-    )
+    route = ModelRoute(background_s=background_s)
+    return delivery_model(llm, MODEL, "responses", POLICY, route, journal=journal)
 
 
 async def test_a_call_reads_text_usage_and_reasoning_tokens(llm, fake_llm) -> None:

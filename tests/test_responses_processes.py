@@ -9,24 +9,16 @@ model (creates, retrieves, cancels per dialect) and in the ledger
 
 from __future__ import annotations
 
-import json
-import signal
-from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from httpx_sse import aconnect_sse
 
-from oncely.api.auth import create_api_key
 from oncely.fakes.llm import FakeLLMServer
-from oncely.fakes.mail import FakeMailServer
-from tests.helpers import scalar
-from tests.processes import free_port, running, start, wait_for, wait_healthy
-from tests.steps_app import SIDE_CALLS
-from tests.test_durable_processes import Deployment, post
-from tests.test_workflows_processes import deployment_env, processes
+from tests.helpers import rows
+from tests.processes import Deployment, deployment_env, post, wait_effects, wait_for, wait_outcome
+from tests.test_durable_processes import steps_env
+from tests.test_streams_processes import stream_killing_the_worker
 
 pytestmark = pytest.mark.slow
 
@@ -35,54 +27,35 @@ MODEL = "gpt-fake"
 
 
 @pytest.fixture
-async def providers(tmp_path: Path) -> AsyncIterator[tuple[FakeLLMServer, FakeMailServer]]:
-    async with FakeLLMServer() as model, FakeMailServer(tmp_path / "mailbox.jsonl") as mail:
-        yield model, mail
-
-
-@pytest.fixture
 def env(redis, redis_url, database_url, providers, tmp_path) -> dict[str, str]:
     """The processes' settings, on a flushed Redis database (``redis``)."""
-    model, mail = providers
-    return {
-        "ONCELY_APP": APP,
-        "ONCELY_REDIS_URL": redis_url,
-        "ONCELY_DATABASE_URL": database_url,
-        "ONCELY_LLM_BASE_URL": model.url,
-        # Every attempt may take 20 s, more than 2: each goes in background mode.
-        "ONCELY_LLM_MODEL": f"responses:{MODEL}",
-        "ONCELY_LLM_TIMEOUT_S": "20",
-        "ONCELY_LLM_BACKGROUND_S": "2",
-        "ONCELY_SENDER_URL": mail.url,
-        "ONCELY_WEBHOOK_URL": mail.events_url,
-        "ONCELY_WEBHOOK_SECRET": "whsec_" + "c2VjcmV0LWZvci10ZXN0cy1vbmx5LTEyMzQ1Njc4",
-        "ONCELY_LOG_FORMAT": "json",
-        "ONCELY_BLOCK_MS": "50",
-        # A killed worker's entries are reclaimed after 1.5 s; leases renew every 0.5 s.
-        "ONCELY_CLAIM_IDLE_MS": "1500",
-        "ONCELY_RECONCILE_AFTER_S": "2",
-        SIDE_CALLS: str(tmp_path / "side-calls.jsonl"),
-    }
+    return steps_env(redis_url, database_url, providers, tmp_path) | BACKGROUND
 
 
-async def ledger(pool: Any, job_id: str) -> list[tuple[str, str, str, str]]:
+# Every attempt may take 20 s, more than 2: each goes in background mode.
+BACKGROUND = {
+    "ONCELY_LLM_MODEL": f"responses:{MODEL}",
+    "ONCELY_LLM_TIMEOUT_S": "20",
+    "ONCELY_LLM_BACKGROUND_S": "2",
+}
+
+
+async def ledger(pool: Any, job_id: str) -> list[tuple[Any, ...]]:
     """The job's ``model_calls`` rows: (step, model, dialect, outcome), by step."""
-    async with pool.connection() as conn:
-        cur = await conn.execute(
-            "SELECT step, model, dialect, outcome FROM model_calls"
-            " WHERE job_id = %s ORDER BY step, id",
-            (job_id,),
-        )
-        return [tuple(row) for row in await cur.fetchall()]
+    return await rows(
+        pool,
+        "SELECT step, model, dialect, outcome FROM model_calls WHERE job_id = %s ORDER BY step, id",
+        job_id,
+    )
 
 
 async def intents(pool: Any, job_id: str) -> list[str]:
-    async with pool.connection() as conn:
-        cur = await conn.execute(
-            "SELECT key FROM checkpoints WHERE job_id = %s AND kind = 'intent' ORDER BY ordinal",
-            (job_id,),
-        )
-        return [str(key) for (key,) in await cur.fetchall()]
+    found = await rows(
+        pool,
+        "SELECT key FROM checkpoints WHERE job_id = %s AND kind = 'intent' ORDER BY ordinal",
+        job_id,
+    )
+    return [str(key) for (key,) in found]
 
 
 def created(model: FakeLLMServer, contains: str) -> int:
@@ -91,18 +64,14 @@ def created(model: FakeLLMServer, contains: str) -> int:
 
 
 async def test_sigkill_while_a_background_response_thinks_reattaches_and_pays_once(
-    pool, providers, env, tmp_path
+    api_key, pool, providers, env, tmp_path
 ):
     """The worker is killed while the last call's background response
     thinks; another worker re-attaches to it by the id the first one stored:
     the provider saw one create, the ledger has one row for that call."""
     model, mail = providers
-    key = await create_api_key(pool, "acme")
-    d = Deployment(env, tmp_path)
-    with d:
-        await wait_healthy(d.base, d.api, tmp_path / "api.log")
-        auth = {"Authorization": f"Bearer {key}"}
-        async with httpx.AsyncClient(base_url=d.base, headers=auth) as client:
+    with Deployment(env, tmp_path) as d:
+        async with d.client(api_key) as client:
             body = {"text": "sku-5 think it over.", "hold": "[[fake:sleep=6]]"}
             job_id = await post(client, "/v1/chain", body, "responses-sigkill-0001")
 
@@ -117,15 +86,11 @@ async def test_sigkill_while_a_background_response_thinks_reattaches_and_pays_on
 
             await wait_for(final_id_kept_and_sent, what="the last call's response id stored")
             assert created(model, "final:") == 1
-            d.workers[0].send_signal(signal.SIGKILL)
-            d.workers[0].wait(10)
+            d.kill_worker()
             retrieved = model.stats().background["retrieved"]
             d.workers.append(d.start_worker())
 
-            async def delivered() -> bool:
-                return (await mail.deliveries())["effects"] >= 1
-
-            await wait_for(delivered, within_s=60, what="the order's webhook")
+            await wait_effects(mail, within_s=60, what="the order's webhook")
             job = (await client.get(f"/v1/chain/{job_id}")).json()
 
             async def written() -> bool:
@@ -161,15 +126,11 @@ async def test_sigkill_while_a_background_response_thinks_reattaches_and_pays_on
 
 
 async def test_a_job_cancelled_while_its_background_response_thinks_cancels_it(
-    pool, providers, env, tmp_path
+    api_key, pool, providers, env, tmp_path
 ):
     model, mail = providers
-    key = await create_api_key(pool, "acme")
-    d = Deployment(env, tmp_path)
-    with d:
-        await wait_healthy(d.base, d.api, tmp_path / "api.log")
-        auth = {"Authorization": f"Bearer {key}"}
-        async with httpx.AsyncClient(base_url=d.base, headers=auth) as client:
+    with Deployment(env, tmp_path) as d:
+        async with d.client(api_key) as client:
             body = {"text": "sku-6 never mind.", "hold": "[[fake:sleep=60]]"}
             job_id = await post(client, "/v1/chain", body, "responses-cancel-0001")
 
@@ -185,15 +146,7 @@ async def test_a_job_cancelled_while_its_background_response_thinks_cancels_it(
 
             await wait_for(cancelled_at_the_provider, what="the response cancelled")
 
-            async def acknowledged() -> bool:
-                outcome = await scalar(
-                    pool,
-                    "SELECT outcome FROM job_deliveries WHERE job_id = %s ORDER BY id DESC",
-                    job_id,
-                )
-                return outcome == "cancelled"
-
-            await wait_for(acknowledged, what="the delivery recorded as cancelled")
+            await wait_outcome(pool, job_id, "cancelled", "the delivery recorded as cancelled")
             job = (await client.get(f"/v1/chain/{job_id}")).json()
 
             async def written() -> bool:
@@ -213,7 +166,7 @@ async def test_a_job_cancelled_while_its_background_response_thinks_cancels_it(
 
 
 async def test_an_overloaded_anthropic_primary_falls_back_to_responses(
-    pool, providers, env, tmp_path
+    api_key, pool, providers, env, tmp_path
 ):
     """A route across providers: every call of the ``anthropic:`` primary
     answers 529 (the fake's outage for that model); each call falls back to
@@ -231,19 +184,12 @@ async def test_an_overloaded_anthropic_primary_falls_back_to_responses(
     async with httpx.AsyncClient(base_url=model.root_url) as fake:
         outage = await fake.post("/_outage", json={"fault": "529", "model": "claude-fake"})
         assert outage.status_code == 200, outage.text
-    key = await create_api_key(pool, "acme")
-    d = Deployment(env, tmp_path)
-    with d:
-        await wait_healthy(d.base, d.api, tmp_path / "api.log")
-        auth = {"Authorization": f"Bearer {key}"}
-        async with httpx.AsyncClient(base_url=d.base, headers=auth) as client:
+    with Deployment(env, tmp_path) as d:
+        async with d.client(api_key) as client:
             body = {"text": "sku-9 the primary is busy."}
             job_id = await post(client, "/v1/chain", body, "responses-fallback-0001")
 
-            async def delivered() -> bool:
-                return (await mail.deliveries())["effects"] >= 1
-
-            await wait_for(delivered, within_s=60, what="the order's webhook")
+            await wait_effects(mail, within_s=60, what="the order's webhook")
             job = (await client.get(f"/v1/chain/{job_id}")).json()
 
             async def written() -> bool:
@@ -270,7 +216,7 @@ async def test_an_overloaded_anthropic_primary_falls_back_to_responses(
 
 
 async def test_a_worker_killed_mid_stream_of_a_background_response_goes_on_from_its_last_piece(
-    redis_url, database_url, pool, redis, providers, tmp_path
+    redis_url, database_url, api_key, pool, redis, providers, tmp_path
 ):
     """The summaries workflow streams; its call runs in background mode.
     The worker is SIGKILLed while the response's words stream; the next one
@@ -279,59 +225,22 @@ async def test_a_worker_killed_mid_stream_of_a_background_response_goes_on_from_
     one stream from that number, the client saw no ``reset`` and no piece
     twice, and the tokens it keeps are the stored summary."""
     model, mail = providers
-    key = await create_api_key(pool, "acme")
-    port = free_port()
-    env = deployment_env(
-        redis_url,
-        database_url,
-        model,
-        mail,
-        ONCELY_CLAIM_IDLE_MS="1500",
-        ONCELY_LLM_MODEL=f"responses:{MODEL}",
-        ONCELY_LLM_TIMEOUT_S="20",
-        ONCELY_LLM_BACKGROUND_S="2",
-    )
-    api, worker, relay = processes(env, tmp_path, port)
-    base = f"http://127.0.0.1:{port}"
+    env = deployment_env(redis_url, database_url, model, mail, ONCELY_CLAIM_IDLE_MS="1500")
     # A word every 0.3 s: the worker is killed while the answer streams.
     words = " ".join(f"word{i}" for i in range(24))
     text = f"[[fake:typing=0.3]] A background answer, streamed. {words}. Done."
-    events: list[tuple[str, Any]] = []
-    replacement = None
-    with running(api, worker, relay):
-        await wait_healthy(base, api, tmp_path / "api.log")
-        auth = {"Authorization": f"Bearer {key}"}
-        async with httpx.AsyncClient(base_url=base, headers=auth, timeout=60) as http:
-            posted = await http.post(
-                "/v1/summaries",
-                json={"text": text, "notify": "ada@example.com"},
-                headers={"Idempotency-Key": "background-mid-stream-0001"},
-            )
-            assert posted.status_code == 202, posted.text
-            job_id = posted.json()["job_id"]
-            async with aconnect_sse(http, "GET", f"/v1/summaries/{job_id}/stream") as source:
-                async for sse in source.aiter_sse():
-                    events.append((sse.event, json.loads(sse.data)))
-                    if sum(kind == "token" for kind, _ in events) == 4 and replacement is None:
-                        worker.send_signal(signal.SIGKILL)
-                        worker.wait()
-                        replacement = start(["worker"], env, tmp_path / "worker2.log")
-                    if sse.event == "end":
-                        break
+    with Deployment(env | BACKGROUND, tmp_path) as d:
+        async with d.client(api_key, timeout=60) as http:
+            key = "background-mid-stream-0001"
+            job_id, events = await stream_killing_the_worker(d, http, text, key)
             got = (await http.get(f"/v1/summaries/{job_id}")).json()
 
-            async def emailed() -> bool:
-                return (await mail.deliveries())["effects"] >= 1
-
-            await wait_for(emailed, what="the summary's email")
+            await wait_effects(mail, what="the summary's email")
 
             async def billed() -> bool:
                 return [r[3] for r in await ledger(pool, job_id)] == ["ok"]
 
             await wait_for(billed, what="the call's one ledger row")
-        assert replacement is not None
-        replacement.send_signal(signal.SIGTERM)
-        replacement.wait(30)
 
     assert got["status"] == "done" and events[-1] == ("end", got)
     tokens = [data for kind, data in events if kind == "token"]

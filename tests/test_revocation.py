@@ -18,20 +18,17 @@ import pytest
 
 from oncely.api import auth
 from oncely.api.auth import create_api_key, create_api_key_with_id
-from tests.processes import free_port, oncely, running, start, wait_for
+from tests.processes import free_port, oncely, running, servers_env, start, wait_for
 
 URL = "/v1/summaries"
 
 
 @pytest.fixture
 def env(redis_url: str, database_url: str) -> dict[str, str]:
-    return {
-        "ONCELY_REDIS_URL": redis_url,
-        "ONCELY_DATABASE_URL": database_url,
-        "ONCELY_LOG_FORMAT": "json",
-        # An hour: a refusal within the test can only come from the announcement.
-        "ONCELY_API_KEY_CACHE_S": "3600",
-    }
+    # An hour: a refusal within the test can only come from the announcement.
+    return servers_env(
+        redis_url, database_url, ONCELY_LOG_FORMAT="json", ONCELY_API_KEY_CACHE_S="3600"
+    )
 
 
 @pytest.fixture
@@ -89,11 +86,18 @@ async def _up(base: str) -> bool:
         return False
 
 
-async def test_unknown_keys_are_cached_and_budgeted_per_client(
-    settings, redis, pool, monkeypatch, api_key
-):
-    from tests.helpers import asgi_app
+async def with_unknown_keys(client: httpx.AsyncClient, n: int) -> list[int]:
+    """The statuses of ``n`` reads, each with a random key nobody holds."""
+    statuses = []
+    for _ in range(n):
+        key = "onc_" + secrets.token_urlsafe(32)
+        r = await client.get(f"{URL}/{uuid.uuid4()}", headers={"Authorization": f"Bearer {key}"})
+        statuses.append(r.status_code)
+    return statuses
 
+
+def counted_lookups(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The key hashes looked up in the database from now on, in order."""
     lookups: list[str] = []
     real = auth._tenant_for_hash
 
@@ -102,15 +106,20 @@ async def test_unknown_keys_are_cached_and_budgeted_per_client(
         return await real(pool, key_hash, timeout_s=timeout_s)
 
     monkeypatch.setattr(auth, "_tenant_for_hash", counted)
+    return lookups
+
+
+async def test_unknown_keys_are_cached_and_budgeted_per_client(
+    settings, redis, pool, monkeypatch, api_key
+):
+    from tests.helpers import asgi_app
+
+    lookups = counted_lookups(monkeypatch)
     app = asgi_app(settings.model_copy(update={"api_key_cache_s": 600}), redis, pool)
     client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t")
     mine = {"Authorization": f"Bearer {api_key}"}
     assert (await client.get(f"{URL}/{uuid.uuid4()}", headers=mine)).status_code == 404
-    statuses = []
-    for _ in range(1000):
-        key = "onc_" + secrets.token_urlsafe(32)
-        r = await client.get(f"{URL}/{uuid.uuid4()}", headers={"Authorization": f"Bearer {key}"})
-        statuses.append(r.status_code)
+    statuses = await with_unknown_keys(client, 1000)
     assert statuses.count(401) == 60 and statuses.count(429) == 940
     assert len(lookups) == 61, "the good key once, then 60 unknown ones: past the budget, none"
     another = {"Authorization": "Bearer onc_" + secrets.token_urlsafe(32)}
@@ -142,11 +151,7 @@ async def test_a_flood_of_unknown_keys_never_locks_a_valid_key_out(
     other = await create_api_key(pool, "globex")
     app = asgi_app(settings.model_copy(update={"api_key_cache_s": 600}), redis, pool)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
-        statuses = []
-        for _ in range(500):
-            key = "onc_" + secrets.token_urlsafe(32)
-            r = await c.get(f"{URL}/{uuid.uuid4()}", headers={"Authorization": f"Bearer {key}"})
-            statuses.append(r.status_code)
+        statuses = await with_unknown_keys(c, 500)
         assert statuses.count(401) == 60 and statuses.count(429) == 440
         # Two valid keys first seen from the flooded address: both pass.
         for key in (api_key, other):
@@ -158,14 +163,7 @@ async def test_a_flood_of_unknown_keys_never_locks_a_valid_key_out(
 async def test_an_unknown_key_asked_again_costs_no_lookup(settings, redis, pool, monkeypatch):
     from tests.helpers import asgi_app
 
-    lookups: list[str] = []
-    real = auth._tenant_for_hash
-
-    async def counted(pool, key_hash, *, timeout_s):  # type: ignore[no-untyped-def]
-        lookups.append(key_hash)
-        return await real(pool, key_hash, timeout_s=timeout_s)
-
-    monkeypatch.setattr(auth, "_tenant_for_hash", counted)
+    lookups = counted_lookups(monkeypatch)
     app = asgi_app(settings.model_copy(update={"api_key_cache_s": 60}), redis, pool)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
         wrong = {"Authorization": "Bearer onc_" + "x" * 43}

@@ -15,13 +15,20 @@ import pytest
 
 from oncely.api.auth import create_api_key
 from oncely.queue.stream import Stream
-from tests.helpers import rows, submit
-from tests.processes import free_port, oncely, running, start, tail, wait_for, wait_healthy
-from tests.test_workflows_processes import deployment_env, providers, scalar
+from tests.helpers import all_done, rows, scalar, submit
+from tests.processes import (
+    deployment_env,
+    free_port,
+    oncely,
+    running,
+    start,
+    tail,
+    wait_for,
+    wait_healthy,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
-__all__ = ["providers"]
 
 PRIMARY, BACKUP = "oncely-fake", "fake-backup"
 PRICES = {PRIMARY: (1.0, 4.0), BACKUP: (2.5, 10.0)}
@@ -49,13 +56,6 @@ def stream(redis) -> Stream:
     from oncely.builtin import app
 
     return Stream(redis, app["summaries"].keys)
-
-
-async def all_done(pool, ids: list[str]) -> bool:
-    done = await scalar(
-        pool, "SELECT count(*) FROM jobs WHERE status = 'done' AND job_id = ANY(%s::uuid[])", ids
-    )
-    return bool(done == len(ids))
 
 
 async def models_of(pool, ids: list[str]) -> set[str]:

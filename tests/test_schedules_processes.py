@@ -14,8 +14,8 @@ from datetime import datetime
 
 import pytest
 
+from tests.helpers import scalar
 from tests.processes import oncely, running, start, wait_for
-from tests.test_workflows_processes import scalar
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

@@ -40,6 +40,7 @@ from oncely.senders import (
 from oncely.senders.base import parse_retry_after
 from oncely.senders.smtp import message_id_for
 from oncely.senders.webhook import secret_key
+from tests.helpers import mailbox_lines, posts_served
 
 EMAIL = Email(to="ada@example.com", subject="Your summary is ready (job job-1)", text="Short.\n")
 KEY = "summary_ready:job-1"
@@ -93,21 +94,6 @@ def test_unusable_retry_after_is_none(header: str | None) -> None:
 
 
 # --- HTTP email API against the fake provider ---------------------------------------------
-
-
-@pytest.fixture
-def mailbox(tmp_path: Path) -> Path:
-    return tmp_path / "mailbox.jsonl"
-
-
-@pytest.fixture
-async def mail(mailbox: Path) -> AsyncIterator[FakeMailServer]:
-    async with FakeMailServer(mailbox) as server:
-        yield server
-
-
-def mailbox_lines(mailbox: Path) -> list[dict[str, Any]]:
-    return [json.loads(raw) for raw in mailbox.read_text().splitlines()]
 
 
 @pytest.fixture
@@ -323,17 +309,8 @@ class Receiver:
 
 @asynccontextmanager
 async def serving(receiver: Receiver) -> AsyncIterator[Receiver]:
-    app = web.Application()
-    app.router.add_post("/hook", receiver.handle)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    host, port = runner.addresses[0][:2]
-    receiver.url = f"http://{host}:{port}/hook"
-    try:
+    async with posts_served("/hook", receiver.handle) as receiver.url:
         yield receiver
-    finally:
-        await runner.cleanup()
 
 
 @pytest.fixture

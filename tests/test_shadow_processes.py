@@ -7,16 +7,13 @@ from __future__ import annotations
 import asyncio
 import json
 
-import httpx
 import pytest
 
-from oncely.api.auth import create_api_key
-from tests.processes import free_port, oncely, running, wait_for, wait_healthy
-from tests.test_workflows_processes import deployment_env, processes, providers, scalar
+from tests.helpers import scalar
+from tests.processes import Deployment, deployment_env, free_port, oncely, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
-__all__ = ["providers"]  # the fixture, shared with the workflows' process tests
 
 JOBS = 16
 
@@ -28,21 +25,14 @@ def ticket(i: int) -> dict[str, str]:
 
 
 async def test_full_shadow_on_triage_sends_one_webhook_per_job_and_the_gate_decides(
-    redis_url, database_url, redis, pool, providers, tmp_path
+    redis_url, database_url, api_key, redis, pool, providers, tmp_path
 ):
     model, mail = providers
-    key = await create_api_key(pool, "acme")
-    port = free_port()
     env = deployment_env(
         redis_url, database_url, model, mail, ONCELY_SHADOW="triage=oncely-fake-v2:1"
     )
-    procs = processes(env, tmp_path, port)
-    base = f"http://127.0.0.1:{port}"
-    with running(*procs):
-        await wait_healthy(base, procs[0], tmp_path / "api.log")
-        async with httpx.AsyncClient(
-            base_url=base, headers={"Authorization": f"Bearer {key}"}
-        ) as client:
+    with Deployment(env, tmp_path) as d:
+        async with d.client(api_key) as client:
             ids = []
             for i in range(JOBS):
                 r = await client.post(

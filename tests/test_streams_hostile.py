@@ -238,12 +238,12 @@ async def held(redis: Any, tenant: str = "acme") -> list[tuple[str, float]]:
     return [(str(m), float(s)) for m, s in await redis.zrange(key, 0, -1, withscores=True)]
 
 
-async def test_a_client_that_reads_nothing_keeps_its_place_counted(settings, redis, pool) -> None:
+async def test_a_client_that_reads_nothing_keeps_its_place_counted(
+    settings, redis, pool, auth
+) -> None:
     """Its writes blocked behind a long history, the stream's place in its
     tenant's set is still renewed (by a timer): past the moment it would
     have lapsed, the tenant at its limit still gets 429."""
-    key = await create_api_key(pool, "acme")
-    auth = {"Authorization": f"Bearer {key}"}
     # Stalled writes end the stream only after a minute here: this test is
     # about the place, not the bound.
     config = StreamConfig(per_tenant=1, heartbeat_s=0.3, stall_after_s=60.0)
@@ -272,10 +272,8 @@ async def test_a_client_that_reads_nothing_keeps_its_place_counted(settings, red
 
 
 async def test_a_stream_whose_writes_stall_is_closed_and_gives_its_place_back(
-    settings, redis, pool
+    settings, redis, pool, auth
 ) -> None:
-    key = await create_api_key(pool, "acme")
-    auth = {"Authorization": f"Bearer {key}"}
     config = StreamConfig(per_tenant=5, heartbeat_s=0.3)
     app = stream_app(settings, redis, pool, config)
     live = app.state.oncely.live
@@ -310,10 +308,8 @@ def read_to_eof(sock: socket.socket) -> int:
 
 
 async def test_past_the_process_cap_a_stream_is_503_and_a_streamed_post_accepts_nothing(
-    settings, redis, pool
+    settings, redis, pool, auth
 ) -> None:
-    key = await create_api_key(pool, "acme")
-    auth = {"Authorization": f"Bearer {key}"}
     app = asgi_app(settings.model_copy(update={"streams_per_process": 1}), redis, pool)
     async with serving(app) as base, httpx.AsyncClient(timeout=30) as http:
         job_id = await post_job(http, base, auth)
@@ -340,10 +336,8 @@ async def test_past_the_process_cap_a_stream_is_503_and_a_streamed_post_accepts_
 
 
 async def test_a_streamed_post_refused_at_the_tenant_cap_creates_no_job(
-    settings, redis, pool
+    settings, redis, pool, auth
 ) -> None:
-    key = await create_api_key(pool, "acme")
-    auth = {"Authorization": f"Bearer {key}"}
     app = asgi_app(settings.model_copy(update={"streams_per_tenant": 1}), redis, pool)
     async with serving(app) as base, httpx.AsyncClient(timeout=30) as http:
         job_id = await post_job(http, base, auth)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import signal
 import uuid
 from typing import Any
 
@@ -21,71 +20,47 @@ from httpx_sse import aconnect_sse
 from oncely import names
 from oncely.api.auth import create_api_key
 from oncely.live.events import JobEvents
-from tests.helpers import count
-from tests.processes import free_port, running, start, start_command, wait_for, wait_healthy
+from tests.helpers import rows, scalar
+from tests.processes import (
+    Deployment,
+    deployment_env,
+    free_port,
+    running,
+    start,
+    start_command,
+    wait_effects,
+    wait_for,
+    wait_healthy,
+)
 from tests.test_streams import streamed_text
 from tests.test_streams_hostile import closing_all, long_history, stalled_client
-from tests.test_workflows_processes import deployment_env, processes, providers
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
-__all__ = ["providers"]
-
 
 async def test_a_worker_killed_mid_stream_resets_and_the_kept_tokens_are_the_answer(
-    redis_url, database_url, pool, redis, providers, tmp_path
+    redis_url, database_url, api_key, pool, redis, providers, tmp_path
 ):
     # ``redis`` flushes the database first: an earlier run's idempotency
     # record for this key would answer for a job this database never had.
     model, mail = providers
-    key = await create_api_key(pool, "acme")
-    port = free_port()
     env = deployment_env(redis_url, database_url, model, mail, ONCELY_CLAIM_IDLE_MS="1500")
-    api, worker, relay = processes(env, tmp_path, port)
-    base = f"http://127.0.0.1:{port}"
-    auth = {"Authorization": f"Bearer {key}"}
     # A word every 0.2 s: the worker is killed while the answer is typing.
     text = "[[fake:typing=0.2]] Killed workers start over. The stream says reset first. Done."
-    events: list[tuple[str, Any]] = []
-    replacement = None
-    with running(api, worker, relay):
-        await wait_healthy(base, api, tmp_path / "api.log")
-        async with httpx.AsyncClient(base_url=base, headers=auth, timeout=60) as http:
-            posted = await http.post(
-                "/v1/summaries",
-                json={"text": text, "notify": "ada@example.com"},
-                headers={"Idempotency-Key": "killed-mid-stream-0001"},
-            )
-            assert posted.status_code == 202, posted.text
-            job_id = posted.json()["job_id"]
-            async with aconnect_sse(http, "GET", f"/v1/summaries/{job_id}/stream") as source:
-                async for sse in source.aiter_sse():
-                    events.append((sse.event, json.loads(sse.data)))
-                    tokens = sum(kind == "token" for kind, _ in events)
-                    # A few words in: the call has been in flight across
-                    # several of the ledger's batches.
-                    if tokens == 4 and replacement is None:
-                        worker.send_signal(signal.SIGKILL)
-                        worker.wait()
-                        replacement = start(["worker"], env, tmp_path / "worker2.log")
-                    if sse.event == "end":
-                        break
+    with Deployment(env, tmp_path) as d:
+        async with d.client(api_key, timeout=60) as http:
+            key = "killed-mid-stream-0001"
+            job_id, events = await stream_killing_the_worker(d, http, text, key)
             got = (await http.get(f"/v1/summaries/{job_id}")).json()
 
-            async def emailed() -> bool:
-                return (await mail.deliveries())["effects"] >= 1
-
-            await wait_for(emailed, what="the summary's email")
+            await wait_effects(mail, what="the summary's email")
 
             async def billed() -> bool:
                 return (
-                    await count(pool, "SELECT count(*) FROM model_calls WHERE outcome = 'ok'") == 1
+                    await scalar(pool, "SELECT count(*) FROM model_calls WHERE outcome = 'ok'") == 1
                 )
 
             await wait_for(billed, what="the answered call's ledger row")
-        assert replacement is not None
-        replacement.send_signal(signal.SIGTERM)
-        replacement.wait(30)
 
     assert got["status"] == "done" and events[-1] == ("end", got)
     kinds = [kind for kind, _ in events]
@@ -98,9 +73,34 @@ async def test_a_worker_killed_mid_stream_resets_and_the_kept_tokens_are_the_ans
     assert (await mail.deliveries())["effects"] == 1
     # The killed call reached the provider: it is in the ledger as sent.
     outcomes = "SELECT outcome FROM model_calls WHERE job_id = %s ORDER BY outcome"
-    async with pool.connection() as conn:
-        rows = await (await conn.execute(outcomes, (job_id,))).fetchall()
-    assert [r[0] for r in rows] == ["ok", "sent"]
+    assert [r[0] for r in await rows(pool, outcomes, job_id)] == ["ok", "sent"]
+
+
+async def stream_killing_the_worker(
+    d: Deployment, http: httpx.AsyncClient, text: str, key: str
+) -> tuple[str, list[tuple[str, Any]]]:
+    """A summary of ``text`` posted (under idempotency key ``key``) and its
+    stream read to the end, the worker SIGKILLed four tokens in (the call in
+    flight across several of the ledger's batches) and another started: the
+    job's id and the events read."""
+    posted = await http.post(
+        "/v1/summaries",
+        json={"text": text, "notify": "ada@example.com"},
+        headers={"Idempotency-Key": key},
+    )
+    assert posted.status_code == 202, posted.text
+    job_id = str(posted.json()["job_id"])
+    events: list[tuple[str, Any]] = []
+    async with aconnect_sse(http, "GET", f"/v1/summaries/{job_id}/stream") as source:
+        async for sse in source.aiter_sse():
+            events.append((sse.event, json.loads(sse.data)))
+            if sum(kind == "token" for kind, _ in events) == 4 and len(d.workers) == 1:
+                d.kill_worker()
+                d.workers.append(d.start_worker())
+            if sse.event == "end":
+                break
+    assert len(d.workers) == 2, "the worker was killed mid-stream"
+    return job_id, events
 
 
 async def test_no_run_form_logs_a_stream_token(redis_url, database_url, pool, tmp_path):

@@ -10,12 +10,12 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from pydantic import BaseModel
 
 import oncely
 from oncely.errors import PermanentError
 from oncely.fakes.mcp import FakeMCPServer
 from oncely.testing import ToolCalls, run_step
+from tests.test_mcp import Answer, Ask, agent_workflow
 
 # A server no test can reach: a call to it fails the run.
 NOWHERE = "http://127.0.0.1:9/mcp"
@@ -42,36 +42,6 @@ SHOP = [
     },
 ]
 REFUNDED = {"refunded": True, "id": "re_1", "cents": 1200}
-
-
-class Ask(BaseModel):
-    text: str
-
-
-class Answer(BaseModel):
-    reply: str
-    tools: list[str]
-    results: list[Any] = []
-
-
-def agent_workflow(agent: oncely.Agent, **options: Any) -> oncely.Workflow[Ask, Answer]:
-    async def step(request: Ask, ctx: oncely.Context) -> Answer:
-        run = await agent.run(ctx, request.text)
-        return Answer(
-            reply=str(run.output),
-            tools=[f"{c.tool}:{c.status}" for c in run.tool_calls],
-            results=[c.result for c in run.tool_calls],
-        )
-
-    return oncely.Workflow(
-        name="support",
-        route="/v1/support",
-        request=Ask,
-        result=Answer,
-        step=step,
-        agents=[agent],
-        **options,
-    )
 
 
 def shop_agent(server: str = NOWHERE, **options: Any) -> oncely.Agent:

