@@ -23,8 +23,7 @@ from oncely.api.auth import create_api_key
 from oncely.fakes.llm import FakeLLMServer
 from oncely.llm.lines import line_id
 from tests.lanes_app import KILL
-from tests.processes import wait_for, wait_healthy
-from tests.test_durable_processes import Deployment, post
+from tests.processes import Deployment, post, wait_for, wait_healthy
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 

@@ -65,6 +65,10 @@ APP = App([DIGEST, ITEM])
 async def maps(custom: Any) -> Harness:
     SEEN.clear()
     h: Harness = await custom(APP)
+    # Each child is paid for once only if no call times out: the harness's
+    # 2 s timeout fired on a CI machine that stalled for 3 s, so these maps
+    # get the settings' default timeout and a budget to match.
+    h.settings = h.settings.model_copy(update={"llm_timeout_s": 20.0, "job_budget_s": 60.0})
     return h
 
 

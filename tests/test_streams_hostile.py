@@ -209,6 +209,16 @@ def stalled_client(base: str, path: str, headers: dict[str, str]) -> socket.sock
     return sock
 
 
+def answered(sock: socket.socket) -> bool:
+    """Whether a stalled client's stream began (``HTTP/1.1 200`` is in its
+    socket), read without taking it, so the client stays stalled."""
+    try:
+        head = sock.recv(12, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        return False
+    return head.startswith(b"HTTP/1.1 200")
+
+
 @contextlib.contextmanager
 def closing_all(socks: list[socket.socket]) -> Iterator[list[socket.socket]]:
     try:
