@@ -21,9 +21,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
-import shutil
 import subprocess
-import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -52,7 +50,7 @@ from oncely.redis_client import RedisClient
 from oncely.settings import Settings
 from oncely.sql.migrate import migrate
 from tests.durable import custom, harness  # noqa: F401 (fixtures for the multi-step tests)
-from tests.helpers import asgi_app
+from tests.helpers import asgi_app, own_folder
 
 _counter = itertools.count()
 
@@ -149,23 +147,26 @@ def server_urls(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str,
         cluster = EmbeddedCluster(tmp_path_factory.mktemp("cluster"))
         cluster.start()
         redis_url = cluster.url_not_owning(key_slot(summaries.keys.stream.encode()))
-    # Outside pytest's own temporary directory: a second pytest session
-    # started meanwhile resets its permissions to its owner's only, and the
-    # embedded PostgreSQL runs as a user of its own.
-    own = Path(tempfile.mkdtemp(prefix="oncely-test-servers-"))
-    if not redis_url or not database_url:
-        servers = EmbeddedServers(own)
-        urls = servers.start()
-        redis_url = redis_url or urls.redis_url
-        if not database_url:
-            database_url = urls.database_url
-            _without_flushes(database_url)
-    yield redis_url, database_url
-    if servers is not None:
-        servers.stop()
-    if cluster is not None:
-        cluster.stop()
-    shutil.rmtree(own, ignore_errors=True)
+    with own_folder("oncely-test-servers-") as own:
+        if not redis_url or not database_url:
+            servers = EmbeddedServers(own)
+            urls = servers.start()
+            redis_url = redis_url or urls.redis_url
+            if not database_url:
+                database_url = urls.database_url
+                _without_flushes(database_url)
+        yield redis_url, database_url
+        if servers is not None:
+            servers.stop()
+        if cluster is not None:
+            cluster.stop()
+
+
+@pytest.fixture
+def servers_dir() -> Iterator[Path]:
+    """A folder for a test's own embedded servers (``own_folder``)."""
+    with own_folder("oncely-test-own-") as own:
+        yield own
 
 
 def _without_flushes(database_url: str) -> None:

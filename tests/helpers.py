@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
+import tempfile
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -236,3 +238,16 @@ async def failed_outbox_row(
         last_error,
     )
     return int(row_id)
+
+
+@contextmanager
+def own_folder(prefix: str) -> Iterator[Path]:
+    """A folder for embedded servers, outside pytest's temporary directory:
+    a pytest session started meanwhile (another checkout's ``make test``)
+    resets that directory to its owner's only, and the embedded PostgreSQL
+    runs as a user of its own, which then can no longer reach its data."""
+    own = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        yield own
+    finally:
+        shutil.rmtree(own, ignore_errors=True)

@@ -9,9 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import shutil
 import subprocess
-import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -27,6 +25,7 @@ from oncely.fakes.llm import FakeLLMServer
 from oncely.fakes.mail import FakeMailServer
 from oncely.settings import Settings
 from oncely.sql.migrate import migrate
+from tests.helpers import own_folder
 from tests.processes import free_port, running, start, tail, wait_for, wait_healthy
 from tests.under_load import scalar
 
@@ -52,17 +51,14 @@ GROUP BY 1
 @pytest.fixture
 async def private_servers() -> AsyncIterator[tuple[str, str]]:
     """A Valkey and a PostgreSQL of this test's own, PostgreSQL with its
-    default limit of 100 connections: nobody else's connections counted.
-    Outside pytest's temporary directory, which only its owner may enter
-    (the embedded PostgreSQL runs as a user of its own)."""
-    own = Path(tempfile.mkdtemp(prefix="oncely-budget-"))
-    servers = EmbeddedServers(own / "servers")
-    urls = await asyncio.to_thread(servers.start)
-    try:
-        yield urls.redis_url, urls.database_url
-    finally:
-        await asyncio.to_thread(servers.stop)
-        shutil.rmtree(own, ignore_errors=True)
+    default limit of 100 connections: nobody else's connections counted."""
+    with own_folder("oncely-budget-") as own:
+        servers = EmbeddedServers(own / "servers")
+        urls = await asyncio.to_thread(servers.start)
+        try:
+            yield urls.redis_url, urls.database_url
+        finally:
+            await asyncio.to_thread(servers.stop)
 
 
 async def test_an_api_five_busy_workers_and_a_relay_fit_in_max_connections_100(

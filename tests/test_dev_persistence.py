@@ -12,8 +12,8 @@ from oncely.embedded import EmbeddedServers
 
 
 @pytest.mark.slow
-def test_the_dev_servers_keep_redis_data_across_a_restart(tmp_path: Path) -> None:
-    servers = EmbeddedServers(tmp_path / "dev", durable=True)
+def test_the_dev_servers_keep_redis_data_across_a_restart(servers_dir: Path) -> None:
+    servers = EmbeddedServers(servers_dir / "dev", durable=True)
     urls = servers.start()
     try:
         client = redis.Redis.from_url(urls.redis_url)
@@ -22,7 +22,7 @@ def test_the_dev_servers_keep_redis_data_across_a_restart(tmp_path: Path) -> Non
         client.close()
     finally:
         servers.stop()
-    again = EmbeddedServers(tmp_path / "dev", durable=True)
+    again = EmbeddedServers(servers_dir / "dev", durable=True)
     urls = again.start()
     try:
         client = redis.Redis.from_url(urls.redis_url, decode_responses=True)

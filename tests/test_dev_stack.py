@@ -71,8 +71,10 @@ def _start(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[
     )
 
 
-async def test_the_cli_finds_a_running_dev_stack_and_a_second_is_refused(tmp_path: Path) -> None:
-    data_dir = tmp_path / "stack"
+async def test_the_cli_finds_a_running_dev_stack_and_a_second_is_refused(
+    tmp_path: Path, servers_dir: Path
+) -> None:
+    data_dir = servers_dir / "stack"
     # As a newcomer's shell may be: no NO_COLOR, no XDG_RUNTIME_DIR (a
     # container, ssh); the output goes to a file.
     hidden = ("NO_COLOR", "XDG_RUNTIME_DIR")
@@ -153,7 +155,7 @@ def _alive(pid: int) -> bool:
 
 
 async def test_a_killed_dev_leaves_no_server_running_and_one_valkey_per_data_dir(
-    tmp_path: Path,
+    tmp_path: Path, servers_dir: Path
 ) -> None:
     """kill -9 of `oncely dev`: its watchdog stops the Valkey and PostgreSQL
     it started. A Valkey left behind anyway (its watchdog killed too) is
@@ -161,7 +163,7 @@ async def test_a_killed_dev_leaves_no_server_running_and_one_valkey_per_data_dir
     append-only file; two processes never run one data dir's servers."""
     from oncely.embedded import VALKEY_PIDFILE, DataDirBusy, EmbeddedServers
 
-    data_dir = tmp_path / "stack"
+    data_dir = servers_dir / "stack"
     env = _env(data_dir)
     port = _free_with_fakes()
     log = tmp_path / "dev.log"
@@ -206,11 +208,13 @@ async def test_a_killed_dev_leaves_no_server_running_and_one_valkey_per_data_dir
         second.stop()
 
 
-async def test_dev_without_its_worker_and_relay_serves_ones_run_apart(tmp_path: Path) -> None:
+async def test_dev_without_its_worker_and_relay_serves_ones_run_apart(
+    tmp_path: Path, servers_dir: Path
+) -> None:
     """`oncely dev --no-worker --no-relay` runs the servers, the fakes and the
     API only; `oncely worker` and `oncely relay` started apart from the same
     directory find its servers and its fakes, and finish the job: one email."""
-    data_dir = tmp_path / "apart"
+    data_dir = servers_dir / "apart"
     env = _env(data_dir)
     port = _free_with_fakes()
     app = ["--app", "examples.refunds:app"]

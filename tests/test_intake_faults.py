@@ -35,7 +35,7 @@ from oncely.identity import Scope
 from oncely.settings import Settings
 from oncely.sql.bounded import abandoned_statements
 from oncely.sql.migrate import migrate
-from tests.helpers import asgi_app
+from tests.helpers import asgi_app, own_folder
 from tests.processes import free_port, frozen, postgres_pids, wait_for
 
 pytestmark = [
@@ -65,9 +65,13 @@ def private_valkey() -> Iterator[ValkeyServer]:
 
 
 @pytest.fixture(scope="module")
-def private_postgres(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+def private_postgres() -> Iterator[tuple[str, Path]]:
     """A migrated PostgreSQL of this module's own: (database URL, data dir)."""
-    folder = tmp_path_factory.mktemp("frozen-postgres")
+    with own_folder("oncely-frozen-postgres-") as folder:
+        yield from _started(folder)
+
+
+def _started(folder: Path) -> Iterator[tuple[str, Path]]:
     servers = EmbeddedServers(folder)
     urls = servers.start()  # its Valkey is not used
     asyncio.run(migrate(urls.database_url))

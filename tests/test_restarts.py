@@ -31,10 +31,10 @@ REQUESTS = 60
 
 @pytest.fixture
 async def private_servers(
-    tmp_path,
+    servers_dir: Path,
 ) -> AsyncIterator[tuple[EmbeddedServers, str, ValkeyServer]]:
     """A PostgreSQL and a Valkey of this test's own: they get restarted."""
-    servers = EmbeddedServers(tmp_path / "servers")
+    servers = EmbeddedServers(servers_dir / "servers")
     urls = await asyncio.to_thread(servers.start)
     valkey = ValkeyServer(port=free_port(), persist=False)
     await asyncio.to_thread(valkey.start)
@@ -59,11 +59,13 @@ async def test_redis_restarted_empty_and_postgres_restarted_mid_load(private_ser
     await _survives(database_url, valkey, tmp_path, restarts)
 
 
-async def test_redis_and_postgres_frozen_for_ten_seconds_mid_load(private_servers, tmp_path):
+async def test_redis_and_postgres_frozen_for_ten_seconds_mid_load(
+    private_servers, servers_dir, tmp_path
+):
     """SIGSTOP, then SIGCONT: requests during the freeze are answered 503
     (the client retries), and every accepted job ends done with one effect."""
     _, database_url, valkey = private_servers
-    pgdata = tmp_path / "servers" / "postgres"
+    pgdata = servers_dir / "servers" / "postgres"
 
     async def freezes() -> None:
         with frozen([valkey_pid(valkey)]):
