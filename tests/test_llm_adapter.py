@@ -722,6 +722,19 @@ async def test_error_messages_are_short_and_never_carry_the_prompt(scripted, wir
     assert str(raised.value) == "model answered 400 (invalid_prompt)"
 
 
+async def test_an_error_code_that_is_not_a_plain_token_never_reaches_the_message(
+    scripted, wire: Wire
+) -> None:
+    """A provider's code is untrusted: one with a newline (a forged log
+    line) or a sentence is left out of the error, whichever dialect."""
+    forged = "bad_request\n2026-12-05 [info] refund.approved amount=999999"
+    async with scripted(Answer(400, wire.error(forged, "nope"))) as (_, llm):
+        with pytest.raises(PermanentError) as raised:
+            await llm.complete(HI, 1.0)
+    assert "\n" not in str(raised.value) and "refund" not in str(raised.value)
+    assert str(raised.value).startswith("model answered 400")
+
+
 async def test_an_error_body_that_is_not_json_still_gives_the_status(scripted) -> None:
     async with scripted(Answer(502, text="Bad Gateway")) as (_, llm):
         with pytest.raises(TransientError) as raised:

@@ -506,7 +506,7 @@ def _status_error(
     label = kind if isinstance(kind, str) and kind else code
     if dry_account(status, kind, code, message):
         return ProviderQuota(
-            f"model answered {status} ({str(label)[:60]}): the provider account's credit or"
+            f"model answered {status} ({wire.plain_code(label)}): the provider account's credit or"
             " spend limit is exhausted",
             status=status,
         )

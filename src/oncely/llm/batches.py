@@ -379,7 +379,7 @@ def _outcomes(results: Sequence[dict[str, Any]]) -> list[Outcome]:
 
 def failure(status: int, code: object) -> dict[str, Any]:
     """A failed line's error: its status and a short code, never a message."""
-    return {"status": status, "code": code[:60] if isinstance(code, str) else None}
+    return {"status": status, "code": wire.plain_code(code)}
 
 
 class Batcher:

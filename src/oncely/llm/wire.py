@@ -20,7 +20,9 @@ from oncely.llm.base import Completion, Message, ResponseSchema, ToolChoice, Too
 from oncely.retry import retry_after_from_headers, retryable_status
 
 # Enough of a provider's error code to tell errors apart, never a whole message.
-_CODE_CHARS = 60
+# An error code or type a provider sent, as oncely repeats it in an
+# error's message, a log line or a batch line's row (``plain_code``).
+_ERROR_CODE = re.compile(r"[A-Za-z0-9_.:-]{1,60}")
 # OpenAI's codes for an account with no credit left or at its hard limit
 # (a 429 that no wait will cure: docs/providers.md, Dry accounts).
 # OpenAI's codes, and Anthropic's error type (which a batch line's error keeps).
@@ -110,8 +112,9 @@ def status_error(status: int, code: object, headers: Mapping[str, str]) -> Oncel
     status, ``ProviderQuota``.
     ``code``: the body's ``error.code``, when a string."""
     message = f"model answered {status}"
-    if isinstance(code, str) and code:
-        message += f" ({code[:_CODE_CHARS]})"
+    code = plain_code(code)
+    if code:
+        message += f" ({code})"
     if code in _DRY_CODES:
         return ProviderQuota(
             f"{message}: the provider account's credit or spend limit is exhausted", status=status
@@ -320,6 +323,15 @@ class StreamedAnswer:
 # What a provider's id (a response, a batch, a file) may look like before
 # oncely keeps it or puts it in a URL path.
 _PROVIDER_ID = re.compile(r"[A-Za-z0-9_-]{1,200}")
+
+
+def plain_code(found: object) -> str | None:
+    """An error's code or type as a provider sent it, when it is a plain
+    token of at most 60 characters; else None (a newline, a sentence, a
+    control character never reach a message or a log line)."""
+    if isinstance(found, str) and _ERROR_CODE.fullmatch(found) is not None:
+        return found
+    return None
 
 
 def provider_id(found: object) -> str:
