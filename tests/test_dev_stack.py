@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -44,12 +45,25 @@ def _oncely(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]
 
 
 def _free_with_fakes() -> int:
-    """A free port whose + 101 and + 102 (the fakes') are free too."""
-    for _ in range(50):
-        port = free_port()
-        if port + 102 < 65536 and all(_bindable(port + n) for n in (101, 102)):
+    """A free port whose + 101 and + 102 (the fakes') are free too.
+
+    Chosen below the kernel's ephemeral range: a port from there (as
+    `free_port` gives) has neighbours that any outgoing connection of a test
+    running meanwhile may take before `oncely dev` binds them."""
+    low, _ = _ephemeral_range()
+    for _ in range(200):
+        port = random.randrange(10_000, low - 103)
+        if all(_bindable(port + n) for n in (0, 101, 102)):
             return port
     raise AssertionError("no free port with its two neighbours free")
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+    except (OSError, ValueError):
+        return 32768, 60999
+    return int(low), int(high)
 
 
 def _bindable(port: int) -> bool:
