@@ -24,7 +24,8 @@ Every run starts from a flushed Redis and empty tables (its contender's
 database) and ends with its invariants checked there: every 202's job id
 once in ``jobs`` and once in the stream, rows exactly the keys sent and
 accepted, replays naming accepted jobs. A py-spy profile of ``oncely api``
-under the same load follows.
+(and of the minimal app, and of ``--against``'s API) under the same load
+follows.
 """
 
 from __future__ import annotations
@@ -634,10 +635,14 @@ async def bench_main(ctx: Context) -> tuple[list[Headline], dict[str, Any], bool
         runs = {name: ran.get(name, []) for name in by_name}
         prof: dict[str, Any] | None = None
         minimal_prof: dict[str, Any] | None = None
+        against_prof: dict[str, Any] | None = None
         if not a.no_profile:
             seconds = 1 if ctx.smoke else 8
             prof = await profile_server(bench, by_name["oncely"], seconds, rules)
             minimal_prof = await profile_server(bench, by_name["minimal"], seconds, rules)
+            if a.against:
+                # The same buckets: where a revision's CPU per request went.
+                against_prof = await profile_server(bench, by_name["against"], seconds, rules)
     finally:
         await bench.close()
     pairs = {
@@ -677,6 +682,7 @@ async def bench_main(ctx: Context) -> tuple[list[Headline], dict[str, Any], bool
         "ratios": ratios,
         "profile": prof,
         "profile_minimal": minimal_prof,
+        "profile_against": against_prof,
         "against": {"checkout": a.against, "revision": checkout_revision(a.against)}
         if a.against
         else None,
@@ -694,7 +700,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--connections", type=int, default=32)
     p.add_argument("--threads", type=int, default=2, help="wrk threads")
     p.add_argument(
-        "--no-profile", action="store_true", help="skip the py-spy profiles (oncely, floor)"
+        "--no-profile",
+        action="store_true",
+        help="skip the py-spy profiles (oncely, minimal and --against's)",
     )
     p.add_argument(
         "--only",

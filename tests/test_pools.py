@@ -84,10 +84,24 @@ async def test_the_pool_starts_with_one_grows_on_demand_and_closes_idle_ones(
 
 def test_the_defaults_and_a_minimum_above_the_maximum_refused() -> None:
     fields = Settings.model_fields
-    assert (fields["pg_pool_min"].default, fields["pg_pool_max"].default) == (1, 10)
+    assert fields["pg_pool_min"].default == 1
     assert fields["pg_pool_idle_s"].default == 60.0
+    unset = Settings()
+    assert [unset.pool_max(kind) for kind in ("api", "worker", "relay", "cli")] == [20, 10, 10, 10]
+    assert Settings(pg_pool_max=4).pool_max("api") == 4
     with pytest.raises(ValidationError, match="ONCELY_PG_POOL_MIN"):
         Settings(pg_pool_min=5, pg_pool_max=4)
+    with pytest.raises(ValidationError, match="unset: 10"):
+        Settings(pg_pool_min=15)
+
+
+def test_the_api_pool_grows_to_its_own_default_and_a_worker_to_its_own(
+    settings: Settings,
+) -> None:
+    assert settings.database_url is not None
+    plain = settings.model_copy(update={"pg_pool_max": None})
+    assert postgres_pool(settings.database_url, plain, "api").max_size == 20
+    assert postgres_pool(settings.database_url, plain, "worker").max_size == 10
 
 
 def test_a_url_that_names_its_application_keeps_it(settings: Settings) -> None:

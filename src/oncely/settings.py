@@ -44,6 +44,10 @@ class _Numbered(PydanticBaseSettingsSource):
 
 # The shortest console key accepted (ONCELY_CONSOLE_KEY).
 CONSOLE_KEY_MIN = 32
+# Each process's most PostgreSQL connections when ONCELY_PG_POOL_MAX is unset
+# (Settings.pool_max).
+API_POOL_MAX = 20
+POOL_MAX = 10
 
 
 class Settings(BaseSettings):
@@ -294,22 +298,36 @@ class Settings(BaseSettings):
     log_level: str = "INFO"
     # Each process's PostgreSQL pool (docs/production.md, Connection budget):
     # it grows on demand up to the max and closes a connection unused for
-    # pg_pool_idle_s, one at a time, down to the min. A busy worker at the
-    # default concurrency ran as fast with 8 as with 20 (bench/pool_budget.py).
+    # pg_pool_idle_s, one at a time, down to the min. Unset, the max is
+    # per process (``pool_max``).
     pg_pool_min: int = Field(1, ge=1)
-    pg_pool_max: int = Field(10, ge=1)
+    pg_pool_max: int | None = Field(None, ge=1)
     pg_pool_idle_s: float = Field(60.0, gt=0)
     # Bounds on every call to the servers (and on connecting to them).
     redis_timeout_s: float = Field(5.0, gt=0)
     pg_statement_timeout_s: float = Field(10.0, gt=0)
     connect_timeout_s: float = Field(5.0, gt=0)
 
+    def pool_max(self, kind: str) -> int:
+        """The most PostgreSQL connections a process of ``kind`` (api,
+        worker, relay, cli) holds: ``ONCELY_PG_POOL_MAX`` when set, else 20
+        for the API and 10 for the others (docs/production.md, Connection
+        budget). A worker holds a connection only while a statement runs and
+        ran as fast with 8 as with 20 (bench/pool_budget.py); the API runs
+        one statement per request in flight, and waiting for a connection
+        cost it a sixth of its requests per second at 32 in flight
+        (bench/intake.py)."""
+        if self.pg_pool_max is not None:
+            return self.pg_pool_max
+        return API_POOL_MAX if kind == "api" else POOL_MAX
+
     @model_validator(mode="after")
     def _pool_fits(self) -> Settings:
-        if self.pg_pool_min > self.pg_pool_max:
+        smallest = self.pool_max("worker")
+        if self.pg_pool_min > smallest:
             raise ValueError(
                 f"ONCELY_PG_POOL_MIN ({self.pg_pool_min}) is above ONCELY_PG_POOL_MAX "
-                f"({self.pg_pool_max})"
+                f"({self.pg_pool_max if self.pg_pool_max is not None else f'unset: {smallest}'})"
             )
         return self
 

@@ -103,7 +103,7 @@ def postgres_pool(database_url: str, s: Settings, kind: str = "cli") -> AsyncCon
     ``application_name`` in ``pg_stat_activity`` unless the URL names one).
 
     It holds ``ONCELY_PG_POOL_MIN`` connections, grows on demand up to
-    ``ONCELY_PG_POOL_MAX``, and closes one unused for
+    ``Settings.pool_max(kind)``, and closes one unused for
     ``ONCELY_PG_POOL_IDLE_S`` at a time (docs/production.md, Connection
     budget); every failed connect is counted and logged
     (``oncely.sql.connect``).
@@ -131,7 +131,7 @@ def postgres_pool(database_url: str, s: Settings, kind: str = "cli") -> AsyncCon
     options: dict[str, Any] = {
         "connection_class": CountedConnection,
         "min_size": s.pg_pool_min,
-        "max_size": s.pg_pool_max,
+        "max_size": s.pool_max(kind),
         "max_idle": s.pg_pool_idle_s,
         "open": False,
         # The longest wait for a free connection: a request fails fast when
