@@ -326,8 +326,11 @@ def jobs(pool: AsyncConnectionPool, redis: RedisClient) -> Jobs:
 
 @pytest.fixture
 def checkpoints(jobs: Jobs) -> Checkpoints:
-    """The checkpoints of the built-in app's jobs."""
-    return Checkpoints(jobs)
+    """The checkpoints of the built-in app's jobs, a map child's end counted
+    in its map as a worker process wires it."""
+    found = Checkpoints(jobs)
+    jobs.transitions.when_ended(found.children.on_end)
+    return found
 
 
 @pytest.fixture

@@ -57,6 +57,10 @@ class Harness:
     fake: FakeLLMServer
     side_file: Path
 
+    def __post_init__(self) -> None:
+        # As a worker process wires it: a map child's end counted in its map.
+        self.jobs.transitions.when_ended(self.checkpoints.children.on_end)
+
     def worker(self, workflow: str, *, events: JobEvents | None = None, **config: Any) -> Worker:
         """A worker of ``workflow``, publishing its jobs' live events to
         ``events`` when given."""

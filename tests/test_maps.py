@@ -14,6 +14,7 @@ import pytest
 from pydantic import BaseModel
 
 from oncely import App, ChildResult, Context, Workflow, webhook
+from oncely.cli.ops import cancel_job
 from oncely.jobs.reconcile import Reconciler
 from oncely.jobs.timers import Timers
 from tests.durable import Harness, drain, until_async
@@ -160,6 +161,37 @@ async def test_cancelling_the_parent_cancels_its_unfinished_children(maps: Harne
     await drain(h.worker("map_item"))
     assert sum(h.calls(f"item: Cancel me {n}.") for n in range(6)) == 0
     assert await h.status(parent) == "cancelled"
+
+
+@pytest.mark.parametrize("door", ["api", "cli"])
+async def test_a_child_a_person_cancels_counts_in_its_map_at_once(maps: Harness, door: str) -> None:
+    """A child cancelled through the API or ``oncely jobs cancel`` ends in its
+    map's counts at once (its end told to ``Jobs.transitions``, whose map
+    listener each door wires), not at the repair pass: a held child takes
+    its place."""
+    h = maps
+    texts = [f"Hold me {n}. Now." for n in range(3)]
+    parent = await h.submit("/v1/map-digests", {"texts": texts, "concurrency": 1})
+    await drain(h.worker("map_digest"))
+    first = (await children_of(h, parent))[0][0]
+    if door == "api":
+        r = await h.api.post(f"/v1/map-items/{first}/cancel", headers=h.auth)
+        assert r.status_code == 202, r.text
+    else:
+        settings = h.settings.model_copy(update={"app": "tests.test_maps:APP"})
+        assert await cancel_job(settings, uuid.UUID(first), workflow="map_item") is not None
+    assert [s for _, s, _ in await children_of(h, parent)] == ["cancelled", "queued", "held"]
+    view = await h.get("/v1/map-digests", parent)
+    assert view["waiting"]["children"] == {
+        "workflow": "map_item", "total": 3, "done": 0, "dead": 0, "cancelled": 1,
+        "running": 1, "queued": 1,
+    }  # fmt: skip
+    await run_map(h, parent)
+    assert (await h.get("/v1/map-digests", parent))["result"]["statuses"] == [
+        "cancelled",
+        "done",
+        "done",
+    ]
 
 
 async def test_a_map_completes_after_redis_lost_everything(maps: Harness) -> None:

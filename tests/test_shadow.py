@@ -144,10 +144,16 @@ async def accept_tickets(jobs, n: int, every_other_differs: int = 4) -> list[str
     return ids
 
 
-async def test_without_shadow_settings_the_primary_path_has_no_shadow_work(deploy):
+async def test_without_shadow_settings_the_primary_path_has_no_shadow_work(
+    deploy, jobs, pool, redis
+):
     d = await deploy()
     assert d.group.shadow_workers == []
-    assert all(w.handler.shadows is None for w in d.group.workers)  # type: ignore[attr-defined]
+    await accept_tickets(jobs, 4)
+    await d.settle("triage")
+    assert await count(pool, "SELECT count(*) FROM jobs WHERE status = 'done'") == 4
+    # Nothing followed the done jobs to a shadow stream.
+    assert [k async for k in redis.scan_iter(match="oncely:{triage}:shadow:*")] == []
 
 
 async def test_every_done_job_gets_one_shadow_result_and_no_shadow_outbox_row(

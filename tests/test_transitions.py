@@ -1,6 +1,8 @@
 """Every door that changes a job's status tells ``Jobs.transitions`` (the
 live ``status`` event follows from it): an event, a timer, a rewind, a
-cancel and a dead letter's replay each tell what the row came to, once."""
+cancel and a dead letter's replay each tell what the row came to, once; a
+job's end reaches the end listeners, and one that fails fails nothing.
+(A map child's count as an end listener: tests/test_maps.py.)"""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import pytest
 
 from oncely.jobs import dead_letters
 from oncely.jobs.timers import Timers
+from oncely.jobs.transitions import Ended
 from oncely.live.events import JobEvents
 from tests.durable import Harness, drain, wait_until_due
 
@@ -87,3 +90,24 @@ async def test_a_dead_letters_replay_tells_queued_and_reaches_the_live_stream(
     # A job that is not dead is not replayed, and nothing is told.
     assert await dead_letters.replay(harness.jobs, "approvals", job_id) is None
     assert len(told) == 1
+
+
+async def test_an_end_listener_that_fails_never_fails_the_end(harness: Harness, told: Told) -> None:
+    """A cancel's end reaches every end listener in turn; one that raises is
+    logged, and the cancel, the status listeners and the next listener
+    still happen."""
+    job_id = await waiting_approval(harness)
+    ends: list[Ended] = []
+
+    async def broken(_end: Ended) -> None:
+        raise RuntimeError("a listener's bug")
+
+    async def kept(end: Ended) -> None:
+        ends.append(end)
+
+    harness.jobs.transitions.when_ended(broken)
+    harness.jobs.transitions.when_ended(kept)
+    found = await harness.checkpoints.cancel(uuid.UUID(job_id))
+    assert found is not None and await harness.status(job_id) == "cancelled"
+    assert told == [("approvals", job_id, "cancelled")]
+    assert ends == [Ended("approvals", job_id, "cancelled", child=False)]

@@ -232,7 +232,9 @@ class OncelyAPI:
         events = JobEvents(
             clients.redis, LiveConfig(self.config.stream_maxlen, self.config.stream_ttl_s)
         )
+        # What follows a status change a request makes (oncely.jobs.transitions).
         self._jobs.transitions.subscribe(events.status_changed)
+        self._jobs.transitions.when_ended(self._checkpoints.children.on_end)
         config = StreamConfig(
             self.config.streams_per_tenant,
             self.config.stream_heartbeat_s,

@@ -50,6 +50,7 @@ from oncely.jobs.records import DeliveryReport
 from oncely.jobs.retention import Retention
 from oncely.jobs.schedules import Scheduler, scheduled
 from oncely.jobs.timers import Timers
+from oncely.jobs.transitions import Ended
 from oncely.live.events import JobEvents, LiveConfig
 from oncely.llm.base import LLM, ModelClient
 from oncely.llm.batches import Batcher, BatchLines
@@ -235,7 +236,10 @@ class WorkerGroup:
         self._settings = s
         self.cooldown = Cooldown(res.redis, cooldown_policy(s))
         self.events = JobEvents(res.redis, LiveConfig(s.stream_maxlen, s.stream_ttl_s))
+        # What follows a job's status change and its end (oncely.jobs.transitions);
+        # a workflow's shadow variants subscribe with its worker (_worker).
         self.jobs.transitions.subscribe(self.events.status_changed)
+        self.jobs.transitions.when_ended(self.checkpoints.children.on_end)
         self.ledger = ledger_for(res)
         # The batch lane's lines, and what gathers them into batches of the
         # primary's endpoint, in its dialect (docs/lanes.md).
@@ -278,6 +282,8 @@ class WorkerGroup:
             (spec.variant, spec.rate, Stream(res.redis, names.shadow_keys(w.name, spec.variant)))
             for spec in plan.for_workflow(w.name)
         ]
+        if shadows:
+            self.jobs.transitions.when_ended(ShadowDispatch(w.name, shadows).on_end)
         handler = WorkflowHandler(
             w,
             self.jobs,
@@ -285,7 +291,6 @@ class WorkerGroup:
             self._steps_for(variant),
             self._wake_relay,
             variant=variant,
-            shadows=ShadowDispatch(shadows) if shadows else None,
             checkpoints=self.checkpoints,
             route=ModelRoute(
                 self._fallbacks(w),
@@ -310,12 +315,11 @@ class WorkerGroup:
         )
 
     def _on_dead(self, workflow: str) -> Callable[[str, str, int | None], Awaitable[None]]:
-        """A dead job's row, then its live stream told."""
+        """A dead job's row, then its end told (its live stream, its map)."""
 
         async def dead(job_id: str, error: str, generation: int | None) -> None:
-            if await self.jobs.mark_dead(job_id, error, generation):
-                await self.checkpoints.children.ended([job_id])
-            self.jobs.transitions.changed(workflow, job_id, "dead")
+            child = await self.jobs.mark_dead(job_id, error, generation)
+            await self.jobs.transitions.ended(Ended(workflow, job_id, "dead", child=child))
 
         return dead
 

@@ -23,6 +23,7 @@ from oncely.cli.terminal import console, literal, print_rows
 from oncely.clock import SKEW_WARN_S
 from oncely.jobs import dead_letters
 from oncely.jobs.checkpoints import Cancelled, Checkpoints, EventOutcome, Rewound
+from oncely.jobs.children import Children
 from oncely.jobs.inspection import UNREPORTED_NOTE, JobInspection, inspect_job
 from oncely.jobs.records import JobRecord
 from oncely.jobs.schedules import Scheduler, scheduled
@@ -44,12 +45,14 @@ out = console()
 @asynccontextmanager
 async def _jobs(settings: Settings, workflows: list[str] | None = None) -> AsyncIterator[Jobs]:
     """The jobs stores, with a status change an operator makes told to the
-    job's live stream (``oncely.jobs.transitions``) before the command ends."""
+    job's live stream, and a map child's end counted in its map
+    (``oncely.jobs.transitions``), before the command ends."""
     app: App = app_from(settings, workflows)
     async with open_resources(settings) as res:
         jobs = jobs_for(app, res)
         events = JobEvents(res.redis, LiveConfig(settings.stream_maxlen, settings.stream_ttl_s))
         jobs.transitions.subscribe(events.status_changed)
+        jobs.transitions.when_ended(Children(jobs).on_end)
         try:
             yield jobs
         finally:

@@ -49,6 +49,7 @@ from oncely.jobs.rows import (
     writes_params,
 )
 from oncely.jobs.store import Jobs
+from oncely.jobs.transitions import Ended
 from oncely.journal import Checkpoint, RunStopped, Wait, Writes
 from oncely.redis_client import call_together
 from oncely.sql import query
@@ -395,14 +396,15 @@ class Checkpoints:
         if found.status not in CANCELLABLE:
             return found
         await self._announce_cancel(str(job_id), found.kind)
-        self.jobs.transitions.changed(found.kind, str(job_id), "cancelled")
-        # Its unfinished children go with it; a child's end counts in its map.
+        # Its end told: its stream, and its count in its map if it is a child.
+        end = Ended(found.kind, str(job_id), "cancelled", child=parent is not None)
+        await self.jobs.transitions.ended(end)
+        # Its unfinished children go with it (their map ends with it: no
+        # count to follow).
         for child, was, child_kind in await self.children.cancel(str(job_id)):
             if was == "queued":
                 await self._announce_cancel(child, child_kind)
             self.jobs.transitions.changed(child_kind, child, "cancelled")
-        if parent is not None:
-            await self.children.settle([str(job_id)])
         return found
 
     async def _announce_cancel(self, job_id: str, kind: str) -> None:

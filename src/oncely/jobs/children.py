@@ -6,7 +6,8 @@ columns (``sql/children.sql``).
 A map starts inside its parent's wait transaction (``start``, called by
 ``Checkpoints.start_wait``): the map's row and every child, the first
 ``concurrency`` of them queued and the rest ``held``; the parent waits
-holding nothing. Each child's end (done, dead, cancelled) is counted in
+holding nothing. Each child's end (done, dead, cancelled), as the jobs'
+transitions tell it (``on_end``, ``oncely.jobs.transitions``), is counted in
 its map (``settle``), in one statement that also releases the held
 children it leaves room for (``sql/children.sql`` says why that is safe
 under concurrent ends); once every child has ended the map ends: the
@@ -35,6 +36,7 @@ from oncely.batching import GroupCommit
 from oncely.identity import child_id
 from oncely.jobs.records import JobSpec
 from oncely.jobs.store import Jobs
+from oncely.jobs.transitions import Ended
 from oncely.journal import MapStart
 from oncely.redis_client import call_together
 from oncely.sql import query
@@ -141,6 +143,13 @@ class Children:
                 await self._ending(job_id)
         except Exception as exc:  # the repair pass counts it (module doc)
             log.warning("children.not_counted", error=f"{type(exc).__name__}: {exc}")
+
+    async def on_end(self, end: Ended) -> None:
+        """A job's end as ``Jobs.transitions`` tells it: a map child's is
+        counted in its map (``ended``). The composition root subscribes
+        it (``Transitions.when_ended``)."""
+        if end.child:
+            await self.ended([end.job_id])
 
     async def _settle_batch(self, job_ids: list[str]) -> set[str]:
         await self.settle(job_ids)

@@ -15,8 +15,9 @@
    delivery in the job's history (``done``, or ``duplicate``). A failed
    delivery keeps the checkpoints it reached and is recorded by the worker
    when it settles it.
-4. Only then, shadow work for the job if a shadow variant samples it
-   (``oncely.shadow``): it never delays or fails the job.
+4. Only then, the job's end told (``Jobs.transitions``): a map child's
+   count in its map, shadow work if a shadow variant samples it
+   (``oncely.shadow``); neither ever fails the job.
 
 A run that reaches a wait or a sleep ends there: the job waits holding
 nothing, and the worker acknowledges its entry. A run that loses a race for
@@ -27,10 +28,9 @@ nothing but its history row.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import structlog
 from pydantic import BaseModel, ValidationError
@@ -45,6 +45,7 @@ from oncely.errors import (
 from oncely.jobs.checkpoints import Checkpoints, JobRun
 from oncely.jobs.kit import StepConfig, run_step_function, step_context, step_model
 from oncely.jobs.store import Jobs
+from oncely.jobs.transitions import Ended
 from oncely.journal import Checkpoint, Journal, Replay, RunStopped, Suspended, Wait, Writes
 from oncely.live.events import JobEvents, LiveJob
 from oncely.llm.base import LLM
@@ -66,13 +67,6 @@ T = TypeVar("T")
 _MAX_REPLAYS = 20
 
 
-class AfterCommit(Protocol):
-    """Work for a job once its result is committed, never delaying or
-    failing it: the shadow runs' dispatch (``oncely.shadow``)."""
-
-    async def after_commit(self, message: JobMessage, result: Mapping[str, Any]) -> None: ...
-
-
 class WorkflowHandler:
     """The worker's handler for one workflow's jobs."""
 
@@ -85,7 +79,6 @@ class WorkflowHandler:
         wake_relay: OutboxWakeUp,
         *,
         variant: Variant | None = None,
-        shadows: AfterCommit | None = None,
         checkpoints: Checkpoints | None = None,
         route: ModelRoute | None = None,
         events: JobEvents | None = None,
@@ -102,8 +95,6 @@ class WorkflowHandler:
         self.wake_relay = wake_relay
         # The primary variant (ONCELY_PRIMARY); None: the workflow's own step.
         self.variant = variant
-        # None without shadow variants: the primary path pays nothing for them.
-        self.shadows = shadows
         # Bound once: a labels() lookup per job shows up in profiles.
         self._checkpoints_written = metrics.CHECKPOINTS_WRITTEN.labels(workflow=workflow.name)
 
@@ -177,11 +168,18 @@ class WorkflowHandler:
                 await self.checkpoints.flag_diverged(message.job_id, journal.diverged)
         if not stored:
             return "duplicate"
-        if run.parent is not None:
-            # A map's child: its end counts in the map (oncely.jobs.children).
-            await self.checkpoints.children.ended([message.job_id])
-        if self.shadows is not None:
-            await self.shadows.after_commit(message, result)
+        # Its stream heard "done" with its tokens (_finish); what follows a
+        # job's end is the transitions' (a map's count, the shadow runs).
+        end = Ended(
+            self.workflow.name,
+            message.job_id,
+            "done",
+            child=run.parent is not None,
+            tenant=message.tenant,
+            payload=message.payload,
+            result=result,
+        )
+        await self.jobs.transitions.ended(end, told=True)
         return "done"
 
     def _run_parts(

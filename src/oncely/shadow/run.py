@@ -1,6 +1,7 @@
 """Shadow work: enqueued after a primary result commits, run by its own worker.
 
-``ShadowDispatch.after_commit`` is all the primary path sees: for a job in
+``ShadowDispatch.on_end``, told of the primary's done jobs by the jobs'
+transitions (``oncely.jobs.transitions``), is all the primary path sees: for a job in
 the sample of a shadow variant, one XADD to that variant's stream
 (``names.shadow_keys``), carrying the job's request and the primary result.
 It runs after the commit and never raises, so a shadow can neither delay the
