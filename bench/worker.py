@@ -4,7 +4,9 @@ Side by side on the same jobs, round-robin:
 
 - ``oncely``: a real ``oncely worker --workflow summaries`` process (pre-check,
   fleet limiter, classified retries, owner-checked Lua acks, leases, index,
-  NOTIFY, reconciler);
+  NOTIFY, reconciler), the built-in summaries unstreamed as the floors'
+  calls are (``bench/worker_app.py``; ``--streamed``: as they ship, each
+  answer streamed to the job's live stream);
 - ``oncely_lean``: the same worker with ``ONCELY_LLM_CLIENT=lean`` (the model
   called straight over aiohttp, no SDK);
 - ``oncely_anthropic``, ``oncely_responses``, ``oncely_background`` (only
@@ -75,6 +77,9 @@ DIALECTS = {
 # goal: its cost is reported (docs/providers.md, Background calls).
 DIALECT_GOAL = 0.9
 LEAN_GOAL = 0.8  # oncely_lean / floor_aiohttp @256
+# The summaries workflow unstreamed, as the floors' calls are (--streamed:
+# the built-in one, streamed).
+WORKER_APP = "bench.worker_app:app"
 MODEL = "oncely-fake"
 HTTP_CONNECTIONS = 1000  # the openai SDK's aiohttp limit; raw aiohttp gets the same
 SHOWN = ("jobs", "jobs_per_s", "cpu_ms_per_job", "machine_busy_cores")
@@ -418,6 +423,8 @@ class Bench(Drain[Trial, FakeModel]):
                 "llm_client": "lean" if c.kind == "oncely_lean" else "openai",
                 "llm_provider": DIALECTS.get(c.kind, "chat"),
             }
+            if not self.ctx.args.streamed:
+                settings["app"] = WORKER_APP
             if c.kind == "oncely_background":
                 settings["llm_background_s"] = "1"  # below the calls' 20 s: each in background
             env = (
@@ -497,6 +504,7 @@ async def bench_main(ctx: Context) -> tuple[list[Headline], dict[str, Any], bool
     ok = ok and all(p["checks_ok"] for p in profiles)
     headline = [h for s in results for h in _headlines(s["scenario"], s.pop("_runs"))]
     detail = {
+        "streamed": ctx.args.streamed,
         "goal": GOAL,
         "lean_goal": LEAN_GOAL,
         "scenarios": results,
@@ -596,6 +604,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=lambda path: str(Path(path).resolve()),
         help="also run `oncely worker` from this checkout (e.g. a git worktree of an "
         "earlier revision) in every round, as the contender 'against'",
+    )
+    p.add_argument(
+        "--streamed",
+        action="store_true",
+        help="run the built-in summaries as they are, each answer streamed to the "
+        "job's live stream (by default unstreamed, as the floors' calls are: "
+        "bench/worker_app.py)",
     )
     # The floor consumer, run by the benchmark itself:
     p.add_argument("--floor-consumer", action="store_true", help=argparse.SUPPRESS)
