@@ -163,6 +163,25 @@ async def test_cancelling_the_parent_cancels_its_unfinished_children(maps: Harne
     assert await h.status(parent) == "cancelled"
 
 
+async def test_a_released_child_and_a_resumed_parent_are_told_queued(maps: Harness) -> None:
+    """A held child let go by another's end, and the parent its map's end
+    resumes, each reach the jobs' transitions as ``queued`` (so a page
+    following either job's stream hears it), once."""
+    h = maps
+    told: list[tuple[str, str, str]] = []
+    h.jobs.transitions.subscribe(lambda w, job, status, _extra: told.append((w, job, status)))
+    parent = await h.submit("/v1/map-digests", {"texts": ["One. A.", "Two. B."], "concurrency": 1})
+    await drain(h.worker("map_digest"))
+    first, second = [c for c, _, _ in await children_of(h, parent)]
+    await drain(h.worker("map_item"))  # the first child; the second released
+    assert ("map_item", second, "queued") in told
+    await drain(h.worker("map_item"))  # the second child; the map ends
+    assert told.count(("map_digest", parent, "queued")) == 1
+    assert ("map_item", first, "queued") not in told  # queued from the start: no change
+    await drain(h.worker("map_digest"))
+    assert await h.status(parent) == "done"
+
+
 @pytest.mark.parametrize("door", ["api", "cli"])
 async def test_a_child_a_person_cancels_counts_in_its_map_at_once(maps: Harness, door: str) -> None:
     """A child cancelled through the API or ``oncely jobs cancel`` ends in its

@@ -200,9 +200,16 @@ class Children:
         """What a count answered: the children it released, to enqueue, and
         the maps it left with no child, to end."""
         released, ended = result.rows[0] if result.rows else ([], [])
-        await self.enqueue([JobSpec(str(j), t, k, p) for j, t, k, p in released])
+        # Held children let go (held → queued), then parents whose map ended
+        # (waiting → queued): each change told (oncely.jobs.transitions).
+        await self._queued([JobSpec(str(j), t, k, p) for j, t, k, p in released])
         for parent_id, key in ended:
-            await self.enqueue(await self._end(str(parent_id), key))
+            await self._queued(await self._end(str(parent_id), key))
+
+    async def _queued(self, jobs: Sequence[JobSpec]) -> None:
+        await self.enqueue(jobs)
+        for job in jobs:
+            self.jobs.transitions.changed(job.kind, job.job_id, "queued")
 
     async def _end(self, parent_id: str, key: str) -> list[JobSpec]:
         """The map's results and its children's usage to its parent, once
