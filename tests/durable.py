@@ -265,6 +265,35 @@ async def pending(harness: Harness, workflow: str) -> int:
     return int(info["pending"])
 
 
+async def run_once(
+    harness: Harness, workflow: str, body: dict[str, Any]
+) -> tuple[str, dict[str, Any]]:
+    """``body`` posted to ``workflow``'s route (``/v1/<workflow>``), its
+    worker drained once: the job's id and the job as GET shows it."""
+    job_id = await harness.submit(f"/v1/{workflow}", body)
+    await drain(harness.worker(workflow))
+    return job_id, await harness.get(f"/v1/{workflow}", job_id)
+
+
+async def streamed(
+    harness: Harness, workflow: str, route: str, text: str
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """A job of ``text`` posted to ``route``, its ``workflow`` worker
+    drained once with live events, the job done: its view, and the token
+    events' text by the step that sent them."""
+    events = JobEvents(harness.redis)
+    job_id = await harness.submit(route, {"text": text})
+    await drain(harness.worker(workflow, events=events))
+    await events.drain()
+    view = await harness.get(route, job_id)
+    assert view["status"] == "done", view
+    tokens: dict[str, str] = {}
+    for event in await events.after(workflow, job_id, None):
+        if event.type == "token":
+            tokens[event.data["step"]] = tokens.get(event.data["step"], "") + event.data["text"]
+    return view, tokens
+
+
 async def wait_until_due(harness: Harness, job_id: str) -> None:
     """Until the job's wait_until has passed on PostgreSQL's clock."""
     for _ in range(500):

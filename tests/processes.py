@@ -246,13 +246,18 @@ async def api_client(
 
 
 @contextmanager
-def api_with_key(env: dict[str, str], tenant: str, log: Path) -> Iterator[tuple[str, str]]:
+def api_with_key(
+    redis_url: str, database_url: str, directory: Path, tenant: str, **extra: str
+) -> Iterator[tuple[str, str, Path]]:
     """A key of ``tenant`` made with ``oncely keys create``, and a real
-    ``oncely api`` on ``env`` (see ``serving_api``): (base URL, key)."""
+    ``oncely api`` (see ``serving_api``) on the servers named, logging JSON
+    to ``directory``/api.log (``extra`` settings added): (base URL, key, log)."""
+    env = servers_env(redis_url, database_url, ONCELY_LOG_FORMAT="json", **extra)
     created = oncely("keys", "create", "--tenant", tenant, env=env)
     assert created.returncode == 0, created.stderr
+    log = directory / "api.log"
     with serving_api(env, log) as url:
-        yield url, created.stdout.strip()
+        yield url, created.stdout.strip(), log
 
 
 def flush_redis(redis_url: str) -> None:

@@ -87,17 +87,24 @@ def _forget_lookups() -> None:
     LOOKUPS.clear()
 
 
-async def test_a_function_tool_and_a_call_tool_then_the_answer() -> None:
-    run = await run_step(
+async def look_up_and_refund(text: str, reply: str, **options: Any) -> Any:
+    """``run_step`` of ``WORKFLOW`` on ``text``, the model asking for the
+    lookup, then the refund (answered ok), then replying ``reply``."""
+    return await run_step(
         WORKFLOW,
-        {"text": "Where is order A1? Refund it."},
+        {"text": text},
         answers=[
             ToolCalls(("lookup_order", {"order_id": "A1"})),
             ToolCalls(("refund_now", {"order_id": "A1", "cents": 1200})),
-            "Refunded 12.00.",
+            reply,
         ],
         calls={"refund.issue": {"ok": True, "id": "evt_1"}},
+        **options,
     )
+
+
+async def test_a_function_tool_and_a_call_tool_then_the_answer() -> None:
+    run = await look_up_and_refund("Where is order A1? Refund it.", "Refunded 12.00.")
     assert run.result.reply == "Refunded 12.00."
     assert run.result.turns == 3
     assert run.result.tools == ["lookup_order:ok", "refund_now:ok"]
@@ -169,30 +176,35 @@ async def test_errors_the_model_can_recover_from_are_results_not_failures() -> N
     assert "the call failed (refused)" in told[3]
 
 
+async def limit_reached(
+    agent: Agent, text: str, answers: list[Any], **options: Any
+) -> AgentLimitReached:
+    """What ``run_step`` of ``agent`` on ``text`` raises, ``answers`` scripted."""
+    with pytest.raises(AgentLimitReached) as raised:
+        await run_step(agent_workflow(agent), {"text": text}, answers=answers, **options)
+    return raised.value
+
+
 async def test_a_run_past_max_turns_raises_with_its_reason() -> None:
     agent = Agent("looper", "Loop.", [lookup_order], max_turns=2)
-    with pytest.raises(AgentLimitReached) as raised:
-        await run_step(
-            agent_workflow(agent),
-            {"text": "Loop."},
-            answers=[ToolCalls(("lookup_order", {"order_id": "A1"}))] * 2,
-        )
-    assert raised.value.reason == "max_turns"
-    assert raised.value.run.turns == 2
-    assert str(raised.value).startswith("max_turns (2 turns")
-    assert raised.value.dead_reason == "agent-limit"
+    limit = await limit_reached(
+        agent, "Loop.", [ToolCalls(("lookup_order", {"order_id": "A1"}))] * 2
+    )
+    assert limit.reason == "max_turns"
+    assert limit.run.turns == 2
+    assert str(limit).startswith("max_turns (2 turns")
+    assert limit.dead_reason == "agent-limit"
 
 
 async def test_max_tokens_stops_before_the_turn_that_would_pass_it() -> None:
     agent = Agent("frugal", "Be brief.", [lookup_order], max_tokens=5)
-    with pytest.raises(AgentLimitReached) as raised:
-        await run_step(
-            agent_workflow(agent),
-            {"text": "A question long enough to spend more than five tokens at once."},
-            answers=[ToolCalls(("lookup_order", {"order_id": "A1"})), "never asked"],
-        )
-    assert raised.value.reason == "max_tokens"
-    assert raised.value.run.turns == 1
+    limit = await limit_reached(
+        agent,
+        "A question long enough to spend more than five tokens at once.",
+        [ToolCalls(("lookup_order", {"order_id": "A1"})), "never asked"],
+    )
+    assert limit.reason == "max_tokens"
+    assert limit.run.turns == 1
 
 
 async def test_max_cost_usd_stops_before_the_turn_that_would_pass_it() -> None:
@@ -202,17 +214,11 @@ async def test_max_cost_usd_stops_before_the_turn_that_would_pass_it() -> None:
     unpriced = await run_step(agent_workflow(agent), {"text": "Where is A1?"}, answers=script)
     assert unpriced.usage.get("cost_usd") is None and unpriced.model_calls == 2
     # At a dollar a thousand tokens, the first turn spends past half a cent.
-    with pytest.raises(AgentLimitReached) as raised:
-        await run_step(
-            agent_workflow(agent),
-            {"text": "Where is A1?"},
-            answers=script,
-            prices="test-model=1000/1000",
-        )
-    assert raised.value.reason == "max_cost_usd"
-    assert raised.value.run.turns == 1
-    assert raised.value.run.usage["cost_usd"] >= 0.005
-    assert raised.value.dead_reason == "agent-limit"
+    limit = await limit_reached(agent, "Where is A1?", script, prices="test-model=1000/1000")
+    assert limit.reason == "max_cost_usd"
+    assert limit.run.turns == 1
+    assert limit.run.usage["cost_usd"] >= 0.005
+    assert limit.dead_reason == "agent-limit"
 
 
 async def test_an_approved_refund_is_called_and_a_rejected_one_is_not() -> None:
@@ -249,17 +255,7 @@ async def test_an_approved_refund_is_called_and_a_rejected_one_is_not() -> None:
     ["support/model", "support/lookup_order/tool", "support/model#2", "support/refund_now/call"],
 )
 async def test_a_crash_at_any_agent_checkpoint_replays_paying_nothing_twice(key: str) -> None:
-    run = await run_step(
-        WORKFLOW,
-        {"text": "Where is A1? Refund it."},
-        answers=[
-            ToolCalls(("lookup_order", {"order_id": "A1"})),
-            ToolCalls(("refund_now", {"order_id": "A1", "cents": 1200})),
-            "Refunded.",
-        ],
-        calls={"refund.issue": {"ok": True, "id": "evt_1"}},
-        crash_after=key,
-    )
+    run = await look_up_and_refund("Where is A1? Refund it.", "Refunded.", crash_after=key)
     assert run.result.reply == "Refunded."
     assert len(LOOKUPS) == 1, "a stored tool call never runs again"
     assert run.model_calls == 3

@@ -10,6 +10,9 @@ import asyncio
 import json
 import random
 import signal
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -53,6 +56,23 @@ def request(text: str) -> dict[str, str]:
     return {"customer": "ada@example.com", "message": text}
 
 
+@pytest.fixture
+def env(redis, redis_url, database_url, providers) -> dict[str, str]:
+    """The processes' settings, on a flushed Redis database (``redis``)."""
+    model, mail = providers
+    return deployment_env(redis_url, database_url, model, mail)
+
+
+@asynccontextmanager
+async def support_desk(
+    env: dict[str, str], tmp_path: Path, api_key: str
+) -> AsyncIterator[tuple[Deployment, httpx.AsyncClient]]:
+    """A deployment of the support agent, and a client of its API."""
+    with Deployment(env, tmp_path, app=APP) as d:
+        async with d.client(api_key) as client:
+            yield d, client
+
+
 async def done(
     client: httpx.AsyncClient, job_id: str, route: str = "/v1/support"
 ) -> dict[str, Any]:
@@ -67,21 +87,17 @@ async def done(
     return view
 
 
-async def test_an_agent_looks_up_refunds_once_and_replies(
-    redis_url, database_url, api_key, redis, pool, providers, tmp_path
-):
+async def test_an_agent_looks_up_refunds_once_and_replies(api_key, pool, providers, env, tmp_path):
     model, mail = providers
-    env = deployment_env(redis_url, database_url, model, mail)
-    with Deployment(env, tmp_path, app=APP) as d:
-        async with d.client(api_key) as client:
-            text = f"My teapot A-1001 broke. {LOOKUP} {refund('A-1001', 4200)}"
-            job_id = await post(client, "/v1/support", request(text), "agent-end-to-end-0001")
-            view = await done(client, job_id)
+    async with support_desk(env, tmp_path, api_key) as (_, client):
+        text = f"My teapot A-1001 broke. {LOOKUP} {refund('A-1001', 4200)}"
+        job_id = await post(client, "/v1/support", request(text), "agent-end-to-end-0001")
+        view = await done(client, job_id)
 
-            async def replied() -> bool:
-                return (await mail.deliveries())["effects"] == 2
+        async def replied() -> bool:
+            return (await mail.deliveries())["effects"] == 2
 
-            await wait_for(replied, what="the refund and the reply")
+        await wait_for(replied, what="the refund and the reply")
 
     assert view["status"] == "done", view
     assert view["result"]["refunded_cents"] == 4200
@@ -99,40 +115,36 @@ async def test_an_agent_looks_up_refunds_once_and_replies(
     )
 
 
-async def test_a_large_refund_is_approved_through_the_api(
-    redis_url, database_url, api_key, redis, pool, providers, tmp_path
-):
-    model, mail = providers
-    env = deployment_env(redis_url, database_url, model, mail)
-    with Deployment(env, tmp_path, app=APP) as d:
-        async with d.client(api_key) as client:
-            text = f"Wrong armchair. {refund('A-1002', 38900)}"
-            job_id = await post(client, "/v1/support", request(text), "agent-end-to-end-0002")
+async def test_a_large_refund_is_approved_through_the_api(api_key, providers, env, tmp_path):
+    _, mail = providers
+    async with support_desk(env, tmp_path, api_key) as (_, client):
+        text = f"Wrong armchair. {refund('A-1002', 38900)}"
+        job_id = await post(client, "/v1/support", request(text), "agent-end-to-end-0002")
 
-            pending: dict[str, Any] = {}
+        pending: dict[str, Any] = {}
 
-            async def waiting() -> bool:
-                view = (await client.get(f"/v1/support/{job_id}")).json()
-                pending.update((view["waiting"] or {}).get("approval") or {})
-                return view["status"] == "waiting" and bool(pending)
+        async def waiting() -> bool:
+            view = (await client.get(f"/v1/support/{job_id}")).json()
+            pending.update((view["waiting"] or {}).get("approval") or {})
+            return view["status"] == "waiting" and bool(pending)
 
-            await wait_for(waiting, what="the approval wait")
-            by_key = (await mail.deliveries())["by_key"]
-            assert not [k for k in by_key if k.startswith("refund.issue")], "nothing sent yet"
-            decided = await client.post(
-                f"/v1/support/{job_id}/approvals/{pending['call_id']}",
-                json={"approved": True},
-                headers={"Idempotency-Key": "agent-e2e-approve-0002"},
-            )
-            assert decided.status_code == 202, decided.text
-            view = await done(client, job_id)
+        await wait_for(waiting, what="the approval wait")
+        by_key = (await mail.deliveries())["by_key"]
+        assert not [k for k in by_key if k.startswith("refund.issue")], "nothing sent yet"
+        decided = await client.post(
+            f"/v1/support/{job_id}/approvals/{pending['call_id']}",
+            json={"approved": True},
+            headers={"Idempotency-Key": "agent-e2e-approve-0002"},
+        )
+        assert decided.status_code == 202, decided.text
+        view = await done(client, job_id)
     assert view["result"]["refunded_cents"] == 38900
     refunds = [k for k in (await mail.deliveries())["by_key"] if k.startswith("refund.issue")]
     assert refunds == [f"refund.issue:{job_id}:support/refund/call"]
 
 
 async def test_a_call_whose_relay_is_sigkilled_mid_send_resumes_its_job_within_seconds(
-    redis_url, database_url, api_key, redis, pool, providers, tmp_path
+    api_key, pool, providers, env, tmp_path
 ):
     """The refund's receiver is slow: the relay sending it is SIGKILLed with
     the call in flight, a second relay running beside it. With the default
@@ -140,49 +152,47 @@ async def test_a_call_whose_relay_is_sigkilled_mid_send_resumes_its_job_within_s
     sends it again once the dead one's lease ends: the job's wait ends
     within about 5 s of the kill, never the old 30 s, and the receiver got
     the call twice under one webhook-id, one effect."""
-    model, mail = providers
-    env = deployment_env(redis_url, database_url, model, mail)
+    _, mail = providers
     mail.state.script(Faults(delay_s=60))  # the first send of the refund hangs
-    with Deployment(env, tmp_path, app=APP) as d:
-        async with d.client(api_key) as client:
-            text = f"My teapot A-1001 broke. {LOOKUP} {refund('A-1001', 4200)}"
-            job_id = await post(client, "/v1/support", request(text), "agent-relay-killed-0001")
-            call = f"refund.issue:{job_id}:support/refund/call"
+    async with support_desk(env, tmp_path, api_key) as (d, client):
+        text = f"My teapot A-1001 broke. {LOOKUP} {refund('A-1001', 4200)}"
+        job_id = await post(client, "/v1/support", request(text), "agent-relay-killed-0001")
+        call = f"refund.issue:{job_id}:support/refund/call"
 
-            async def sends(n: int) -> bool:
-                return (await mail.deliveries())["by_key"].get(call, 0) >= n
+        async def sends(n: int) -> bool:
+            return (await mail.deliveries())["by_key"].get(call, 0) >= n
 
-            await wait_for(lambda: sends(1), what="the refund in flight at the receiver")
-            d.relays.append(d.start("relay", log="relay2.log"))
+        await wait_for(lambda: sends(1), what="the refund in flight at the receiver")
+        d.relays.append(d.start("relay", log="relay2.log"))
 
-            async def both_listening() -> bool:
-                listening = await scalar(
-                    pool,
-                    "SELECT count(*) FROM pg_stat_activity"
-                    " WHERE application_name = %s AND datname = current_database()",
-                    LISTENER_APPLICATION_NAME,
-                )
-                return bool(listening == 2)
-
-            await wait_for(both_listening, what="the second relay listening")
-            assert (await mail.deliveries())["by_key"][call] == 1, "a live relay's send kept"
-            d.relay.send_signal(signal.SIGKILL)
-            d.relay.wait(10)
-            killed_at = await scalar(pool, "SELECT now()")
-            mail.state.script(Faults())  # the receiver answers the resend at once
-
-            async def answered() -> bool:
-                status = await scalar(pool, f"SELECT c.status {CALL_CHECKPOINT}", job_id)
-                return bool(status == "done")
-
-            await wait_for(answered, what="the refund answered after the kill")
-            resumed_s = await scalar(
+        async def both_listening() -> bool:
+            listening = await scalar(
                 pool,
-                f"SELECT extract(epoch FROM c.finished_at - %s)::float8 {CALL_CHECKPOINT}",
-                killed_at,
-                job_id,
+                "SELECT count(*) FROM pg_stat_activity"
+                " WHERE application_name = %s AND datname = current_database()",
+                LISTENER_APPLICATION_NAME,
             )
-            view = await done(client, job_id)
+            return bool(listening == 2)
+
+        await wait_for(both_listening, what="the second relay listening")
+        assert (await mail.deliveries())["by_key"][call] == 1, "a live relay's send kept"
+        d.relay.send_signal(signal.SIGKILL)
+        d.relay.wait(10)
+        killed_at = await scalar(pool, "SELECT now()")
+        mail.state.script(Faults())  # the receiver answers the resend at once
+
+        async def answered() -> bool:
+            status = await scalar(pool, f"SELECT c.status {CALL_CHECKPOINT}", job_id)
+            return bool(status == "done")
+
+        await wait_for(answered, what="the refund answered after the kill")
+        resumed_s = await scalar(
+            pool,
+            f"SELECT extract(epoch FROM c.finished_at - %s)::float8 {CALL_CHECKPOINT}",
+            killed_at,
+            job_id,
+        )
+        view = await done(client, job_id)
 
     print(f"a call whose relay was SIGKILLed mid-send: its job resumed {resumed_s:.2f} s after")
     assert resumed_s < 15, (

@@ -21,7 +21,16 @@ from oncely.api.auth import hash_api_key
 from oncely.decisions import is_call_id
 from oncely.fakes.mail import FakeMailServer
 from oncely.outbox.relay import Relay
-from tests.durable import Harness, agent_desk, drain, pending, relayed, wait_until_due
+from tests.durable import (
+    Harness,
+    agent_desk,
+    drain,
+    pending,
+    relayed,
+    run_once,
+    streamed,
+    wait_until_due,
+)
 from tests.helpers import RefundArgs
 
 SECRET = "approvals-test-secret"
@@ -387,20 +396,16 @@ async def test_decisions_with_unstorable_text_or_loose_arguments_are_refused(des
 async def test_tool_arguments_with_nul_are_answered_to_the_model_as_an_error(desk) -> None:
     harness, _, _ = desk
     nul = '[[fake:tool=lookup_order {"order_id": "A\\u0000"}]]'
-    job_id = await harness.submit("/v1/helpdesk", {"text": f"Look it up. {nul}"})
-    await drain(harness.worker("helpdesk"))
-    view = await harness.get("/v1/helpdesk", job_id)
+    _, view = await run_once(harness, "helpdesk", {"text": f"Look it up. {nul}"})
     assert view["status"] == "done", view
     assert view["result"]["tools"] == ["lookup_order:error"]
     told = harness.fake.model.recent[-1]
     assert any("NUL" in (m.get("content") or "") for m in told if m["role"] == "tool")
 
 
-async def test_every_turn_of_a_streaming_agent_streams_its_tokens(custom, redis) -> None:
+async def test_every_turn_of_a_streaming_agent_streams_its_tokens(custom) -> None:
     """``Workflow(stream=True)``: each model turn of an agent sends its text
     as token events for its own step, and the tokens kept are the stored turn."""
-    from oncely.live.events import JobEvents
-
     agent = Agent("support", "You help.", [lookup_order])
 
     async def step(request: Ask, ctx: Context) -> Answer:
@@ -420,18 +425,7 @@ async def test_every_turn_of_a_streaming_agent_streams_its_tokens(custom, redis)
         ]
     )
     harness = await custom(app)
-    events = JobEvents(redis)
     lookup = '[[fake:tool=lookup_order {"order_id": "A1"}]]'
-    job_id = await harness.submit("/v1/streamer", {"text": f"Where is A1? {lookup}"})
-    await drain(harness.worker("streamer", events=events))
-    await events.drain()
-
-    view = await harness.get("/v1/streamer", job_id)
-    assert view["status"] == "done", view
-    tokens: dict[str, str] = {}
-    for event in await events.after("streamer", job_id, None):
-        if event.type == "token":
-            step_key = event.data["step"]
-            tokens[step_key] = tokens.get(step_key, "") + event.data["text"]
+    view, tokens = await streamed(harness, "streamer", "/v1/streamer", f"Where is A1? {lookup}")
     assert tokens.get("support/model#2") == view["result"]["reply"]
     assert view["result"]["reply"]

@@ -59,10 +59,9 @@ async def chat(fake: FakeLLMServer) -> AsyncIterator[OpenAICompatible]:
 
 
 @pytest.fixture
-async def api(fake: FakeLLMServer) -> AsyncIterator[OpenAIBatches]:
-    api = OpenAIBatches.connect(fake.url, "test")
-    yield api
-    await api.aclose()
+async def claude(fake: FakeLLMServer) -> AsyncIterator[AnthropicMessages]:
+    async with AnthropicMessages.connect(fake.url, "test", CLAUDE) as adapter:
+        yield adapter
 
 
 @pytest.fixture
@@ -71,9 +70,10 @@ def lines(pool: Any) -> BatchLines:
 
 
 @pytest.fixture
-async def claude(fake: FakeLLMServer) -> AsyncIterator[AnthropicMessages]:
-    async with AnthropicMessages.connect(fake.url, "test", CLAUDE) as adapter:
-        yield adapter
+async def api(fake: FakeLLMServer) -> AsyncIterator[OpenAIBatches]:
+    api = OpenAIBatches.connect(fake.url, "test")
+    yield api
+    await api.aclose()
 
 
 @pytest.fixture
@@ -129,21 +129,25 @@ async def ask(model: Model, prompt: str) -> str:
     return await model.complete(prompt, step="triage")
 
 
+async def waits(model: Model, prompt: str) -> None:
+    """The call's line stored (or still out): the call is to resume later."""
+    with pytest.raises(ResumeLater):
+        await ask(model, prompt)
+
+
 async def test_a_batch_call_is_stored_gathered_created_once_and_answered_as_the_calls_answer(
     chat, api, lines, fake, pool
 ) -> None:
     ledger = Ledger(pool, prices=Prices.parse(f"{MODEL}=2/8"))
     jobs = [str(uuid.uuid4()) for _ in range(3)]
     for job in jobs:
-        with pytest.raises(ResumeLater):
-            await ask(delivery(chat, lines, job), f"Ticket {job}. Classify it.")
+        await waits(delivery(chat, lines, job), f"Ticket {job}. Classify it.")
     custom_ids = [line_id(job, "triage", "chat") for job in jobs]
     assert await statuses(pool) == dict.fromkeys(custom_ids, "waiting")
     assert fake.batches.stats()["created"] == 0  # nothing sent yet
 
     # A look before the batch is done still waits, and stores nothing twice.
-    with pytest.raises(ResumeLater):
-        await ask(delivery(chat, lines, jobs[0]), f"Ticket {jobs[0]}. Classify it.")
+    await waits(delivery(chat, lines, jobs[0]), f"Ticket {jobs[0]}. Classify it.")
 
     await settle(batcher(lines, api), pool, custom_ids)
     stats = fake.batches.stats()
@@ -167,8 +171,7 @@ async def test_a_batch_call_is_stored_gathered_created_once_and_answered_as_the_
 
 async def test_the_batch_carries_its_oncely_id_in_its_metadata(chat, api, lines, fake, pool):
     job = str(uuid.uuid4())
-    with pytest.raises(ResumeLater):
-        await ask(delivery(chat, lines, job), "Metadata, please.")
+    await waits(delivery(chat, lines, job), "Metadata, please.")
     await settle(batcher(lines, api), pool, [line_id(job, "triage", "chat")])
     [row] = await lines.batches()
     assert (row.lines, row.answered, row.failed, row.waiting) == (1, 1, 0, 0)
@@ -193,52 +196,43 @@ class Crash(Exception):
     """A process killed at that point (the process tests kill it for real)."""
 
 
-async def test_a_batch_gathered_but_never_created_is_created_once_by_the_recovery(
-    chat, api, lines, fake, pool, monkeypatch
-) -> None:
-    job = str(uuid.uuid4())
-    with pytest.raises(ResumeLater):
-        await ask(delivery(chat, lines, job), "Lost before its batch.")
-
-    async def dies(*args: Any) -> str:
-        raise Crash
-
-    dying = batcher(lines, api, lease_s=0.2)
-    monkeypatch.setattr(dying, "submit", dies)
-    with pytest.raises(Crash):
-        await dying.gather()
-    assert await statuses(pool) == {line_id(job, "triage", "chat"): "gathered"}
-    await settle(batcher(lines, api, lease_s=0.2), pool, [line_id(job, "triage", "chat")])
-    stats = fake.batches.stats()
-    assert stats["created"] == 1 and stats["lines"] == {line_id(job, "triage", "chat"): 1}
-
-
-async def test_a_batch_created_but_not_recorded_is_adopted_never_created_again(
-    chat, api, lines, fake, pool, monkeypatch
-) -> None:
-    job = str(uuid.uuid4())
-    with pytest.raises(ResumeLater):
-        await ask(delivery(chat, lines, job), "Lost after its batch.")
+async def crash(lines: BatchLines, api: Any, monkeypatch: Any, at: str) -> None:
+    """A batcher killed at ``at`` (``submit`` or ``record``) while it gathers."""
 
     async def dies(*args: Any) -> None:
         raise Crash
 
     dying = batcher(lines, api, lease_s=0.2)
-    monkeypatch.setattr(dying, "record", dies)
+    monkeypatch.setattr(dying, at, dies)
     with pytest.raises(Crash):
         await dying.gather()
-    assert fake.batches.stats()["created"] == 1
-    await settle(batcher(lines, api, lease_s=0.2), pool, [line_id(job, "triage", "chat")])
+
+
+@pytest.mark.parametrize("dies_at", ["submit", "record"])
+async def test_a_batch_lost_by_a_crash_is_created_once_or_adopted_never_created_again(
+    chat, api, lines, fake, pool, monkeypatch, dies_at: str
+) -> None:
+    """Killed before creating the batch (``submit``): its line stays
+    gathered and the recovery creates the batch. Killed after (``record``):
+    the recovery adopts it, never creating it again."""
+    job = str(uuid.uuid4())
+    custom_id = line_id(job, "triage", "chat")
+    prompt = f"Lost at {dies_at}."
+    await waits(delivery(chat, lines, job), prompt)
+    await crash(lines, api, monkeypatch, dies_at)
+    if dies_at == "submit":
+        assert await statuses(pool) == {custom_id: "gathered"}
+    assert fake.batches.stats()["created"] == (1 if dies_at == "record" else 0)
+    await settle(batcher(lines, api, lease_s=0.2), pool, [custom_id])
     stats = fake.batches.stats()
-    assert stats["created"] == 1 and stats["lines"] == {line_id(job, "triage", "chat"): 1}
-    assert await ask(delivery(chat, lines, job), "Lost after its batch.")
+    assert stats["created"] == 1 and stats["lines"] == {custom_id: 1}
+    assert await ask(delivery(chat, lines, job), prompt)
 
 
 async def test_a_line_that_failed_permanently_fails_the_call(chat, api, lines, fake, pool):
     job = str(uuid.uuid4())
     prompt = "A bad request. [[fake:400]]"
-    with pytest.raises(ResumeLater):
-        await ask(delivery(chat, lines, job), prompt)
+    await waits(delivery(chat, lines, job), prompt)
     await settle(batcher(lines, api), pool, [line_id(job, "triage", "chat")])
     with pytest.raises(PermanentError, match="400"):
         await ask(delivery(chat, lines, job), prompt)
@@ -249,8 +243,7 @@ async def test_a_line_that_failed_transiently_goes_in_the_next_batch(chat, api, 
     job = str(uuid.uuid4())
     custom_id = line_id(job, "triage", "chat")
     prompt = "A server error, once. [[fake:503*1]]"
-    with pytest.raises(ResumeLater):
-        await ask(delivery(chat, lines, job), prompt)
+    await waits(delivery(chat, lines, job), prompt)
     b = batcher(lines, api)
     await settle(b, pool, [custom_id])
     with pytest.raises(ResumeLater):  # back in line
@@ -266,8 +259,7 @@ async def test_an_expired_batchs_lines_go_once_more_then_fail(chat, api, lines, 
     once, always = str(uuid.uuid4()), str(uuid.uuid4())
     prompts = {once: "Expires once. [[fake:expire*1]]", always: "Expires always. [[fake:expire]]"}
     for job, prompt in prompts.items():
-        with pytest.raises(ResumeLater):
-            await ask(delivery(chat, lines, job), prompt)
+        await waits(delivery(chat, lines, job), prompt)
     b = batcher(lines, api)
     ids = [line_id(once, "triage", "chat"), line_id(always, "triage", "chat")]
     await settle(b, pool, ids)
@@ -281,8 +273,7 @@ async def test_an_expired_batchs_lines_go_once_more_then_fail(chat, api, lines, 
 async def test_a_cancelled_jobs_line_is_never_sent(chat, api, lines, fake, pool) -> None:
     cancelled, kept = str(uuid.uuid4()), str(uuid.uuid4())
     for job in (cancelled, kept):
-        with pytest.raises(ResumeLater):
-            await ask(delivery(chat, lines, job), f"Job {job}.")
+        await waits(delivery(chat, lines, job), f"Job {job}.")
     async with pool.connection() as conn:
         await conn.execute(
             "INSERT INTO jobs (job_id, tenant, kind, payload, status)"
@@ -335,18 +326,15 @@ async def test_oncely_batches_list_and_show_say_lines_done_failed_and_jobs_waiti
 ) -> None:
     done, failed, waiting = (str(uuid.uuid4()) for _ in range(3))
     for job, prompt in ((done, "Fine."), (failed, "Bad. [[fake:400]]")):
-        with pytest.raises(ResumeLater):
-            await ask(delivery(chat, lines, job), prompt)
+        await waits(delivery(chat, lines, job), prompt)
     await settle(
         batcher(lines, api),
         pool,
         [line_id(done, "triage", "chat"), line_id(failed, "triage", "chat")],
     )
-    with pytest.raises(ResumeLater):
-        await ask(delivery(chat, lines, waiting), "Still out.")
+    await waits(delivery(chat, lines, waiting), "Still out.")
     await batcher(lines, api).gather()  # out, not answered yet: no poll
-    with pytest.raises(ResumeLater):
-        await ask(delivery(chat, lines, str(uuid.uuid4())), "Not gathered yet.")
+    await waits(delivery(chat, lines, str(uuid.uuid4())), "Not gathered yet.")
 
     env = {"ONCELY_REDIS_URL": redis_url, "ONCELY_DATABASE_URL": database_url, "COLUMNS": "200"}
 
@@ -404,8 +392,7 @@ async def test_settled_lines_past_their_keep_go_once_their_job_ended(
 ) -> None:
     ended, running = str(uuid.uuid4()), str(uuid.uuid4())
     for job in (ended, running):
-        with pytest.raises(ResumeLater):
-            await ask(delivery(chat, lines, job), f"Job {job}.")
+        await waits(delivery(chat, lines, job), f"Job {job}.")
     await settle(
         batcher(lines, api),
         pool,
@@ -433,15 +420,13 @@ async def test_a_waiting_lines_tokens_stay_held_in_its_tenants_budget_until_answ
     ledger = Ledger(pool, budgets=budgets)
     job = str(uuid.uuid4())
     prompt = "Hold my tokens. " * 10
-    with pytest.raises(ResumeLater):
-        await ask(delivery(chat, lines, job, ledger), prompt)
+    await waits(delivery(chat, lines, job, ledger), prompt)
     held = await budgets.reserved("acme")
     assert held == budgets.estimate(len(prompt))
     await asyncio.sleep(0.1)  # the hold lapses; the next look holds it again
     await budgets.reserve("acme", str(uuid.uuid4()), 1)  # (which releases lapsed holds)
     assert await budgets.reserved("acme") == 1
-    with pytest.raises(ResumeLater):
-        await ask(delivery(chat, lines, job, ledger), prompt)
+    await waits(delivery(chat, lines, job, ledger), prompt)
     assert await budgets.reserved("acme") == 1 + held
     await settle(batcher(lines, api), pool, [line_id(job, "triage", "chat")])
     assert await ask(delivery(chat, lines, job, ledger), prompt)
@@ -458,8 +443,7 @@ async def test_an_answer_read_again_after_a_crash_is_in_the_ledger_once(
     the provider billed once, so the ledger holds one row for it."""
     ledger = Ledger(pool, prices=Prices.parse(f"{MODEL}=2/8"))
     job = str(uuid.uuid4())
-    with pytest.raises(ResumeLater):
-        await ask(delivery(chat, lines, job), f"Ticket {job}. Classify it.")
+    await waits(delivery(chat, lines, job), f"Ticket {job}. Classify it.")
     await settle(batcher(lines, api), pool, [line_id(job, "triage", "chat")])
     for _ in range(2):  # the dead delivery, then the next one
         text = await ask(delivery(chat, lines, job, ledger), f"Ticket {job}. Classify it.")
@@ -480,8 +464,7 @@ async def test_an_anthropic_batch_call_is_answered_through_message_batches(
     ledger = Ledger(pool)
     jobs = [str(uuid.uuid4()) for _ in range(3)]
     for job in jobs:
-        with pytest.raises(ResumeLater):
-            await ask(delivery(claude, lines, job), f"Ticket {job}. Classify it.")
+        await waits(delivery(claude, lines, job), f"Ticket {job}. Classify it.")
     custom_ids = [line_id(job, "triage", "anthropic") for job in jobs]
     assert await statuses(pool) == dict.fromkeys(custom_ids, "waiting")
     await settle(batcher(lines, claude_api), pool, custom_ids)
@@ -547,8 +530,7 @@ async def test_anthropic_errored_lines_are_classified_by_their_error_type(
         flaky: "Overloaded once. [[fake:529*1]]",
     }
     for job, prompt in prompts.items():
-        with pytest.raises(ResumeLater):
-            await ask(delivery(claude, lines, job), prompt)
+        await waits(delivery(claude, lines, job), prompt)
     ids = {job: line_id(job, "triage", "anthropic") for job in prompts}
     b = batcher(lines, claude_api)
     await settle(b, pool, list(ids.values()))
@@ -573,8 +555,7 @@ async def test_an_anthropic_expired_line_goes_once_more_then_fails(
     once, always = str(uuid.uuid4()), str(uuid.uuid4())
     prompts = {once: "Expires once. [[fake:expire*1]]", always: "Expires always. [[fake:expire]]"}
     for job, prompt in prompts.items():
-        with pytest.raises(ResumeLater):
-            await ask(delivery(claude, lines, job), prompt)
+        await waits(delivery(claude, lines, job), prompt)
     ids = [line_id(once, "triage", "anthropic"), line_id(always, "triage", "anthropic")]
     await settle(batcher(lines, claude_api), pool, ids)
     assert fake.batches.stats()["lines"] == dict.fromkeys(ids, 2)
@@ -593,16 +574,8 @@ async def test_an_anthropic_batch_lost_by_a_crash_is_adopted_or_created_once(
     of its size at the provider, so it is created."""
     jobs = [str(uuid.uuid4()) for _ in range(2)]
     for job in jobs:
-        with pytest.raises(ResumeLater):
-            await ask(delivery(claude, lines, job), f"Lost {job}.")
-
-    async def dies(*args: Any) -> None:
-        raise Crash
-
-    dying = batcher(lines, claude_api, lease_s=0.2)
-    monkeypatch.setattr(dying, dies_at, dies)
-    with pytest.raises(Crash):
-        await dying.gather()
+        await waits(delivery(claude, lines, job), f"Lost {job}.")
+    await crash(lines, claude_api, monkeypatch, dies_at)
     assert fake.batches.stats()["created"] == (1 if dies_at == "record" else 0)
     ids = [line_id(job, "triage", "anthropic") for job in jobs]
     await settle(batcher(lines, claude_api, lease_s=0.2), pool, ids)
@@ -621,16 +594,8 @@ async def test_a_foreign_batch_of_the_same_size_adopted_by_mistake_gives_no_wron
     goes back in line and is answered by its own batch."""
     job = str(uuid.uuid4())
     prompt = "Mine, not theirs."
-    with pytest.raises(ResumeLater):
-        await ask(delivery(claude, lines, job), prompt)
-
-    async def dies(*args: Any) -> None:
-        raise Crash
-
-    dying = batcher(lines, claude_api, lease_s=0.2)
-    monkeypatch.setattr(dying, "submit", dies)
-    with pytest.raises(Crash):
-        await dying.gather()
+    await waits(delivery(claude, lines, job), prompt)
+    await crash(lines, claude_api, monkeypatch, "submit")
     theirs = {"model": CLAUDE, "max_tokens": 64, "messages": [{"role": "user", "content": "No."}]}
     foreign = await claude_api.create("not-oncely", [("their-request-1", theirs)])
 
@@ -654,19 +619,10 @@ async def test_a_batch_another_oncely_batch_recorded_is_never_adopted(
     second killed before its creation. The first's batch has the right
     size and time, but it is recorded: the second is created."""
     first, second = str(uuid.uuid4()), str(uuid.uuid4())
-    with pytest.raises(ResumeLater):
-        await ask(delivery(claude, lines, first), "First.")
+    await waits(delivery(claude, lines, first), "First.")
     await batcher(lines, claude_api).gather()  # created and recorded
-    with pytest.raises(ResumeLater):
-        await ask(delivery(claude, lines, second), "Second.")
-
-    async def dies(*args: Any) -> None:
-        raise Crash
-
-    dying = batcher(lines, claude_api, lease_s=0.2)
-    monkeypatch.setattr(dying, "submit", dies)
-    with pytest.raises(Crash):
-        await dying.gather()
+    await waits(delivery(claude, lines, second), "Second.")
+    await crash(lines, claude_api, monkeypatch, "submit")
     ids = [line_id(first, "triage", "anthropic"), line_id(second, "triage", "anthropic")]
     await settle(batcher(lines, claude_api, lease_s=0.2), pool, ids)
     assert await statuses(pool) == dict.fromkeys(ids, "answered")

@@ -137,6 +137,16 @@ async def sent_once_and_resumed(c: Calls, job_id: str) -> None:
     raise AssertionError("the call was never settled")
 
 
+async def through_the_call(c: Calls, text: str) -> tuple[str, dict[str, Any]]:
+    """A job of ``text`` run to its call, the call settled by the relay,
+    and the job run again: its id, and the job as GET shows it."""
+    job_id = await c.submit(text)
+    await c.run_worker()
+    await sent_once_and_resumed(c, job_id)
+    await c.run_worker()
+    return job_id, await c.get(job_id)
+
+
 async def test_a_call_is_sent_once_and_its_answer_resumes_the_job(calls) -> None:
     c = await calls()
     job_id = await c.submit("Quote me a price.")
@@ -176,11 +186,7 @@ async def test_a_call_is_sent_once_and_its_answer_resumes_the_job(calls) -> None
 
 async def test_a_refused_call_fails_without_a_retry_and_the_step_sees_why(calls) -> None:
     c = await calls()
-    job_id = await c.submit("Refuse this one. [[fake:400]]")
-    await c.run_worker()
-    await sent_once_and_resumed(c, job_id)
-    await c.run_worker()
-    view = await c.get(job_id)
+    job_id, view = await through_the_call(c, "Refuse this one. [[fake:400]]")
     assert view["status"] == "done"
     assert view["result"]["said"] == "failed:refused:400"
     assert list((await c.requests(job_id)).values()) == [1], "a 4xx is not tried again"
@@ -193,11 +199,7 @@ async def test_a_refused_call_fails_without_a_retry_and_the_step_sees_why(calls)
 
 async def test_a_call_that_fails_transiently_is_tried_again_with_the_same_key(calls) -> None:
     c = await calls()
-    job_id = await c.submit("Busy at first. [[fake:503*2]]")
-    await c.run_worker()
-    await sent_once_and_resumed(c, job_id)
-    await c.run_worker()
-    view = await c.get(job_id)
+    job_id, view = await through_the_call(c, "Busy at first. [[fake:503*2]]")
     assert view["status"] == "done"
     assert view["result"]["said"].endswith("Busy at first. [[fake:503*2]]")
     assert await c.requests(job_id) == {f"quote.request:{job_id}:quote.request": 3}
@@ -206,11 +208,7 @@ async def test_a_call_that_fails_transiently_is_tried_again_with_the_same_key(ca
 
 async def test_an_answer_that_does_not_validate_fails_the_call(calls) -> None:
     c = await calls(returns=Priced)
-    job_id = await c.submit("No price in the answer.")
-    await c.run_worker()
-    await sent_once_and_resumed(c, job_id)
-    await c.run_worker()
-    view = await c.get(job_id)
+    job_id, view = await through_the_call(c, "No price in the answer.")
     assert view["result"]["said"] == "failed:invalid_answer:None"
     assert list((await c.requests(job_id)).values()) == [1]
 

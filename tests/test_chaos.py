@@ -460,52 +460,45 @@ def answer_with_a_value_no_checkpoint_holds(outcomes: list[Any], e: Any) -> None
     e.results[REVIEW] = {**e.results[REVIEW], "final": "Another final."}
 
 
-@pytest.mark.parametrize(
-    ("defect", "violation"),
-    [
-        (lose_a_job, "lost"),
-        (duplicate_an_effect, "duplicate_effects"),
-        (let_a_doomed_job_finish, "scripted_failure_not_dead"),
-        (change_a_replay, "replay_not_identical"),
-        (accept_a_reused_key, "reused_key_not_422"),
-        (pay_twice, "excess_model_calls_unexplained"),
-        (send_another_summary, "effect_differs_from_result"),
-        (email_a_stranger, "effect_of_no_accepted_job"),
-        (leave_a_review_waiting, "lost"),
-        (pay_a_checkpointed_call_again, "checkpointed_call_repeated"),
-        (deliver_a_review_effect_twice, "duplicate_effects"),
-        (emit_a_review_effect_under_another_key, "effect_without_checkpoint"),
-        (decide_a_dead_review, "effect_without_checkpoint"),
-        (rerun_a_stored_side_step, "side_step_ran_after_checkpoint"),
-        (run_a_side_step_twice_for_no_reason, "side_step_repeated_unexplained"),
-        (keep_a_side_value_no_run_made, "side_step_value_of_no_run"),
-        (miss_an_event_that_came_in_time, "wait_missed_its_event"),
-        (end_a_sleep_early, "sleep_ended_early"),
-        (skip_the_sleep, "steps_differ"),
-        (ask_the_final_call_with_another_prompt, "model_call_prompt_changed"),
-        (keep_the_conflicting_event, "stored_event_differs"),
-        (accept_a_conflicting_event, "unexpected_event_answer"),
-        (answer_with_a_value_no_checkpoint_holds, "result_differs_from_checkpoints"),
-    ],
-)
-def test_the_checks_catch_each_broken_invariant(defect: Any, violation: str) -> None:
+# What each defect breaks, in a clean run (the agent's are below).
+BROKEN = [
+    (lose_a_job, "lost"),
+    (duplicate_an_effect, "duplicate_effects"),
+    (let_a_doomed_job_finish, "scripted_failure_not_dead"),
+    (change_a_replay, "replay_not_identical"),
+    (accept_a_reused_key, "reused_key_not_422"),
+    (pay_twice, "excess_model_calls_unexplained"),
+    (send_another_summary, "effect_differs_from_result"),
+    (email_a_stranger, "effect_of_no_accepted_job"),
+    (leave_a_review_waiting, "lost"),
+    (pay_a_checkpointed_call_again, "checkpointed_call_repeated"),
+    (deliver_a_review_effect_twice, "duplicate_effects"),
+    (emit_a_review_effect_under_another_key, "effect_without_checkpoint"),
+    (decide_a_dead_review, "effect_without_checkpoint"),
+    (rerun_a_stored_side_step, "side_step_ran_after_checkpoint"),
+    (run_a_side_step_twice_for_no_reason, "side_step_repeated_unexplained"),
+    (keep_a_side_value_no_run_made, "side_step_value_of_no_run"),
+    (miss_an_event_that_came_in_time, "wait_missed_its_event"),
+    (end_a_sleep_early, "sleep_ended_early"),
+    (skip_the_sleep, "steps_differ"),
+    (ask_the_final_call_with_another_prompt, "model_call_prompt_changed"),
+    (keep_the_conflicting_event, "stored_event_differs"),
+    (accept_a_conflicting_event, "unexpected_event_answer"),
+    (answer_with_a_value_no_checkpoint_holds, "result_differs_from_checkpoints"),
+]
+
+
+def checked_with_each_kill(defect: Any, *kills: Any) -> list[dict[str, Any]]:
+    """A clean run broken by ``defect``, checked once with each kill."""
     outcomes, evidence = clean_run()
     defect(outcomes, evidence)
-
-    report = check(outcomes, evidence)
-
-    assert violation in kinds(report)
-    assert report["ok"] is False
+    return [check(outcomes, evidence, (kill,)) for kill in kills]
 
 
 def test_an_extra_model_call_paid_by_a_worker_killed_mid_job_is_explained() -> None:
-    outcomes, evidence = clean_run()
-    pay_twice(outcomes, evidence)
     killed = chaos.Kill(T0 + 0.5, 1.0, "worker", "worker1.1", 42, model_ports=(5001,))
     after = chaos.Kill(T0 + 5, 6.0, "worker", "worker2.1", 43, model_ports=(5003,))
-
-    explained = check(outcomes, evidence, (killed,))
-    too_late = check(outcomes, evidence, (after,))
+    explained, too_late = checked_with_each_kill(pay_twice, killed, after)
 
     assert explained["violations"] == []
     assert explained["model"]["excess_explained_by"]["worker_kill"] == 1
@@ -546,13 +539,9 @@ def test_a_repeated_checkpointed_call_is_explained_only_by_a_kill_while_it_was_i
     port that paid the second call, explains it; the same kill while the
     job slept (T0 + 5, after the checkpoint) explains nothing, though the
     job was still in flight."""
-    outcomes, evidence = clean_run()
-    pay_a_checkpointed_call_again(outcomes, evidence)
     during = chaos.Kill(T0 + 0.5, 1.0, "worker", "worker1.1", 42, model_ports=(6005,))
     after = chaos.Kill(T0 + 5, 6.0, "worker", "worker2.1", 43, model_ports=(6005,))
-
-    explained = check(outcomes, evidence, (during,))
-    too_late = check(outcomes, evidence, (after,))
+    explained, too_late = checked_with_each_kill(pay_a_checkpointed_call_again, during, after)
 
     assert explained["violations"] == []
     assert explained["multi_step"]["model_calls"]["excess_explained_by"]["worker_kill"] == 1
@@ -675,20 +664,28 @@ def refund_without_an_answered_call(outcomes: list[Any], e: Any) -> None:
     e.checkpoints[AGENT] = [c for c in e.checkpoints[AGENT] if c.kind != "call"]
 
 
+AGENT_BROKEN = [
+    (refund_twice, "agent_refunds_not_once"),
+    (refund_another_amount, "agent_refund_differs"),
+    (pay_a_turn_twice, "excess_model_calls_unexplained"),
+    (reply_twice, "agent_reply_not_once"),
+    (refund_without_an_answered_call, "agent_refunds_not_once"),
+]
+
+
 @pytest.mark.parametrize(
-    ("defect", "violation"),
-    [
-        (refund_twice, "agent_refunds_not_once"),
-        (refund_another_amount, "agent_refund_differs"),
-        (pay_a_turn_twice, "excess_model_calls_unexplained"),
-        (reply_twice, "agent_reply_not_once"),
-        (refund_without_an_answered_call, "agent_refunds_not_once"),
-    ],
+    ("run", "defect", "violation"),
+    [pytest.param(clean_run, d, v, id=d.__name__) for d, v in BROKEN]
+    + [pytest.param(agent_run, d, v, id=f"agent-{d.__name__}") for d, v in AGENT_BROKEN],
 )
-def test_the_agent_checks_catch_each_broken_invariant(defect: Any, violation: str) -> None:
-    outcomes, evidence = agent_run()
+def test_the_checks_catch_each_broken_invariant(run: Any, defect: Any, violation: str) -> None:
+    outcomes, evidence = run()
     defect(outcomes, evidence)
-    assert violation in kinds(check(outcomes, evidence))
+
+    report = check(outcomes, evidence)
+
+    assert violation in kinds(report)
+    assert report["ok"] is False
 
 
 def test_an_agent_turn_paid_again_by_a_worker_killed_mid_job_is_explained() -> None:

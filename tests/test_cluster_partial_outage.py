@@ -17,7 +17,6 @@ import os
 import signal
 from pathlib import Path
 
-import httpx
 import pytest
 import redis as sync_redis
 from psycopg_pool import AsyncConnectionPool
@@ -30,8 +29,8 @@ from oncely.embedded import EmbeddedCluster
 from oncely.fakes.llm import FakeLLMServer
 from oncely.fakes.mail import FakeMailServer
 from oncely.identity import Scope
-from tests.helpers import scalar
-from tests.processes import free_port, running, start, wait_for, wait_healthy
+from tests.helpers import all_done
+from tests.processes import Deployment, wait_for
 from tests.test_cluster_failover import _role, cluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.soak, pytest.mark.timeout(300)]
@@ -77,7 +76,6 @@ async def test_a_lost_node_stalls_only_the_work_whose_keys_it_held(
     ):
         await pool.open(wait=True)
         key = await create_api_key(pool, "acme")
-        port = free_port()
         env = {
             "ONCELY_REDIS_URL": cluster.url_not_owning(SUMMARIES),
             "ONCELY_REDIS_CLUSTER": "true",
@@ -88,17 +86,8 @@ async def test_a_lost_node_stalls_only_the_work_whose_keys_it_held(
             "ONCELY_WEBHOOK_SECRET": "whsec_" + "c2VjcmV0LWZvci10ZXN0cy1vbmx5LTEyMzQ1Njc4",
             "ONCELY_LOG_FORMAT": "json",
         }
-        procs = [
-            start(["api", "--port", str(port)], env, tmp_path / "api.log"),
-            start(["worker"], env, tmp_path / "worker.log"),
-            start(["relay"], env, tmp_path / "relay.log"),
-        ]
-        base = f"http://127.0.0.1:{port}"
-        with running(*procs):
-            await wait_healthy(base, procs[0], tmp_path / "api.log")
-            async with httpx.AsyncClient(
-                base_url=base, headers={"Authorization": f"Bearer {key}"}, timeout=30
-            ) as client:
+        with Deployment(env, tmp_path) as d:
+            async with d.client(key, timeout=30) as client:
                 # Summaries accepted before the loss: their stream is on the victim.
                 before = []
                 for k in _keys_served_elsewhere(cluster, victim, "/v1/summaries", 3):
@@ -130,17 +119,12 @@ async def test_a_lost_node_stalls_only_the_work_whose_keys_it_held(
                         assert r.status_code == 202, r.text
                         during.append(r.json()["job_id"])
 
-                    async def triage_done() -> bool:
-                        done = await scalar(
-                            pool,
-                            "SELECT count(*) FROM jobs WHERE status = 'done'"
-                            " AND job_id = ANY(%s::uuid[])",
-                            during,
-                        )
-                        return bool(done == len(during))
-
                     # While the node is still gone: nothing of triage's was on it.
-                    await wait_for(triage_done, within_s=120, what="triage done without the node")
+                    await wait_for(
+                        lambda: all_done(pool, during),
+                        within_s=120,
+                        what="triage done without the node",
+                    )
                 finally:
                     os.kill(replica_pid, signal.SIGCONT)
 
@@ -149,23 +133,16 @@ async def test_a_lost_node_stalls_only_the_work_whose_keys_it_held(
 
                 await wait_for(promoted, within_s=60, what="the replica taking over")
 
-                async def summaries_done() -> bool:
-                    done = await scalar(
-                        pool,
-                        "SELECT count(*) FROM jobs WHERE status = 'done'"
-                        " AND job_id = ANY(%s::uuid[])",
-                        before,
-                    )
-                    return bool(done == len(before))
-
-                await wait_for(summaries_done, within_s=120, what="the stalled summaries done")
+                await wait_for(
+                    lambda: all_done(pool, before), within_s=120, what="the stalled summaries done"
+                )
 
                 async def all_effects() -> bool:
                     return (await mail.deliveries())["effects"] >= len(before) + len(during)
 
                 await wait_for(all_effects, within_s=120, what="every job's effect")
                 deliveries = await mail.deliveries()
-        worker_log = (tmp_path / "worker.log").read_text()
+        worker_log = (tmp_path / "worker-0.log").read_text()
     assert "limiter.fail_open" in worker_log, "the limiter's node was gone: calls paced locally"
     # One effect per job, each once, whatever the loss cost on the way.
     assert deliveries["effects"] == len(before) + len(during)

@@ -36,7 +36,7 @@ from tests.helpers import (
     record_cached_calls,
     submit,
 )
-from tests.processes import free_port, running, start, wait_for, wait_healthy
+from tests.processes import api_client, free_port, post, running, start, wait_for
 from tests.steps_app import SIDE_CALLS, side_calls
 from tests.test_deliveries import flaky_job_done
 
@@ -388,48 +388,24 @@ def _job_page_says_done(driver: Any, base: str, job_id: str) -> None:
 async def test_a_dead_job_replayed_in_the_browser_ends_done(
     redis_url, database_url, pool, fake_llm, tmp_path
 ):
-    driver = _chrome(tmp_path / "chromium-profile")
-    key = await create_api_key(pool, "acme")
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
     env = {
         "ONCELY_REDIS_URL": redis_url,
         "ONCELY_DATABASE_URL": database_url,
         "ONCELY_LLM_BASE_URL": fake_llm.url,
-        "ONCELY_CONSOLE_KEY": KEY,
-        "ONCELY_LOG_FORMAT": "json",
-        "ONCELY_BLOCK_MS": "50",
     }
-    api = start(["api", "--port", str(port)], env, tmp_path / "api.log")
-    worker = start(["worker"], env, tmp_path / "worker.log")
     ticket = {"subject": "Broken", "body": "Refused once, then fine. [[fake:400*1]]"}
-    try:
-        with running(api, worker):
-            await wait_healthy(base, api, tmp_path / "api.log")
-            async with httpx.AsyncClient(
-                base_url=base, headers={"Authorization": f"Bearer {key}"}
-            ) as c:
-                r = await c.post(
-                    "/v1/triage",
-                    json=ticket,
-                    headers={"Idempotency-Key": "console-dead-then-replayed"},
-                )
-                assert r.status_code == 202, r.text
-            job_id = r.json()["job_id"]
-
-            async def status_is(expected: str) -> bool:
-                return await job_status(pool, job_id) == expected
-
-            await wait_for(lambda: status_is("dead"), what="the job dead-lettered")
-            await asyncio.to_thread(_sign_in_and_replay, driver, base, job_id)
-            await wait_for(lambda: status_is("done"), what="the replayed job done")
-            await asyncio.to_thread(_job_page_says_done, driver, base, job_id)
-            severe = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
-            assert severe == [], severe
-        assert KEY not in (tmp_path / "api.log").read_text()
-        assert fake_llm.stats(contains="Refused once").prompts[0].count == 2
-    finally:
-        driver.quit()
+    await _decided_in_the_browser(
+        pool,
+        tmp_path,
+        env,
+        "/v1/triage",
+        ticket,
+        _sign_in_and_replay,
+        stops="dead",
+        then=_job_page_says_done,
+    )
+    assert KEY not in (tmp_path / "api.log").read_text()
+    assert fake_llm.stats(contains="Refused once").prompts[0].count == 2
 
 
 def _open_job_page(driver: Any, base: str, workflow: str, job_id: str) -> None:
@@ -492,10 +468,14 @@ async def _decided_in_the_browser(
     route: str,
     body: dict[str, Any],
     decide: Callable[[Any, str, str], None],
+    stops: str = "waiting",
+    then: Callable[[Any, str, str], None] | None = None,
 ) -> dict[str, Any]:
     """An api and a worker of ``env``'s app; ``body`` posted to ``route``;
-    once the job waits, ``decide(driver, base, job_id)`` in the browser; the
-    job done, and the browser logged no error. The job as GET shows it."""
+    once the job is ``stops`` (waiting for a person, or dead),
+    ``decide(driver, base, job_id)`` in the browser; the job done, then
+    ``then(driver, base, job_id)``, and the browser logged no error. The
+    job as GET shows it."""
     driver = _chrome(tmp_path / "chromium-profile")
     key = await create_api_key(pool, "acme")
     port = free_port()
@@ -505,23 +485,18 @@ async def _decided_in_the_browser(
     worker = start(["worker"], env, tmp_path / "worker.log")
     try:
         with running(api, worker):
-            await wait_healthy(base, api, tmp_path / "api.log")
-            async with httpx.AsyncClient(
-                base_url=base, headers={"Authorization": f"Bearer {key}"}
-            ) as c:
-                r = await c.post(
-                    route, json=body, headers={"Idempotency-Key": f"console-{route}-1"}
-                )
-                assert r.status_code == 202, r.text
-                job_id = r.json()["job_id"]
+            async with api_client(base, api, tmp_path / "api.log", key) as c:
+                job_id = await post(c, route, body, f"console-{route}-1")
 
                 async def status_is(expected: str) -> bool:
                     return await job_status(pool, job_id) == expected
 
-                await wait_for(lambda: status_is("waiting"), what="the job waiting for a person")
+                await wait_for(lambda: status_is(stops), what=f"the job {stops}")
                 await asyncio.to_thread(decide, driver, base, job_id)
                 await wait_for(lambda: status_is("done"), what="the job done after the decision")
                 job: dict[str, Any] = (await c.get(f"{route}/{job_id}")).json()
+            if then is not None:
+                await asyncio.to_thread(then, driver, base, job_id)
             severe = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
             assert severe == [], severe
     finally:

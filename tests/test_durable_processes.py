@@ -6,9 +6,14 @@ calls per prompt, effects at the provider, side calls in their file."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
 
 from oncely.fakes.llm import FakeLLMServer
@@ -51,6 +56,25 @@ def steps_env(redis_url, database_url, providers, tmp_path) -> dict[str, str]:
     )
 
 
+@asynccontextmanager
+async def chain_order(
+    env: dict[str, str], tmp_path: Path, api_key: str, text: str, key: str, hold_s: int
+) -> AsyncIterator[tuple[Deployment, httpx.AsyncClient, str]]:
+    """A deployment of ``env`` and an order of ``text`` posted to
+    ``/v1/chain`` (idempotency key ``key``), its last model call held
+    ``hold_s`` at the fake model: the deployment, a client, the job's id."""
+    with Deployment(env, tmp_path) as d:
+        async with d.client(api_key) as client:
+            body = {"text": text, "hold": f"[[fake:sleep={hold_s}]]"}
+            yield d, client, await post(client, "/v1/chain", body, key)
+
+
+@pytest.fixture
+def chain(env, tmp_path, api_key) -> Callable[..., AbstractAsyncContextManager[Any]]:
+    """``chain(text, key, hold_s)``: ``chain_order`` on the test's ``env``."""
+    return functools.partial(chain_order, env, tmp_path, api_key)
+
+
 async def wait_in_flight(model: FakeLLMServer, contains: str, what: str) -> None:
     """Wait until the model call whose prompt holds ``contains`` is in flight."""
 
@@ -65,24 +89,21 @@ def calls(model: FakeLLMServer, contains: str) -> int:
 
 
 async def test_sigkill_during_the_third_model_call_repeats_nothing_paid_for(
-    api_key, pool, providers, env, tmp_path
+    pool, providers, env, chain
 ):
     """Four checkpoints; the worker is killed while the third model call is
     in flight. Another worker finishes the job: the first two model calls and
     the side step ran once, the interrupted call at most twice, one effect."""
     model, mail = providers
     side_file = Path(env[SIDE_CALLS])
-    with Deployment(env, tmp_path) as d:
-        async with d.client(api_key) as client:
-            body = {"text": "sku-7 a long order. Three lamps.", "hold": "[[fake:sleep=2]]"}
-            job_id = await post(client, "/v1/chain", body, "sigkill-third-call-0001")
+    order = chain("sku-7 a long order. Three lamps.", "sigkill-third-call-0001", hold_s=2)
+    async with order as (d, client, job_id):
+        await wait_in_flight(model, "final:", "the third model call in flight")
+        d.kill_worker()
+        d.workers.append(d.start_worker())
 
-            await wait_in_flight(model, "final:", "the third model call in flight")
-            d.kill_worker()
-            d.workers.append(d.start_worker())
-
-            await wait_effects(mail, within_s=60, what="the order's webhook")
-            job = (await client.get(f"/v1/chain/{job_id}")).json()
+        await wait_effects(mail, within_s=60, what="the order's webhook")
+        job = (await client.get(f"/v1/chain/{job_id}")).json()
 
     assert job["status"] == "done", job
     assert [s["key"] for s in job["steps"]] == ["model", "lookup", "model#2", "model#3"]
@@ -96,24 +117,29 @@ async def test_sigkill_during_the_third_model_call_repeats_nothing_paid_for(
     assert await scalar(pool, "SELECT count(*) FROM outbox WHERE job_id = %s", job_id) == 1
 
 
+async def naps(client: httpx.AsyncClient, tag: str, n: int, sleep_s: int) -> list[str]:
+    """``n`` jobs of ``/v1/naps`` sleeping ``sleep_s``, tagged ``tag``: their ids."""
+    return [
+        await post(
+            client, "/v1/naps", {"text": f"zz-{i} {tag}", "sleep_s": sleep_s}, f"{tag}-{i:013}"
+        )
+        for i in range(n)
+    ]
+
+
+async def jobs_are(pool: Any, status: str, n: int) -> bool:
+    """Whether exactly ``n`` jobs have ``status``."""
+    return await scalar(pool, "SELECT count(*) FROM jobs WHERE status = %s", status) == n
+
+
 async def test_a_sleep_outlives_sigkill_of_the_worker(api_key, pool, providers, env, tmp_path):
     """Jobs sleep; the only worker is killed; a new one, started later,
     resumes them when their time has come, each once."""
     model, mail = providers
     with Deployment(env, tmp_path) as d:
         async with d.client(api_key) as client:
-            ids = [
-                await post(
-                    client, "/v1/naps", {"text": f"zz-{n} nap", "sleep_s": 2}, f"nap-{n:013}"
-                )
-                for n in range(4)
-            ]
-
-            async def all_waiting() -> bool:
-                n = await scalar(pool, "SELECT count(*) FROM jobs WHERE status = 'waiting'")
-                return bool(n == 4)
-
-            await wait_for(all_waiting, what="four sleeping jobs")
+            ids = await naps(client, "nap", 4, sleep_s=2)
+            await wait_for(lambda: jobs_are(pool, "waiting", 4), what="four sleeping jobs")
             d.kill_worker()
             # Their time passes with no worker at all (rewound in the database).
             due = await scalar(
@@ -142,30 +168,19 @@ async def test_waiting_jobs_resume_on_time_after_redis_lost_its_data(
     model, _ = providers
     with Deployment(env, tmp_path) as d:
         async with d.client(api_key) as client:
-            sleepers = [
-                await post(
-                    client, "/v1/naps", {"text": f"zz-{n} flush", "sleep_s": 3}, f"flush-{n:012}"
-                )
-                for n in range(3)
-            ]
+            sleepers = await naps(client, "flush", 3, sleep_s=3)
             waiter = await post(
                 client, "/v1/approvals", {"text": "times out", "wait_s": 3}, "flush-waiter-00001"
             )
 
-            async def all_waiting() -> bool:
-                n = await scalar(pool, "SELECT count(*) FROM jobs WHERE status = 'waiting'")
-                return bool(n == 4)
-
-            await wait_for(all_waiting, what="four waiting jobs")
+            await wait_for(lambda: jobs_are(pool, "waiting", 4), what="four waiting jobs")
             # FLUSHALL as this database sees it: the server's other databases
             # are other test workers'.
             await redis.flushdb()
 
-            async def all_done() -> bool:
-                n = await scalar(pool, "SELECT count(*) FROM jobs WHERE status = 'done'")
-                return bool(n == 4)
-
-            await wait_for(all_done, within_s=60, what="every waiting job done")
+            await wait_for(
+                lambda: jobs_are(pool, "done", 4), within_s=60, what="every waiting job done"
+            )
             timed_out = (await client.get(f"/v1/approvals/{waiter}")).json()
 
     assert timed_out["result"]["approved"] is None
@@ -176,27 +191,24 @@ async def test_waiting_jobs_resume_on_time_after_redis_lost_its_data(
 
 
 async def test_cancel_from_the_cli_stops_an_in_flight_call_and_writes_nothing(
-    api_key, pool, providers, env, tmp_path
+    pool, providers, env, chain
 ):
     model, mail = providers
-    with Deployment(env, tmp_path) as d:
-        async with d.client(api_key) as client:
-            body = {"text": "sku-8 cancel me", "hold": "[[fake:sleep=60]]"}
-            job_id = await post(client, "/v1/chain", body, "cancel-in-flight-0001")
+    order = chain("sku-8 cancel me", "cancel-in-flight-0001", hold_s=60)
+    async with order as (_, client, job_id):
+        await wait_in_flight(model, "final:", "the last model call in flight")
+        cancelled = await asyncio.to_thread(oncely, "jobs", "cancel", job_id, "--json", env=env)
+        assert cancelled.returncode == 0, cancelled.stderr
+        assert json.loads(cancelled.stdout)["status"] == "cancelled"
 
-            await wait_in_flight(model, "final:", "the last model call in flight")
-            cancelled = await asyncio.to_thread(oncely, "jobs", "cancel", job_id, "--json", env=env)
-            assert cancelled.returncode == 0, cancelled.stderr
-            assert json.loads(cancelled.stdout)["status"] == "cancelled"
+        async def call_cancelled() -> bool:
+            return model.stats("final:").abandoned == 1
 
-            async def call_cancelled() -> bool:
-                return model.stats("final:").abandoned == 1
+        await wait_for(call_cancelled, what="the in-flight call cancelled")
 
-            await wait_for(call_cancelled, what="the in-flight call cancelled")
-
-            await wait_outcome(pool, job_id, "cancelled", "the delivery recorded as cancelled")
-            job = (await client.get(f"/v1/chain/{job_id}")).json()
-            again = await asyncio.to_thread(oncely, "jobs", "cancel", job_id, env=env)
+        await wait_outcome(pool, job_id, "cancelled", "the delivery recorded as cancelled")
+        job = (await client.get(f"/v1/chain/{job_id}")).json()
+        again = await asyncio.to_thread(oncely, "jobs", "cancel", job_id, env=env)
 
     assert job["status"] == "cancelled"
     assert [s["key"] for s in job["steps"]] == ["model", "lookup", "model#2"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import psycopg
@@ -50,28 +51,53 @@ async def keys(h: Harness, job_id: str) -> list[tuple[str, str]]:
     return [(c.key, c.status) for c in await h.checkpoints.of_job(uuid.UUID(job_id))]
 
 
+async def replayed(
+    custom: Any, name: str, body: Callable[[Text, Context], Awaitable[str]], **settings: Any
+) -> tuple[Harness, str, list[int]]:
+    """A one-off ``name`` whose step says what ``body`` returns and fails
+    once after it (the redelivery replays it), run to its end with
+    ``settings``: the harness, the job, and one entry a run."""
+    runs: list[int] = []
+
+    async def step(request: Text, ctx: Context) -> Said:
+        runs.append(1)
+        said = await body(request, ctx)
+        if len(runs) == 1:
+            raise TransientError("redelivered")
+        return Said(said=said)
+
+    h = await custom(one_off(name, step))
+    if settings:
+        h.settings = h.settings.model_copy(update=settings)
+    return h, await run_to_its_end(h, name), runs
+
+
+async def gathered(
+    custom: Any, name: str, branch: Callable[[Context, str], Awaitable[Any]], *tags: str
+) -> tuple[Harness, str, Any]:
+    """A one-off ``name`` whose step gathers ``branch`` over ``tags`` and
+    fails once after the gather, run to its end (done): the harness, the
+    job and what the branches said."""
+
+    async def body(request: Text, ctx: Context) -> str:
+        return json.dumps(await asyncio.gather(*(branch(ctx, tag) for tag in tags)))
+
+    h, job_id, _ = await replayed(custom, name, body)
+    assert await h.status(job_id) == "done"
+    return h, job_id, json.loads((await h.get(f"/v1/{name}", job_id))["result"]["said"])
+
+
 async def test_gathered_branches_each_replay_their_own_answers(custom):
     """Two branches of two model calls each: however they interleave, a
     replay gives each branch the answers to its own prompts, and no call is
     paid for twice."""
-    runs: list[int] = []
 
     async def branch(ctx: Context, tag: str) -> list[str]:
         a = await ctx.model.complete(f"first call of branch {tag}")
         b = await ctx.model.complete(f"second call of branch {tag}")
         return [a, b]
 
-    async def step(request: Text, ctx: Context) -> Said:
-        runs.append(1)
-        got = await asyncio.gather(branch(ctx, "xray"), branch(ctx, "yankee"))
-        if len(runs) == 1:
-            raise TransientError("after the gather")
-        return Said(said=json.dumps(got))
-
-    h = await custom(one_off("par", step))
-    job_id = await run_to_its_end(h, "par")
-    assert await h.status(job_id) == "done"
-    said = json.loads((await h.get("/v1/par", job_id))["result"]["said"])
+    h, job_id, said = await gathered(custom, "par", branch, "xray", "yankee")
     assert [[p.split()[0] + p.split()[-1] for p in b] for b in said] == [
         ["firstxray", "secondxray"],
         ["firstyankee", "secondyankee"],
@@ -86,23 +112,13 @@ async def test_gathered_branches_each_replay_their_own_answers(custom):
 
 
 async def test_branches_of_a_step_and_a_model_call_replay(custom):
-    runs: list[int] = []
+    """Each branch a step then a model call: the replay gives each its own."""
 
     async def branch(ctx: Context, tag: str) -> str:
         order = await ctx.step("fetch", lambda: f"order {tag}")
         return await ctx.model.complete(f"summarise {order}")
 
-    async def step(request: Text, ctx: Context) -> Said:
-        runs.append(1)
-        got = await asyncio.gather(branch(ctx, "a1"), branch(ctx, "b2"))
-        if len(runs) == 1:
-            raise TransientError("redelivered")
-        return Said(said=json.dumps(got))
-
-    h = await custom(one_off("par2", step))
-    job_id = await run_to_its_end(h, "par2")
-    assert await h.status(job_id) == "done"
-    said = json.loads((await h.get("/v1/par2", job_id))["result"]["said"])
+    h, _, said = await gathered(custom, "par2", branch, "a1", "b2")
     assert ["a1" in said[0], "b2" in said[1]] == [True, True]
     assert h.fake.stats().total == 2
 
@@ -111,22 +127,15 @@ async def test_a_model_call_inside_a_step_is_that_steps_own(custom):
     """The inner call is keyed under the step (``enrich/model``): a replay
     that finds the step stored skips it, and the next call gets its own
     answer."""
-    runs: list[int] = []
 
-    async def step(request: Text, ctx: Context) -> Said:
-        runs.append(1)
-
+    async def body(request: Text, ctx: Context) -> str:
         async def enrich() -> str:
             return await ctx.model.complete(f"enrich {request.text}")
 
         enriched = await ctx.step("enrich", enrich)
-        said = await ctx.model.complete(f"final {enriched}")
-        if len(runs) == 1:
-            raise TransientError("redelivered")
-        return Said(said=said)
+        return await ctx.model.complete(f"final {enriched}")
 
-    h = await custom(one_off("nested", step))
-    job_id = await run_to_its_end(h, "nested")
+    h, job_id, _ = await replayed(custom, "nested", body)
     assert await h.status(job_id) == "done"
     assert (await h.get("/v1/nested", job_id))["result"]["said"].startswith("final")
     assert [k for k, _ in await keys(h, job_id)] == ["enrich", "enrich/model", "model"]
@@ -137,22 +146,15 @@ async def test_a_model_call_that_timed_out_and_was_caught_is_not_paid_again(cust
     """The model hangs past its attempts; the step catches the failure and
     goes on. The failed call is a checkpoint: the replay raises it again
     instead of calling the model again."""
-    runs: list[int] = []
 
-    async def step(request: Text, ctx: Context) -> Said:
-        runs.append(1)
+    async def body(request: Text, ctx: Context) -> str:
         try:
-            said = await ctx.model.complete(f"hangs: {request.text} [[fake:hang]]")
+            return await ctx.model.complete(f"hangs: {request.text} [[fake:hang]]")
         except TransientError:
-            said = "no answer"
-        if len(runs) == 1:
-            raise TransientError("redelivered")
-        return Said(said=said)
+            return "no answer"
 
-    h = await custom(one_off("hung", step))
     # Two attempts of a fifth of a second each, well inside the job's budget.
-    h.settings = h.settings.model_copy(update={"llm_timeout_s": 0.2, "llm_max_attempts": 2})
-    job_id = await run_to_its_end(h, "hung")
+    h, job_id, runs = await replayed(custom, "hung", body, llm_timeout_s=0.2, llm_max_attempts=2)
     assert (await h.get("/v1/hung", job_id))["result"] == {"said": "no answer"}
     assert len(runs) == 2
     assert await keys(h, job_id) == [("model", "failed")]
@@ -169,7 +171,6 @@ async def test_a_failure_the_step_caught_replays_as_it_happened(custom):
     """The lookup fails twice, and the step goes on to try again: the
     failures are kept, so a replay takes the same path and pays for nothing
     again."""
-    runs: list[int] = []
     calls: list[int] = []
 
     def flaky() -> str:
@@ -178,8 +179,7 @@ async def test_a_failure_the_step_caught_replays_as_it_happened(custom):
             raise PermanentError("404 the order is not there yet")
         return "order"
 
-    async def step(request: Text, ctx: Context) -> Said:
-        runs.append(1)
+    async def body(request: Text, ctx: Context) -> str:
         order = None
         for _ in range(3):
             try:
@@ -187,13 +187,9 @@ async def test_a_failure_the_step_caught_replays_as_it_happened(custom):
                 break
             except PermanentError:
                 continue
-        said = await ctx.model.complete(f"about {order}")
-        if len(runs) == 1:
-            raise TransientError("redelivered")
-        return Said(said=said)
+        return await ctx.model.complete(f"about {order}")
 
-    h = await custom(one_off("caught", step))
-    job_id = await run_to_its_end(h, "caught")
+    h, job_id, runs = await replayed(custom, "caught", body)
     assert await h.status(job_id) == "done"
     assert await keys(h, job_id) == [
         ("lookup", "failed"),

@@ -15,7 +15,7 @@ from oncely.bootstrap import Resources, WorkerGroup, build_relay, connect_llm
 from oncely.builtin import app as builtin_app
 from oncely.fakes.mail import FakeMailServer
 from oncely.settings import Settings
-from tests.helpers import asgi_app, scalar
+from tests.helpers import asgi_app, scalar, service_running
 
 BODY = {"text": "One request. One summary. One email.", "notify": "ada@example.com"}
 
@@ -45,12 +45,14 @@ async def test_retried_and_concurrent_posts_end_in_exactly_one_email(
     assert type(llm).__name__ == expected  # ONCELY_LLM_CLIENT picks the client
     worker = WorkerGroup(builtin_app, res, llm)
     relay, sender = build_relay(builtin_app, res)
-    services = [asyncio.create_task(worker.run()), asyncio.create_task(relay.run())]
     headers = {**auth, "Idempotency-Key": "signup-42-welcome-summary"}
+    transport = httpx.ASGITransport(app=app)
     try:
-        async with httpx.AsyncClient(
-            transport=httpx.ASGITransport(app=app), base_url="http://oncely.test"
-        ) as client:
+        async with (
+            service_running(worker),
+            service_running(relay),
+            httpx.AsyncClient(transport=transport, base_url="http://oncely.test") as client,
+        ):
             # A client that retries, plus duplicates racing each other.
             first = await client.post("/v1/summaries", json=BODY, headers=headers)
             racing = await asyncio.gather(
@@ -65,9 +67,6 @@ async def test_retried_and_concurrent_posts_end_in_exactly_one_email(
                 await asyncio.sleep(0.05)
             job = (await client.get(job_url, headers=auth)).json()
     finally:
-        worker.stop()
-        relay.stop()
-        await asyncio.gather(*services)
         await sender.aclose()
         await llm.aclose()
 

@@ -21,7 +21,7 @@ from hypothesis.errors import Unsatisfiable
 from schemathesis.config import SchemathesisConfig
 from schemathesis.generation.modes import GenerationMode
 
-from tests.processes import api_with_key, flush_redis, servers_env
+from tests.processes import api_with_key, flush_redis
 
 # A real process to start, and (fuzzing) a few hundred requests on a busy machine.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -42,16 +42,15 @@ def fuzz_api(
     redis_url, _ = server_urls
     flush_redis(redis_url)
     directory = tmp_path_factory.mktemp("fuzz")
-    env = servers_env(
+    with api_with_key(
         redis_url,
         module_database_url,
-        ONCELY_LOG_FORMAT="json",
+        directory,
+        "fuzz",
         ONCELY_DATA_DIR=str(directory),
         ONCELY_APP="tests.fuzz_app:app",
-    )
-    log = directory / "api.log"
-    with api_with_key(env, "fuzz", log) as (url, key):
-        yield url, key, log
+    ) as served:
+        yield served
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from tests.processes import api_with_key, servers_env, wait_for
+from tests.processes import api_with_key, wait_for
 
 # A real process to start, and (fuzzing) a few hundred requests on a busy machine.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -34,16 +34,13 @@ def api(
     """(port, API key, log) of a real API with short client bounds, shared by
     the module's tests."""
     redis_url, _ = server_urls
+    limits = {
+        "ONCELY_HTTP_HEADER_TIMEOUT_S": str(HEAD_TIMEOUT_S),
+        "ONCELY_HTTP_BODY_TIMEOUT_S": str(BODY_TIMEOUT_S),
+    }
     directory = tmp_path_factory.mktemp("limits")
-    env = servers_env(
-        redis_url,
-        module_database_url,
-        ONCELY_LOG_FORMAT="json",
-        ONCELY_HTTP_HEADER_TIMEOUT_S=str(HEAD_TIMEOUT_S),
-        ONCELY_HTTP_BODY_TIMEOUT_S=str(BODY_TIMEOUT_S),
-    )
-    log = directory / "api.log"
-    with api_with_key(env, "acme", log) as (url, key):
+    with api_with_key(redis_url, module_database_url, directory, "acme", **limits) as served:
+        url, key, log = served
         yield int(url.rsplit(":", 1)[1]), key, log
 
 

@@ -167,6 +167,16 @@ def model_calls(harness: Harness, job_text: str) -> int:
     )
 
 
+async def waiting_job(harness: Harness, name: str, text: str) -> tuple[Any, str]:
+    """A job of ``text`` on ``/v1/<name>``, its worker drained once, the
+    job then waiting: the worker and the job's id."""
+    worker = harness.worker(name)
+    job_id = await harness.submit(f"/v1/{name}", {"text": text})
+    await drain(worker)
+    assert await harness.status(job_id) == "waiting"
+    return worker, job_id
+
+
 async def refunds(mail: FakeMailServer) -> dict[str, int]:
     by_key = (await mail.deliveries())["by_key"]
     return {k: n for k, n in by_key.items() if k.startswith("refund.issue:")}
@@ -175,12 +185,9 @@ async def refunds(mail: FakeMailServer) -> dict[str, int]:
 @pytest.mark.parametrize(("graph", "name"), [(REACT, "support"), (HAND, "desk")])
 async def test_lookup_then_refund_then_the_answer_each_once(custom, pool, mail, graph, name):
     harness, relay = await start(custom, pool, mail, desk_app(graph, name))
-    worker = harness.worker(name)
     text = f"Where is A1? Refund it. {LOOKUP} {REFUND}"
-    job_id = await harness.submit(f"/v1/{name}", {"text": text})
-    await drain(worker)
     # The refund call waits for its answer, holding no worker.
-    assert await harness.status(job_id) == "waiting"
+    worker, job_id = await waiting_job(harness, name, text)
     await relay.run_once()
     await relay.run_once()
     await drain(worker)
@@ -235,11 +242,8 @@ async def test_parallel_calls_each_run_once_in_scopes_of_their_own(custom, pool,
     A lookup that had not answered when the job began to wait runs again on
     resume (at least once, as with oncely.Agent), under the same key."""
     harness, _ = await start(custom, pool, mail, desk_app(HAND, "desk"))
-    worker = harness.worker("desk")
     text = f"Both. [[fake:tools=parallel]] {LOOKUP} {BIG_REFUND}"
-    job_id = await harness.submit("/v1/desk", {"text": text})
-    await drain(worker)
-    assert await harness.status(job_id) == "waiting"
+    worker, job_id = await waiting_job(harness, "desk", text)
     assert await decide(harness, "/v1/desk", job_id, {"approved": True}) == "approved"
     await drain(worker)
     view = await harness.get("/v1/desk", job_id)
@@ -271,10 +275,8 @@ async def decide(harness: Harness, route: str, job_id: str, body: dict[str, Any]
 @pytest.mark.parametrize(("graph", "name"), [(REACT, "support"), (HAND, "desk")])
 async def test_an_approval_tool_waits_for_a_person_then_runs_once(custom, pool, mail, graph, name):
     harness, _ = await start(custom, pool, mail, desk_app(graph, name))
-    worker = harness.worker(name)
     text = f"Refund A1 in full. {BIG_REFUND}"
-    job_id = await harness.submit(f"/v1/{name}", {"text": text})
-    await drain(worker)
+    worker, job_id = await waiting_job(harness, name, text)
     view = await harness.get(f"/v1/{name}", job_id)
     assert view["status"] == "waiting"
     assert view["waiting"]["approval"]["tool"] == "refund_big"

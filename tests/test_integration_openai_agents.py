@@ -24,7 +24,7 @@ from oncely.fakes.mail import FakeMailServer
 from oncely.integrations import openai_agents
 from oncely.outbox.relay import Relay
 from oncely.testing import ToolCalls, run_step
-from tests.durable import Harness, agent_desk, drain, redeliver_until, relayed
+from tests.durable import Harness, agent_desk, drain, redeliver_until, relayed, run_once
 from tests.helpers import RefundArgs
 
 SECRET = "openai-agents-test-secret"
@@ -188,14 +188,20 @@ async def decide(harness: Harness, job_id: str, call_id: str, body: dict[str, An
     )
 
 
-async def test_needs_approval_waits_for_a_person_and_an_approval_runs_the_tool_once(desk) -> None:
-    harness, _, _ = desk
+async def asked_to_delete(harness: Harness) -> tuple[Any, str, dict[str, Any]]:
+    """A job asking to delete an account, its worker drained once: the
+    worker, the job, and the approval the job waits for."""
     worker = harness.worker("helpdesk")
     job_id = await harness.submit("/v1/helpdesk", {"text": f"Delete me. {DELETE}"})
     await drain(worker)
     view = await harness.get("/v1/helpdesk", job_id)
     assert view["status"] == "waiting"
-    approval = view["waiting"]["approval"]
+    return worker, job_id, view["waiting"]["approval"]
+
+
+async def test_needs_approval_waits_for_a_person_and_an_approval_runs_the_tool_once(desk) -> None:
+    harness, _, _ = desk
+    worker, job_id, approval = await asked_to_delete(harness)
     assert (approval["tool"], approval["arguments"]) == ("delete_account", {"customer": "ada"})
     assert is_call_id(approval["call_id"])
     assert DELETIONS == []
@@ -218,10 +224,8 @@ async def test_needs_approval_waits_for_a_person_and_an_approval_runs_the_tool_o
 
 async def test_a_rejection_runs_nothing_and_the_model_hears_why(desk) -> None:
     harness, _, _ = desk
-    worker = harness.worker("helpdesk")
-    job_id = await harness.submit("/v1/helpdesk", {"text": f"Delete me. {DELETE}"})
-    await drain(worker)
-    call = (await harness.get("/v1/helpdesk", job_id))["waiting"]["approval"]["call_id"]
+    worker, job_id, approval = await asked_to_delete(harness)
+    call = approval["call_id"]
     body = {"approved": False, "reason": "accounts are closed by the owner"}
     assert (await decide(harness, job_id, call, body)).status_code == 202
     await drain(worker)
@@ -233,11 +237,8 @@ async def test_a_rejection_runs_nothing_and_the_model_hears_why(desk) -> None:
 
 async def test_max_turns_on_a_tool_calling_agent_kills_the_job_with_its_reason(desk) -> None:
     harness, _, _ = desk
-    job_id = await harness.submit(
-        "/v1/helpdesk", {"text": f"Look twice. {LOOKUP} {LOOKUP}", "max_turns": 1}
-    )
-    await drain(harness.worker("helpdesk"))
-    view = await harness.get("/v1/helpdesk", job_id)
+    body = {"text": f"Look twice. {LOOKUP} {LOOKUP}", "max_turns": 1}
+    job_id, view = await run_once(harness, "helpdesk", body)
     assert (view["status"], view["error"]) == ("dead", "agent-limit: max_turns")
     [(error,)] = await harness.rows("SELECT error FROM jobs WHERE job_id = %s", job_id)
     assert error.startswith("agent-limit: ") and "max_turns (1 turns" in error
@@ -247,10 +248,8 @@ async def test_max_turns_on_a_tool_calling_agent_kills_the_job_with_its_reason(d
 
 async def test_edited_arguments_of_an_approval_are_what_the_tool_runs_with(desk) -> None:
     harness, _, _ = desk
-    worker = harness.worker("helpdesk")
-    job_id = await harness.submit("/v1/helpdesk", {"text": f"Delete me. {DELETE}"})
-    await drain(worker)
-    call = (await harness.get("/v1/helpdesk", job_id))["waiting"]["approval"]["call_id"]
+    worker, job_id, approval = await asked_to_delete(harness)
+    call = approval["call_id"]
     body = {"approved": True, "arguments": {"customer": "ada-test"}}
     assert (await decide(harness, job_id, call, body)).status_code == 202
     await drain(worker)
@@ -264,10 +263,8 @@ async def test_edited_arguments_that_fail_the_tools_schema_are_refused_422(desk)
     """The run kept the SDK tool's JSON schema with the wait: edits that fail
     it are refused by the API, nothing decided, the job still waiting."""
     harness, _, _ = desk
-    worker = harness.worker("helpdesk")
-    job_id = await harness.submit("/v1/helpdesk", {"text": f"Delete me. {DELETE}"})
-    await drain(worker)
-    call = (await harness.get("/v1/helpdesk", job_id))["waiting"]["approval"]["call_id"]
+    worker, job_id, approval = await asked_to_delete(harness)
+    call = approval["call_id"]
     refused = await decide(harness, job_id, call, {"approved": True, "arguments": {"customer": 7}})
     assert refused.status_code == 422, refused.text
     [error] = refused.json()["errors"]
@@ -300,9 +297,7 @@ async def test_a_handoff_runs_the_next_agent_in_the_same_run_with_its_output_typ
         App([Workflow(name="bills", route="/v1/bills", request=Ask, result=Answer, step=step)])
     )
     text = f"My bill. [[fake:tool=transfer_to_billing {{}}]] {LOOKUP}"
-    job_id = await harness.submit("/v1/bills", {"text": text})
-    await drain(harness.worker("bills"))
-    view = await harness.get("/v1/bills", job_id)
+    _, view = await run_once(harness, "bills", {"text": text})
     assert view["status"] == "done", view
     assert view["result"]["agent"] == "billing"
     assert LOOKUPS == ["A1"]
@@ -321,9 +316,7 @@ async def test_a_handoff_runs_the_next_agent_in_the_same_run_with_its_output_typ
 async def test_parallel_tool_calls_each_keep_their_own_scope_and_answer(desk) -> None:
     harness, _, _ = desk
     both = '[[fake:tool=lookup_order {"order_id": "B2"}]] [[fake:tools=parallel]]'
-    job_id = await harness.submit("/v1/helpdesk", {"text": f"Two orders. {LOOKUP} {both}"})
-    await drain(harness.worker("helpdesk"))
-    view = await harness.get("/v1/helpdesk", job_id)
+    job_id, view = await run_once(harness, "helpdesk", {"text": f"Two orders. {LOOKUP} {both}"})
     assert view["status"] == "done", view
     assert sorted(LOOKUPS) == ["A1", "B2"]
     assert sorted(KEYS) == [

@@ -33,7 +33,15 @@ from oncely.fakes.mail import FakeMailServer
 from oncely.integrations import pydantic_ai as oncely_pai
 from oncely.outbox.relay import Relay
 from oncely.testing import ToolCalls, run_step
-from tests.durable import Harness, agent_desk, drain, pending, redeliver_until, relayed
+from tests.durable import (
+    Harness,
+    agent_desk,
+    drain,
+    pending,
+    redeliver_until,
+    relayed,
+    streamed,
+)
 from tests.helpers import RefundArgs, Refunded
 
 SECRET = "pydantic-ai-test-secret"
@@ -139,14 +147,20 @@ async def decide(harness: Harness, job_id: str, call_id: str, body: dict[str, An
     )
 
 
+async def asked(harness: Harness, words: str, **options: Any) -> tuple[Any, str, str]:
+    """A job of ``words`` (marked), its worker (of ``options``) drained
+    once: the worker, the job and its mark."""
+    worker = harness.worker("pai_support", **options)
+    mark, text = marked(words)
+    job_id = await harness.submit(ROUTE, {"text": text})
+    await drain(worker)
+    return worker, job_id, mark
+
+
 async def test_three_turns_three_requests_one_lookup_one_signed_refund(desk) -> None:
     harness, relay, mail = desk
-    worker = harness.worker("pai_support")
-    mark, text = marked(f"My teapot A1 broke. {LOOKUP} {REFUND}")
-    job_id = await harness.submit(ROUTE, {"text": text})
-
     # Turn 1 asks for the lookup, turn 2 for the refund: the job waits for its answer.
-    await drain(worker)
+    worker, job_id, mark = await asked(harness, f"My teapot A1 broke. {LOOKUP} {REFUND}")
     assert await harness.status(job_id) == "waiting"
     assert await harness.outbox(job_id) == ["refund.issue"]
     await relay.run_once()
@@ -204,10 +218,7 @@ async def test_a_failure_after_the_lookup_resumes_paying_and_running_nothing_twi
 
 async def test_requires_approval_waits_for_a_person_and_runs_once_approved(desk) -> None:
     harness, _, _ = desk
-    worker = harness.worker("pai_support", concurrency=1)
-    mark, text = marked(f"Cancel A1. {CANCEL}")
-    job_id = await harness.submit(ROUTE, {"text": text})
-    await drain(worker)
+    worker, job_id, mark = await asked(harness, f"Cancel A1. {CANCEL}", concurrency=1)
 
     view = await harness.get(ROUTE, job_id)
     assert view["status"] == "waiting"
@@ -234,10 +245,7 @@ async def test_requires_approval_waits_for_a_person_and_runs_once_approved(desk)
 
 async def test_a_rejection_runs_nothing_and_the_model_hears_why(desk) -> None:
     harness, _, _ = desk
-    worker = harness.worker("pai_support")
-    _, text = marked(f"Cancel A1. {CANCEL}")
-    job_id = await harness.submit(ROUTE, {"text": text})
-    await drain(worker)
+    worker, job_id, _ = await asked(harness, f"Cancel A1. {CANCEL}")
     call = (await harness.get(ROUTE, job_id))["waiting"]["approval"]["call_id"]
 
     rejected = await decide(harness, job_id, call, {"approved": False, "reason": "shipped already"})
@@ -252,10 +260,7 @@ async def test_a_rejection_runs_nothing_and_the_model_hears_why(desk) -> None:
 
 async def test_edits_that_fail_the_tools_schema_are_refused_422(desk) -> None:
     harness, _, _ = desk
-    worker = harness.worker("pai_support")
-    _, text = marked(f"Cancel A1. {CANCEL}")
-    job_id = await harness.submit(ROUTE, {"text": text})
-    await drain(worker)
+    _, job_id, _ = await asked(harness, f"Cancel A1. {CANCEL}")
     call = (await harness.get(ROUTE, job_id))["waiting"]["approval"]["call_id"]
     refused = await decide(harness, job_id, call, {"approved": True, "arguments": {}})
     assert refused.status_code == 422, refused.text
@@ -510,12 +515,10 @@ async def test_the_durability_form_runs_the_agent_with_the_steps_context() -> No
         await durable.run("outside")
 
 
-async def test_each_turn_of_a_streaming_workflow_streams_its_tokens(custom, redis) -> None:
+async def test_each_turn_of_a_streaming_workflow_streams_its_tokens(custom) -> None:
     """``Workflow(stream=True)``: every model request Pydantic AI makes sends
     its text as token events under its own step, and what a client keeps is
     the stored answer."""
-    from oncely.live.events import JobEvents
-
     streaming = App(
         [
             Workflow(
@@ -531,15 +534,6 @@ async def test_each_turn_of_a_streaming_workflow_streams_its_tokens(custom, redi
         ]
     )
     harness = await custom(streaming)
-    events = JobEvents(redis)
     _, text = marked(f"Where is A1? {LOOKUP}")
-    job_id = await harness.submit("/v1/pai-stream", {"text": text})
-    await drain(harness.worker("pai_stream", events=events))
-    await events.drain()
-    view = await harness.get("/v1/pai-stream", job_id)
-    assert view["status"] == "done", view
-    tokens: dict[str, str] = {}
-    for event in await events.after("pai_stream", job_id, None):
-        if event.type == "token":
-            tokens[event.data["step"]] = tokens.get(event.data["step"], "") + event.data["text"]
+    view, tokens = await streamed(harness, "pai_stream", "/v1/pai-stream", text)
     assert tokens.get("support/model#2") == view["result"]["reply"]

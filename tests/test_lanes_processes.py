@@ -23,7 +23,7 @@ from oncely.api.auth import create_api_key
 from oncely.fakes.llm import FakeLLMServer
 from oncely.llm.lines import line_id
 from tests.lanes_app import KILL
-from tests.processes import Deployment, post, wait_for, wait_healthy
+from tests.processes import Deployment, post, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
@@ -112,10 +112,7 @@ async def test_200_batch_jobs_go_through_a_few_batches_each_line_once(
     key = await create_api_key(pool, "acme")
     d = Deployment({**env, "ONCELY_LLM_MODEL": MODELS[dialect]}, tmp_path)
     with d:
-        await wait_healthy(d.base, d.api, tmp_path / "api.log", within_s=90)
-        async with httpx.AsyncClient(
-            base_url=d.base, headers={"Authorization": f"Bearer {key}"}, timeout=30
-        ) as client:
+        async with d.client(key, within_s=90, timeout=30) as client:
             texts = [f"Ticket {i} of the backlog. Classify it." for i in range(200)]
             job_ids = await post_all(client, "/v1/digest", texts, "digest")
 
@@ -160,10 +157,7 @@ async def test_a_worker_killed_between_storing_and_recording_a_batch_sends_no_li
     env = {**env, "ONCELY_LLM_MODEL": MODELS[dialect]}
     d = Deployment({**env, KILL: point}, tmp_path)
     with d:
-        await wait_healthy(d.base, d.api, tmp_path / "api.log", within_s=90)
-        async with httpx.AsyncClient(
-            base_url=d.base, headers={"Authorization": f"Bearer {key}"}, timeout=30
-        ) as client:
+        async with d.client(key, within_s=90, timeout=30) as client:
             texts = [f"Order {i}. Summarise it." for i in range(20)]
             job_ids = await post_all(client, "/v1/digest", texts, f"kill-{point}")
             killed = d.workers[0]
@@ -197,10 +191,7 @@ async def test_a_flex_job_without_flex_capacity_is_answered_at_the_standard_tier
     key = await create_api_key(pool, "acme")
     d = Deployment(env, tmp_path)
     with d:
-        await wait_healthy(d.base, d.api, tmp_path / "api.log", within_s=90)
-        async with httpx.AsyncClient(
-            base_url=d.base, headers={"Authorization": f"Bearer {key}"}, timeout=30
-        ) as client:
+        async with d.client(key, within_s=90, timeout=30) as client:
             job_id = await post(
                 client,
                 "/v1/nightly",
@@ -236,10 +227,7 @@ async def test_failed_lines_an_expired_batch_and_a_cancelled_job_through_real_pr
     # Lines gathered 3 s after the first waits: time to cancel one.
     d = Deployment({**env, "ONCELY_BATCH_GATHER_S": "3"}, tmp_path)
     with d:
-        await wait_healthy(d.base, d.api, tmp_path / "api.log", within_s=90)
-        async with httpx.AsyncClient(
-            base_url=d.base, headers={"Authorization": f"Bearer {key}"}, timeout=30
-        ) as client:
+        async with d.client(key, within_s=90, timeout=30) as client:
             texts = {
                 "bad": "A bad request. [[fake:400]]",
                 "flaky": "A server error once. [[fake:503*1]]",

@@ -798,23 +798,22 @@ async def test_a_refused_connection_is_retried(client_kind, connect: Connect) ->
 
 
 @pytest.mark.parametrize(
-    "failure",
-    [httpx.ReadError("reset"), aiohttp.ServerDisconnectedError(), aiohttp.ClientPayloadError()],
-    ids=repr,
+    ("translate", "failure"),
+    [
+        pytest.param(sdk.translate_error, failure, id=f"{sdk.__name__}-{failure!r}")
+        for sdk, its_httpx in ((openai_compat, httpx), (anthropic_messages, httpx2))
+        for failure in (
+            its_httpx.ReadError("reset"),
+            aiohttp.ServerDisconnectedError(),
+            aiohttp.ClientPayloadError(),
+        )
+    ],
 )
-def test_transport_errors_that_escape_the_sdk_are_transient(failure: Exception) -> None:
-    translated = openai_compat.translate_error(failure)
-    assert isinstance(translated, TransientError)
-    assert classify(translated) is True
-
-
-@pytest.mark.parametrize(
-    "failure",
-    [httpx2.ReadError("reset"), aiohttp.ServerDisconnectedError(), aiohttp.ClientPayloadError()],
-    ids=repr,
-)
-def test_transport_errors_that_escape_anthropics_sdk_are_transient(failure: Exception) -> None:
-    translated = anthropic_messages.translate_error(failure)
+def test_transport_errors_that_escape_the_sdks_are_transient(
+    translate: Any, failure: Exception
+) -> None:
+    """OpenAI's SDK and Anthropic's (each with its own httpx) alike."""
+    translated = translate(failure)
     assert isinstance(translated, TransientError)
     assert classify(translated) is True
 

@@ -33,7 +33,7 @@ from oncely.queue.worker import Delivery
 from oncely.redis_client import ClusterUnavailable, RedisClient
 from oncely.settings import Settings
 from tests.helpers import asgi_app, count, drain, job_status, make_worker, submit
-from tests.processes import free_port, oncely, running, start, wait_for, wait_healthy
+from tests.processes import Deployment, free_port, oncely, wait_for, wait_healthy
 
 SLOT = key_slot(summaries.keys.stream.encode())
 # A key in a slot of its own, far from every workflow's: a step's Redis call
@@ -315,7 +315,6 @@ async def test_api_worker_and_relay_processes_on_a_node_not_owning_the_stream_do
     redis_url, database_url, redis, pool, tmp_path: Path
 ):
     key = await create_api_key(pool, "acme")
-    port = free_port()
     async with FakeLLMServer() as model, FakeMailServer(tmp_path / "mail.jsonl") as mail:
         env = {
             "ONCELY_REDIS_URL": redis_url,
@@ -326,18 +325,12 @@ async def test_api_worker_and_relay_processes_on_a_node_not_owning_the_stream_do
             "ONCELY_LOG_FORMAT": "json",
             "ONCELY_BLOCK_MS": "50",
         }
-        procs = [
-            start(["api", "--port", str(port)], env, tmp_path / "api.log"),
-            start(["worker"], env, tmp_path / "worker.log"),
-            start(["relay"], env, tmp_path / "relay.log"),
-        ]
-        base = f"http://127.0.0.1:{port}"
-        with running(*procs):
-            await wait_healthy(base, procs[0], tmp_path / "api.log")
-            job_ids = await post_twice_each(base, key, jobs=8)
+        with Deployment(env, tmp_path) as d:
+            await wait_healthy(d.base, d.api, tmp_path / "api.log")
+            job_ids = await post_twice_each(d.base, key, jobs=8)
 
             async def all_sent() -> bool:
-                for proc in procs:
+                for proc in (d.api, *d.relays, *d.workers):
                     assert proc.poll() is None, proc.args
                 return (await mail.deliveries())["effects"] == len(job_ids)
 

@@ -17,10 +17,12 @@ import pytest
 from oncely.fakes.llm import FakeLLMServer
 from tests.helpers import rows
 from tests.processes import Deployment, deployment_env, post, wait_effects, wait_for, wait_outcome
-from tests.test_durable_processes import steps_env
-from tests.test_streams_processes import stream_killing_the_worker
+from tests.test_durable_processes import chain, steps_env
+from tests.test_streams_processes import killed_mid_stream
 
 pytestmark = pytest.mark.slow
+
+__all__ = ["chain"]  # the fixture of tests/test_durable_processes.py, on this module's env
 
 APP = "tests.steps_app:app"
 MODEL = "gpt-fake"
@@ -58,47 +60,52 @@ async def intents(pool: Any, job_id: str) -> list[str]:
     return [str(key) for (key,) in found]
 
 
+async def last_call_written(pool: Any, job_id: str, outcome: str, what: str) -> list[Any]:
+    """Once the last call's (``model#3``) ledger row says ``outcome``: the
+    job's ledger rows."""
+
+    async def written() -> bool:
+        rows = await ledger(pool, job_id)
+        return [r[3] for r in rows if r[0] == "model#3"] == [outcome]
+
+    await wait_for(written, what=what)
+    return await ledger(pool, job_id)
+
+
 def created(model: FakeLLMServer, contains: str) -> int:
     """Creates (POST /v1/responses) of the prompts containing ``contains``."""
     return sum(p.count for p in model.stats(contains).prompts)
 
 
 async def test_sigkill_while_a_background_response_thinks_reattaches_and_pays_once(
-    api_key, pool, providers, env, tmp_path
+    pool, providers, chain
 ):
     """The worker is killed while the last call's background response
     thinks; another worker re-attaches to it by the id the first one stored:
     the provider saw one create, the ledger has one row for that call."""
     model, mail = providers
-    with Deployment(env, tmp_path) as d:
-        async with d.client(api_key) as client:
-            body = {"text": "sku-5 think it over.", "hold": "[[fake:sleep=6]]"}
-            job_id = await post(client, "/v1/chain", body, "responses-sigkill-0001")
+    order = chain("sku-5 think it over.", "responses-sigkill-0001", hold_s=6)
+    async with order as (d, client, job_id):
 
-            async def final_id_kept_and_sent() -> bool:
-                # The first two calls' rows and the last one's ``sent`` row
-                # written (a worker killed with -9 loses its last batch).
-                return len(await intents(pool, job_id)) == 3 and await ledger(pool, job_id) == [
-                    ("model", MODEL, "responses", "ok"),
-                    ("model#2", MODEL, "responses", "ok"),
-                    ("model#3", MODEL, "responses", "sent"),
-                ]
+        async def final_id_kept_and_sent() -> bool:
+            # The first two calls' rows and the last one's ``sent`` row
+            # written (a worker killed with -9 loses its last batch).
+            return len(await intents(pool, job_id)) == 3 and await ledger(pool, job_id) == [
+                ("model", MODEL, "responses", "ok"),
+                ("model#2", MODEL, "responses", "ok"),
+                ("model#3", MODEL, "responses", "sent"),
+            ]
 
-            await wait_for(final_id_kept_and_sent, what="the last call's response id stored")
-            assert created(model, "final:") == 1
-            d.kill_worker()
-            retrieved = model.stats().background["retrieved"]
-            d.workers.append(d.start_worker())
+        await wait_for(final_id_kept_and_sent, what="the last call's response id stored")
+        assert created(model, "final:") == 1
+        d.kill_worker()
+        retrieved = model.stats().background["retrieved"]
+        d.workers.append(d.start_worker())
 
-            await wait_effects(mail, within_s=60, what="the order's webhook")
-            job = (await client.get(f"/v1/chain/{job_id}")).json()
+        await wait_effects(mail, within_s=60, what="the order's webhook")
+        job = (await client.get(f"/v1/chain/{job_id}")).json()
 
-            async def written() -> bool:
-                rows = await ledger(pool, job_id)
-                return [r[3] for r in rows if r[0] == "model#3"] == ["ok"]
-
-            await wait_for(written, what="the last call's ledger row")
-            rows = await ledger(pool, job_id)
+        rows = await last_call_written(pool, job_id, "ok", "the last call's ledger row")
 
     assert job["status"] == "done", job
     assert job["result"]["final"] == "final: sku-5 think it over."
@@ -126,35 +133,28 @@ async def test_sigkill_while_a_background_response_thinks_reattaches_and_pays_on
 
 
 async def test_a_job_cancelled_while_its_background_response_thinks_cancels_it(
-    api_key, pool, providers, env, tmp_path
+    pool, providers, chain
 ):
     model, mail = providers
-    with Deployment(env, tmp_path) as d:
-        async with d.client(api_key) as client:
-            body = {"text": "sku-6 never mind.", "hold": "[[fake:sleep=60]]"}
-            job_id = await post(client, "/v1/chain", body, "responses-cancel-0001")
+    order = chain("sku-6 never mind.", "responses-cancel-0001", hold_s=60)
+    async with order as (_, client, job_id):
 
-            async def final_id_kept() -> bool:
-                return len(await intents(pool, job_id)) == 3
+        async def final_id_kept() -> bool:
+            return len(await intents(pool, job_id)) == 3
 
-            await wait_for(final_id_kept, what="the last call's response id stored")
-            r = await client.post(f"/v1/chain/{job_id}/cancel")
-            assert (r.status_code, r.json()["status"]) == (202, "cancelled"), r.text
+        await wait_for(final_id_kept, what="the last call's response id stored")
+        r = await client.post(f"/v1/chain/{job_id}/cancel")
+        assert (r.status_code, r.json()["status"]) == (202, "cancelled"), r.text
 
-            async def cancelled_at_the_provider() -> bool:
-                return model.stats().background["cancelled"] == 1
+        async def cancelled_at_the_provider() -> bool:
+            return model.stats().background["cancelled"] == 1
 
-            await wait_for(cancelled_at_the_provider, what="the response cancelled")
+        await wait_for(cancelled_at_the_provider, what="the response cancelled")
 
-            await wait_outcome(pool, job_id, "cancelled", "the delivery recorded as cancelled")
-            job = (await client.get(f"/v1/chain/{job_id}")).json()
+        await wait_outcome(pool, job_id, "cancelled", "the delivery recorded as cancelled")
+        job = (await client.get(f"/v1/chain/{job_id}")).json()
 
-            async def written() -> bool:
-                rows = await ledger(pool, job_id)
-                return [r[3] for r in rows if r[0] == "model#3"] == ["timeout"]
-
-            await wait_for(written, what="the cancelled call's ledger row")
-            rows = await ledger(pool, job_id)
+        rows = await last_call_written(pool, job_id, "timeout", "the cancelled call's ledger row")
 
     assert job["status"] == "cancelled"
     stats = model.stats()
@@ -229,18 +229,14 @@ async def test_a_worker_killed_mid_stream_of_a_background_response_goes_on_from_
     # A word every 0.3 s: the worker is killed while the answer streams.
     words = " ".join(f"word{i}" for i in range(24))
     text = f"[[fake:typing=0.3]] A background answer, streamed. {words}. Done."
-    with Deployment(env | BACKGROUND, tmp_path) as d:
-        async with d.client(api_key, timeout=60) as http:
-            key = "background-mid-stream-0001"
-            job_id, events = await stream_killing_the_worker(d, http, text, key)
-            got = (await http.get(f"/v1/summaries/{job_id}")).json()
+    key = "background-mid-stream-0001"
+    killed = killed_mid_stream(env | BACKGROUND, tmp_path, api_key, mail, text, key)
+    async with killed as (job_id, events, got):
 
-            await wait_effects(mail, what="the summary's email")
+        async def billed() -> bool:
+            return [r[3] for r in await ledger(pool, job_id)] == ["ok"]
 
-            async def billed() -> bool:
-                return [r[3] for r in await ledger(pool, job_id)] == ["ok"]
-
-            await wait_for(billed, what="the call's one ledger row")
+        await wait_for(billed, what="the call's one ledger row")
 
     assert got["status"] == "done" and events[-1] == ("end", got)
     tokens = [data for kind, data in events if kind == "token"]

@@ -101,48 +101,45 @@ def test_deadline_exceeded_is_not_a_timeout_and_is_never_retried() -> None:
     assert classify(DeadlineExceeded("out of budget")) is False
 
 
-@pytest.mark.parametrize(
-    "error",
-    [
-        TransientError("later"),
-        TransientError("rate limited", status=429),
-        TimeoutError(),
-        ConnectionResetError(),
-        OSError("network unreachable"),
-        aiohttp.ClientOSError(),  # an OSError
-        aiohttp.ServerTimeoutError(),  # a TimeoutError
-        StatusError(408),
-        StatusError(409),
-        StatusError(429),
-        StatusError(500),
-        StatusError(503),
-        http_error(502, {}),
-    ],
-    ids=repr,
-)
-def test_retryable_errors_are_classified_retryable(error: BaseException) -> None:
-    assert classify(error) is True
+RETRYABLE = [
+    TransientError("later"),
+    TransientError("rate limited", status=429),
+    TimeoutError(),
+    ConnectionResetError(),
+    OSError("network unreachable"),
+    aiohttp.ClientOSError(),  # an OSError
+    aiohttp.ServerTimeoutError(),  # a TimeoutError
+    StatusError(408),
+    StatusError(409),
+    StatusError(429),
+    StatusError(500),
+    StatusError(503),
+    http_error(502, {}),
+]
+PERMANENT = [
+    PermanentError("never"),
+    PermanentError("bad request", status=400),
+    PermanentError("even with a retryable status", status=503),
+    ValueError("bug"),
+    KeyError("bug"),
+    RuntimeError("unknown"),
+    StatusError(400),
+    StatusError(401),
+    StatusError(404),
+    StatusError(422),
+    http_error(400, {}),
+]
 
 
 @pytest.mark.parametrize(
-    "error",
-    [
-        PermanentError("never"),
-        PermanentError("bad request", status=400),
-        PermanentError("even with a retryable status", status=503),
-        ValueError("bug"),
-        KeyError("bug"),
-        RuntimeError("unknown"),
-        StatusError(400),
-        StatusError(401),
-        StatusError(404),
-        StatusError(422),
-        http_error(400, {}),
-    ],
+    ("error", "retryable"),
+    [(e, True) for e in RETRYABLE] + [(e, False) for e in PERMANENT],
     ids=repr,
 )
-def test_everything_else_is_permanent(error: BaseException) -> None:
-    assert classify(error) is False
+def test_retryable_errors_are_classified_retryable_and_everything_else_permanent(
+    error: BaseException, retryable: bool
+) -> None:
+    assert classify(error) is retryable
 
 
 def test_retry_reasons_are_bounded_labels() -> None:

@@ -49,6 +49,26 @@ async def post_job(http: httpx.AsyncClient, base: str, auth: dict[str, str]) -> 
     return str(r.json()["job_id"])
 
 
+async def post_streamed(
+    http: httpx.AsyncClient, base: str, headers: dict[str, str]
+) -> httpx.Response:
+    """``BODY`` posted with ``headers``, asking for the job's stream."""
+    headers = {**headers, "Accept": "text/event-stream"}
+    return await http.post(f"{base}/v1/summaries", json=BODY, headers=headers)
+
+
+@contextlib.asynccontextmanager
+async def served_with_a_job(
+    settings: Any, redis: Any, pool: Any, auth: dict[str, str], **update: Any
+) -> AsyncIterator[tuple[str, httpx.AsyncClient, str]]:
+    """An API of ``settings`` (``update`` applied) served, and a job of
+    ``auth``'s posted: the base URL, a client, and the job's stream URL."""
+    app = asgi_app(settings.model_copy(update=update), redis, pool)
+    async with serving(app) as base, httpx.AsyncClient(timeout=30) as http:
+        job_id = await post_job(http, base, auth)
+        yield base, http, f"{base}/v1/summaries/{job_id}/stream"
+
+
 # -- 2: one client's Last-Event-ID affects that client only ---------------------------
 
 
@@ -320,23 +340,13 @@ def read_to_eof(sock: socket.socket) -> int:
 async def test_past_the_process_cap_a_stream_is_503_and_a_streamed_post_accepts_nothing(
     settings, redis, pool, auth
 ) -> None:
-    app = asgi_app(settings.model_copy(update={"streams_per_process": 1}), redis, pool)
-    async with serving(app) as base, httpx.AsyncClient(timeout=30) as http:
-        job_id = await post_job(http, base, auth)
-        url = f"{base}/v1/summaries/{job_id}/stream"
-        async with http.stream("GET", url, headers=auth) as first:
-            assert first.status_code == 200
-            second = await http.get(url, headers=auth)
-            streamed = await http.post(
-                f"{base}/v1/summaries",
-                json=BODY,
-                headers={
-                    **auth,
-                    "Idempotency-Key": "over-the-process-cap",
-                    "Accept": "text/event-stream",
-                },
-            )
-            jobs = await count(pool, "SELECT count(*) FROM jobs")
+    capped = served_with_a_job(settings, redis, pool, auth, streams_per_process=1)
+    async with capped as (base, http, url), http.stream("GET", url, headers=auth) as first:
+        assert first.status_code == 200
+        second = await http.get(url, headers=auth)
+        key = {"Idempotency-Key": "over-the-process-cap"}
+        streamed = await post_streamed(http, base, {**auth, **key})
+        jobs = await count(pool, "SELECT count(*) FROM jobs")
     assert second.status_code == 503 and second.json()["type"].endswith("/unavailable")
     assert second.headers["retry-after"]
     assert streamed.status_code == 503 and jobs == 1
@@ -348,18 +358,12 @@ async def test_past_the_process_cap_a_stream_is_503_and_a_streamed_post_accepts_
 async def test_a_streamed_post_refused_at_the_tenant_cap_creates_no_job(
     settings, redis, pool, auth
 ) -> None:
-    app = asgi_app(settings.model_copy(update={"streams_per_tenant": 1}), redis, pool)
-    async with serving(app) as base, httpx.AsyncClient(timeout=30) as http:
-        job_id = await post_job(http, base, auth)
-        url = f"{base}/v1/summaries/{job_id}/stream"
+    capped = served_with_a_job(settings, redis, pool, auth, streams_per_tenant=1)
+    async with capped as (base, http, url):
         headers = {**auth, "Idempotency-Key": "refused-at-the-cap-01"}
         async with http.stream("GET", url, headers=auth) as first:
             assert first.status_code == 200
-            refused = await http.post(
-                f"{base}/v1/summaries",
-                json=BODY,
-                headers={**headers, "Accept": "text/event-stream"},
-            )
+            refused = await post_streamed(http, base, headers)
             jobs_at_cap = await count(pool, "SELECT count(*) FROM jobs")
         # The key was never claimed: the same request later is a new job.
         later = await http.post(f"{base}/v1/summaries", json=BODY, headers=headers)
@@ -371,16 +375,8 @@ async def test_a_streamed_post_refused_at_the_tenant_cap_creates_no_job(
 
 async def test_a_streamed_post_with_a_malformed_resume_id_creates_no_job(served, pool) -> None:
     async with httpx.AsyncClient(timeout=30) as http:
-        r = await http.post(
-            f"{served.base}/v1/summaries",
-            json=BODY,
-            headers={
-                **served.auth,
-                "Idempotency-Key": "malformed-resume-01",
-                "Accept": "text/event-stream",
-                "Last-Event-ID": "$",
-            },
-        )
+        headers = {"Idempotency-Key": "malformed-resume-01", "Last-Event-ID": "$"}
+        r = await post_streamed(http, served.base, {**served.auth, **headers})
     assert r.status_code == 400 and r.json()["type"].endswith("/bad-request")
     assert await count(pool, "SELECT count(*) FROM jobs") == 0
 

@@ -11,6 +11,9 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -47,20 +50,13 @@ async def test_a_worker_killed_mid_stream_resets_and_the_kept_tokens_are_the_ans
     env = deployment_env(redis_url, database_url, model, mail, ONCELY_CLAIM_IDLE_MS="1500")
     # A word every 0.2 s: the worker is killed while the answer is typing.
     text = "[[fake:typing=0.2]] Killed workers start over. The stream says reset first. Done."
-    with Deployment(env, tmp_path) as d:
-        async with d.client(api_key, timeout=60) as http:
-            key = "killed-mid-stream-0001"
-            job_id, events = await stream_killing_the_worker(d, http, text, key)
-            got = (await http.get(f"/v1/summaries/{job_id}")).json()
+    killed = killed_mid_stream(env, tmp_path, api_key, mail, text, "killed-mid-stream-0001")
+    async with killed as (job_id, events, got):
 
-            await wait_effects(mail, what="the summary's email")
+        async def billed() -> bool:
+            return await scalar(pool, "SELECT count(*) FROM model_calls WHERE outcome = 'ok'") == 1
 
-            async def billed() -> bool:
-                return (
-                    await scalar(pool, "SELECT count(*) FROM model_calls WHERE outcome = 'ok'") == 1
-                )
-
-            await wait_for(billed, what="the answered call's ledger row")
+        await wait_for(billed, what="the answered call's ledger row")
 
     assert got["status"] == "done" and events[-1] == ("end", got)
     kinds = [kind for kind, _ in events]
@@ -74,6 +70,22 @@ async def test_a_worker_killed_mid_stream_resets_and_the_kept_tokens_are_the_ans
     # The killed call reached the provider: it is in the ledger as sent.
     outcomes = "SELECT outcome FROM model_calls WHERE job_id = %s ORDER BY outcome"
     assert [r[0] for r in await rows(pool, outcomes, job_id)] == ["ok", "sent"]
+
+
+@asynccontextmanager
+async def killed_mid_stream(
+    env: dict[str, str], tmp_path: Path, api_key: str, mail: Any, text: str, key: str
+) -> AsyncIterator[tuple[str, list[tuple[str, Any]], dict[str, Any]]]:
+    """A deployment of ``env``; ``text`` posted as a streamed summary under
+    ``key``, its worker killed mid-stream (``stream_killing_the_worker``),
+    the summary's email sent: the job's id, the events streamed, and the job
+    as GET shows it. The deployment runs until the block ends."""
+    with Deployment(env, tmp_path) as d:
+        async with d.client(api_key, timeout=60) as http:
+            job_id, events = await stream_killing_the_worker(d, http, text, key)
+            got = (await http.get(f"/v1/summaries/{job_id}")).json()
+            await wait_effects(mail, what="the summary's email")
+            yield job_id, events, got
 
 
 async def stream_killing_the_worker(

@@ -52,6 +52,15 @@ LOOKUP = ToolCalls(("lookup_order", {"order_id": "A1"}))
 REFUND = ToolCalls(("refund", {"order_id": "A1", "cents": 1200}))
 
 
+async def refund_a1(answers: list[Any], **options: Any) -> Any:
+    """``run_step`` of the shop agent (its tools ``SHOP``, listed by no
+    server) asked to refund A1, the model answering ``answers``."""
+    workflow = agent_workflow(shop_agent())
+    return await run_step(
+        workflow, {"text": "Refund A1."}, answers=answers, toolsets={"shop": SHOP}, **options
+    )
+
+
 async def test_a_function_tool_is_answered_as_scripted_and_never_runs() -> None:
     ran: list[str] = []
 
@@ -89,23 +98,16 @@ async def test_a_function_tool_is_answered_as_scripted_and_never_runs() -> None:
 
 
 async def test_a_scripted_exception_is_raised_in_the_tools_place() -> None:
-    run = await run_step(
-        agent_workflow(shop_agent()),
-        {"text": "Refund A1."},
-        answers=[REFUND, "Sorry."],
-        toolsets={"shop": SHOP},
-        tools={"refund": PermanentError("the card was declined")},
+    run = await refund_a1(
+        [REFUND, "Sorry."], tools={"refund": PermanentError("the card was declined")}
     )
     assert run.result.tools == ["refund:error"]
     assert run.result.results[0]["error"] == "PermanentError: the card was declined"
 
 
 async def test_mcp_tools_with_no_server_listed_and_answered_as_scripted() -> None:
-    run = await run_step(
-        agent_workflow(shop_agent()),
-        {"text": "Refund A1."},
-        answers=[LOOKUP, REFUND, "Refunded."],
-        toolsets={"shop": SHOP},
+    run = await refund_a1(
+        [LOOKUP, REFUND, "Refunded."],
         tools={"lookup_order": {"status": "shipped"}, "refund": REFUNDED},
     )
     assert run.result.tools == ["lookup_order:ok", "refund:ok"]
@@ -125,22 +127,16 @@ async def test_mcp_tools_with_no_server_listed_and_answered_as_scripted() -> Non
     assert [t["name"] for t in listing["tools"]] == ["lookup_order", "refund"]
     assert listing["tools"][1]["schema"]["required"] == ["order_id", "cents"]
     # Arguments that fail the scripted schema never reach the script.
-    bad = await run_step(
-        agent_workflow(shop_agent()),
-        {"text": "Refund A1."},
-        answers=[ToolCalls(("refund", {"order_id": "A1", "cents": "all"})), "Sorry."],
-        toolsets={"shop": SHOP},
+    bad = await refund_a1(
+        [ToolCalls(("refund", {"order_id": "A1", "cents": "all"})), "Sorry."],
         tools={"refund": REFUNDED},
     )
     assert bad.result.tools == ["refund:error"]
 
 
 async def test_a_crash_mid_refund_asks_a_person_and_resend_answers_again() -> None:
-    run = await run_step(
-        agent_workflow(shop_agent()),
-        {"text": "Refund A1."},
-        answers=[REFUND, "Refunded."],
-        toolsets={"shop": SHOP},
+    run = await refund_a1(
+        [REFUND, "Refunded."],
         tools={"refund": REFUNDED},
         crash_after="support/refund/tool/intent",
         uncertain={"refund": "resend"},

@@ -21,7 +21,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import (
 from oncely.bootstrap import Resources, WorkerGroup, build_relay, connect_llm
 from oncely.builtin import app as builtin_app
 from oncely.fakes.mail import FakeMailServer
-from tests.helpers import asgi_app
+from tests.helpers import asgi_app, service_running
 
 _EXPORTER = InMemorySpanExporter()
 
@@ -47,25 +47,22 @@ async def test_one_trace_from_the_post_to_the_provider_request(
         llm = connect_llm(settings)
         workers = WorkerGroup(builtin_app.only(["summaries"]), res, llm)
         relay, router = build_relay(builtin_app, res)
-        services = [asyncio.create_task(workers.run()), asyncio.create_task(relay.run())]
+        transport = httpx.ASGITransport(app=asgi_app(settings, redis, pool))
         try:
-            transport = httpx.ASGITransport(app=asgi_app(settings, redis, pool))
-            async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
-                r = await client.post(
-                    "/v1/summaries",
-                    json={"text": "Traced. End to end.", "notify": "ada@example.com"},
-                    headers={**auth, "Idempotency-Key": "traced-request-0001"},
-                )
-            assert r.status_code == 202
-            for _ in range(400):
-                if (await mail.deliveries())["effects"] == 1:
-                    break
-                await asyncio.sleep(0.025)
-            await asyncio.sleep(0.1)
+            async with service_running(workers), service_running(relay):
+                async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+                    r = await client.post(
+                        "/v1/summaries",
+                        json={"text": "Traced. End to end.", "notify": "ada@example.com"},
+                        headers={**auth, "Idempotency-Key": "traced-request-0001"},
+                    )
+                assert r.status_code == 202
+                for _ in range(400):
+                    if (await mail.deliveries())["effects"] == 1:
+                        break
+                    await asyncio.sleep(0.025)
+                await asyncio.sleep(0.1)
         finally:
-            workers.stop()
-            relay.stop()
-            await asyncio.gather(*services)
             await router.aclose()
             await llm.aclose()
     finished = spans.get_finished_spans()
