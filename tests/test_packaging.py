@@ -365,6 +365,28 @@ def test_no_two_modules_import_each_other() -> None:
     assert cycles == [], f"modules importing each other (directly or not): {cycles}"
 
 
+def test_at_most_one_pair_of_subpackages_import_each_other() -> None:
+    """Packages import one way (docs/architecture.md): of oncely's
+    subpackages, only ``queue`` and ``jobs`` import each other, the worker
+    loop reading a delivery's report from the job's records
+    (``jobs/records.py``, driver-free). Another such pair is an arrow that
+    climbs back up: the shared name belongs in a leaf both import."""
+    src = ROOT / "src" / "oncely"
+    packages = {p.name for p in src.iterdir() if (p / "__init__.py").exists()}
+    arrows: set[tuple[str, str]] = set()
+    for path in src.rglob("*.py"):
+        here = path.relative_to(src).parts[0]
+        if here not in packages:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                there = node.module.split(".")[1:2]
+                if node.module.startswith("oncely.") and there[0] in packages - {here}:
+                    arrows.add((here, there[0]))
+    both_ways = sorted((a, b) for a, b in arrows if a < b and (b, a) in arrows)
+    assert both_ways == [("jobs", "queue")], both_ways
+
+
 def test_one_step_kit_makes_every_context_and_the_handler_knows_no_shadow() -> None:
     """A step's ``Context`` is made in one place (``jobs/kit.py``
     ``step_context``), for a job, a shadow run and ``oncely.testing``

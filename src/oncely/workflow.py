@@ -35,9 +35,9 @@ from oncely import names
 from oncely.context import PRIMARY, WAIT_MAX_S, Step, is_async
 from oncely.effects import Effect, WebhookEffect
 from oncely.journal import check_name
-from oncely.llm.base import LANES, Lane
 from oncely.llm.routing import parse_models
 from oncely.timetable import Timetable
+from oncely.usage.calls import LANES, Lane
 from oncely.views import JobView
 
 if TYPE_CHECKING:

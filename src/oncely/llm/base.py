@@ -103,11 +103,6 @@ class LLM(Protocol):
     ) -> Completion: ...
 
 
-# How a call goes (docs/lanes.md): ``standard``; ``flex``, OpenAI's
-# ``service_tier: "flex"`` (cheaper, slower, may answer 429 for lack of
-# capacity); ``batch``, through the provider's batch API (hours, not seconds).
-Lane = Literal["standard", "flex", "batch"]
-LANES: tuple[Lane, ...] = ("standard", "flex", "batch")
 # What a ``flex`` attempt asks for, where the dialect takes it (``chat``,
 # ``responses``: docs/lanes.md).
 FLEX_TIER = "flex"

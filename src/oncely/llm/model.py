@@ -28,9 +28,7 @@ from pydantic import BaseModel, ValidationError
 from oncely.errors import PermanentError, short_errors
 from oncely.journal import Journal, Recorded, check_name
 from oncely.llm.base import (
-    LANES,
     LLM,
-    Lane,
     Message,
     Reasoning,
     ResponseSchema,
@@ -40,7 +38,7 @@ from oncely.llm.base import (
 from oncely.llm.reply import Reply, ToolCall, Usage, conversation, response_schema, tool_spec
 from oncely.llm.trip import ModelRoute, Request, Trip
 from oncely.retry import Deadline, RetryPolicy
-from oncely.usage.calls import CallSite
+from oncely.usage.calls import LANES, CallSite, Lane
 
 if TYPE_CHECKING:
     from oncely.live.events import LiveJob

@@ -81,7 +81,6 @@ from oncely.llm.base import (
     LLM,
     Background,
     Completion,
-    Lane,
     Message,
     Reasoning,
     ResponseSchema,
@@ -103,7 +102,7 @@ from oncely.metrics import (
     MODEL_TOKENS,
 )
 from oncely.retry import Deadline, RetryEvent, RetryPolicy, call_with_retries, classify
-from oncely.usage.calls import Call, CallSite, Outcome, Sending
+from oncely.usage.calls import Call, CallSite, Lane, Outcome, Sending
 from oncely.usage.prices import Prices
 
 if TYPE_CHECKING:

@@ -12,6 +12,13 @@ from typing import Any, Literal
 
 Outcome = Literal["ok", "retryable", "permanent", "invalid_output", "timeout", "refused", "sent"]
 
+# How a call goes, as its row's ``lane`` says (docs/lanes.md): ``standard``;
+# ``flex``, OpenAI's ``service_tier: "flex"`` (cheaper, slower, may answer
+# 429 for lack of capacity); ``batch``, through the provider's batch API
+# (hours, not seconds). The model seam (``oncely.llm.base``) speaks it too.
+Lane = Literal["standard", "flex", "batch"]
+LANES: tuple[Lane, ...] = ("standard", "flex", "batch")
+
 
 @dataclass(frozen=True)
 class CallSite:

@@ -25,7 +25,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from oncely.llm.base import LANES
+from oncely.usage.calls import LANES
 
 _NUMBER = re.compile(r"\d+(?:\.\d+)?")
 _MODEL = re.compile(r"[^=\s,]+")
