@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Any, Literal
 
@@ -231,47 +231,11 @@ class Checkpoints:
         transaction, its children started in it): the wait's
         checkpoint, done, if its event had arrived; None when the job now
         waits. ``RunStopped``/``Replay`` as ``write``."""
-        params = {
-            "job_id": job_id,
-            "generation": generation,
-            "workflow": workflow,
-            "trace_context": tracing.traceparent(),
-            "key": wait.key,
-            "ordinal": wait.ordinal,
-            "kind": wait.kind,
-            "event": wait.event,
-            "seconds": wait.seconds,
-            "waiting_for": wait.wakes_on,
-            "detail": None if wait.detail is None else Jsonb(wait.detail),
-            "call_topic": wait.call.topic if wait.call is not None else None,
-            "call_dedupe_key": wait.call.dedupe_key if wait.call is not None else None,
-            "call_payload": Jsonb(wait.call.payload) if wait.call is not None else None,
-            "request": wait.request,
-            **writes_params(writes),
-            **delivery_params(delivery),
-        }
-
-        released: list[JobSpec] = []
-        started_before = False
-
-        async def with_children(conn: psycopg.AsyncConnection[Any]) -> tuple[Any, ...] | None:
-            # A map's children start between the lock and the wait.
-            nonlocal released, started_before
-            assert wait.children is not None
-            cur = await conn.execute(query("lock_running_job"), params)
-            if (running := await cur.fetchone()) is None:
-                return None
-            parent = JobSpec(job_id, running[1], workflow, {})
-            released, started_before = await self.children.start(
-                conn, parent, wait.key, wait.children
-            )
-            cur = await conn.execute(query("start_wait"), params)
-            return await cur.fetchone()
-
+        params = _wait_params(workflow, job_id, generation, writes, wait, delivery)
+        started = _Started()
         try:
             if wait.children is not None:
-                timeout_s = self.jobs.statement_timeout_s
-                row = await run_transaction(self.pool, with_children, timeout_s=timeout_s)
+                row = await self._start_map_wait(workflow, job_id, wait, params, started)
             else:
                 rows = (await self._run("start_wait", params)).rows
                 row = rows[0] if rows else None
@@ -283,11 +247,32 @@ class Checkpoints:
         if status == "waiting":
             # A map's first children go now; one a run before started may
             # have ended meanwhile, every child of it (oncely.jobs.children).
-            await self.children.enqueue(released)
-            if started_before:
+            await self.children.enqueue(started.released)
+            if started.before:
                 await self.children.recount(job_id, wait.key)
             return None
         return Checkpoint(wait.key, wait.ordinal, wait.kind, "done", json.loads(value))
+
+    async def _start_map_wait(
+        self, workflow: str, job_id: str, wait: Wait, params: dict[str, Any], started: _Started
+    ) -> tuple[Any, ...] | None:
+        """A map's wait: in one transaction, the job's row locked, its
+        children started (what to enqueue, in ``started``), then the wait."""
+        assert wait.children is not None
+        children = wait.children
+
+        async def work(conn: psycopg.AsyncConnection[Any]) -> tuple[Any, ...] | None:
+            cur = await conn.execute(query("lock_running_job"), params)
+            if (running := await cur.fetchone()) is None:
+                return None
+            parent = JobSpec(job_id, running[1], workflow, {})
+            started.released, started.before = await self.children.start(
+                conn, parent, wait.key, children
+            )
+            cur = await conn.execute(query("start_wait"), params)
+            return await cur.fetchone()
+
+        return await run_transaction(self.pool, work, timeout_s=self.jobs.statement_timeout_s)
 
     async def flag_diverged(self, job_id: str, keys: Sequence[str]) -> None:
         """Flag the model turns a replay asked with another request (GET's
@@ -477,3 +462,43 @@ def _checkpoint(row: Sequence[Any]) -> Checkpoint:
     return Checkpoint(
         key, ordinal, kind, status, None if value is None else json.loads(value), *rest
     )
+
+
+@dataclass
+class _Started:
+    """What a map's wait started: its children queued now (to enqueue once
+    the wait is stored), and whether a run before had started them."""
+
+    released: list[JobSpec] = field(default_factory=list)
+    before: bool = False
+
+
+def _wait_params(
+    workflow: str,
+    job_id: str,
+    generation: int,
+    writes: Writes,
+    wait: Wait,
+    delivery: DeliveryReport | None,
+) -> dict[str, Any]:
+    """The parameters of ``start_wait`` (sql/checkpoints.sql)."""
+    call = wait.call
+    return {
+        "job_id": job_id,
+        "generation": generation,
+        "workflow": workflow,
+        "trace_context": tracing.traceparent(),
+        "key": wait.key,
+        "ordinal": wait.ordinal,
+        "kind": wait.kind,
+        "event": wait.event,
+        "seconds": wait.seconds,
+        "waiting_for": wait.wakes_on,
+        "detail": None if wait.detail is None else Jsonb(wait.detail),
+        "call_topic": call.topic if call is not None else None,
+        "call_dedupe_key": call.dedupe_key if call is not None else None,
+        "call_payload": Jsonb(call.payload) if call is not None else None,
+        "request": wait.request,
+        **writes_params(writes),
+        **delivery_params(delivery),
+    }

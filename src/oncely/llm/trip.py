@@ -212,6 +212,15 @@ class Answer:
     call_id: str | None = None
 
 
+@dataclass
+class _Tried:
+    """One model's attempts so far in a call, and the probe it carries (the
+    cooldown's token, spent by the first attempt that fails)."""
+
+    probe: str
+    attempts: int = 0
+
+
 class _Skipped(OncelyError):
     """The model began cooling down between two attempts: the call moves on
     down the route. Neither transient nor permanent, so the retry loop hands
@@ -451,66 +460,20 @@ class Trip:
         transient retries; every attempt that reached the provider and
         failed is in the ledger (the answered one is the caller's to
         record)."""
-        meters = self._meters[target.name]
         step = current_checkpoint()
-        tries = 0
+        tried = _Tried(probe)
 
         async def attempt(timeout_s: float) -> Answer:
-            nonlocal tries, probe
-            tries += 1
+            tried.attempts += 1
             cooldown = self._cooldown
-            if tries > 1 and cooldown is not None and cooldown.cooling(target.name, self._caller):
+            if (
+                tried.attempts > 1
+                and cooldown is not None
+                and cooldown.cooling(target.name, self._caller)
+            ):
                 raise _Skipped(target.name)
-            spent.model_calls += 1
-            self.usage.model_calls += 1
-            number = spent.model_calls
-            started = time.monotonic()
-            # GenAI semantic conventions: one client span per attempt.
-            with tracing.span(
-                f"chat {target.name}",
-                kind="client",
-                attributes={
-                    "gen_ai.operation.name": "chat",
-                    "gen_ai.request.model": target.name,
-                    "oncely.attempt": self.usage.model_calls,
-                },
-            ) as span:
-                sent = self._sending(target.name, step, number, lane)
-                try:
-                    completion = await self._send(
-                        request, target, timeout_s, step, number, sent, lane
-                    )
-                except (Exception, asyncio.CancelledError) as exc:
-                    took = _elapsed_ms(started)
-                    self._count_ms(spent, took)
-                    meters.failed(exc).inc()
-                    # Cut off by its attempt's time (a cancellation here), or
-                    # cancelled from outside: a job's cancel, a shutdown, a
-                    # sibling branch. Only the first says the model is slow.
-                    timed_out = took >= timeout_s * 1000 * _CUT_OFF_SHARE
-                    await self._failed(
-                        target.name, step, number, exc, took, probe, timed_out, sent, lane
-                    )
-                    probe = ""
-                    raise
-                finally:
-                    meters.seconds.observe(time.monotonic() - started)
-                # Time waiting on the fleet limiter is not the model's.
-                took = max(0, _elapsed_ms(started) - round(completion.queued_s * 1000))
-                self._count_ms(spent, took)
-                if span is not None:
-                    span.set_attribute("gen_ai.usage.input_tokens", completion.prompt_tokens)
-                    span.set_attribute("gen_ai.usage.output_tokens", completion.completion_tokens)
-            meters.calls_ok.inc()
-            answer = Answer(completion, target.name, step, number, took, sent, lane)
-            if self._cooldown is not None:
-                try:
-                    await self._cooldown.answered(target.name, self._caller, probe=probe)
-                except BaseException:
-                    # Cancelled with its job before its caller got it: paid
-                    # for, its answer lost (the ledger's ``timeout``).
-                    self.bill(answer, "timeout", Usage())
-                    raise
+            answer = await self._attempt(target, request, spent, step, lane, timeout_s, tried)
+            await self._answered(answer, tried.probe)
             return answer
 
         policy, useful_s = self._lane_policy(lane)
@@ -521,6 +484,72 @@ class Trip:
             on_retry=self._on_retry,
             min_attempt_s=useful_s,
         )
+
+    async def _attempt(
+        self,
+        target: Target,
+        request: Request,
+        spent: Usage,
+        step: str | None,
+        lane: Lane,
+        timeout_s: float,
+        tried: _Tried,
+    ) -> Answer:
+        """One attempt in a client span of its own (GenAI semantic
+        conventions): counted, sent; a failure timed, metered and in the
+        ledger, after which the probe is spent."""
+        meters = self._meters[target.name]
+        spent.model_calls += 1
+        self.usage.model_calls += 1
+        number = spent.model_calls
+        started = time.monotonic()
+        with tracing.span(
+            f"chat {target.name}",
+            kind="client",
+            attributes={
+                "gen_ai.operation.name": "chat",
+                "gen_ai.request.model": target.name,
+                "oncely.attempt": self.usage.model_calls,
+            },
+        ) as span:
+            sent = self._sending(target.name, step, number, lane)
+            try:
+                completion = await self._send(request, target, timeout_s, step, number, sent, lane)
+            except (Exception, asyncio.CancelledError) as exc:
+                took = _elapsed_ms(started)
+                self._count_ms(spent, took)
+                meters.failed(exc).inc()
+                # Cut off by its attempt's time (a cancellation here), or
+                # cancelled from outside: a job's cancel, a shutdown, a
+                # sibling branch. Only the first says the model is slow.
+                timed_out = took >= timeout_s * 1000 * _CUT_OFF_SHARE
+                await self._failed(
+                    target.name, step, number, exc, took, tried.probe, timed_out, sent, lane
+                )
+                tried.probe = ""
+                raise
+            finally:
+                meters.seconds.observe(time.monotonic() - started)
+            # Time waiting on the fleet limiter is not the model's.
+            took = max(0, _elapsed_ms(started) - round(completion.queued_s * 1000))
+            self._count_ms(spent, took)
+            if span is not None:
+                span.set_attribute("gen_ai.usage.input_tokens", completion.prompt_tokens)
+                span.set_attribute("gen_ai.usage.output_tokens", completion.completion_tokens)
+        meters.calls_ok.inc()
+        return Answer(completion, target.name, step, number, took, sent, lane)
+
+    async def _answered(self, answer: Answer, probe: str) -> None:
+        """The cooldown told the model answered (a probe's answer ends its
+        cooling). Cancelled with its job before its caller got it: paid
+        for, its answer lost (the ledger's ``timeout``)."""
+        if self._cooldown is None:
+            return
+        try:
+            await self._cooldown.answered(answer.model, self._caller, probe=probe)
+        except BaseException:
+            self.bill(answer, "timeout", Usage())
+            raise
 
     def _lane_policy(self, lane: Lane) -> tuple[RetryPolicy, float | None]:
         """The retry policy of a call on ``lane``, and the least time an
