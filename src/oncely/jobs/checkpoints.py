@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from operator import attrgetter
 from typing import Any, Literal
 
@@ -232,10 +232,15 @@ class Checkpoints:
         checkpoint, done, if its event had arrived; None when the job now
         waits. ``RunStopped``/``Replay`` as ``write``."""
         params = _wait_params(workflow, job_id, generation, writes, wait, delivery)
-        started = _Started()
+        # A map's children queued by this wait, and whether a run before had
+        # started them.
+        released: list[JobSpec] = []
+        started_before = False
         try:
             if wait.children is not None:
-                row = await self._start_map_wait(workflow, job_id, wait, params, started)
+                row, released, started_before = await self._start_map_wait(
+                    workflow, job_id, wait, params
+                )
             else:
                 rows = (await self._run("start_wait", params)).rows
                 row = rows[0] if rows else None
@@ -247,30 +252,32 @@ class Checkpoints:
         if status == "waiting":
             # A map's first children go now; one a run before started may
             # have ended meanwhile, every child of it (oncely.jobs.children).
-            await self.children.enqueue(started.released)
-            if started.before:
+            await self.children.enqueue(released)
+            if started_before:
                 await self.children.recount(job_id, wait.key)
             return None
         return Checkpoint(wait.key, wait.ordinal, wait.kind, "done", json.loads(value))
 
     async def _start_map_wait(
-        self, workflow: str, job_id: str, wait: Wait, params: dict[str, Any], started: _Started
-    ) -> tuple[Any, ...] | None:
+        self, workflow: str, job_id: str, wait: Wait, params: dict[str, Any]
+    ) -> tuple[tuple[Any, ...] | None, list[JobSpec], bool]:
         """A map's wait: in one transaction, the job's row locked, its
-        children started (what to enqueue, in ``started``), then the wait."""
+        children started, then the wait. The wait's row (None: the job no
+        longer runs), the children to enqueue once it is stored, and whether
+        a run before had started them."""
         assert wait.children is not None
         children = wait.children
 
-        async def work(conn: psycopg.AsyncConnection[Any]) -> tuple[Any, ...] | None:
+        async def work(
+            conn: psycopg.AsyncConnection[Any],
+        ) -> tuple[tuple[Any, ...] | None, list[JobSpec], bool]:
             cur = await conn.execute(query("lock_running_job"), params)
             if (running := await cur.fetchone()) is None:
-                return None
+                return None, [], False
             parent = JobSpec(job_id, running[1], workflow, {})
-            started.released, started.before = await self.children.start(
-                conn, parent, wait.key, children
-            )
+            released, before = await self.children.start(conn, parent, wait.key, children)
             cur = await conn.execute(query("start_wait"), params)
-            return await cur.fetchone()
+            return await cur.fetchone(), released, before
 
         return await run_transaction(self.pool, work, timeout_s=self.jobs.statement_timeout_s)
 
@@ -462,15 +469,6 @@ def _checkpoint(row: Sequence[Any]) -> Checkpoint:
     return Checkpoint(
         key, ordinal, kind, status, None if value is None else json.loads(value), *rest
     )
-
-
-@dataclass
-class _Started:
-    """What a map's wait started: its children queued now (to enqueue once
-    the wait is stored), and whether a run before had started them."""
-
-    released: list[JobSpec] = field(default_factory=list)
-    before: bool = False
 
 
 def _wait_params(

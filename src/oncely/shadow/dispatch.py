@@ -32,9 +32,11 @@ class ShadowDispatch:
     async def on_end(self, end: Ended) -> None:
         """A job's end as ``Jobs.transitions`` tells it: a done job of this
         workflow goes to every shadow variant whose sample it is in."""
-        if end.status != "done" or end.workflow != self.workflow or end.result is None:
+        if end.status != "done" or end.workflow != self.workflow:
             return
-        await self.after_commit(end.job_id, end.tenant or "", end.payload or {}, end.result)
+        # A done end carries what the shadow runs need (the handler's).
+        assert end.tenant is not None and end.payload is not None and end.result is not None
+        await self.after_commit(end.job_id, end.tenant, end.payload, end.result)
 
     async def after_commit(
         self, job_id: str, tenant: str, payload: Mapping[str, Any], result: Mapping[str, Any]

@@ -15,7 +15,8 @@ Outcome = Literal["ok", "retryable", "permanent", "invalid_output", "timeout", "
 # How a call goes, as its row's ``lane`` says (docs/lanes.md): ``standard``;
 # ``flex``, OpenAI's ``service_tier: "flex"`` (cheaper, slower, may answer
 # 429 for lack of capacity); ``batch``, through the provider's batch API
-# (hours, not seconds). The model seam (``oncely.llm.base``) speaks it too.
+# (hours, not seconds). Here, with the row, so that the prices and the
+# model seam both import it from a leaf.
 Lane = Literal["standard", "flex", "batch"]
 LANES: tuple[Lane, ...] = ("standard", "flex", "batch")
 
