@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -89,19 +90,28 @@ async def test_same_job_enqueued_twice_stores_once(pool, stream, summary_job, fa
     assert await pending(stream) == 0
 
 
+@pytest.fixture
+async def patient_job(pool, jobs, worker_settings) -> AsyncIterator[WorkflowHandler]:
+    """The summaries handler with bounds no busy machine reaches: a call cut
+    off by its timeout would be retried, and the tests using it count calls."""
+    patient = worker_settings.model_copy(update={"llm_timeout_s": 60.0, "job_budget_s": 120.0})
+    llm = connect_llm(patient)
+    yield WorkflowHandler(summaries, jobs, llm, step_config(patient), OutboxWakeUp(pool))
+    await llm.aclose()
+
+
 async def test_slow_worker_and_reclaimer_race_to_one_outbox_row(
-    pool, stream, summary_job, fake_llm
+    pool, stream, patient_job, fake_llm
 ):
     """Both make a model call (the documented race); one stores, one writes nothing."""
     outcomes: list[str] = []
 
     async def recording(message: JobMessage, delivery: Delivery) -> str:
-        outcome = await summary_job(message, delivery)
+        outcome = await patient_job(message, delivery)
         outcomes.append(outcome)
         return outcome
 
-    # Slow enough that the thief reaches its own call on a busy machine too
-    # (and within the call timeout of 2 s).
+    # Slow enough that the thief reaches its own call on a busy machine too.
     await submit(pool, stream, "A slow model call. [[fake:sleep=1]]")
     slow = make_worker(stream, recording, pool)
     await slow.run_once()
@@ -463,17 +473,10 @@ async def test_lease_renewal_keeps_a_slow_live_handler(pool, stream):
     assert await pending(stream) == 0
 
 
-async def test_worker_holds_many_model_calls_in_flight(
-    pool, stream, jobs, worker_settings, fake_llm
-):
-    # Bounds no busy machine reaches (a call cut off by its timeout would be
-    # retried, and this test counts calls).
-    patient = worker_settings.model_copy(update={"llm_timeout_s": 60.0, "job_budget_s": 120.0})
-    llm = connect_llm(patient)
-    handler = WorkflowHandler(summaries, jobs, llm, step_config(patient), OutboxWakeUp(pool))
+async def test_worker_holds_many_model_calls_in_flight(pool, stream, patient_job, fake_llm):
     for i in range(200):
         await submit(pool, stream, f"Job {i} takes a while. [[fake:sleep=0.2]]")
-    worker = make_worker(stream, handler, pool, concurrency=50)
+    worker = make_worker(stream, patient_job, pool, concurrency=50)
     run = asyncio.create_task(worker.run())
     try:
         while await count(pool, "SELECT count(*) FROM jobs WHERE status = 'done'") < 200:
@@ -481,7 +484,6 @@ async def test_worker_holds_many_model_calls_in_flight(
     finally:
         worker.stop()
         await run
-        await llm.aclose()
     assert fake_llm.stats().max_in_flight >= 40
     assert fake_llm.stats().total == 200
     assert await count(pool, "SELECT count(*) FROM outbox") == 200
