@@ -198,6 +198,65 @@ async def test_a_cancelled_job_cancels_its_background_response(llm, fake_llm) ->
     assert fake_llm.stats().background["cancelled"] == 1
 
 
+@pytest.mark.parametrize("streamed", [False, True], ids=["polled", "streamed"])
+@pytest.mark.parametrize("cancels", [True, False], ids=["job cancelled", "shutdown"])
+async def test_a_call_cancelled_while_its_create_is_out_keeps_or_cancels_the_response(
+    llm, fake_llm, streamed, cancels
+) -> None:
+    """The provider has the response once the create is out: a call cancelled
+    before the create's answer waits for its id, keeps it (a next delivery
+    re-attaches, nothing created twice) and, when the job was cancelled,
+    cancels it at the provider; never a response running that no one knows."""
+    kept: list[str] = []
+
+    async def keep(response_id: str) -> None:
+        kept.append(response_id)
+
+    asked = [Message("user", "Think forever. [[fake:late=0.5]] [[fake:hang]]")]
+    on_text = print if streamed else None
+    out = Background(None, keep, lambda: cancels)
+    call = asyncio.create_task(llm.complete(asked, 5, on_text=on_text, background=out))
+    while fake_llm.stats().background["created"] == 0:
+        await asyncio.sleep(0.01)
+    call.cancel()  # the create's answer is half a second away
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    stats = fake_llm.stats()
+    assert (stats.background["created"], stats.background["cancelled"]) == (1, int(cancels))
+    assert len(kept) == 1 and kept[0].startswith("resp_fake_")
+    if not cancels:  # the next delivery re-attaches to it
+        again = Background(kept[0], keep, lambda: True)
+        rerun = asyncio.create_task(llm.complete(asked, 5, on_text=on_text, background=again))
+        while (
+            fake_llm.stats().background["retrieved"] + fake_llm.stats().background["streamed"] == 0
+        ):
+            await asyncio.sleep(0.01)
+        rerun.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await rerun
+        assert fake_llm.stats().background["created"] == 1
+
+
+async def test_a_cancelled_job_whose_id_cannot_be_kept_still_cancels_its_response(
+    llm, fake_llm
+) -> None:
+    """The job cancelled while the create was out, and its journal refusing
+    the write: the response is cancelled at the provider all the same."""
+
+    async def fenced(response_id: str) -> None:
+        raise TransientError("the job's lease is gone")
+
+    asked = [Message("user", "Fenced. [[fake:late=0.5]] [[fake:hang]]")]
+    out = Background(None, fenced, lambda: True)
+    call = asyncio.create_task(llm.complete(asked, 5, background=out))
+    while fake_llm.stats().background["created"] == 0:
+        await asyncio.sleep(0.01)
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    assert fake_llm.stats().background["cancelled"] == 1
+
+
 async def test_a_shutdown_leaves_the_background_response_running(llm, fake_llm) -> None:
     call = asyncio.create_task(model(llm, Journal((), Kept())).complete("Long. [[fake:hang]]"))
     while fake_llm.stats().background["created"] == 0:

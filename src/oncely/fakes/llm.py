@@ -511,6 +511,8 @@ class FakeModel:
         job.add({"type": "response.created", "response": job.document})
         self._jobs[response_id] = job
         job.task = asyncio.create_task(self._think(job, prompt, fault, port))
+        if prompt.late_s:
+            await asyncio.sleep(prompt.late_s)
         if chat.stream:
             return await _follow(request, job, -1)
         return web.json_response(job.document)

@@ -25,7 +25,8 @@ Dialect = Literal["chat", "responses", "anthropic"]
 _DIRECTIVE = re.compile(
     r"\[\[fake:(?:(?P<fault>429|503|529|400|credit|hang|drip|badjson|cut|refusal|pause)"
     r"(?:\*(?P<times>\d+))?"
-    r"|sleep=(?P<sleep>\d+(?:\.\d+)?)|typing=(?P<typing>\d+(?:\.\d+)?)|cache=(?P<cache>\d+))\]\]"
+    r"|sleep=(?P<sleep>\d+(?:\.\d+)?)|typing=(?P<typing>\d+(?:\.\d+)?)"
+    r"|late=(?P<late>\d+(?:\.\d+)?)|cache=(?P<cache>\d+))\]\]"
 )
 # Every directive, to take out of an answer (tool calls' JSON included).
 ANY_DIRECTIVE = re.compile(r"\[\[fake:.*?\]\]")
@@ -100,6 +101,8 @@ class Prompt:
     sleep_s: float
     # Between a stream's chunks.
     typing_s: float = 0.0
+    # Between a background response created and the create's answer.
+    late_s: float = 0.0
     # Prompt tokens it declares cacheable: the first call writes them to the
     # cache, later ones read them.
     cache_tokens: int = 0
@@ -118,19 +121,21 @@ class Prompt:
     @classmethod
     def parse(cls, sha256: str, text: str) -> Prompt:
         script: list[Fault] = []
-        sleep_s = typing_s = 0.0
+        sleep_s = typing_s = late_s = 0.0
         cache = 0
         for match in _DIRECTIVE.finditer(text):
             if match["sleep"] is not None:
                 sleep_s = float(match["sleep"])
             elif match["typing"] is not None:
                 typing_s = float(match["typing"])
+            elif match["late"] is not None:
+                late_s = float(match["late"])
             elif match["cache"] is not None:
                 cache = int(match["cache"])
             else:
                 times = int(match["times"]) if match["times"] is not None else None
                 script.append(Fault(cast(FaultKind, match["fault"]), times))
-        prompt = cls(sha256, text, tuple(script), sleep_s, typing_s, cache)
+        prompt = cls(sha256, text, tuple(script), sleep_s, typing_s, late_s, cache)
         busy = _BUSY.search(text)
         if busy is not None:
             prompt.busy = int(busy["times"]) if busy["times"] is not None else None

@@ -66,8 +66,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, cast
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
+from typing import Any, TypeVar, cast
 
 import openai
 
@@ -84,6 +84,10 @@ from oncely.llm.base import (
     ToolSpec,
 )
 from oncely.llm.openai_compat import _SDK_ERRORS, OpenAIEndpoint, translate_error
+
+_T = TypeVar("_T")
+# A stream opened: the rest of its events, and those already read.
+_Opened = tuple[AsyncIterator[Any], list[Any]]
 
 # The Responses API, below the client's base URL.
 _PATH = "/responses"
@@ -153,9 +157,8 @@ class OpenAIResponses(OpenAIEndpoint):
             response_id = wire.provider_id(background.stored)
             data = await self._retrieve(response_id, timeout)
         else:
-            data = await self._post(_PATH, {**body, "background": True, "store": True}, timeout)
-            response_id = wire.provider_id(data.get("id"))
-            await background.keep(response_id)
+            created = self._created(body, timeout)
+            data, response_id = await self._until_kept(created, background)
         try:
             wait_s = _POLL_FIRST_S
             while data.get("status") in _PENDING:
@@ -179,36 +182,108 @@ class OpenAIResponses(OpenAIEndpoint):
         from the first event that carries it; or stream the stored one again
         after ``background.after`` (module doc)."""
         stream = StreamedResponse()
-        kept: list[str] = []
-        if background.stored is not None:
-            kept.append(wire.provider_id(background.stored))
-            after = openai.omit if background.after is None else background.after
-            opened: Any = self._client.responses.with_streaming_response.retrieve(
-                kept[0], stream=True, starting_after=after, timeout=timeout
-            )
-        else:
-            opened = self._client.responses.with_streaming_response.create(
-                **cast("Any", {**body, "background": True, "store": True, "stream": True}),
-                timeout=timeout,
-            )
         try:
-            async with opened as response:
-                async for event in wire.stream_chunks(response.iter_bytes()):
-                    if not kept and (found := _field(event, "response").get("id")) is not None:
-                        kept.append(wire.provider_id(found))
-                        await background.keep(kept[0])
-                    if text := stream.add(event):
-                        background.seen(stream.sequence)
-                        on_text(text)
+            async with contextlib.AsyncExitStack() as opened:
+                if background.stored is None:
+                    work = self._open_created(opened, body, timeout)
+                    (events, first), response_id = await self._until_kept(work, background)
+                else:
+                    response_id = wire.provider_id(background.stored)
+                    events, first = await self._open_stored(
+                        opened, response_id, timeout, background
+                    )
+                try:
+                    async for event in _after(first, events):
+                        if text := stream.add(event):
+                            background.seen(stream.sequence)
+                            on_text(text)
+                except asyncio.CancelledError:
+                    if background.cancels():
+                        await self._cancel(response_id)
+                    raise
         except openai.NotFoundError as exc:
             if background.stored is None:
                 raise  # the endpoint's 404, as any call's
             raise TransientError("background response not found at the provider") from exc
-        except asyncio.CancelledError:
-            if kept and background.cancels():
-                await self._cancel(kept[0])
-            raise
         return read_response(stream.response())
+
+    async def _created(
+        self,
+        body: dict[str, Any],
+        timeout: float,  # noqa: ASYNC109 (a socket read's, as above)
+    ) -> tuple[dict[str, Any], str]:
+        """Create the response in background mode: the response as created,
+        and its id."""
+        data = await self._post(_PATH, {**body, "background": True, "store": True}, timeout)
+        return data, wire.provider_id(data.get("id"))
+
+    async def _open_created(
+        self,
+        opened: contextlib.AsyncExitStack,
+        body: dict[str, Any],
+        timeout: float,  # noqa: ASYNC109 (a socket read's, as above)
+    ) -> tuple[_Opened, str]:
+        """Create the response streaming, in ``opened``, and read its events
+        until one carries its id: the stream and the events read, and the id."""
+        response = await opened.enter_async_context(
+            self._client.responses.with_streaming_response.create(
+                **cast("Any", {**body, "background": True, "store": True, "stream": True}),
+                timeout=timeout,
+            )
+        )
+        events = wire.stream_chunks(response.iter_bytes())
+        first: list[Any] = []
+        async for event in events:
+            first.append(event)
+            if (found := _field(event, "response").get("id")) is not None:
+                return (events, first), wire.provider_id(found)
+        raise TransientError("model stream ended before the response's id")
+
+    async def _open_stored(
+        self,
+        opened: contextlib.AsyncExitStack,
+        response_id: str,
+        timeout: float,  # noqa: ASYNC109 (a socket read's, as above)
+        background: Background,
+    ) -> _Opened:
+        """Stream the stored response again, in ``opened``, after
+        ``background.after``."""
+        after = openai.omit if background.after is None else background.after
+        response = await opened.enter_async_context(
+            self._client.responses.with_streaming_response.retrieve(
+                response_id, stream=True, starting_after=after, timeout=timeout
+            )
+        )
+        return wire.stream_chunks(response.iter_bytes()), []
+
+    async def _until_kept(
+        self, create: Coroutine[Any, Any, tuple[_T, str]], background: Background
+    ) -> tuple[_T, str]:
+        """Run ``create`` (a response's create, to its id) and keep the id,
+        to the end even when the call is cancelled meanwhile: the provider
+        has the response once the request is out, so a cancellation waits
+        (shielded, at most ``_CANCEL_S``) for the id to be kept, and cancels
+        the response at the provider when ``background.cancels()``; a
+        response is never left running unknown, nor created again by the
+        next delivery."""
+        known: list[str] = []
+
+        async def kept() -> tuple[_T, str]:
+            made = await create
+            known.append(made[1])
+            await background.keep(made[1])
+            return made
+
+        task = asyncio.ensure_future(kept())
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await asyncio.shield(asyncio.wait_for(task, _CANCEL_S))
+            if known and background.cancels():
+                await self._cancel(known[0])
+            task.cancel()  # nothing when it is done
+            raise
 
     async def _retrieve(self, response_id: str, timeout: float) -> dict[str, Any]:  # noqa: ASYNC109
         """The response as it stands; one the provider no longer has is
@@ -246,6 +321,14 @@ class OpenAIResponses(OpenAIEndpoint):
                 if text := stream.add(event):
                     on_text(text)
         return read_response(stream.response())
+
+
+async def _after(first: list[Any], events: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    """The events read before, then the rest of the stream."""
+    for event in first:
+        yield event
+    async for event in events:
+        yield event
 
 
 # --- the request -----------------------------------------------------------------------
