@@ -38,6 +38,9 @@ that reaches the wait when ``Background.cancels()`` says so (the job was
 cancelled, or the attempt's time ran out) cancels the response at the
 provider (``POST <base>/responses/{id}/cancel``, shielded, bounded); any
 other (a worker shutting down) leaves it running for the next delivery.
+A cancellation that comes while the create is out waits for its answer
+(shielded, bounded) so that the id is kept and, as above, the response
+cancelled: the provider has it once the request is out.
 An id is what a provider sent: it goes into a URL only when it is a plain
 token (letters, digits, ``_`` and ``-``), else the call is a
 ``PermanentError``.
