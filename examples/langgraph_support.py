@@ -1,8 +1,8 @@
 """The support agent of examples/support_agent.py, written with LangGraph:
 a graph of a model node and a ``ToolNode`` that looks the order up and
 refunds through the shop's refund service (a call that answers, sent exactly
-once). A refund above 50.00 waits for a person's approval first; the job
-holds no worker while it waits.
+once), and replies by email. A refund above 50.00 waits for a person's
+approval first; the job holds no worker while it waits.
 
 The graph is LangGraph's own; oncely's pieces go where the model and the
 tools go: ``chat_model()`` answers through the job's model checkpoints,
@@ -35,6 +35,7 @@ from examples.shop import (
     SupportReply,
     SupportRequest,
     find_order,
+    render_reply,
 )
 from oncely.integrations import langgraph
 
@@ -92,8 +93,11 @@ async def answer(request: SupportRequest, ctx: oncely.Context) -> SupportReply:
         approval_timeout=timedelta(hours=48),
     )
     messages = state["messages"]
+    reply = str(messages[-1].content)
+    # Written with the result, in one transaction; delivered once.
+    ctx.emit("support.reply", {"customer": request.customer, "reply": reply})
     return SupportReply(
-        reply=str(messages[-1].content),
+        reply=reply,
         refunded_cents=refunded_cents(messages),
         tool_calls=[f"{m.name}:{m.status}" for m in messages if isinstance(m, ToolMessage)],
     )
@@ -122,6 +126,7 @@ workflow = oncely.Workflow(
     result=SupportReply,
     step=answer,
     effects=[
+        oncely.email("support.reply", render_reply),
         oncely.webhook("refund.issue", returns=Refunded),
         oncely.webhook("approval.requested"),
     ],

@@ -30,6 +30,8 @@ async def test_a_small_refund_is_made_at_once() -> None:
     assert [m.role for m in last] == ["system", "user", "assistant", "tool", "assistant", "tool"]
     assert json.loads(last[3].content)["item"] == "teapot"
     assert json.loads(last[5].content)["id"] == "evt_1"
+    [reply] = run.emitted
+    assert (reply.topic, reply.payload["reply"]) == ("support.reply", run.result.reply)
 
 
 async def test_a_large_refund_waits_for_a_person_and_a_rejection_refunds_nothing() -> None:

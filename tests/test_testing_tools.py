@@ -222,6 +222,44 @@ async def test_a_framework_tool_is_answered_as_scripted() -> None:
     assert told == ["0"]
 
 
+@pytest.mark.parametrize(
+    ("value", "told"),
+    [({"item": "scripted"}, '{"item":"scripted"}'), ("in stock", "in stock"), (0, "0")],
+    ids=["object", "text", "number"],
+)
+async def test_a_langgraph_tool_is_answered_as_scripted(value: Any, told: str) -> None:
+    """A LangChain tool the model calls: the scripted value is its
+    ``ToolMessage``'s content (text as it is, else JSON), the tool never runs."""
+    from examples.langgraph_support import support_graph
+    from oncely.integrations import langgraph
+
+    ran: list[str] = []
+
+    def stock(sku: str) -> int:
+        """Units in stock."""
+        ran.append(sku)
+        return 3
+
+    graph = support_graph([langgraph.as_tool(stock)], name="shop")
+
+    async def step(request: Ask, ctx: oncely.Context) -> Answer:
+        state = await langgraph.run(ctx, graph, {"messages": [("user", request.text)]})
+        return Answer(reply=str(state["messages"][-1].content), tools=[])
+
+    workflow = oncely.Workflow(
+        name="lg", route="/v1/lg", request=Ask, result=Answer, step=step, agents=[graph]
+    )
+    run = await run_step(
+        workflow,
+        {"text": "Stock?"},
+        answers=[ToolCalls(("stock", {"sku": "a"})), "Done."],
+        tools={"stock": value},
+    )
+    assert ran == []
+    assert run.steps == ("shop/model", "shop/stock/tool", "shop/model#2")
+    assert [m.content for m in run.calls[-1].messages if m.role == "tool"] == [told]
+
+
 async def test_mistakes_in_the_script_say_what_to_write() -> None:
     refund = oncely.call_tool("refund.issue", args=Ask, description="Refund.", name="refund_issue")
     workflow = agent_workflow(

@@ -440,6 +440,7 @@ class _CheckpointedTool(_Checkpointed):
             approval=asks,
             keep=(ToolException,),
             schema=_arguments_schema(self.inner) if asks else None,
+            scripted=_scripted_message if call_id is not None else None,
         )
         if outcome.status != "ok" or call_id is None:
             return _told(self.name, call_id, outcome)
@@ -482,6 +483,15 @@ class _OncelyTool(_Checkpointed):
         call_id = _CALL_ID.get()
         outcome = await current_run(FRAMEWORK).invoke(self.tool, call_id, arguments)
         return _told(self.name, call_id, outcome)
+
+
+def _scripted_message(value: Any) -> dict[str, Any]:
+    """A test's scripted value for a LangChain tool the model called, as
+    ``_answer`` keeps what the tool answered: its ``ToolMessage``'s content
+    (text as it is, anything else as JSON, as LangChain makes a tool's
+    value content) and status."""
+    content = value if isinstance(value, str) else json.dumps(value, separators=(",", ":"))
+    return {"content": content, "status": "success"}
 
 
 def _told(name: str, call_id: str | None, outcome: ToolOutcome) -> Any:

@@ -149,6 +149,7 @@ class FrameworkRun:
         approval: bool = False,
         keep: tuple[type[BaseException], ...] = (),
         schema: Mapping[str, Any] | None = None,
+        scripted: Callable[[Any], Any] | None = None,
     ) -> ToolOutcome:
         """The framework's tool ``fn(arguments)`` as a tool checkpoint, in the
         scope its turn opened for ``call_id``. With ``approval``, a person's
@@ -158,9 +159,10 @@ class FrameworkRun:
         arguments") is stored with the checkpoint and raised again, as that
         type, on the first run and on replays. ``schema``: the tool's
         arguments' JSON schema, which a person's edits must pass (the API
-        checks them against it)."""
-        # A test's scripted answer in place of the tool (docs/testing.md).
-        fn = scripted_answer(tool) or fn
+        checks them against it). ``scripted``: a test's scripted answer for
+        the tool (docs/testing.md), the tool's value, as ``fn`` would return
+        it (None: as it is)."""
+        fn = _scripted(tool, scripted) or fn
         with self.ctx.within(self._scope_for(tool, call_id)):
             given = dict(arguments)
             if approval:
@@ -254,6 +256,22 @@ class FrameworkRun:
             return scope
         with self._in_run_scope():
             return self.ctx.open_scope(scope_name(tool))
+
+
+def _scripted(
+    tool: str, shape: Callable[[Any], Any] | None
+) -> Callable[[Mapping[str, Any]], Awaitable[Any]] | None:
+    """A test's scripted answer in place of ``tool``'s work, shaped as the
+    work returns it; None when the test scripted none."""
+    answer = scripted_answer(tool)
+    if answer is None or shape is None:
+        return answer
+    scripted = answer
+
+    async def shaped(given: Mapping[str, Any]) -> Any:
+        return shape(await scripted(given))
+
+    return shaped
 
 
 def _kept(
