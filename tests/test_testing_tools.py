@@ -231,6 +231,7 @@ async def test_a_langgraph_tool_is_answered_as_scripted(value: Any, told: str) -
     """A LangChain tool the model calls: the scripted value is its
     ``ToolMessage``'s content (text as it is, else JSON), the tool never runs."""
     from examples.langgraph_support import support_graph
+
     from oncely.integrations import langgraph
 
     ran: list[str] = []

@@ -49,7 +49,8 @@ def require_urls(settings: Settings) -> tuple[str, str]:
     if not settings.redis_url or not settings.database_url:
         raise SystemExit(
             "set ONCELY_REDIS_URL and ONCELY_DATABASE_URL (or run `oncely dev`, "
-            "which starts embedded servers)"
+            "which starts embedded servers; for one started with --data-dir X, "
+            "set ONCELY_DATA_DIR=X)"
         )
     return settings.redis_url, settings.database_url
 
