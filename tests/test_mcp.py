@@ -379,6 +379,26 @@ async def test_a_call_past_its_timeout_is_transient_for_a_read_only_tool(
     assert fake.calls()["calls"] > 1
 
 
+async def test_a_destructive_call_past_its_timeout_is_sent_once_and_asked_about(
+    fake: FakeMCPServer,
+) -> None:
+    """At most once: a refund sent and never answered is not sent again in
+    process (the retry loop's cut comes after the session's own bound); the
+    person's word (scripted) decides it."""
+    shop = oncely.mcp_tools(fake.url, name="shop", timeout=0.5)
+    run = await run_step(
+        agent_workflow(oncely.Agent("support", "Help.", [shop])),
+        {"text": "x"},
+        answers=[ToolCalls(("refund", {"order_id": "A1 [[fake:hang]]", "cents": 100})), "Told."],
+        uncertain={"refund": "failed"},
+        job_id="job-1",
+    )
+    assert fake.calls()["calls"] == 1
+    assert fake.calls()["by_key"] == {"job-1:support/refund/tool": 1}
+    assert "support/refund/tool/uncertain" in run.steps
+    assert run.result.tools == ["refund:error"]
+
+
 # -- headers ------------------------------------------------------------------------
 
 

@@ -66,6 +66,9 @@ from oncely.tools import Tool, Toolset, schema_args, scripted_listing, valid_too
 KEY_META = "io.oncely/idempotency-key"
 CAPABILITY = "io.oncely/idempotency"
 
+# How long after the session's own bound an at-most-once call's attempt is
+# cut off by the retry loop (``_call``).
+_CUT_AFTER_S = 0.5
 # How many pages of tools/list are read at most: a paginator that never
 # ends cannot hold a run.
 _MAX_PAGES = 50
@@ -291,21 +294,30 @@ class MCPToolset(Toolset):
         whose outcome is unknown is ``OutcomeUnknown``, never retried."""
         key = tool_key()
         if not how.at_most_once:
-            return await self._sent(how, arguments, key)
+            return await self._sent(how, arguments, key, self.timeout)
         ctx = current_context()
-        policy = replace(ctx.model.policy, per_call_timeout_s=self.timeout)
+        # The retry loop cuts an attempt off a little after the session's own
+        # bound, so that a call sent and not answered ends in the session, as
+        # ``OutcomeUnknown``, never as a timeout the loop would send again.
+        policy = replace(ctx.model.policy, per_call_timeout_s=self.timeout + _CUT_AFTER_S)
 
-        async def attempt(_timeout_s: float) -> Any:
-            return await self._sent(how, arguments, key)
+        async def attempt(timeout_s: float) -> Any:
+            return await self._sent(how, arguments, key, timeout_s - _CUT_AFTER_S)
 
         return await call_with_retries(
             attempt, policy=policy, deadline=ctx.model.deadline, what="mcp"
         )
 
-    async def _sent(self, how: _How, arguments: dict[str, Any], key: str) -> Any:
-        """The call, as the SDK's session sends it, but without the SDK's
-        listing of the tools again to check the result's shape: a request
-        after the effect, which could fail it."""
+    async def _sent(
+        self,
+        how: _How,
+        arguments: dict[str, Any],
+        key: str,
+        timeout_s: float,
+    ) -> Any:
+        """The call, as the SDK's session sends it, within ``timeout_s``, but
+        without the SDK's listing of the tools again to check the result's
+        shape: a request after the effect, which could fail it."""
         request = CallToolRequest(
             params=CallToolRequestParams(
                 name=how.server_name,
@@ -314,21 +326,25 @@ class MCPToolset(Toolset):
             )
         )
         wire = _Wire(at_most_once=how.at_most_once)
-        async with self._session(wire, how.mode) as client:
+        async with self._session(wire, how.mode, timeout_s) as client:
             wire.sent = True
             result = await client.session.send_request(
-                request, CallToolResult, request_read_timeout_seconds=self.timeout
+                request, CallToolResult, request_read_timeout_seconds=timeout_s
             )
         return _result(result)
 
     # -- the connection ------------------------------------------------------
 
     @contextlib.asynccontextmanager
-    async def _session(self, wire: _Wire, mode: str) -> AsyncIterator[Client]:
-        """A session with the server for one request, within ``timeout``;
-        what fails in it is translated to oncely's errors (``_translated``)."""
+    async def _session(
+        self, wire: _Wire, mode: str, timeout_s: float | None = None
+    ) -> AsyncIterator[Client]:
+        """A session with the server for one request, within ``timeout_s``
+        (default: ``timeout``); what fails in it is translated to oncely's
+        errors (``_translated``), a timeout included."""
+        bound = self.timeout if timeout_s is None else timeout_s
         try:
-            async with asyncio.timeout(self.timeout), self._transport(wire, mode) as client:
+            async with asyncio.timeout(bound), self._transport(wire, mode) as client:
                 yield client
         except OncelyError:
             raise
