@@ -215,6 +215,27 @@ def test_app_may_follow_the_command_too(command: list[str], tmp_path, monkeypatc
     assert "cannot import 'examples.nope'" in result.output
 
 
+def test_an_app_that_fails_as_it_is_imported_is_one_line_and_fakes_never_import_it(
+    tmp_path, monkeypatch
+) -> None:
+    """An app reading a setting that is not set, say: the command says where
+    and what in one line (exit 2); a fake serves no app and never imports it."""
+    from typer.testing import CliRunner
+
+    from oncely.cli.commands import app as cli
+    from oncely.cli.invocation import load_settings
+
+    monkeypatch.setattr("oncely.logs.configure_logging", lambda *_, **__: None)
+    (tmp_path / "needs_a_token.py").write_text("import os\nTOKEN = os.environ['NO_SUCH_TOKEN']\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("ONCELY_APP", "needs_a_token:app")
+    result = CliRunner().invoke(cli, ["status"])
+    assert result.exit_code == 2, result.output
+    assert "importing 'needs_a_token' raised KeyError: 'NO_SUCH_TOKEN'" in result.output
+    assert "needs_a_token.py:2" in result.output and "Traceback" not in result.output
+    assert load_settings(find_dev=False, app=False).app == "needs_a_token:app"
+
+
 def test_help_shows_no_type_placeholder_on_a_flag() -> None:
     from typer.testing import CliRunner
 

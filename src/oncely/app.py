@@ -9,6 +9,8 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+import sysconfig
+import traceback
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -79,7 +81,23 @@ def load_app(spec: str) -> App:
         module = importlib.import_module(module_name)
     except ImportError as exc:
         raise ValueError(f"cannot import {module_name!r}: {exc}") from exc
+    except Exception as exc:
+        # The app's own code failed as it was imported (a setting it reads
+        # missing, say): where, and what, on one line.
+        raise ValueError(
+            f"importing {module_name!r} raised {type(exc).__name__}: {exc} ({_where(exc)})"
+        ) from exc
     found = getattr(module, attr, None)
     if not isinstance(found, App):
         raise ValueError(f"{spec!r} is not an oncely App (got {type(found).__name__})")
     return found
+
+
+def _where(exc: BaseException) -> str:
+    """``file:line`` where ``exc`` was raised, in the deepest frame outside
+    Python's own library (the app's code, not ``os.environ``'s)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    stdlib = sysconfig.get_paths()["stdlib"]
+    ours = [f for f in frames if not f.filename.startswith(("<", stdlib))]
+    frame = (ours or frames)[-1]
+    return f"{frame.filename}:{frame.lineno}"

@@ -72,7 +72,7 @@ def fake_llm(
     from oncely.fakes.llm import RANDOM_FAULTS, serve_fake_llm
 
     rates = _fault_rates(faults, RANDOM_FAULTS)
-    load_settings()
+    load_settings(find_dev=False, app=False)
     _serve_forever(
         serve_fake_llm(
             host,
@@ -123,7 +123,7 @@ def fake_mail(
     from oncely.fakes.mail import RANDOM_FAULTS, serve_fake_mail
 
     rates = _fault_rates(faults, RANDOM_FAULTS)
-    load_settings()
+    load_settings(find_dev=False, app=False)
     _serve_forever(serve_fake_mail(host, port, mailbox, faults=rates, seed=seed, hold_s=hold_s))
 
 
@@ -156,7 +156,7 @@ def fake_mcp(
     [[fake:...]] faults in arguments, calls counted per key at GET /_calls."""
     from oncely.fakes.mcp import serve_fake_mcp
 
-    load_settings()
+    load_settings(find_dev=False, app=False)
     _serve_forever(serve_fake_mcp(host, port, idempotent=idempotent, slow_s=slow_s, token=token))
 
 

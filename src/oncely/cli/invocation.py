@@ -107,10 +107,11 @@ def print_json(value: Any) -> None:
     sys.stdout.write(json.dumps(value, indent=2, default=str) + "\n")
 
 
-def load_settings(*, find_dev: bool = True, **overrides: Any) -> Settings:
+def load_settings(*, find_dev: bool = True, app: bool = True, **overrides: Any) -> Settings:
     """The process's settings from the environment, ``--app`` and
     ``overrides``; without server URLs, those of an ``oncely dev`` running
-    from the same data dir (``find_dev``)."""
+    from the same data dir (``find_dev``). ``app``: the app is imported and
+    checked (a command that serves none, a fake, says False)."""
     from pydantic import ValidationError
 
     from oncely.logs import configure_logging
@@ -139,7 +140,8 @@ def load_settings(*, find_dev: bool = True, **overrides: Any) -> Settings:
         from oncely import tracing
 
         tracing.configure("oncely")
-    _check_app(settings)
+    if app:
+        _check_app(settings)
     return settings
 
 
