@@ -363,6 +363,8 @@ async def test_a_status_is_an_outage_or_a_refusal(
     with pytest.raises(error) as raised:
         await run_step(listing_workflow(oncely.mcp_tools(fake.url, name="shop")), {"text": "x"})
     assert raised.value.status == status  # type: ignore[attr-defined]
+    if status == 401:  # said in the message, where a person reads it
+        assert "(HTTP 401: unauthorized, check its headers)" in str(raised.value)
 
 
 async def test_a_call_past_its_timeout_is_transient_for_a_read_only_tool(

@@ -69,6 +69,8 @@ CAPABILITY = "io.oncely/idempotency"
 # How long after the session's own bound an at-most-once call's attempt is
 # cut off by the retry loop (``_call``).
 _CUT_AFTER_S = 0.5
+# What a refusal's status means, where a person would ask.
+_STATUS_WORD = {401: ": unauthorized, check its headers", 403: ": forbidden", 404: ": no such path"}
 # How many pages of tools/list are read at most: a paginator that never
 # ends cannot hold a run.
 _MAX_PAGES = 50
@@ -413,7 +415,12 @@ def _translated(toolset: str, exc: Exception, wire: _Wire) -> OncelyError:
             # Sent, and answered with something unreadable: it may have happened.
             return OutcomeUnknown(f"{where}: a tools/call answered {type(leaf).__name__}")
         message = _text(str(leaf), 300) if isinstance(leaf, MCPError) else type(leaf).__name__
-        return PermanentError(f"{where} refused the request: {message}", status=wire.status)
+        said = (
+            ""
+            if wire.status is None
+            else f" (HTTP {wire.status}{_STATUS_WORD.get(wire.status, '')})"
+        )
+        return PermanentError(f"{where} refused the request{said}: {message}", status=wire.status)
     refused = isinstance(leaf, httpx2.ConnectError | httpx2.ConnectTimeout | ConnectionRefusedError)
     if not wire.sent or refused:
         return NotSent(f"{where} is unavailable, nothing sent ({reason})", status=wire.status)
