@@ -261,6 +261,11 @@ async def test_a_langgraph_tool_is_answered_as_scripted(value: Any, told: str) -
     assert [m.content for m in run.calls[-1].messages if m.role == "tool"] == [told]
 
 
+async def test_an_agent_given_for_a_workflow_says_what_to_give() -> None:
+    with pytest.raises(TypeError, match="run_step runs a Workflow's step, got Agent"):
+        await run_step(oncely.Agent("support", "Help.", []), {"text": "x"})  # type: ignore[arg-type]
+
+
 async def test_mistakes_in_the_script_say_what_to_write() -> None:
     refund = oncely.call_tool("refund.issue", args=Ask, description="Refund.", name="refund_issue")
     workflow = agent_workflow(

@@ -220,6 +220,11 @@ async def run_step(
     the models after it (default: the workflow's own ``fallbacks``; what
     ONCELY_LLM_FALLBACKS would add is not read). Raises what the step
     raises; ``ReplayError`` when a replay after ``crash_after`` goes wrong."""
+    if not isinstance(workflow, Workflow):
+        raise TypeError(
+            f"run_step runs a Workflow's step, got {type(workflow).__name__}: give it the"
+            " workflow whose step runs the agent"
+        )
     body = workflow.request.model_validate(
         request.model_dump() if isinstance(request, BaseModel) else request
     )
