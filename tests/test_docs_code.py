@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 import oncely
+import oncely.testing
 
 ROOT = Path(__file__).resolve().parent.parent
 BLOCK = re.compile(r"```python\n(.*?)```", re.S)
@@ -55,8 +56,6 @@ def _called(tree: ast.AST) -> set[str]:
     ],
 )
 def test_every_function_a_page_calls_exists(page: str) -> None:
-    import oncely.testing
-
     # A page's later blocks go on from its first: oncely.testing's names are known.
     known = set(dir(builtins)) | set(dir(oncely)) | set(dir(oncely.testing))
     for name in EXAMPLES:
