@@ -10,6 +10,7 @@ import asyncio
 import json
 import logging
 import uuid
+from pathlib import Path
 
 import pytest
 from psycopg.types.json import Jsonb
@@ -269,6 +270,23 @@ def test_the_dev_banner_names_the_console_and_writes_no_colour_to_a_file(
     assert "Console      http://127.0.0.1:8000/console" in on
     assert "\x1b[" not in on and "[bold" not in on
     assert "Console      off   (set ONCELY_CONSOLE_KEY" in banner(console_key=None)
+    # Which commands find the stack: from here, or with its data dir named.
+    assert "oncely commands run from this directory use" in banner(data_dir=Path(".oncely"))
+    elsewhere = banner(data_dir=Path("/tmp/stack"))
+    assert "oncely commands run with ONCELY_DATA_DIR=/tmp/stack use" in elsewhere
+
+
+async def test_batches_list_with_none_says_so(settings, monkeypatch) -> None:
+    import io
+
+    from rich.console import Console
+
+    from oncely.cli import ops
+
+    printed = io.StringIO()
+    monkeypatch.setattr(ops, "out", Console(file=printed, width=200))
+    assert await ops.show_batches(settings) == []
+    assert printed.getvalue().startswith("no batches yet")
 
 
 def test_console_logs_are_coloured_only_on_a_terminal(monkeypatch) -> None:

@@ -228,6 +228,13 @@ def _write_key(path: Path, key: str) -> None:
     path.chmod(0o600)
 
 
+def _who_finds_it(settings: Settings) -> str:
+    """Which ``oncely`` commands find this stack (docs/cli.md, oncely dev)."""
+    if settings.data_dir == Settings.model_fields["data_dir"].default:
+        return "oncely commands run from this directory"
+    return f"oncely commands run with ONCELY_DATA_DIR={settings.data_dir}"
+
+
 def _banner(settings: Settings, port: int, key: str, app: App) -> None:
     base = f"http://127.0.0.1:{port}"
     key_file = settings.data_dir / "dev-api-key"
@@ -251,7 +258,7 @@ def _banner(settings: Settings, port: int, key: str, app: App) -> None:
 {shadows}  Redis        {settings.redis_url}
   PostgreSQL   {settings.database_url}
   API key      {key}   (also in {key_file})
-  CLI          oncely commands run here use this stack (its URLs: {address})
+  CLI          {_who_finds_it(settings)} use this stack (its URLs: {address})
 
 Try it ({first.name}):""",
         soft_wrap=True,

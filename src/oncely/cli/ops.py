@@ -600,6 +600,9 @@ async def show_batches(
         lines = await store.lines_of(batch_id) if batch_id is not None and rows else []
     if batch_id is not None and not rows:
         return rows
+    if not rows and not as_json:
+        out.print("no batches yet: a call on the batch lane makes one (docs/lanes.md)")
+        return rows
     if as_json:
         items = [row.to_json() for row in rows]
         if batch_id is not None:
