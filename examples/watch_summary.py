@@ -1,9 +1,12 @@
 """Watch a summary type itself out (docs/streaming.md).
 
-With ``make dev`` running in another terminal (the key is read from
-``.oncely/dev-api-key``, or ``ONCELY_API_KEY``; the API from ``ONCELY_URL``)::
+With ``make dev`` (or ``oncely dev``) running in another terminal::
 
     python examples/watch_summary.py "Oncely streams tokens. A retry says reset. The end is GET."
+
+The API and its key are the dev stack's, found as every ``oncely`` command
+finds it (its ``dev.json`` and ``dev-api-key`` in ``.oncely``, or in
+``ONCELY_DATA_DIR``); ``ONCELY_URL`` and ``ONCELY_API_KEY`` name another.
 
 It submits the text to the built-in ``/v1/summaries`` workflow, follows the
 job's live stream and prints each piece of the answer as the model writes
@@ -15,13 +18,15 @@ text to watch the fake model cut the first answer off.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import os
 import sys
 from pathlib import Path
 from typing import TextIO
 
-from oncely.client import AsyncClient, StreamEvent
+from oncely.cli import dev_address
+from oncely.client import AsyncClient, OncelyClientError, StreamEvent
 
 ROUTE = "/v1/summaries"
 
@@ -62,11 +67,32 @@ async def main(text: str, base: str, key: str) -> None:
         await watch(client, str(accepted.job_id))
 
 
-if __name__ == "__main__":
-    asyncio.run(
-        main(
-            " ".join(sys.argv[1:]) or "Oncely streams tokens. A retry says reset. The end is GET.",
-            os.environ.get("ONCELY_URL", "http://127.0.0.1:8000"),
-            os.environ.get("ONCELY_API_KEY") or Path(".oncely/dev-api-key").read_text().strip(),
-        )
+def where() -> tuple[str, str]:
+    """The API and its key: ``ONCELY_URL`` / ``ONCELY_API_KEY``, else the
+    dev stack running from ``ONCELY_DATA_DIR`` (default ``.oncely``)."""
+    data_dir = Path(os.environ.get("ONCELY_DATA_DIR", ".oncely"))
+    stack = dev_address.running(data_dir)
+    base = os.environ.get("ONCELY_URL") or (stack.api_url if stack else None)
+    key_file = data_dir / "dev-api-key"
+    key = os.environ.get("ONCELY_API_KEY") or (
+        key_file.read_text().strip() if key_file.exists() else None
     )
+    if base is None or key is None:
+        sys.exit(
+            f"no oncely dev running from {data_dir}/: start one (make dev), set"
+            " ONCELY_DATA_DIR to its data dir, or set ONCELY_URL and ONCELY_API_KEY"
+        )
+    return base, key
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="Watch a summary type itself out.")
+    parser.add_argument("text", nargs="*", help="what to summarise")
+    words = parser.parse_args().text
+    base, key = where()
+    try:
+        asyncio.run(
+            main(" ".join(words) or "Oncely streams tokens. A retry says reset.", base, key)
+        )
+    except OncelyClientError as exc:
+        sys.exit(f"{base}: {exc}")

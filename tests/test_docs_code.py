@@ -66,7 +66,8 @@ def test_every_function_a_page_calls_exists(page: str) -> None:
             tree = ast.parse(block)
         except SyntaxError:
             continue  # a fragment (an elided body): nothing to check
-        unknown = _called(tree) - _names_defined(tree) - known
+        known |= _names_defined(tree)  # a page's later blocks go on from its earlier ones
+        unknown = _called(tree) - known
         if unknown:
             missing[number] = sorted(unknown)
     assert missing == {}, f"{page}: blocks call names defined nowhere: {missing}"

@@ -424,3 +424,23 @@ async def test_the_typing_example_leaves_the_stored_summary_on_screen(served) ->
     assert "[the model starts over]" in screen.getvalue()
     assert job.result is not None
     assert shown == job.result["summary"] == "The example types. A cut starts over."
+
+
+def test_the_typing_example_finds_the_dev_stack_or_says_how(tmp_path, monkeypatch) -> None:
+    import os
+
+    from examples.watch_summary import where
+
+    from oncely.cli import dev_address
+
+    for name in ("ONCELY_URL", "ONCELY_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("ONCELY_DATA_DIR", str(tmp_path))
+    with pytest.raises(SystemExit, match="no oncely dev running from"):
+        where()
+    stack = dev_address.DevAddress(
+        os.getpid(), "http://127.0.0.1:8123", "redis://r", "pg://p", "a:b"
+    )
+    dev_address.publish(tmp_path, stack)
+    (tmp_path / "dev-api-key").write_text("dev-key\n")
+    assert where() == ("http://127.0.0.1:8123", "dev-key")
