@@ -315,3 +315,18 @@ def test_console_logs_are_coloured_only_on_a_terminal(monkeypatch) -> None:
         structlog.reset_defaults()
         root.handlers, root.level = handlers, level
     assert "worker.started" in out.getvalue() and "\x1b[" not in out.getvalue()
+
+
+async def test_schedules_list_says_none_yet_for_a_schedule_that_never_ran(
+    settings, monkeypatch
+) -> None:
+    import io
+
+    from rich.console import Console
+
+    from oncely.cli import ops
+
+    printed = io.StringIO()
+    monkeypatch.setattr(ops, "out", Console(file=printed, width=250))
+    await ops.show_schedules(settings.model_copy(update={"app": "tests.schedule_app:app"}))
+    assert "none yet" in printed.getvalue(), printed.getvalue()

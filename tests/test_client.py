@@ -408,6 +408,7 @@ async def test_an_invalid_body_raises_validation_failed_with_the_errors(faults, 
             await client.submit("/v1/summaries", {"text": "", "notify": "ada@example.com"})
     assert len(transport.script.requests) == 1
     assert [e["loc"] for e in invalid.value.errors] == [["body", "text"]]
+    assert "body.text: " in str(invalid.value)  # which field, where a person reads it
 
 
 async def test_an_unknown_api_key_raises_unauthorized_without_showing_it(faults):

@@ -247,7 +247,10 @@ def test_a_bad_schedule_is_refused_when_declared(options, message) -> None:
 
 
 def test_a_schedule_request_that_does_not_validate_is_refused() -> None:
-    with pytest.raises(ValueError, match="schedule_request is no valid request"):
+    # Which field and why ("at" has no default and none was given).
+    with pytest.raises(
+        ValueError, match=r"schedule_request is no valid request \(at: Field required\)"
+    ):
         Workflow(
             name="bad",
             route="/v1/bad",

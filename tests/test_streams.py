@@ -280,6 +280,7 @@ async def test_a_stream_token_opens_its_job_only_and_keys_are_checked(served, po
         )
         assert r.status_code == 200, r.text
         token = r.json()["token"]
+        assert isinstance(r.json()["expires_at"], int)  # whole unix seconds, as documented
         own = await read(http, f"{served.base}/v1/summaries/{job_id}/stream?token={token}", {})
         assert own[-1][1] == "end"
         wrong = await http.get(f"{served.base}/v1/summaries/{other}/stream?token={token}")

@@ -185,9 +185,13 @@ class Workflow(Generic[RequestT, ResultT]):
         try:
             request = self.request.model_validate(given)
         except ValidationError as exc:
+            # Where and why, never the value (it may be anything the function made).
+            fields = "; ".join(
+                f"{'.'.join(str(p) for p in e['loc']) or 'request'}: {e['msg']}"
+                for e in exc.errors()[:5]
+            )
             raise ValueError(
-                f"workflow {self.name!r}: schedule_request is no valid request"
-                f" ({exc.error_count()} error(s))"
+                f"workflow {self.name!r}: schedule_request is no valid request ({fields})"
             ) from None
         dumped: dict[str, Any] = request.model_dump(mode="json")
         return dumped

@@ -285,7 +285,7 @@ class StreamToken(BaseModel):
     """Opens this job's stream for ``GET …/stream?token=`` until ``expires_at``."""
 
     token: str
-    expires_at: float
+    expires_at: int
 
 
 def sse(kind: str, data: Any, event_id: str | None = None) -> bytes:

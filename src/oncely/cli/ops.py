@@ -219,7 +219,8 @@ async def show_schedules(settings: Settings, *, as_json: bool = False) -> None:
             st.workflow,
             st.expression,
             st.tz,
-            st.last_tick.isoformat() if st.last_tick else "never",
+            # A schedule seen but never run starts from the tick before it was seen.
+            st.last_tick.isoformat() if st.last_tick and st.last_job_id else "none yet",
             st.last_job_id or "",
             st.next_tick.isoformat(),
         )

@@ -93,6 +93,23 @@ class ValidationFailed(OncelyClientError):
             errors = self.problem.extra.get("detail")
         return [e for e in errors if isinstance(e, Mapping)] if isinstance(errors, list) else []
 
+    def _message(self) -> str:
+        """The answer, then each failed field and why (the first few)."""
+        fields = [_field_error(e) for e in self.errors]
+        said = "; ".join(fields[:_FIELDS_SHOWN])
+        more = f"; and {len(fields) - _FIELDS_SHOWN} more" if len(fields) > _FIELDS_SHOWN else ""
+        return super()._message() + (f": {said}{more}" if said else "")
+
+
+# How many of a 422's failed fields its message names.
+_FIELDS_SHOWN = 5
+
+
+def _field_error(error: Mapping[str, Any]) -> str:
+    """``body.text: Field required``, from one of the server's errors."""
+    where = ".".join(str(part) for part in error.get("loc") or ()) or "body"
+    return f"{where}: {error.get('msg', 'invalid')}"
+
 
 class JobFinished(OncelyClientError):
     """409: the job is done, dead or cancelled (``job_status``): it takes no

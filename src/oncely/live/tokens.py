@@ -47,12 +47,12 @@ class StreamTokens:
 
     async def issue(
         self, workflow: str, job_id: str, tenant: str, key_id: str | None = None
-    ) -> tuple[str, float]:
-        """A token for the job's stream, and when it expires (unix seconds)."""
+    ) -> tuple[str, int]:
+        """A token for the job's stream, and when it expires (whole unix seconds)."""
         expires_at = round(time.time() + self.ttl_s)
         claims = {"w": workflow, "j": job_id, "t": tenant, "e": expires_at, "k": key_id}
         body = _b64(json.dumps(claims, separators=(",", ":")).encode())
-        return f"{body}.{_b64(await self._sign(body))}", float(expires_at)
+        return f"{body}.{_b64(await self._sign(body))}", expires_at
 
     async def claims(self, token: str) -> StreamClaims | None:
         """The token's claims if it is genuine and unexpired, else None."""
