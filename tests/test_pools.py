@@ -82,6 +82,37 @@ async def test_the_pool_starts_with_one_grows_on_demand_and_closes_idle_ones(
         await pool.close()
 
 
+async def test_one_failed_statement_replaces_every_connection_the_server_dropped(
+    settings: Settings,
+) -> None:
+    """PostgreSQL restarted (here: every backend of the pool terminated):
+    the first statement on a dead connection fails, and the pool then
+    checks the idle ones at once, so the next statements all succeed
+    instead of one failing per stale connection."""
+    assert settings.database_url is not None
+    s = settings.model_copy(update={"pg_pool_min": 5, "pg_pool_max": 5})
+    pool = postgres_pool(settings.database_url, s, "repaired")
+    await open_pool(pool, settings.database_url, s)
+    try:
+        await pool.wait()
+        assert pool.get_stats()["pool_size"] == 5
+        with psycopg.connect(settings.database_url, autocommit=True) as admin:
+            ended = admin.execute(
+                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
+                " WHERE application_name = 'oncely-repaired' AND datname = current_database()"
+            ).fetchone()
+        assert ended == (5,)
+        failed = 0
+        for _ in range(10):
+            try:
+                await run_statement(pool, "SELECT 1", timeout_s=10)
+            except psycopg.OperationalError:
+                failed += 1
+        assert failed <= 1, f"{failed} statements failed on connections the server had dropped"
+    finally:
+        await pool.close()
+
+
 def test_the_defaults_and_a_minimum_above_the_maximum_refused() -> None:
     fields = Settings.model_fields
     assert fields["pg_pool_min"].default == 1
@@ -166,6 +197,8 @@ async def test_a_server_nobody_answers_at_is_counted_as_unreachable() -> None:
         ("Connection refused\n\tIs the server running on that host?", "unreachable"),
         ("FATAL:  the database system is starting up", "unreachable"),
         ("failed to resolve host 'db': [Errno -2] Name or service not known", "unreachable"),
+        ("ERROR:  no more connections allowed (max_client_conn)", "too_many_clients"),
+        ("ERROR:  pgbouncer cannot connect to server", "unreachable"),
         ('FATAL:  database "x" does not exist', "other"),
     ],
 )  # fmt: skip

@@ -26,7 +26,7 @@ from oncely.jobs.store import Jobs
 from oncely.queue.stream import Stream
 from oncely.redis_client import ClusterClient, HiredisPacked, RedisClient, SharedConnectionRedis
 from oncely.settings import Settings
-from oncely.sql.bounded import TransactionPooled, run_transaction
+from oncely.sql.bounded import Pool, TransactionPooled, run_transaction
 from oncely.sql.connect import CountedConnection
 from oncely.sql.migrate import SchemaMismatch, schema_state
 from oncely.usage.budgets import BudgetLimits, Budgets
@@ -152,9 +152,9 @@ def postgres_pool(database_url: str, s: Settings, kind: str = "cli") -> AsyncCon
         async def bound_session(conn: psycopg.AsyncConnection[Any]) -> None:
             await conn.execute(f"SET statement_timeout = {timeout_ms}")
 
-        return AsyncConnectionPool(database_url, configure=bound_session, **options)
+        return Pool(database_url, configure=bound_session, **options)
     kwargs["options"] = f"{params.get('options') or ''} -c statement_timeout={timeout_ms}".strip()
-    return AsyncConnectionPool(database_url, **options)
+    return Pool(database_url, **options)
 
 
 async def open_pool(pool: AsyncConnectionPool, database_url: str, s: Settings) -> None:

@@ -63,7 +63,32 @@ _abandoned: set[asyncio.Task[Any]] = set()
 T = TypeVar("T")
 
 
-class TransactionPooled(AsyncConnectionPool):
+class Pool(AsyncConnectionPool):
+    """oncely's pool. A connection that comes back broken (the server
+    restarted, a pooler or a failover dropped it) has the pool check every
+    idle connection at once and replace the dead ones, so that one failed
+    statement clears them all: without it each stale connection would fail
+    one more request, an API process answering 503 for as many requests as
+    it held connections (docs/production.md)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._checking: asyncio.Task[None] | None = None
+
+    async def putconn(self, conn: Any) -> None:
+        broken = bool(conn.broken)
+        await super().putconn(conn)
+        if broken and (self._checking is None or self._checking.done()) and not self.closed:
+            self._checking = asyncio.create_task(self._check_idle())
+
+    async def _check_idle(self) -> None:
+        try:
+            await self.check()
+        except Exception as exc:  # the pool closing meanwhile: nothing to repair
+            log.debug("postgres.pool_check_failed", error=type(exc).__name__)
+
+
+class TransactionPooled(Pool):
     """A pool whose connections reach PostgreSQL through a transaction
     pooler (PgBouncer's transaction mode, RDS Proxy, the Supabase and Neon
     poolers): the server's ``statement_timeout`` of ``statement_timeout_ms``

@@ -37,6 +37,7 @@ _SIGNS: tuple[tuple[Reason, tuple[str, ...]], ...] = (
             "too many clients",
             "too many connections",
             "remaining connection slots are reserved",
+            "no more connections allowed",  # PgBouncer's max_client_conn
         ),
     ),
     (
@@ -62,15 +63,16 @@ _SIGNS: tuple[tuple[Reason, tuple[str, ...]], ...] = (
             "could not connect",
             "the database system is",  # starting up, shutting down, in recovery
             "server closed the connection unexpectedly",
+            "pgbouncer cannot connect to server",
         ),
     ),
 )
 
 _HINTS: dict[Reason, str] = {
     "too_many_clients": (
-        "PostgreSQL's max_connections (or a role's or database's CONNECTION LIMIT) is "
-        "reached: fewer processes, a lower ONCELY_PG_POOL_MAX, or a pooler "
-        "(docs/production.md, Connection budget)"
+        "PostgreSQL's max_connections (or a role's or database's CONNECTION LIMIT, or a "
+        "pooler's max_client_conn) is reached: fewer processes, a lower "
+        "ONCELY_PG_POOL_MAX, or a pooler (docs/production.md, Connection budget)"
     ),
     "auth": "check the user and password in ONCELY_DATABASE_URL and the server's pg_hba.conf",
     "unreachable": "the server is down, restarting, or not reachable at this address",
