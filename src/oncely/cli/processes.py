@@ -46,8 +46,7 @@ def migrate(check: CheckOpt = False) -> None:
         err.print("the database schema is current")
         return
     try:
-        pooled = settings.database_pooler == "transaction"
-        applied = run(run_migrations(database_url, transaction_pooler=pooled))
+        applied = run(run_migrations(database_url))
     except MigrationChanged as exc:
         err.print(literal(str(exc)), style="red")
         raise typer.Exit(EXIT_FAILED) from None

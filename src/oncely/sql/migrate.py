@@ -1,20 +1,23 @@
 """`oncely migrate`: apply numbered SQL files once each, in order
 (docs/contributing.md, "Migrations").
 
-Safe when many processes start at once: a session-level advisory lock is
-held for the whole run, so a second migrator waits and then finds nothing
-left to do. Each migration runs in a transaction of its own, together with
-its row in ``oncely_migrations``; a file whose first line is
+Safe when many processes start at once: an advisory lock is held for the
+whole run, so a second migrator waits and then finds nothing left to do.
+Each migration runs in a transaction of its own, together with its row in
+``oncely_migrations``; a file whose first line is
 ``-- oncely: no-transaction`` runs statement by statement outside one (for
 ``CREATE INDEX CONCURRENTLY``), and is recorded once every statement
 succeeded, so it must be safe to run again from the top.
 
-Behind a transaction pooler (``transaction_pooler``) a session-level lock
-would stay with whichever server connection took it, and be released on
-another: the lock is then transaction-level instead, held by a transaction
-kept open on a second connection for the whole run (the pooler keeps that
-transaction's server connection for it), taken by asking again in short
-transactions for the same reason as above.
+The lock is transaction-level, held by a transaction kept open on a second
+connection for the whole run, taken by asking again in short transactions:
+behind a transaction pooler (PgBouncer's transaction mode) a session-level
+lock would stay with whichever server connection took it and be released
+on another, and the pooler keeps an open transaction's server connection
+for it. It is the same lock with or without a pooler, so a migrator run
+behind one without ``ONCELY_DATABASE_POOLER`` set is as safe; no statement
+is prepared either (the next transaction may run on another server
+connection).
 
 Every applied migration's row keeps the SHA-256 of its file: a released
 migration edited afterwards is refused by ``migrate`` and by every
@@ -86,32 +89,18 @@ class MigrationChanged(Exception):
     """A migration file differs from the one applied to this database."""
 
 
-async def migrate(
-    conninfo: str,
-    migrations: Sequence[Migration] | None = None,
-    *,
-    transaction_pooler: bool = False,
-) -> list[int]:
+async def migrate(conninfo: str, migrations: Sequence[Migration] | None = None) -> list[int]:
     """Apply pending migrations (``migrations``: this code's, by default);
     return the versions applied by this call. Raises ``MigrationChanged``,
-    applying nothing, when an applied one's file was edited since.
-    ``transaction_pooler``: PostgreSQL is reached through one (no prepared
-    statements, no session lock)."""
+    applying nothing, when an applied one's file was edited since."""
     migrations = available() if migrations is None else migrations
-    if transaction_pooler:
-        async with (
-            _transaction_lock(conninfo),
-            await psycopg.AsyncConnection.connect(
-                conninfo, autocommit=True, prepare_threshold=None
-            ) as conn,
-        ):
-            return await _migrate_locked(conn, migrations)
-    async with await psycopg.AsyncConnection.connect(conninfo, autocommit=True) as conn:
-        await _lock(conn)
-        try:
-            return await _migrate_locked(conn, migrations)
-        finally:
-            await conn.execute("SELECT pg_advisory_unlock(%s)", (_LOCK_ID,))
+    async with (
+        _transaction_lock(conninfo),
+        await psycopg.AsyncConnection.connect(
+            conninfo, autocommit=True, prepare_threshold=None
+        ) as conn,
+    ):
+        return await _migrate_locked(conn, migrations)
 
 
 async def _migrate_locked(
@@ -133,7 +122,11 @@ async def _migrate_locked(
 
 @asynccontextmanager
 async def _transaction_lock(conninfo: str) -> AsyncIterator[None]:
-    """The migrators' lock as a transaction-level one, held while inside."""
+    """The migrators' lock, a transaction-level one held while inside,
+    asked again every ``_LOCK_POLL_S`` rather than waited on in a statement:
+    a statement that waits holds a snapshot, and ``CREATE INDEX
+    CONCURRENTLY`` (a no-transaction migration) waits for every snapshot, so
+    the migrator holding the lock would wait on the one waiting for it."""
     async with await psycopg.AsyncConnection.connect(
         conninfo, autocommit=True, prepare_threshold=None
     ) as conn:
@@ -152,20 +145,6 @@ async def _transaction_lock(conninfo: str) -> AsyncIterator[None]:
             yield
         finally:
             await conn.execute("ROLLBACK")
-
-
-async def _lock(conn: psycopg.AsyncConnection[Any]) -> None:
-    """The migrators' lock, asked again every ``_LOCK_POLL_S`` rather than
-    waited on in a statement: a statement that waits holds a snapshot, and
-    ``CREATE INDEX CONCURRENTLY`` (a no-transaction migration) waits for
-    every snapshot, so the migrator holding the lock would wait on the one
-    waiting for it."""
-    while True:
-        cur = await conn.execute("SELECT pg_try_advisory_lock(%s)", (_LOCK_ID,))
-        row = await cur.fetchone()
-        if row is not None and row[0]:
-            return
-        await asyncio.sleep(_LOCK_POLL_S)
 
 
 async def _applied(conn: psycopg.AsyncConnection[Any]) -> dict[int, str | None]:
