@@ -330,3 +330,24 @@ async def test_schedules_list_says_none_yet_for_a_schedule_that_never_ran(
     monkeypatch.setattr(ops, "out", Console(file=printed, width=250))
     await ops.show_schedules(settings.model_copy(update={"app": "tests.schedule_app:app"}))
     assert "none yet" in printed.getvalue(), printed.getvalue()
+
+
+@pytest.mark.parametrize("command", ["api", "fake-llm", "fake-mail", "fake-mcp"])
+def test_a_server_on_a_taken_port_says_so_in_one_line(command: str, monkeypatch) -> None:
+    """Rather than log the bind error and hang (the API) or print a traceback
+    (the fakes): exit 69, naming the port."""
+    import socket
+
+    from typer.testing import CliRunner
+
+    from oncely.cli.commands import app as cli
+
+    monkeypatch.setattr("oncely.logs.configure_logging", lambda *_, **__: None)
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        result = CliRunner().invoke(cli, [command, "--port", str(port)])
+    assert result.exit_code == 69, result.output
+    assert f"port {port} on 127.0.0.1 is taken" in result.output
+    assert "Traceback" not in result.output

@@ -8,7 +8,6 @@ import contextlib
 import json
 import os
 import secrets
-import socket
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ from oncely.bootstrap import (
     stop_on_signals,
 )
 from oncely.cli import dev_address
+from oncely.cli.invocation import port_taken
 from oncely.embedded import DataDirBusy, EmbeddedServers
 from oncely.fakes.llm import serve_fake_llm
 from oncely.fakes.mail import serve_fake_mail
@@ -94,15 +94,11 @@ def _check_ports(ports: dict[int, str]) -> None:
     """Each port free on 127.0.0.1, bound the way the servers bind it
     (SO_REUSEADDR: a port in TIME_WAIT is free)."""
     for number, what in ports.items():
-        with socket.socket() as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                probe.bind(("127.0.0.1", number))
-            except OSError:
-                raise DevRefused(
-                    f"port {number} is taken, and {what} needs it;"
-                    " start with another --port (the fakes take it + 101 and + 102)"
-                ) from None
+        if port_taken("127.0.0.1", number):
+            raise DevRefused(
+                f"port {number} is taken, and {what} needs it;"
+                " start with another --port (the fakes take it + 101 and + 102)"
+            )
 
 
 async def _with_fakes(settings: Settings, port: int) -> Settings:

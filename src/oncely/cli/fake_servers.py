@@ -11,7 +11,7 @@ from typing import Annotated, Any
 
 import typer
 
-from oncely.cli.invocation import HostOpt, PortOpt, load_settings, run
+from oncely.cli.invocation import HostOpt, PortOpt, load_settings, require_port, run
 
 SeedOpt = Annotated[
     int, typer.Option(envvar="ONCELY_FAKE_SEED", show_envvar=True, help="Seed for random faults.")
@@ -73,6 +73,7 @@ def fake_llm(
 
     rates = _fault_rates(faults, RANDOM_FAULTS)
     load_settings(find_dev=False, app=False)
+    require_port(host, port)
     _serve_forever(
         serve_fake_llm(
             host,
@@ -124,6 +125,7 @@ def fake_mail(
 
     rates = _fault_rates(faults, RANDOM_FAULTS)
     load_settings(find_dev=False, app=False)
+    require_port(host, port)
     _serve_forever(serve_fake_mail(host, port, mailbox, faults=rates, seed=seed, hold_s=hold_s))
 
 
@@ -157,6 +159,7 @@ def fake_mcp(
     from oncely.fakes.mcp import serve_fake_mcp
 
     load_settings(find_dev=False, app=False)
+    require_port(host, port)
     _serve_forever(serve_fake_mcp(host, port, idempotent=idempotent, slow_s=slow_s, token=token))
 
 

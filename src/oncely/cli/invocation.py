@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import socket
 import sys
 import uuid
 from collections.abc import Coroutine
@@ -205,6 +206,26 @@ def known_workflows(settings: Settings, names: list[str] | None) -> list[str]:
         )
         raise typer.Exit(EXIT_USAGE)
     return names or []
+
+
+def port_taken(host: str, port: int) -> bool:
+    """Whether ``host:port`` cannot be bound the way the servers bind it
+    (SO_REUSEADDR: a port in TIME_WAIT is free)."""
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def require_port(host: str, port: int) -> None:
+    """A server command's port, free, or one line and exit code 69 (a
+    server that cannot bind would otherwise log and hang)."""
+    if port_taken(host, port):
+        err.print(f"port {port} on {host} is taken: stop what holds it, or use --port", style="red")
+        raise typer.Exit(EXIT_UNAVAILABLE)
 
 
 def parse_job_id(text: str) -> uuid.UUID:

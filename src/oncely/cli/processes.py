@@ -21,6 +21,7 @@ from oncely.cli.invocation import (
     err,
     known_workflows,
     load_settings,
+    require_port,
     run,
 )
 from oncely.cli.terminal import literal
@@ -58,7 +59,9 @@ def api(host: HostOpt = "127.0.0.1", port: PortOpt = 8000, app_spec: AppOpt = No
     from oncely.bootstrap.processes import serve_api
 
     choose_app(app_spec)
-    run(serve_api(load_settings(), host=host, port=port))
+    settings = load_settings()
+    require_port(host, port)
+    run(serve_api(settings, host=host, port=port))
 
 
 def worker(workflow: WorkflowsOpt = None, app_spec: AppOpt = None) -> None:
