@@ -12,6 +12,7 @@ import logging
 import uuid
 from pathlib import Path
 
+import psycopg
 import pytest
 from psycopg.types.json import Jsonb
 from pydantic import SecretStr
@@ -351,3 +352,32 @@ def test_a_server_on_a_taken_port_says_so_in_one_line(command: str, monkeypatch)
     assert result.exit_code == 69, result.output
     assert f"port {port} on 127.0.0.1 is taken" in result.output
     assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize(
+    ("change", "said", "code"),
+    [
+        ("no_tables", "run `oncely migrate` first", 1),
+        ("redis_db", "Redis refused the database number in ONCELY_REDIS_URL", 2),
+    ],
+)
+def test_a_store_set_up_wrong_is_one_line(
+    change: str, said: str, code: int, redis_url: str, database_url: str, monkeypatch
+) -> None:
+    """An unmigrated database, a Redis database number the server does not
+    have: what to fix, in one line, never a traceback."""
+    from typer.testing import CliRunner
+
+    from oncely.cli.commands import app as cli
+
+    monkeypatch.setattr("oncely.logs.configure_logging", lambda *_, **__: None)
+    if change == "no_tables":
+        with psycopg.connect(database_url, autocommit=True) as admin:
+            admin.execute("DROP TABLE jobs CASCADE")
+    else:
+        redis_url = redis_url.rsplit("/", 1)[0] + "/999"
+    monkeypatch.setenv("ONCELY_REDIS_URL", redis_url)
+    monkeypatch.setenv("ONCELY_DATABASE_URL", database_url)
+    result = CliRunner().invoke(cli, ["status"])
+    assert result.exit_code == code, result.output
+    assert said in result.output and "Traceback" not in result.output

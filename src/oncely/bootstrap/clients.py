@@ -27,7 +27,7 @@ from oncely.queue.stream import Stream
 from oncely.redis_client import ClusterClient, HiredisPacked, RedisClient, SharedConnectionRedis
 from oncely.settings import Settings
 from oncely.sql.bounded import Pool, TransactionPooled, run_transaction
-from oncely.sql.connect import CountedConnection
+from oncely.sql.connect import CountedConnection, refusal_line
 from oncely.sql.migrate import SchemaMismatch, schema_state
 from oncely.usage.budgets import BudgetLimits, Budgets
 from oncely.usage.ledger import Ledger
@@ -173,12 +173,14 @@ async def open_pool(pool: AsyncConnectionPool, database_url: str, s: Settings) -
 
 
 async def _why_not_connected(database_url: str, kwargs: dict[str, Any]) -> str | None:
-    """A pooler refusing what the pool sends at connect time, as one line
-    naming the setting that fixes it (None: some other cause)."""
+    """Why the pool's first connections could not be made, as one line: a
+    pooler refusing what the pool sends at connect time names the setting
+    that fixes it; any other refusal (no such database, a password) is what
+    the server said (None: a connect now works, the pool was only slow)."""
     try:
         conn = await psycopg.AsyncConnection.connect(database_url, **kwargs)
     except psycopg.OperationalError as exc:
-        return pooler_refusal(str(exc))
+        return pooler_refusal(str(exc)) or f"PostgreSQL refused the connection: {refusal_line(exc)}"
     await conn.close()
     return None
 

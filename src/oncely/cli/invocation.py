@@ -88,10 +88,23 @@ def run(coro: Coroutine[Any, Any, T]) -> T:
     except SchemaMismatch as exc:
         err.print(literal(exc), style="red")
         raise typer.Exit(EXIT_FAILED) from None
+    except psycopg.errors.UndefinedTable:
+        err.print(
+            "the database has no oncely tables (or not all of them): run `oncely migrate` first",
+            style="red",
+        )
+        raise typer.Exit(EXIT_FAILED) from None
     except (psycopg.OperationalError, psycopg_pool.PoolTimeout) as exc:
         err.print(f"PostgreSQL did not answer: {literal(exc)}", style="red")
     except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
         err.print(f"Redis did not answer: {literal(exc)}", style="red")
+    except redis.exceptions.ResponseError as exc:
+        if "DB index is out of range" not in str(exc):
+            raise
+        err.print(
+            f"Redis refused the database number in ONCELY_REDIS_URL: {literal(exc)}", style="red"
+        )
+        raise typer.Exit(EXIT_USAGE) from None
     raise typer.Exit(EXIT_UNAVAILABLE)
 
 

@@ -116,6 +116,13 @@ class _RefusalLog:
 _refusals = _RefusalLog()
 
 
+def refusal_line(error: BaseException) -> str:
+    """A failed connect in one line: what the server or libpq said, and
+    what to look at."""
+    reason = refusal_reason(error)
+    return _last_line(error) + ("" if reason == "other" else f" ({_HINTS[reason]})")
+
+
 def _last_line(error: BaseException) -> str:
     """libpq's message without its "connection failed: …" preamble lines."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
