@@ -144,3 +144,19 @@ def test_every_module_the_module_map_names_exists() -> None:
             if not (home / module).exists() and not (package / module).exists()
         ]
     assert stale == []
+
+
+def test_every_setting_is_in_the_settings_page() -> None:
+    """Each field of ``Settings`` as the variable a user sets, in
+    docs/settings.md (the two gathered from numbered or named variables as
+    those)."""
+    from oncely.settings import Settings
+
+    page = (ROOT / "docs" / "settings.md").read_text()
+    spelled = {"llm_api_keys": "ONCELY_LLM_API_KEY_<N>", "workflow_webhook_urls": "_WEBHOOK_URL"}
+    missing = [
+        name
+        for name in Settings.model_fields
+        if spelled.get(name, f"ONCELY_{name.upper()}") not in page
+    ]
+    assert missing == []
