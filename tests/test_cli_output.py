@@ -381,3 +381,19 @@ def test_a_store_set_up_wrong_is_one_line(
     result = CliRunner().invoke(cli, ["status"])
     assert result.exit_code == code, result.output
     assert said in result.output and "Traceback" not in result.output
+
+
+def test_a_free_port_on_any_address_family_is_free() -> None:
+    """`--host ::` (IPv6, all addresses) is probed as IPv6; only an address
+    in use counts as taken (a host the machine cannot bind is the server's
+    to report)."""
+    import socket
+
+    from oncely.cli.invocation import port_taken
+
+    with socket.socket() as spare:
+        spare.bind(("127.0.0.1", 0))
+        port = spare.getsockname()[1]
+    assert not port_taken("::", port)
+    assert not port_taken("0.0.0.0", port)
+    assert not port_taken("no-such-host.invalid", port)

@@ -309,3 +309,48 @@ async def test_keys_have_ids_are_listed_without_secrets_and_revoked_by_id(
     again = await asyncio.to_thread(oncely, "keys", "revoke", "--id", created["id"], env=env)
     assert again.returncode == 3
     assert (await asyncio.to_thread(oncely, "keys", "revoke", env=env)).returncode == 2
+
+
+def _database_default(url: str, name: str, value: str) -> None:
+    """A server default for new connections to this database, as an
+    operator may have set it."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        dbname = conn.execute("SELECT current_database()").fetchone()[0]  # type: ignore[index]
+        conn.execute(f"ALTER DATABASE \"{dbname}\" SET {name} = '{value}'")
+
+
+async def test_an_index_built_concurrently_under_a_repeatable_read_default(empty_database_url):
+    """The lock's transaction is read committed whatever the database's
+    default: a repeatable read one would keep the snapshot CREATE INDEX
+    CONCURRENTLY waits for, and the migrator would wait on its own lock."""
+    await migrate(empty_database_url)
+    _database_default(empty_database_url, "default_transaction_isolation", "repeatable read")
+    concurrent = Migration(
+        9001,
+        "concurrent_index",
+        "-- oncely: no-transaction\n"
+        "CREATE INDEX CONCURRENTLY IF NOT EXISTS jobs_rr ON jobs (tenant);\n",
+    )
+    applied = await asyncio.wait_for(migrate(empty_database_url, [*available(), concurrent]), 60)
+    assert applied == [9001]
+
+
+async def test_the_lock_outlives_an_idle_in_transaction_timeout(empty_database_url):
+    """The lock's transaction sits idle while the migrations run: a server
+    that ends idle transactions after a second must not take the lock with
+    it (a second migrator would go ahead)."""
+    await migrate(empty_database_url)
+    _database_default(empty_database_url, "idle_in_transaction_session_timeout", "1s")
+    slow = Migration(9002, "slow", "SELECT pg_sleep(2.5);\n")
+    running = asyncio.create_task(migrate(empty_database_url, [*available(), slow]))
+
+    async def held() -> bool:
+        rows = await _rows(
+            empty_database_url, "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'"
+        )
+        return rows == [(1,)]
+
+    await wait_for(held, within_s=30, what="the migrators' lock taken")
+    await asyncio.sleep(1.5)  # past the server's idle timeout, the migration still running
+    assert await held(), "the lock went with a transaction the server ended"
+    assert await running == [9002]

@@ -338,3 +338,48 @@ async def test_background_mode_costs_one_statement_and_the_polls_per_call(
     # One statement more per call: its intent.
     assert background["statements"] - plain["statements"] == 3
     assert background["polls"] >= 3
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["polled", "streamed"])
+async def test_a_response_whose_id_cannot_be_kept_is_cancelled_at_the_provider(
+    llm, fake_llm, streamed
+) -> None:
+    """The id kept nowhere (PostgreSQL away, the lease lost): no delivery
+    could re-attach to the response, so it is cancelled, not left running
+    to be paid for while the retry creates another."""
+
+    async def fenced(response_id: str) -> None:
+        raise TransientError("PostgreSQL did not answer")
+
+    asked = [Message("user", "Long. [[fake:hang]]")]
+    out = Background(None, fenced, lambda: False)
+    with pytest.raises(TransientError):
+        await llm.complete(asked, 5, on_text=print if streamed else None, background=out)
+    assert fake_llm.stats().background["cancelled"] == 1
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["polled", "streamed"])
+async def test_a_second_cancellation_does_not_cut_the_wait_for_the_id_short(
+    llm, fake_llm, streamed
+) -> None:
+    """An attempt's timeout, then the job's cancel (or the drain's): the
+    wait for the create's answer goes on, so the id is kept and the
+    response cancelled all the same."""
+    kept: list[str] = []
+
+    async def keep(response_id: str) -> None:
+        kept.append(response_id)
+
+    asked = [Message("user", "Long. [[fake:late=0.5]] [[fake:hang]]")]
+    out = Background(None, keep, lambda: True)
+    call = asyncio.create_task(
+        llm.complete(asked, 5, on_text=print if streamed else None, background=out)
+    )
+    while fake_llm.stats().background["created"] == 0:
+        await asyncio.sleep(0.01)
+    call.cancel()
+    await asyncio.sleep(0.05)
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    assert len(kept) == 1 and fake_llm.stats().background["cancelled"] == 1

@@ -10,6 +10,7 @@ that need them, so that `oncely --version` and `--help` start at once.
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import re
 import socket
@@ -224,12 +225,18 @@ def known_workflows(settings: Settings, names: list[str] | None) -> list[str]:
 def port_taken(host: str, port: int) -> bool:
     """Whether ``host:port`` cannot be bound the way the servers bind it
     (SO_REUSEADDR: a port in TIME_WAIT is free)."""
-    with socket.socket() as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind((host, port))
-        except OSError:
-            return True
+    try:
+        found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError:
+        return False  # the server says what is wrong with the host
+    for family, kind, proto, _, address in found:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(address)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    return True
     return False
 
 

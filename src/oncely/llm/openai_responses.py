@@ -274,15 +274,23 @@ class OpenAIResponses(OpenAIEndpoint):
         async def kept() -> tuple[_T, str]:
             made = await create
             known.append(made[1])
-            await background.keep(made[1])
+            try:
+                await background.keep(made[1])
+            except Exception:
+                # Kept nowhere: no delivery could re-attach to it.
+                await self._cancel(made[1])
+                raise
             return made
 
         task = asyncio.ensure_future(kept())
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
-            with contextlib.suppress(Exception, asyncio.CancelledError):
-                await asyncio.shield(asyncio.wait_for(task, _CANCEL_S))
+            # Bounded, and not cut short by a second cancellation either.
+            ends = asyncio.get_running_loop().time() + _CANCEL_S
+            while not task.done() and (left := ends - asyncio.get_running_loop().time()) > 0:
+                with contextlib.suppress(Exception, asyncio.CancelledError):
+                    await asyncio.shield(asyncio.wait({task}, timeout=left))
             if known and background.cancels():
                 await self._cancel(known[0])
             task.cancel()  # nothing when it is done

@@ -131,7 +131,12 @@ async def _transaction_lock(conninfo: str) -> AsyncIterator[None]:
         conninfo, autocommit=True, prepare_threshold=None
     ) as conn:
         while True:
-            await conn.execute("BEGIN")
+            # Read committed whatever the server's default (a repeatable read
+            # transaction keeps its snapshot, which CREATE INDEX CONCURRENTLY
+            # would wait on), and never cut off as idle in transaction (the
+            # lock would go with it while the migrations run).
+            await conn.execute("BEGIN ISOLATION LEVEL READ COMMITTED")
+            await conn.execute("SET LOCAL idle_in_transaction_session_timeout = 0")
             # No parameters: the simple protocol, which leaves the open
             # transaction no snapshot for CREATE INDEX CONCURRENTLY to wait
             # on (a bound statement's portal keeps one until it ends).
