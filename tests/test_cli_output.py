@@ -397,3 +397,15 @@ def test_a_free_port_on_any_address_family_is_free() -> None:
     assert not port_taken("::", port)
     assert not port_taken("0.0.0.0", port)
     assert not port_taken("no-such-host.invalid", port)
+
+
+@pytest.mark.slow  # the pool waits its 10 s for first connections before asking why
+def test_a_database_that_refuses_is_one_line_and_exit_69(redis_url: str, database_url: str) -> None:
+    """What the server said (no such database), and 69 as for any server
+    that does not serve: a script tells it from a failed gate or check."""
+    missing = database_url.rsplit("/", 1)[0] + "/no_such_database_here"
+    env = {"ONCELY_REDIS_URL": redis_url, "ONCELY_DATABASE_URL": missing}
+    done = oncely("status", env=env)
+    assert done.returncode == 69, done.stderr
+    last = [line for line in done.stderr.splitlines() if line.strip()][-1]
+    assert 'database "no_such_database_here" does not exist' in last

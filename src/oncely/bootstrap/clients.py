@@ -157,6 +157,13 @@ def postgres_pool(database_url: str, s: Settings, kind: str = "cli") -> AsyncCon
     return Pool(database_url, **options)
 
 
+class DatabaseRefused(Exception):
+    """PostgreSQL (or a pooler before it) refused a process's first
+    connections; the message is one line saying what it said and, where it
+    is known, what to set. A command exits 69 on it, as on any server that
+    does not answer."""
+
+
 async def open_pool(pool: AsyncConnectionPool, database_url: str, s: Settings) -> None:
     """Open ``pool``, its first connections made; when they cannot be, one
     line that says why (the pool itself only says it gave up waiting)."""
@@ -168,7 +175,7 @@ async def open_pool(pool: AsyncConnectionPool, database_url: str, s: Settings) -
         kwargs = pool.kwargs if isinstance(pool.kwargs, dict) else {}
         refused = await _why_not_connected(database_url, kwargs)
         if refused is not None:
-            raise SystemExit(refused) from None
+            raise DatabaseRefused(refused) from None
         raise
 
 

@@ -82,6 +82,7 @@ def run(coro: Coroutine[Any, Any, T]) -> T:
     import psycopg_pool
     import redis.exceptions
 
+    from oncely.bootstrap.clients import DatabaseRefused
     from oncely.sql.migrate import SchemaMismatch
 
     try:
@@ -89,6 +90,8 @@ def run(coro: Coroutine[Any, Any, T]) -> T:
     except SchemaMismatch as exc:
         err.print(literal(exc), style="red")
         raise typer.Exit(EXIT_FAILED) from None
+    except DatabaseRefused as exc:
+        err.print(literal(exc), style="red")
     except psycopg.errors.UndefinedTable:
         err.print(
             "the database has no oncely tables (or not all of them): run `oncely migrate` first",
