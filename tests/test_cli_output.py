@@ -403,7 +403,7 @@ def test_a_free_port_on_any_address_family_is_free() -> None:
 def test_a_database_that_refuses_is_one_line_and_exit_69(redis_url: str, database_url: str) -> None:
     """What the server said (no such database), and 69 as for any server
     that does not serve: a script tells it from a failed gate or check."""
-    missing = database_url.rsplit("/", 1)[0] + "/no_such_database_here"
+    missing = psycopg.conninfo.make_conninfo(database_url, dbname="no_such_database_here")
     env = {"ONCELY_REDIS_URL": redis_url, "ONCELY_DATABASE_URL": missing}
     done = oncely("status", env=env)
     assert done.returncode == 69, done.stderr
