@@ -234,6 +234,7 @@ async def test_no_decision_in_time_rejects_by_default(custom, pool) -> None:
 
 async def test_jobs_approve_decides_from_the_command_line(desk) -> None:
     from oncely.cli.ops import decide_call
+    from oncely.jobs.approvals import ArgumentsRefused
 
     harness, _, _ = desk
     worker = harness.worker("helpdesk")
@@ -241,6 +242,12 @@ async def test_jobs_approve_decides_from_the_command_line(desk) -> None:
     await drain(worker)
     s = harness.settings.model_copy(update={"app": "tests.test_approvals:APP"})
     call = await pending_call(harness, job_id)
+    # Edited arguments are checked as the API checks them: nothing stored.
+    for edited in ({"cents": "x"}, {"cents": 100, "bogus": 1}):
+        with pytest.raises(ArgumentsRefused) as refused:
+            await decide_call(s, uuid.UUID(job_id), call, {"approved": True, "arguments": edited})
+        assert refused.value.errors and refused.value.errors[0]["loc"][0] == "arguments"
+    assert await harness.checkpoints.events(job_id) == {}
     outcome = await decide_call(
         s, uuid.UUID(job_id), call, {"approved": False, "reason": "no refunds today"}
     )

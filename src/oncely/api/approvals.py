@@ -27,8 +27,7 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, HTTPException, Request
 from fastapi.responses import JSONResponse, Response
-from jsonschema.exceptions import SchemaError
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from oncely.api import route_docs
 from oncely.api.auth import key_id_of
@@ -41,11 +40,10 @@ from oncely.api.problems import (
     refuse_unstorable_text,
     uncertain_already_decided,
 )
-from oncely.decisions import ApprovalDecision, UncertainDecision, approval_event, is_call_id
-from oncely.jobs.approvals import decide
+from oncely.decisions import ApprovalDecision, UncertainDecision, is_call_id
+from oncely.jobs.approvals import decide, edited_arguments_errors
 from oncely.jobs.checkpoints import Checkpoints, EventOutcome
 from oncely.jobs.store import Jobs
-from oncely.tools import schema_validator
 from oncely.workflow import Workflow
 
 
@@ -207,45 +205,17 @@ async def _edited_arguments_refused(
     """422 when edited arguments fail the pending tool's schema."""
     if decision.arguments is None:
         return None
-    waiting_for, detail = await checkpoints.waiting_detail(workflow.name, job_id, tenant)
-    if waiting_for != approval_event(call_id) or not detail:
+    errors = await edited_arguments_errors(
+        workflow, checkpoints, job_id, tenant, call_id, decision.arguments
+    )
+    if not errors:
         return None
-    pending = detail.get("approval") or {}
-    tool = workflow.approval_tool(str(pending.get("tool")))
-    if tool is not None:
-        try:
-            tool.edited(decision.arguments)
-        except ValidationError as exc:
-            errors = [
-                {"loc": ["body", "arguments", *e["loc"]], "msg": e["msg"], "type": e["type"]}
-                for e in exc.errors(include_url=False, include_input=False)
-            ]
-            return problem(422, "validation", "Invalid request", errors=errors)
-        return None
-    # A framework's tool: the JSON schema its run kept with the wait.
-    schema = pending.get("schema")
-    if not isinstance(schema, dict):
-        return None
-    errors = schema_errors(schema, decision.arguments)
-    return problem(422, "validation", "Invalid request", errors=errors) if errors else None
-
-
-def schema_errors(schema: dict[str, Any], arguments: dict[str, Any]) -> list[dict[str, Any]]:
-    """Where ``arguments`` fail a tool's JSON ``schema``, as FastAPI's 422
-    lists errors (a schema that is itself broken checks nothing)."""
-    try:
-        validator = schema_validator(schema)
-    except SchemaError:
-        return []
-    found = sorted(validator.iter_errors(arguments), key=lambda e: list(e.absolute_path))
-    return [
-        {
-            "loc": ["body", "arguments", *e.absolute_path],
-            "msg": e.message[:300],
-            "type": f"json_schema.{e.validator}",
-        }
-        for e in found[:20]
-    ]
+    return problem(
+        422,
+        "validation",
+        "Invalid request",
+        errors=[{**e, "loc": ["body", *e["loc"]]} for e in errors],
+    )
 
 
 def _answered(

@@ -101,6 +101,7 @@ def jobs_approve(
     resumes. Exit 1 if it was decided otherwise before or the job is
     finished, 3 if there is no such job or pending call."""
     from oncely.cli.ops import decide_call
+    from oncely.jobs.approvals import ArgumentsRefused
 
     parsed = parse_job_id(job_id)
     decision: dict[str, Any] = {"approved": not reject}
@@ -115,7 +116,14 @@ def jobs_approve(
             err.print("--arguments must be a JSON object", style="red")
             raise typer.Exit(EXIT_USAGE)
         decision["arguments"] = edited
-    outcome = run(decide_call(load_settings(), parsed, call_id, decision))
+    try:
+        outcome = run(decide_call(load_settings(), parsed, call_id, decision))
+    except ArgumentsRefused as exc:
+        where = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors[:5]
+        )
+        err.print(f"--arguments: not what the tool takes: {literal(where)}", style="red")
+        raise typer.Exit(EXIT_USAGE) from None
     _decided(parsed, call_id, outcome, "rejected" if reject else "approved", as_json)
 
 

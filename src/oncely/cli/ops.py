@@ -345,11 +345,22 @@ async def decide_call(
     word on an uncertain call), as the API takes it
     (``oncely.api.approvals``): stored, and the job queued again. None: no
     such job."""
-    from oncely.jobs.approvals import decide
+    from oncely.jobs.approvals import ArgumentsRefused, decide, edited_arguments_errors
 
     async with _jobs(settings) as jobs:
+        checkpoints = Checkpoints(jobs)
+        edited = decision.get("arguments")
+        job = await jobs.detail(None, job_id) if isinstance(edited, dict) else None
+        app = app_from(settings)
+        if job is not None and isinstance(edited, dict) and job.kind in app.names:
+            # Checked as the API checks them (a 422 there).
+            errors = await edited_arguments_errors(
+                app[job.kind], checkpoints, job_id, job.tenant, call_id, edited
+            )
+            if errors:
+                raise ArgumentsRefused(errors)
         by = f"cli:{getpass.getuser()}"
-        outcome = await decide(Checkpoints(jobs), job_id, call_id, decision, by=by, on=on)
+        outcome = await decide(checkpoints, job_id, call_id, decision, by=by, on=on)
         if outcome is not None and outcome.resumed is not None:
             await jobs.restore(outcome.resumed)
         return outcome

@@ -12,10 +12,15 @@ from __future__ import annotations
 import uuid
 from typing import Any, Literal
 
+from jsonschema.exceptions import SchemaError
+from pydantic import ValidationError
+
 from oncely import metrics
 from oncely.decisions import approval_event, uncertain_event
 from oncely.identity import fingerprint
 from oncely.jobs.checkpoints import Checkpoints, EventOutcome
+from oncely.tools import schema_validator
+from oncely.workflow import Workflow
 
 
 async def decide(
@@ -54,3 +59,62 @@ async def decide(
         chose = next(c for c in ("resend", "failed", "result") if c in decision)
         metrics.UNCERTAIN_RESOLVED.labels(workflow=kind, how=chose).inc()
     return outcome
+
+
+class ArgumentsRefused(ValueError):
+    """A person's edited arguments fail the pending tool's schema:
+    ``errors`` says where (``edited_arguments_errors``)."""
+
+    def __init__(self, errors: list[dict[str, Any]]) -> None:
+        super().__init__("the edited arguments fail the tool's schema")
+        self.errors = errors
+
+
+async def edited_arguments_errors(
+    workflow: Workflow[Any, Any],
+    checkpoints: Checkpoints,
+    job_id: uuid.UUID,
+    tenant: str,
+    call_id: str,
+    arguments: dict[str, Any],
+) -> list[dict[str, Any]]:
+    """Where a person's edited ``arguments`` fail the schema of the tool
+    the job waits on a decision for (``call_id``), as FastAPI lists errors,
+    each ``loc`` from ``arguments``; none when they pass or the job waits on
+    no such approval (the decision then finds no pending call). The API and
+    the CLI both check with it before deciding."""
+    waiting_for, detail = await checkpoints.waiting_detail(workflow.name, job_id, tenant)
+    if waiting_for != approval_event(call_id) or not detail:
+        return []
+    pending = detail.get("approval") or {}
+    tool = workflow.approval_tool(str(pending.get("tool")))
+    if tool is not None:
+        try:
+            tool.edited(arguments)
+        except ValidationError as exc:
+            return [
+                {"loc": ["arguments", *e["loc"]], "msg": e["msg"], "type": e["type"]}
+                for e in exc.errors(include_url=False, include_input=False)
+            ]
+        return []
+    # A framework's tool: the JSON schema its run kept with the wait.
+    schema = pending.get("schema")
+    return schema_errors(schema, arguments) if isinstance(schema, dict) else []
+
+
+def schema_errors(schema: dict[str, Any], arguments: dict[str, Any]) -> list[dict[str, Any]]:
+    """Where ``arguments`` fail a tool's JSON ``schema`` (a schema that is
+    itself broken checks nothing)."""
+    try:
+        validator = schema_validator(schema)
+    except SchemaError:
+        return []
+    found = sorted(validator.iter_errors(arguments), key=lambda e: list(e.absolute_path))
+    return [
+        {
+            "loc": ["arguments", *e.absolute_path],
+            "msg": e.message[:300],
+            "type": f"json_schema.{e.validator}",
+        }
+        for e in found[:20]
+    ]
