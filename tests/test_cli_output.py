@@ -409,3 +409,21 @@ def test_a_database_that_refuses_is_one_line_and_exit_69(redis_url: str, databas
     assert done.returncode == 69, done.stderr
     last = [line for line in done.stderr.splitlines() if line.strip()][-1]
     assert 'database "no_such_database_here" does not exist' in last
+
+
+def test_a_rule_across_settings_is_said_without_any_setting_s_value(monkeypatch) -> None:
+    """Its input is every setting given: a key, a URL's password. The
+    message names the settings; no value is echoed."""
+    from typer.testing import CliRunner
+
+    from oncely.cli.commands import app as cli
+
+    secret = "sk-never-echoed-4242"
+    monkeypatch.setenv("ONCELY_LLM_API_KEY", secret)
+    monkeypatch.setenv("ONCELY_LLM_PROVIDER", "anthropic")
+    monkeypatch.setenv("ONCELY_LLM_MODEL", "chat:gpt-fake")
+    monkeypatch.setenv("ONCELY_DATABASE_URL", f"postgresql://u:{secret}@db/x")
+    result = CliRunner().invoke(cli, ["status"])
+    assert result.exit_code == 2, result.output
+    assert "ONCELY_LLM_MODEL names the chat dialect" in result.output
+    assert secret not in result.output and "got {" not in result.output

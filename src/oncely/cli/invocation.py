@@ -138,14 +138,24 @@ def load_settings(*, find_dev: bool = True, app: bool = True, **overrides: Any) 
     try:
         settings = Settings()
     except ValidationError as exc:
-        # Settings whose values are secrets: never echoed back, not even a wrong one.
-        secrets = {n for n, f in Settings.model_fields.items() if "SecretStr" in str(f.annotation)}
+        # Settings whose values are secrets, or may hold one (a URL's
+        # password): never echoed back, not even a wrong one.
+        secrets = {
+            n
+            for n, f in Settings.model_fields.items()
+            if "SecretStr" in str(f.annotation) or n.endswith("_url")
+        }
         for error in exc.errors():
-            field = str(error["loc"][0]) if error["loc"] else ""
+            message = literal(error["msg"].removeprefix("Value error, "))
+            if not error["loc"]:
+                # A rule across settings: its message names them; its input
+                # is every setting given, secrets too, so never shown.
+                err.print(message, style="red")
+                continue
+            field = str(error["loc"][0])
             name = "ONCELY_" + "_".join(str(part) for part in error["loc"]).upper()
-            message = error["msg"].removeprefix("Value error, ")
             got = "" if field in secrets else f" (got {literal(repr(error.get('input')))})"
-            err.print(f"{name}: {literal(message)}{got}", style="red")
+            err.print(f"{name}: {message}{got}", style="red")
         raise typer.Exit(EXIT_USAGE) from None
     if _chosen_app:
         overrides["app"] = _chosen_app
