@@ -141,6 +141,19 @@ async def test_a_step_that_is_not_deterministic_fails_its_replay() -> None:
         await run_step(workflow(coin), {"text": "q"}, answers=["a", "b"], crash_after="model")
 
 
+async def test_a_call_asked_with_another_payload_on_replay_says_so() -> None:
+    async def quote(request: Ask, ctx: oncely.Context) -> Answer:
+        # The payload carries the clock: the replay sends another question.
+        answer = await ctx.call("quote.request", {"text": request.text, "at": time.time_ns()})
+        return Answer(text=str(answer))
+
+    flow = workflow(quote, effects=[oncely.webhook("quote.request", returns=True)])
+    with pytest.raises(ReplayError, match="another payload for the same call"):
+        await run_step(
+            flow, {"text": "q"}, calls={"quote.request": {"ok": True}}, crash_after="quote.request"
+        )
+
+
 async def test_an_emit_that_changes_on_replay_fails_it() -> None:
     async def stamped(request: Ask, ctx: oncely.Context) -> Answer:
         ctx.emit("unit.done", {"at": time.time_ns()})

@@ -88,7 +88,7 @@ from typing import Any, Generic, Literal, TypeVar
 from pydantic import BaseModel
 
 from oncely.decisions import ApprovalDecision, UncertainDecision
-from oncely.errors import CallFailed, Nondeterministic, PermanentError, TransientError
+from oncely.errors import CallFailed, Diverged, Nondeterministic, PermanentError, TransientError
 from oncely.identity import child_id
 from oncely.jobs.kit import run_step_function, step_context
 from oncely.journal import (
@@ -289,9 +289,8 @@ async def _replay(
     try:
         journal, result = await harness.run(body, journal)
     except Nondeterministic as exc:
-        raise ReplayError(
-            f"after a crash past {key!r}, the replay asked for another key: {exc}"
-        ) from exc
+        asked = "another payload for the same call" if isinstance(exc, Diverged) else "another key"
+        raise ReplayError(f"after a crash past {key!r}, the replay asked {asked}: {exc}") from exc
     if journal.diverged:
         raise ReplayError(
             f"after a crash past {key!r}, the replay asked model turn {journal.diverged[0]!r}"
