@@ -159,6 +159,7 @@ async def test_the_cli_finds_a_running_dev_stack_and_a_second_is_refused(
     alone = await asyncio.to_thread(_oncely, "status", env=env)
     assert alone.returncode != 0
     assert "set ONCELY_REDIS_URL and ONCELY_DATABASE_URL" in alone.stderr
+    assert "no oncely dev is running from" in alone.stderr  # its data is there, it is not
 
 
 def _alive(pid: int) -> bool:

@@ -47,6 +47,11 @@ class Resources:
 
 def require_urls(settings: Settings) -> tuple[str, str]:
     if not settings.redis_url or not settings.database_url:
+        if settings.data_dir.is_dir():  # a dev stack's data, and none running from it
+            raise SystemExit(
+                f"no oncely dev is running from {settings.data_dir}: start it (oncely dev),"
+                " or set ONCELY_REDIS_URL and ONCELY_DATABASE_URL"
+            )
         raise SystemExit(
             "set ONCELY_REDIS_URL and ONCELY_DATABASE_URL (or run `oncely dev`, "
             "which starts embedded servers; for one started with --data-dir X, "

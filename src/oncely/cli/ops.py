@@ -514,14 +514,17 @@ async def eval_reports(
         return await build_report(store, workflow, variant, since)
 
 
-def print_eval_report(reports: list[VariantReport], *, workflow: str, as_json: bool) -> None:
+def print_eval_report(
+    reports: list[VariantReport], *, workflow: str, variant: str | None = None, as_json: bool
+) -> None:
     if as_json:
         print(
             json.dumps({"workflow": workflow, "variants": [r.to_json() for r in reports]}, indent=2)
         )
         return
     if not reports:
-        out.print(f"no shadow runs stored for {literal(workflow)}")
+        which = f" of variant {literal(variant)}" if variant is not None else ""
+        out.print(f"no shadow runs{which} stored for {literal(workflow)} (in the period asked)")
         return
     for r in reports:
         out.print(

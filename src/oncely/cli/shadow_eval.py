@@ -57,7 +57,7 @@ def eval_report(
     from oncely.cli.ops import print_eval_report
 
     reports = _eval_reports(workflow, variant, since)
-    print_eval_report(reports, workflow=workflow, as_json=as_json)
+    print_eval_report(reports, workflow=workflow, variant=variant, as_json=as_json)
 
 
 @app.command("gate")
