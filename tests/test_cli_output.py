@@ -11,6 +11,7 @@ import json
 import logging
 import uuid
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import psycopg
 import pytest
@@ -375,7 +376,7 @@ def test_a_store_set_up_wrong_is_one_line(
         with psycopg.connect(database_url, autocommit=True) as admin:
             admin.execute("DROP TABLE jobs CASCADE")
     else:
-        redis_url = redis_url.rsplit("/", 1)[0] + "/999"
+        redis_url = urlsplit(redis_url)._replace(path="/999").geturl()
     monkeypatch.setenv("ONCELY_REDIS_URL", redis_url)
     monkeypatch.setenv("ONCELY_DATABASE_URL", database_url)
     result = CliRunner().invoke(cli, ["status"])
@@ -427,3 +428,27 @@ def test_a_rule_across_settings_is_said_without_any_setting_s_value(monkeypatch)
     assert result.exit_code == 2, result.output
     assert "ONCELY_LLM_MODEL names the chat dialect" in result.output
     assert secret not in result.output and "got {" not in result.output
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "said"),
+    [
+        ("ONCELY_DATABASE_URL", "mysql://u:pw-4242@db/x", "the scheme must be postgresql"),
+        ("ONCELY_DATABASE_URL", "u:pw-4242@db/x", "neither a postgresql:// URL"),
+        ("ONCELY_REDIS_URL", "redis://:pw-4242@127.0.0.1:99999/3", "the port is not a number"),
+        ("ONCELY_REDIS_URL", "redis://:pw-4242@127.0.0.1:6379/3x", "the database after the last"),
+        ("ONCELY_PG_STATEMENT_TIMEOUT_S", "inf", "finite number"),
+    ],
+)
+def test_a_server_url_or_bound_set_wrong_is_one_line_without_its_password(
+    name: str, value: str, said: str, monkeypatch
+) -> None:
+    from typer.testing import CliRunner
+
+    from oncely.cli.commands import app as cli
+
+    monkeypatch.setenv(name, value)
+    result = CliRunner().invoke(cli, ["status"])
+    assert result.exit_code == 2, result.output
+    assert f"{name}: " in result.output and said in result.output
+    assert "pw-4242" not in result.output and "Traceback" not in result.output

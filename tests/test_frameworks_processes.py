@@ -84,7 +84,7 @@ FRAMEWORKS = {
         "examples.openai_agents_support:app", "support_oaa", "/v1/support-oaa", True, "oaa"
     ),
     "langgraph": Framework(
-        "examples.langgraph_support:app", "lg_support", "/v1/lg-support", False, "lg"
+        "examples.langgraph_support:app", "lg_support", "/v1/lg-support", True, "lg"
     ),
 }
 

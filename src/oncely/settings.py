@@ -10,8 +10,9 @@ import os
 import re
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import Field, SecretStr, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 
@@ -53,7 +54,9 @@ POOL_MAX = 10
 class Settings(BaseSettings):
     """Flat settings; the CLI builds one instance and passes it down."""
 
-    model_config = SettingsConfigDict(env_prefix="ONCELY_", extra="ignore")
+    # Every number finite: an infinite timeout is no bound (and breaks the
+    # drivers that take whole seconds).
+    model_config = SettingsConfigDict(env_prefix="ONCELY_", extra="ignore", allow_inf_nan=False)
 
     @classmethod
     def settings_customise_sources(
@@ -330,6 +333,33 @@ class Settings(BaseSettings):
                 f"({self.pg_pool_max if self.pg_pool_max is not None else f'unset: {smallest}'})"
             )
         return self
+
+    @field_validator("redis_url", "database_url", "database_listen_url")
+    @classmethod
+    def _server_url(cls, value: str | None, info: ValidationInfo) -> str | None:
+        """A server's URL the driver will take, checked here so that a wrong
+        one is one line naming the setting (never its value: a password)."""
+        if value is None or value == "":
+            return value or None
+        redis = info.field_name == "redis_url"
+        schemes = ("redis", "rediss", "unix") if redis else ("postgresql", "postgres")
+        if "://" not in value:
+            if redis:
+                raise ValueError(f"a URL is wanted: {' or '.join(s + '://' for s in schemes)}…")
+            if "=" not in value:
+                raise ValueError("neither a postgresql:// URL nor libpq's key=value settings")
+            return value  # libpq's key=value form
+        parts = urlsplit(value)
+        if parts.scheme not in schemes:
+            raise ValueError(f"the scheme must be {' or '.join(schemes)}")
+        try:
+            parts.port  # noqa: B018 (a port out of range raises)
+        except ValueError:
+            raise ValueError("the port is not a number from 1 to 65535") from None
+        db = parts.path.lstrip("/")
+        if redis and parts.scheme != "unix" and db and not db.isdigit():
+            raise ValueError("the database after the last / is not a number")
+        return value
 
     @field_validator("shadow")
     @classmethod
