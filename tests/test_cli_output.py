@@ -452,3 +452,12 @@ def test_a_server_url_or_bound_set_wrong_is_one_line_without_its_password(
     assert result.exit_code == 2, result.output
     assert f"{name}: " in result.output and said in result.output
     assert "pw-4242" not in result.output and "Traceback" not in result.output
+
+
+def test_a_since_further_back_than_the_calendar_means_everything() -> None:
+    from datetime import UTC, datetime
+
+    from oncely.cli.invocation import parse_since
+
+    for value in ("99999999999h", "999999d", "99999999999999999999s"):
+        assert parse_since(value) == datetime(1970, 1, 1, tzinfo=UTC)

@@ -98,3 +98,29 @@ async def test_replay_all_replays_each_job_once_even_if_it_dies_again(
     assert sorted(replayed) == sorted(ids)
     assert [await job_status(pool, i) for i in ids] == ["dead"] * 3
     assert await count(pool, "SELECT count(*) FROM jobs") == 3
+
+
+async def test_a_job_of_a_workflow_the_app_lacks_is_refused_before_anything_changes(
+    pool, stream, redis
+) -> None:
+    """An operator's replay or rewind run with another app: refused, and
+    the job stays dead, its checkpoints where they were."""
+    import uuid
+
+    import pytest
+
+    from oncely.builtin.triage import triage
+    from oncely.errors import NotInApp
+    from oncely.jobs.checkpoints import Checkpoints
+    from oncely.jobs.store import Jobs
+    from oncely.queue.stream import Stream
+
+    job_id = await submit(pool, stream, "Dead already.")
+    async with pool.connection() as conn:
+        await conn.execute("UPDATE jobs SET status = 'dead' WHERE job_id = %s", (job_id,))
+    other = Jobs(pool, {"triage": Stream(redis, triage.keys)})
+    with pytest.raises(NotInApp, match="'summaries'"):
+        await dead_letters.replay(other, None, job_id)
+    with pytest.raises(NotInApp):
+        await Checkpoints(other).rewind(uuid.UUID(job_id), "model")
+    assert await job_status(pool, job_id) == "dead"

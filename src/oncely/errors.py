@@ -127,6 +127,18 @@ class CallFailed(PermanentError):
         self.reason = reason or "failed"
 
 
+class NotInApp(OncelyError):
+    """A job of a workflow the running app does not have (an operator's
+    command run with another ``--app``): nothing was changed."""
+
+    def __init__(self, workflow: str) -> None:
+        super().__init__(
+            f"the job is of workflow {workflow!r}, which this app does not have: run the"
+            " command with the job's app (--app or ONCELY_APP); nothing was changed"
+        )
+        self.workflow = workflow
+
+
 class DeadlineExceeded(OncelyError):
     """A delivery's budget ran out. Deliberately not a TimeoutError: the
     in-process retry loop must not retry it; the delivery is redelivered."""

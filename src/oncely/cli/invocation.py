@@ -83,6 +83,7 @@ def run(coro: Coroutine[Any, Any, T]) -> T:
     import redis.exceptions
 
     from oncely.bootstrap.clients import DatabaseRefused
+    from oncely.errors import NotInApp
     from oncely.sql.migrate import SchemaMismatch
 
     try:
@@ -92,6 +93,9 @@ def run(coro: Coroutine[Any, Any, T]) -> T:
         raise typer.Exit(EXIT_FAILED) from None
     except DatabaseRefused as exc:
         err.print(literal(exc), style="red")
+    except NotInApp as exc:
+        err.print(literal(exc), style="red")
+        raise typer.Exit(EXIT_USAGE) from None
     except psycopg.errors.UndefinedTable:
         err.print(
             "the database has no oncely tables (or not all of them): run `oncely migrate` first",
@@ -277,7 +281,10 @@ def parse_since(value: str | None) -> datetime:
     match = re.fullmatch(r"(\d+)([smhd])", value.strip())
     if match:
         unit = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days"}[match[2]]
-        return datetime.now(UTC) - timedelta(**{unit: int(match[1])})
+        try:
+            return datetime.now(UTC) - timedelta(**{unit: int(match[1])})
+        except (OverflowError, ValueError):
+            return datetime(1970, 1, 1, tzinfo=UTC)  # further back than anything stored
     try:
         when = datetime.fromisoformat(value)
     except ValueError:

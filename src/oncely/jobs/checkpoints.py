@@ -39,6 +39,7 @@ from redis.exceptions import RedisError
 
 from oncely import metrics, tracing
 from oncely.batching import GroupRead, each_at_fault
+from oncely.errors import NotInApp
 from oncely.jobs.children import Children
 from oncely.jobs.records import DeliveryReport, JobSpec
 from oncely.jobs.rows import (
@@ -424,6 +425,8 @@ class Checkpoints:
             status, tenant, kind, payload = found
             if status not in ("dead", "cancelled"):
                 return Rewound(status)
+            if kind not in self.jobs.streams:
+                raise NotInApp(kind)  # before anything is deleted
             cur = await conn.execute(query("rewind_job"), {"job_id": job_id, "key": key})
             deleted = tuple(str(row[0]) for row in await cur.fetchall())
             job = JobSpec(str(job_id), tenant, kind, payload) if deleted else None

@@ -43,7 +43,7 @@ from redis.exceptions import RedisError
 
 from oncely import tracing
 from oncely.batching import GroupRead, each_at_fault
-from oncely.errors import RequestInProgress
+from oncely.errors import NotInApp, RequestInProgress
 from oncely.jobs.records import (
     Acceptance,
     DeadJob,
@@ -158,7 +158,10 @@ class Jobs:
         await self._withdrawals.finish(within_s)
 
     async def replay(self, job: JobSpec) -> bool:
-        """A dead job back to queued, then enqueued; False if it was not dead."""
+        """A dead job back to queued, then enqueued; False if it was not dead.
+        ``NotInApp`` (nothing changed) for a workflow this app does not have."""
+        if job.kind not in self.streams:
+            raise NotInApp(job.kind)
         result = await self._run("mark_job_requeued", (job.job_id,))
         # A cancel remembered from an earlier run must not stop this one.
         await self.streams[job.kind].forget_cancel(job.job_id)
