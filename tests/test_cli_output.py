@@ -461,3 +461,34 @@ def test_a_since_further_back_than_the_calendar_means_everything() -> None:
 
     for value in ("99999999999h", "999999d", "99999999999999999999s"):
         assert parse_since(value) == datetime(1970, 1, 1, tzinfo=UTC)
+
+
+@pytest.mark.parametrize(
+    "tenant", ["acme ", " acme", "a\nb", "a\x1b[31mb", "acme\u202e", "x" * 201]
+)
+def test_a_tenant_name_that_would_pass_for_another_is_refused(tenant: str) -> None:
+    """`acme ` is a tenant apart that looks like `acme`; control and
+    formatting characters hide what a name is: refused before anything."""
+    from typer.testing import CliRunner
+
+    from oncely.cli.commands import app as cli
+
+    for args in (["keys", "create", "--tenant", tenant], ["tenants", "usage", tenant]):
+        result = CliRunner().invoke(cli, args)
+        assert result.exit_code == 2, (args, result.output)
+        assert "a tenant is 1-200 characters" in result.output
+
+
+def test_approve_refuses_arguments_with_a_rejection_and_a_port_out_of_range() -> None:
+    import uuid
+
+    from typer.testing import CliRunner
+
+    from oncely.cli.commands import app as cli
+
+    job = str(uuid.uuid4())
+    rejected = ["jobs", "approve", job, "c" * 20, "--reject", "--arguments", "{}"]
+    result = CliRunner().invoke(cli, rejected)
+    assert result.exit_code == 2 and "a rejection runs nothing" in result.output
+    for port in ("0", "99999", "-1"):
+        assert CliRunner().invoke(cli, ["api", "--port", port]).exit_code == 2

@@ -15,6 +15,7 @@ import json
 import re
 import socket
 import sys
+import unicodedata
 import uuid
 from collections.abc import Coroutine
 from datetime import UTC, datetime, timedelta
@@ -54,7 +55,9 @@ WorkflowsOpt = Annotated[
 ]
 OneWorkflowOpt = Annotated[str | None, typer.Option("--workflow", "-w", help="Only this one.")]
 HostOpt = Annotated[str, typer.Option(envvar="ONCELY_HOST", show_envvar=True, help="Bind address.")]
-PortOpt = Annotated[int, typer.Option(envvar="ONCELY_PORT", show_envvar=True, help="Port.")]
+PortOpt = Annotated[
+    int, typer.Option(envvar="ONCELY_PORT", show_envvar=True, min=1, max=65535, help="Port.")
+]
 DataDirOpt = Annotated[
     Path,
     typer.Option(envvar="ONCELY_DATA_DIR", show_envvar=True, help="Embedded servers' data."),
@@ -263,6 +266,33 @@ def require_port(host: str, port: int) -> None:
     if port_taken(host, port):
         err.print(f"port {port} on {host} is taken: stop what holds it, or use --port", style="red")
         raise typer.Exit(EXIT_UNAVAILABLE)
+
+
+# A tenant's name, as long as the settings allow the scheduler's.
+_TENANT_MAX = 200
+
+
+def parse_tenant(text: str, option: str = "the tenant") -> str:
+    """A tenant's name as given, or a usage error (exit 2): not empty, no
+    space at either end (``"acme "`` would be a tenant apart that looks like
+    ``acme``), no control or invisible formatting character, at most 200
+    characters."""
+    if not text.strip():
+        err.print(f"{option} must not be empty", style="red")
+        raise typer.Exit(EXIT_USAGE)
+    bad = (
+        text != text.strip()
+        or len(text) > _TENANT_MAX
+        or any(unicodedata.category(c) in ("Cc", "Cf") for c in text)
+    )
+    if bad:
+        err.print(
+            f"{option}: a tenant is 1-{_TENANT_MAX} characters, none of them control or"
+            " formatting characters, with no space at either end",
+            style="red",
+        )
+        raise typer.Exit(EXIT_USAGE)
+    return text
 
 
 def parse_job_id(text: str) -> uuid.UUID:

@@ -107,6 +107,9 @@ def jobs_approve(
     decision: dict[str, Any] = {"approved": not reject}
     if reason is not None:
         decision["reason"] = reason
+    if arguments is not None and reject:
+        err.print("--arguments edits what an approval runs; a rejection runs nothing", style="red")
+        raise typer.Exit(EXIT_USAGE)
     if arguments is not None:
         try:
             edited = json.loads(arguments)

@@ -13,6 +13,7 @@ from oncely.cli.invocation import (
     JsonOpt,
     err,
     load_settings,
+    parse_tenant,
     print_json,
     run,
 )
@@ -29,9 +30,7 @@ def keys_create(
     """Create an API key. Prints the key alone on stdout, once; only its hash is stored."""
     from oncely.cli.ops import create_key
 
-    if not tenant.strip():
-        err.print("--tenant must not be empty", style="red")
-        raise typer.Exit(EXIT_USAGE)
+    parse_tenant(tenant, "--tenant")
     key, key_id = run(create_key(load_settings(), tenant))
     err.print(f"created key {key_id} for tenant {literal(tenant)}; it is shown only now")
     if as_json:

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from oncely.cli.invocation import EXIT_USAGE, JsonOpt, err, load_settings, print_json, run
+from oncely.cli.invocation import JsonOpt, err, load_settings, parse_tenant, print_json, run
 from oncely.cli.terminal import literal
 
 app = typer.Typer(help="Tenants' data.", no_args_is_help=True)
@@ -21,9 +21,7 @@ def tenants_erase(
     """Delete every job, result, outbox row, queued message and API key of a tenant."""
     from oncely.cli.ops import erase_tenant
 
-    if not tenant.strip():
-        err.print("the tenant must not be empty", style="red")
-        raise typer.Exit(EXIT_USAGE)
+    parse_tenant(tenant)
     counts = run(erase_tenant(load_settings(), tenant))
     if as_json:
         print_json({"tenant": tenant, "deleted": counts})
@@ -41,7 +39,5 @@ def tenants_usage(
     """Today's model spend of a tenant (UTC): tokens, cost, calls, against its budgets."""
     from oncely.cli.ops import tenant_usage
 
-    if not tenant.strip():
-        err.print("the tenant must not be empty", style="red")
-        raise typer.Exit(EXIT_USAGE)
+    parse_tenant(tenant)
     run(tenant_usage(load_settings(), tenant, as_json=as_json))
