@@ -272,14 +272,17 @@ def require_port(host: str, port: int) -> None:
 _TENANT_MAX = 200
 
 
-def parse_tenant(text: str, option: str = "the tenant") -> str:
-    """A tenant's name as given, or a usage error (exit 2): not empty, no
-    space at either end (``"acme "`` would be a tenant apart that looks like
-    ``acme``), no control or invisible formatting character, at most 200
-    characters."""
+def parse_tenant(text: str, option: str = "the tenant", *, new: bool = False) -> str:
+    """A tenant's name as given, or a usage error (exit 2): not empty; for a
+    ``new`` one (a key made for it), also no space at either end (``"acme "``
+    would be a tenant apart that looks like ``acme``), no control or
+    invisible formatting character, at most 200 characters. A name already
+    in the data (one the API's scheme made) is looked up as it is."""
     if not text.strip():
         err.print(f"{option} must not be empty", style="red")
         raise typer.Exit(EXIT_USAGE)
+    if not new:
+        return text
     bad = (
         text != text.strip()
         or len(text) > _TENANT_MAX

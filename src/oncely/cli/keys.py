@@ -30,7 +30,7 @@ def keys_create(
     """Create an API key. Prints the key alone on stdout, once; only its hash is stored."""
     from oncely.cli.ops import create_key
 
-    parse_tenant(tenant, "--tenant")
+    parse_tenant(tenant, "--tenant", new=True)
     key, key_id = run(create_key(load_settings(), tenant))
     err.print(f"created key {key_id} for tenant {literal(tenant)}; it is shown only now")
     if as_json:
