@@ -350,15 +350,16 @@ async def decide_call(
     async with _jobs(settings) as jobs:
         checkpoints = Checkpoints(jobs)
         edited = decision.get("arguments")
-        job = await jobs.detail(None, job_id) if isinstance(edited, dict) else None
-        app = app_from(settings)
-        if job is not None and isinstance(edited, dict) and job.kind in app.names:
+        if isinstance(edited, dict):
             # Checked as the API checks them (a 422 there).
-            errors = await edited_arguments_errors(
-                app[job.kind], checkpoints, job_id, job.tenant, call_id, edited
-            )
-            if errors:
-                raise ArgumentsRefused(errors)
+            job = await jobs.detail(None, job_id)
+            app = app_from(settings)
+            if job is not None and job.kind in app.names:
+                errors = await edited_arguments_errors(
+                    app[job.kind], checkpoints, job_id, job.tenant, call_id, edited
+                )
+                if errors:
+                    raise ArgumentsRefused(errors)
         by = f"cli:{getpass.getuser()}"
         outcome = await decide(checkpoints, job_id, call_id, decision, by=by, on=on)
         if outcome is not None and outcome.resumed is not None:

@@ -277,7 +277,9 @@ class OpenAIResponses(OpenAIEndpoint):
             try:
                 await background.keep(made[1])
             except Exception:
-                # Kept nowhere: no delivery could re-attach to it.
+                # Kept nowhere: no delivery could re-attach to it. Cancelled
+                # here, and so not again below.
+                known.clear()
                 await self._cancel(made[1])
                 raise
             return made
